@@ -1,0 +1,365 @@
+"""The contract between the Session and an engine.
+
+The Session (``duplexkit.session``) never touches an engine directly: it emits *engine commands*
+(the dataclasses below deriving from :class:`EngineCommand`) and consumes *engine outputs*
+(deriving from :class:`EngineOutput`). A thin I/O shell (the server's WebSocket handler or the
+``InlineDuplexClient``) forwards commands to an :class:`EngineStream` with :func:`apply_command`
+and feeds the stream's outputs back into the Session.
+
+Units and tags
+--------------
+* Input audio is **16 kHz mono float32** in [-1, 1], in whole duplex *units* framed by the Session
+  (``duplexkit.audio.UnitFramer``): unit 0 carries the first 1035 ms window (16 560 samples),
+  every later unit the next 16 000 new samples (MODEL.md §3.1, parity case f).
+* Output audio is **24 kHz mono float32** (MODEL.md §8); pcm16 conversion happens at the wire edge.
+* Every command and output carries ``stream_id`` and ``epoch``. The epoch is the interruption
+  fence of PROTOCOL.md §3: the engine drops queued work of older epochs, and the Session drops any
+  output whose epoch is older than its current one, so stale audio can never be emitted.
+* Response and item ids belong to the Session; the engine only knows streams, epochs, units and
+  model turns.
+
+Nothing here imports torch; this module is shared by the pure Session and every engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Optional, Protocol, Union, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "INPUT_SAMPLE_RATE",
+    "OUTPUT_SAMPLE_RATE",
+    "ReferenceVoice",
+    "StreamConfig",
+    "EngineCommand",
+    "OpenStream",
+    "AppendUnit",
+    "ForceSpeak",
+    "CancelEpoch",
+    "UpdateStream",
+    "CloseStream",
+    "EngineOutput",
+    "Decision",
+    "TextDelta",
+    "AudioChunk",
+    "TurnEnd",
+    "UnitTimings",
+    "EngineError",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatResult",
+    "ChatDelta",
+    "Engine",
+    "EngineStream",
+    "apply_command",
+]
+
+INPUT_SAMPLE_RATE = 16_000
+"""Model input rate in Hz (MODEL.md §3.1: Whisper features at 16 kHz)."""
+
+OUTPUT_SAMPLE_RATE = 24_000
+"""Model output rate in Hz (MODEL.md §7.2: HiFT, 960 samples per codec token at 25 Hz)."""
+
+
+@dataclass(frozen=True)
+class ReferenceVoice:
+    """A reference voice clip (PROTOCOL.md §8), already validated and processed by the Session.
+
+    Attributes:
+        audio: float32 [N] mono at 16 kHz, trimmed to whole 100 ms (N % 1600 == 0).
+        sha256: hex digest of ``audio.tobytes()`` (the cache key of the engine's prompt features).
+    """
+
+    audio: np.ndarray
+    sha256: str
+
+    @property
+    def duration_ms(self) -> int:
+        return int(len(self.audio) * 1000 // INPUT_SAMPLE_RATE)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Per-stream model configuration. All fields have server-side defaults.
+
+    Attributes:
+        instructions: system prompt text (MODEL.md §5.1; ``None`` = the model default,
+            "Streaming Omni Conversation.").
+        ref_voice: reference voice for both the LLM prefix and the vocoder prompt; ``None`` =
+            the engine's default voice.
+        output_audio: False for ``output_modalities == ["text"]``: talker and code2wav are skipped.
+        temperature: thinker sampling temperature (0.0 = greedy), PROTOCOL.md §4.1 range 0–2.
+        seed: optional RNG seed making sampling repeatable on the same hardware.
+        force_listen_count: forced listen for the first N units after the stream starts and after
+            each assistant turn ends (PROTOCOL.md §4.1).
+        seed_text: optional user text seeding the session prefix (PROTOCOL.md §4.2).
+    """
+
+    instructions: Optional[str] = None
+    ref_voice: Optional[ReferenceVoice] = None
+    output_audio: bool = True
+    temperature: float = 0.7
+    seed: Optional[int] = None
+    force_listen_count: int = 0
+    seed_text: Optional[str] = None
+
+    def replace(self, **changes) -> "StreamConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands: Session -> engine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    stream_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class OpenStream(EngineCommand):
+    """Open the stream (issued once, before any other command)."""
+
+    config: StreamConfig = field(default_factory=StreamConfig)
+
+
+@dataclass(frozen=True)
+class AppendUnit(EngineCommand):
+    """One duplex unit of input.
+
+    Attributes:
+        unit_index: 0, 1, 2, … per stream (never reset by epochs).
+        audio: float32 [16560] for unit 0, float32 [16000] afterwards; 16 kHz mono.
+        force_listen: the model must decide ``listen`` for this unit (answer policy
+            ``on_request`` outside a requested response, or ``force_listen_count``).
+        is_silence: True when the Session fed silence because input ran dry (§ "input running dry").
+        frame: optional RGB uint8 [H, W, 3] image riding this unit (MODEL.md §3.3).
+    """
+
+    unit_index: int = 0
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    force_listen: bool = False
+    is_silence: bool = False
+    frame: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class ForceSpeak(EngineCommand):
+    """``response.create``: the next decision must be ``speak`` (MODEL.md §5.4): the listen token is
+    masked at the next decision, the boundary pass is skipped and the turn is marked open."""
+
+
+@dataclass(frozen=True)
+class CancelEpoch(EngineCommand):
+    """Cancel everything of epochs older than ``epoch`` (the new epoch).
+
+    The engine drops the stream's queued work at every stage, discards in-flight results, ends the
+    model's current turn (talker KV and code2wav caches reset) and keeps the thinker's context
+    consistent (the generated tokens stay in its KV, MODEL.md §5.2).
+    """
+
+
+@dataclass(frozen=True)
+class UpdateStream(EngineCommand):
+    """Replace the stream configuration. A changed ``instructions`` / ``ref_voice`` after units
+    were consumed rebuilds the model context from the session prefix (PROTOCOL.md §8.6)."""
+
+    config: StreamConfig = field(default_factory=StreamConfig)
+
+
+@dataclass(frozen=True)
+class CloseStream(EngineCommand):
+    """Free every per-stream state (KV caches, talker state, vocoder caches)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs: engine -> Session
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    stream_id: str
+    epoch: int
+    unit_index: int
+
+
+@dataclass(frozen=True)
+class Decision(EngineOutput):
+    """The model's decision for one unit: ``listen`` or ``speak``.
+
+    ``turn_start`` is True on the first speaking unit of a model turn.
+    """
+
+    decision: Literal["listen", "speak"] = "listen"
+    turn_start: bool = False
+
+
+@dataclass(frozen=True)
+class TextDelta(EngineOutput):
+    """Text the thinker decided to say in this unit (already detokenized, may be empty).
+
+    Attributes:
+        text: the unit's spoken text (the tokens after the unit's first decided token, MODEL.md §5.3).
+        n_tokens: number of LLM tokens this delta accounts for (counted against the token cap).
+    """
+
+    text: str = ""
+    n_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class AudioChunk(EngineOutput):
+    """One vocoder chunk.
+
+    Attributes:
+        audio: float32 [N] mono at 24 kHz. N is 20 160 for the first chunk of a turn made from a
+            full 25-code block, 24 000 for later full blocks, variable for the final flush
+            (MODEL.md §7.3).
+        text: the transcript text spoken in this chunk (append-only; may be empty).
+        final: True for the terminal flush of a model turn.
+    """
+
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    text: str = ""
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class TurnEnd(EngineOutput):
+    """The model turn is over and all its audio has been emitted.
+
+    ``reason``: ``turn_eos`` (the model ended it), ``cancelled`` (an epoch cancel ended it).
+    """
+
+    reason: Literal["turn_eos", "cancelled"] = "turn_eos"
+
+
+@dataclass(frozen=True)
+class UnitTimings(EngineOutput):
+    """Per-unit stage timings in milliseconds, for metrics (never used for decisions).
+
+    Keys used by the built-in engine: ``thinker_prefill_ms``, ``thinker_decode_ms``,
+    ``decode_steps``, ``talker_ms``, ``talker_steps``, ``code2wav_ms``, ``queue_ms``, ``total_ms``.
+    """
+
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineError(EngineOutput):
+    """A failure confined to one stream.
+
+    Attributes:
+        code: a PROTOCOL.md §9 error code (normally ``server_error``).
+        message: human-readable text.
+        fatal: True when the stream cannot continue (the Session then closes with 1011).
+    """
+
+    code: str = "server_error"
+    message: str = ""
+    fatal: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# Turn-based generation (chat completions, offline use)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message. ``content`` is a list of parts: ``str`` (text), float32 16 kHz
+    ``np.ndarray`` (audio) or uint8 ``np.ndarray`` [H, W, 3] (image)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: list
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list
+    output_audio: bool = False
+    max_tokens: int = 256
+    temperature: float = 0.7
+    seed: Optional[int] = None
+    use_tts_template: Optional[bool] = None  # default: True when audio is requested or given
+    enable_thinking: bool = False
+    ref_voice: Optional[ReferenceVoice] = None
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """Streamed piece of a chat result: text and/or float32 24 kHz audio."""
+
+    text: str = ""
+    audio: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """Whole chat result. ``audio`` is float32 [N] at 24 kHz or None; ``finish_reason`` is
+    ``stop`` or ``length``."""
+
+    text: str
+    audio: Optional[np.ndarray]
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# --------------------------------------------------------------------------------------------
+# Interfaces
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineStream(Protocol):
+    """One live duplex stream inside an engine.
+
+    Every method is non-blocking and safe to call from the asyncio event loop: work is queued to
+    the engine's stage workers. Outputs arrive through :meth:`outputs`, in order per stream.
+    """
+
+    stream_id: str
+
+    def submit(self, command: EngineCommand) -> None:
+        """Queue one command (AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream)."""
+
+    def outputs(self) -> AsyncIterator[EngineOutput]:
+        """Async iterator of outputs; ends after the stream is closed."""
+
+    async def aclose(self) -> None:
+        """Close the stream and wait until its state is freed."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A duplex engine: many streams, one model."""
+
+    model_id: str
+    random_weights: bool
+
+    async def open_stream(self, stream_id: str, config: StreamConfig) -> EngineStream: ...
+
+    async def generate(self, request: ChatRequest) -> ChatResult: ...
+
+    def generate_stream(self, request: ChatRequest) -> AsyncIterator[ChatDelta]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def apply_command(stream: EngineStream, command: EngineCommand) -> None:
+    """Forward one Session command to an open stream (OpenStream is handled by the shell, which
+    calls :meth:`Engine.open_stream` itself)."""
+    if isinstance(command, OpenStream):
+        raise TypeError("OpenStream is handled by the shell via Engine.open_stream")
+    stream.submit(command)
+
+
+EngineCommandT = Union[OpenStream, AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream]
+EngineOutputT = Union[Decision, TextDelta, AudioChunk, TurnEnd, UnitTimings, EngineError]
