@@ -1,0 +1,81 @@
+"""WAV (and any libsndfile format) read/write: anything in -> mono float32 at the rate asked for."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import BinaryIO, Union
+
+import numpy as np
+import soundfile as sf
+
+from .codecs import AudioFormatError
+from .resample import resample
+
+__all__ = ["read_wav", "write_wav", "wav_bytes"]
+
+Source = Union[str, Path, bytes, bytearray, memoryview, BinaryIO]
+
+
+def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
+    """Read an audio file (WAV, FLAC, OGG, ... whatever libsndfile reads) as mono float32.
+
+    Args:
+        src: a path, the file's bytes, or a binary file object.
+        rate: output rate in Hz; ``None`` keeps the file's rate. Resampling uses soxr (HQ).
+    Returns:
+        ``(audio, rate)``: float32 [n] in [-1, 1] (channels averaged), and its rate in Hz.
+    Raises:
+        FileNotFoundError for a missing path; AudioFormatError("bad_audio") for data libsndfile
+        cannot read or non-finite samples; ValueError for a non-positive ``rate``.
+    """
+    if rate is not None and int(rate) <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        src = io.BytesIO(bytes(src))
+    elif isinstance(src, (str, Path)):
+        p = Path(src)
+        if not p.exists():
+            raise FileNotFoundError(f"audio file not found: {p}")
+        src = str(p)
+    try:
+        data, sr = sf.read(src, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
+        raise AudioFormatError("bad_audio", f"cannot read audio: {exc}") from exc
+    if data.size and not np.isfinite(data).all():
+        raise AudioFormatError("bad_audio", "audio file contains NaN or inf samples")
+    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    mono = np.clip(np.ascontiguousarray(mono, dtype=np.float32), -1.0, 1.0)
+    if rate is not None and int(rate) != sr:
+        mono = resample(mono, int(sr), int(rate))
+        sr = int(rate)
+    return mono, int(sr)
+
+
+def _check_audio(audio: np.ndarray, rate: int) -> np.ndarray:
+    a = np.asarray(audio, dtype=np.float32)
+    if a.ndim != 1:
+        raise ValueError(f"expected mono audio of shape [n], got shape {a.shape}")
+    if int(rate) <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if a.size and not np.isfinite(a).all():
+        raise AudioFormatError("bad_audio", "audio contains NaN or inf")
+    return np.clip(a, -1.0, 1.0)
+
+
+def write_wav(dst: str | Path | BinaryIO, audio: np.ndarray, rate: int) -> None:
+    """Write mono float32 [n] audio as a 16-bit PCM WAV at ``rate`` Hz (values clipped to [-1, 1]).
+
+    Raises ValueError for non-1-D audio or a non-positive rate, AudioFormatError("bad_audio") for NaN/inf.
+    """
+    a = _check_audio(audio, rate)
+    if isinstance(dst, Path):
+        dst = str(dst)
+    sf.write(dst, a, int(rate), subtype="PCM_16", format="WAV")
+
+
+def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
+    """The bytes of a 16-bit PCM mono WAV file holding ``audio`` (float32 [n]) at ``rate`` Hz."""
+    buf = io.BytesIO()
+    write_wav(buf, audio, rate)
+    return buf.getvalue()
