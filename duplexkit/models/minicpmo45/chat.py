@@ -1,0 +1,306 @@
+"""Turn-based (chat) prompts and generation on the thinker (MODEL.md §4, parity cases a and d).
+
+Prompt building:
+
+* messages: ``{"role", "content"}`` dicts or ``engine.api.ChatMessage``; ``content`` is a string or
+  a list of parts — ``str`` text, float32 1-D ``np.ndarray`` audio (16 kHz), uint8 [H, W, 3]
+  ``np.ndarray`` or PIL image, or ``{"type": "text"|"audio"|"image", ...}`` dicts;
+* parts are joined with ``"\\n"``, or with nothing when ``omni_mode`` (whitespace preserved);
+* the checkpoint's own chat template renders the conversation (``enable_thinking=False`` adds the
+  empty think block, ``use_tts_template=True`` adds ``<|tts_bos|>``; audio input forces it on);
+* images become ``<image_id>k</image_id><image>`` + 64 ``<unk>`` + ``</image>`` (one 448 px slice),
+  audio ``<|audio_start|>`` + n ``<unk>`` + ``<|audio_end|>`` with n from the offline encoder; the
+  ``<unk>`` rows of the input embeddings are replaced by the image / audio embeddings;
+* user text is encoded so that special-token strings inside it stay plain text (MODEL.md §2),
+  while the template's own special tokens become their ids.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .duplex import sample_logits
+from .tokenizer import encode_control, encode_text
+
+__all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "ChatInputError"]
+
+_TXT = ("\ue000", "\ue001")
+_MED = ("\ue002", "\ue003")
+_MARK = re.compile("\ue000(\\d+)\ue001|\ue002(\\d+)\ue003")
+
+
+class ChatInputError(ValueError):
+    """A chat message or part of an unsupported shape/type."""
+
+
+@dataclass
+class ChatPrompt:
+    """A built prompt: ``ids`` int list, ``replacements`` [(start_row, embeddings [n, H])], the rendered text."""
+
+    ids: List[int]
+    replacements: List[Tuple[int, torch.Tensor]] = field(default_factory=list)
+    rendered: str = ""
+    has_audio: bool = False
+    use_tts_template: bool = False
+
+
+def _classify(part) -> Tuple[str, Any]:
+    if isinstance(part, str):
+        return "text", part
+    if isinstance(part, dict):
+        t = part.get("type")
+        if t == "text":
+            return "text", str(part.get("text", ""))
+        if t in ("audio", "input_audio"):
+            return "audio", part.get("audio")
+        if t in ("image", "input_image"):
+            return "image", part.get("image")
+        raise ChatInputError(f"unknown content part type {t!r}")
+    if isinstance(part, np.ndarray):
+        if part.ndim == 1:
+            if not np.issubdtype(part.dtype, np.floating):
+                raise ChatInputError("audio parts must be float32 1-D arrays at 16 kHz")
+            return "audio", part
+        if part.ndim == 3 and part.shape[2] == 3 and part.dtype == np.uint8:
+            return "image", part
+        raise ChatInputError(f"array part of shape {part.shape} / {part.dtype} is neither audio nor an RGB image")
+    try:
+        from PIL import Image
+
+        if isinstance(part, Image.Image):
+            return "image", part
+    except ImportError:  # pragma: no cover
+        pass
+    raise ChatInputError(f"unsupported content part {type(part).__name__}")
+
+
+def _norm_messages(messages) -> List[Tuple[str, list]]:
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            role, content = m.get("role"), m.get("content")
+        else:
+            role, content = getattr(m, "role", None), getattr(m, "content", None)
+        if role not in ("system", "user", "assistant"):
+            raise ChatInputError(f"bad message role {role!r}")
+        parts = [content] if isinstance(content, (str, np.ndarray)) or content is None else list(content)
+        out.append((role, [_classify(p) for p in parts if p is not None]))
+    if not out:
+        raise ChatInputError("no messages")
+    return out
+
+
+def _fallback_render(msgs, add_generation_prompt, enable_thinking, use_tts_template) -> str:
+    s = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in ((m["role"], m["content"]) for m in msgs))
+    if add_generation_prompt:
+        s += "<|im_start|>assistant\n"
+        if enable_thinking is False:
+            s += "<think>\n\n</think>\n\n"
+        if use_tts_template:
+            s += "<|tts_bos|>"
+    return s
+
+
+def _special_regex(tokenizer) -> re.Pattern:
+    cached = getattr(tokenizer, "_duplexkit_special_re", None)
+    if cached is not None:
+        return cached
+    names = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+    pat = re.compile("|".join(re.escape(n) for n in names)) if names else re.compile("(?!x)x")
+    tokenizer._duplexkit_special_re = pat
+    return pat
+
+
+def build_chat_prompt(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
+                      omni_mode: bool = False, add_generation_prompt: bool = True) -> ChatPrompt:
+    """Build ids and embedding replacements for ``messages`` (see module doc). Raises ChatInputError."""
+    tok = th.tokenizer
+    sp = th.special
+    msgs = _norm_messages(messages)
+    texts: List[str] = []
+    media: List[Tuple[str, Any]] = []
+    rendered_msgs = []
+    has_audio = False
+    for role, parts in msgs:
+        pieces = []
+        for kind, val in parts:
+            if kind == "text":
+                texts.append(val)
+                pieces.append(f"{_TXT[0]}{len(texts) - 1}{_TXT[1]}")
+            else:
+                if kind == "audio":
+                    has_audio = True
+                media.append((kind, val))
+                pieces.append(f"{_MED[0]}{len(media) - 1}{_MED[1]}")
+        rendered_msgs.append({"role": role, "content": ("" if omni_mode else "\n").join(pieces)})
+    if use_tts_template is None or has_audio:
+        use_tts_template = bool(use_tts_template) or has_audio
+    template = getattr(tok, "chat_template", None)
+    if template:
+        rendered = tok.apply_chat_template(rendered_msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           enable_thinking=enable_thinking, use_tts_template=use_tts_template)
+    else:
+        rendered = _fallback_render(rendered_msgs, add_generation_prompt, enable_thinking, use_tts_template)
+
+    # items: ("t", text) plain text, ("i", [ids]) control ids, ("m", media index)
+    items: List[Tuple[str, Any]] = []
+    special_re = _special_regex(tok)
+
+    def add_template_text(s: str):
+        pos = 0
+        for mt in special_re.finditer(s):
+            if mt.start() > pos:
+                items.append(("t", s[pos:mt.start()]))
+            items.append(("i", [tok.convert_tokens_to_ids(mt.group(0))]))
+            pos = mt.end()
+        if pos < len(s):
+            items.append(("t", s[pos:]))
+
+    pos = 0
+    for mt in _MARK.finditer(rendered):
+        if mt.start() > pos:
+            add_template_text(rendered[pos:mt.start()])
+        if mt.group(1) is not None:
+            items.append(("t", texts[int(mt.group(1))]))
+        else:
+            items.append(("m", int(mt.group(2))))
+        pos = mt.end()
+    if pos < len(rendered):
+        add_template_text(rendered[pos:])
+
+    ids: List[int] = []
+    repl: List[Tuple[int, torch.Tensor]] = []
+    run: List[str] = []
+    image_index = 0
+
+    def flush():
+        if run:
+            ids.extend(encode_text(tok, "".join(run)))
+            run.clear()
+
+    for kind, val in items:
+        if kind == "t":
+            run.append(val)
+            continue
+        flush()
+        if kind == "i":
+            ids.extend(val)
+            continue
+        mkind, mval = media[val]
+        if mkind == "audio":
+            emb = th.audio_embeds_offline(np.asarray(mval, np.float32))
+            ids.append(sp.audio_start)
+            repl.append((len(ids), emb))
+            ids.extend([sp.unk] * emb.shape[0])
+            ids.append(sp.audio_end)
+        else:
+            emb = th.image_embeds(mval)
+            ph, off = th.image_placeholder_ids(image_index)
+            image_index += 1
+            repl.append((len(ids) + off, emb))
+            ids.extend(ph)
+    flush()
+
+    def _show(mt):
+        if mt.group(1) is not None:
+            return texts[int(mt.group(1))]
+        return "<image>./</image>" if media[int(mt.group(2))][0] == "image" else "<audio>./</audio>"
+
+    shown = _MARK.sub(_show, rendered)
+    return ChatPrompt(ids=ids, replacements=repl, rendered=shown, has_audio=has_audio, use_tts_template=use_tts_template)
+
+
+def prompt_embeds(th, prompt: ChatPrompt) -> torch.Tensor:
+    """Input embeddings [T, H] of a prompt with the media rows replaced (parity case d)."""
+    e = th.embed_ids(prompt.ids).clone()
+    for start, emb in prompt.replacements:
+        e[start : start + emb.shape[0]] = emb.to(e.dtype)
+    return e
+
+
+def _rep_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    if penalty == 1.0 or ids.numel() == 0:
+        return logits
+    sel = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(sel > 0, sel / penalty, sel * penalty)
+    return logits
+
+
+@torch.inference_mode()
+def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
+                  max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
+                  top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
+                  on_token: Optional[Callable[[int], None]] = None):
+    """Generate one assistant reply (MODEL.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
+
+    ``temperature`` 0 = greedy. The repetition penalty is the usual sign-aware one over prompt and
+    generated ids. ``on_token(id)`` is called for each generated id (not for the final eos).
+    Returns :class:`~.thinker.ChatThinkerResult`. Raises ChatInputError / ValueError on bad input.
+    """
+    from .thinker import ChatThinkerResult
+
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    sp = th.special
+    prompt = build_chat_prompt(th, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
+                               omni_mode=omni_mode)
+    kv = th.new_cache()
+    h = th.forward_embeds(prompt_embeds(th, prompt), kv)
+    logits = th.logits(h[-1])
+    gen = None
+    if temperature > 0:
+        gen = torch.Generator()
+        gen.manual_seed(int(seed)) if seed is not None else gen.seed()
+    seen = torch.zeros(th.config.vocab_size, dtype=torch.bool, device=logits.device)
+    seen[torch.as_tensor(prompt.ids, device=logits.device)] = True
+    out_ids: List[int] = []
+    hidden: List[torch.Tensor] = []
+    finish = "length"
+    eos = set(sp.eos_ids)
+    for _ in range(max_tokens):
+        x = _rep_penalty(logits, seen.nonzero()[:, 0], repetition_penalty)
+        t = sample_logits(x, temperature, top_k, top_p, gen)
+        if t in eos:
+            finish = "stop"
+            break
+        out_ids.append(t)
+        if on_token is not None:
+            on_token(t)
+        seen[t] = True
+        hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
+        hidden.append(hh)
+        logits = th.logits(hh)
+    # spoken span: strictly inside the last <|tts_bos|> ... <|tts_eos|> (or end)
+    start = None
+    for i in range(len(out_ids) - 1, -1, -1):
+        if out_ids[i] == sp.tts_bos:
+            start = i + 1
+            break
+    if start is None and prompt.use_tts_template:
+        start = 0
+    if start is None:
+        span = (0, 0)
+    else:
+        end = len(out_ids)
+        for i in range(start, len(out_ids)):
+            if out_ids[i] in (sp.tts_eos, sp.im_end):
+                end = i
+                break
+        span = (start, end)
+    tts_ids = np.asarray(out_ids[span[0]:span[1]], dtype=np.int64)
+    H = th.hidden_size
+    tts_hidden = torch.stack(hidden[span[0]:span[1]]).float() if span[1] > span[0] else torch.zeros(0, H)
+    return ChatThinkerResult(
+        text=th.tokenizer.decode(out_ids, skip_special_tokens=True),
+        token_ids=np.asarray(out_ids, dtype=np.int64),
+        tts_token_ids=tts_ids,
+        tts_hidden=tts_hidden,
+        finish_reason=finish,
+        prompt_tokens=len(prompt.ids),
+    )

@@ -1,0 +1,363 @@
+"""Load a MiniCPM-o 4.5 checkpoint directory into duplexkit's own modules (MODEL.md §1.2).
+
+* weights: ``model.safetensors.index.json`` (keys routed via ``weight_map``) or a single
+  ``model.safetensors``;
+* strict key check over every stage with a readable report of missing, unexpected and mis-shaped
+  tensors (:class:`CheckpointError`); ``tts.model.embed_tokens.*`` and ``tts.projector_spk.*`` are
+  accepted and ignored; the ``vpm.encoder.layers.N`` count must match ``drop_vision_last_layer``;
+* ``assets/token2wav``: the 5-file layout is accepted, the 7-file minicpmo-utils 1.0.7 layout
+  (``hift_original.pt`` / ``config.yaml``) is rejected (MODEL.md §1.2 "The 7-file trap");
+* dtype float32 / bfloat16 / float16; one device per stage (thinker / talker / code2wav).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+
+from .config import ConfigError, MiniCPMOConfig
+from .tokenizer import SpecialTokens, TokenizerError, load_tokenizer
+
+__all__ = ["CheckpointError", "MiniCPMO45", "load", "RANDOM_WEIGHTS_MARKER", "read_weight_index", "check_token2wav_layout"]
+
+RANDOM_WEIGHTS_MARKER = "duplexkit_random_weights.json"
+"""File written by :func:`build_tiny_checkpoint`; its presence sets ``MiniCPMO45.random_weights``."""
+
+IGNORED_KEY_PREFIXES = ("tts.model.embed_tokens.", "tts.projector_spk.")
+"""Present in the checkpoint but unused (MODEL.md §1.1)."""
+
+TOKEN2WAV_FILES_5 = ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "hift.pt")
+TOKEN2WAV_MARKERS_7 = ("hift_original.pt", "config.yaml")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint directory is unusable. ``report`` holds the readable key report (may be empty).
+
+    Attributes:
+        missing / unexpected / mismatched: lists of keys (mismatched as "key: got (..) expected (..)").
+    """
+
+    def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+        self.report = format_key_report(self.missing, self.unexpected, self.mismatched)
+        super().__init__(message + (("\n" + self.report) if self.report else ""))
+
+
+def format_key_report(missing, unexpected, mismatched, limit: int = 40) -> str:
+    lines = []
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched)):
+        if not items:
+            continue
+        lines.append(f"{len(items)} {title} tensor(s):")
+        for k in items[:limit]:
+            lines.append(f"  - {k}")
+        if len(items) > limit:
+            lines.append(f"  ... and {len(items) - limit} more")
+    return "\n".join(lines)
+
+
+@dataclass
+class MiniCPMO45:
+    """A loaded model (interfaces.md).
+
+    Attributes:
+        config: :class:`MiniCPMOConfig`; tokenizer: the checkpoint's tokenizer; special:
+        :class:`SpecialTokens`; thinker: :class:`~.thinker.Thinker`; talker: D's ``Talker`` or None;
+        code2wav: D's ``Code2Wav`` or None; random_weights: the tiny builder's marker is present;
+        model_dir: the checkpoint directory; generation_config / preprocessor_config: dicts ({} if absent).
+    """
+
+    config: MiniCPMOConfig
+    tokenizer: Any
+    special: SpecialTokens
+    thinker: Any
+    talker: Any = None
+    code2wav: Any = None
+    random_weights: bool = False
+    model_dir: Optional[Path] = None
+    generation_config: Dict[str, Any] = field(default_factory=dict)
+    preprocessor_config: Dict[str, Any] = field(default_factory=dict)
+    devices: Dict[str, str] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# weights
+
+
+def read_weight_index(model_dir: Path) -> Dict[str, Path]:
+    """key -> safetensors file, from the index ``weight_map`` or the single ``model.safetensors``."""
+    idx = model_dir / "model.safetensors.index.json"
+    if idx.is_file():
+        try:
+            wm = json.loads(idx.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{idx}: unreadable index ({e})") from e
+        out = {}
+        missing_files = set()
+        for k, fn in wm.items():
+            p = model_dir / fn
+            if not p.is_file():
+                missing_files.add(fn)
+            out[k] = p
+        if missing_files:
+            raise CheckpointError(f"{model_dir}: shard file(s) named in the index are missing: {sorted(missing_files)}")
+        return out
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt", device="cpu") as f:
+            return {k: single for k in f.keys()}
+    raise CheckpointError(f"{model_dir}: no model.safetensors and no model.safetensors.index.json")
+
+
+def _shapes(index: Dict[str, Path]) -> Dict[str, tuple]:
+    from safetensors import safe_open
+
+    by_file: Dict[Path, List[str]] = {}
+    for k, p in index.items():
+        by_file.setdefault(p, []).append(k)
+    shapes = {}
+    for p, keys in by_file.items():
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            for k in keys:
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+def _read_tensors(index: Dict[str, Path], keys, dtype: torch.dtype, device) -> Dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    by_file: Dict[Path, List[str]] = {}
+    for k in keys:
+        by_file.setdefault(index[k], []).append(k)
+    out = {}
+    for p, ks in by_file.items():
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            for k in ks:
+                t = f.get_tensor(k)
+                if t.is_floating_point():
+                    t = t.to(dtype)
+                out[k] = t.to(device)
+    return out
+
+
+def _build_on_meta(cfg: MiniCPMOConfig):
+    """Build :class:`ThinkerModules` without allocating parameters (meta device), then rebuild the
+    rotary-embedding modules (their ``inv_freq`` buffers are computed, not loaded) on the CPU."""
+    from .thinker import ThinkerModules
+
+    with torch.device("meta"):
+        mods = ThinkerModules(cfg)
+    for name, mod in list(mods.named_modules()):
+        if any(b is not None and b.is_meta for b in mod._buffers.values()):
+            if "Rotary" not in type(mod).__name__:
+                raise CheckpointError(f"internal: module {name} ({type(mod).__name__}) has uninitialised buffers")
+            parent_name, _, attr = name.rpartition(".")
+            parent = mods.get_submodule(parent_name) if parent_name else mods
+            with torch.device("cpu"):
+                setattr(parent, attr, type(mod)(config=mod.config))
+    return mods
+
+
+def check_token2wav_layout(model_dir: Path) -> Optional[Path]:
+    """Return ``assets/token2wav`` if present (5-file layout); None if absent.
+
+    Raises:
+        CheckpointError: the 7-file minicpmo-utils 1.0.7 layout (MODEL.md §1.2).
+    """
+    d = model_dir / "assets" / "token2wav"
+    if not d.is_dir():
+        return None
+    seven = [m for m in TOKEN2WAV_MARKERS_7 if (d / m).exists()]
+    if seven:
+        raise CheckpointError(
+            f"{d}: 7-file token2wav layout (minicpmo-utils 1.0.7: {', '.join(seven)} present) is not supported; "
+            "use the released 5-file layout (speech_tokenizer_v2_25hz.onnx, campplus.onnx, flow.yaml, flow.pt, hift.pt)"
+        )
+    return d
+
+
+def _devices(devices: Union[str, Dict[str, str], None]) -> Dict[str, str]:
+    if devices is None:
+        devices = "cpu"
+    if isinstance(devices, str):
+        return {"thinker": devices, "talker": devices, "code2wav": devices}
+    out = {"thinker": "cpu", "talker": None, "code2wav": None}
+    bad = set(devices) - set(out)
+    if bad:
+        raise ValueError(f"unknown stage(s) in devices: {sorted(bad)} (use thinker/talker/code2wav)")
+    out.update(devices)
+    out["talker"] = out["talker"] or out["thinker"]
+    out["code2wav"] = out["code2wav"] or out["talker"]
+    return out
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+
+
+def _talker_expected(cfg: MiniCPMOConfig) -> Dict[str, tuple]:
+    try:
+        from .talker import Talker, TalkerConfig
+    except ImportError:  # talker not available: accept tts.* keys unchecked
+        return {}
+    tc = TalkerConfig.from_tts_config(cfg.tts_config.raw or {})
+    with torch.device("meta"):
+        probe = Talker(tc)
+    return {"tts." + k: tuple(v.shape) for k, v in probe.state_dict().items()
+            if not ("tts." + k).startswith(IGNORED_KEY_PREFIXES)}
+
+
+def load(
+    path: Union[str, Path],
+    *,
+    dtype: Union[torch.dtype, str] = torch.float32,
+    devices: Union[Dict[str, str], str] = "cpu",
+    with_code2wav: bool = True,
+    progress: bool = True,
+    with_talker: bool = True,
+) -> MiniCPMO45:
+    """Load a checkpoint directory (see module doc).
+
+    Args:
+        path: directory with config.json, tokenizer files and safetensors.
+        dtype: parameter dtype (float32, bfloat16, float16).
+        devices: one device for all stages, or {"thinker": .., "talker": .., "code2wav": ..}.
+        with_code2wav: build Code2Wav when ``assets/token2wav`` exists.
+        progress: print short progress lines.
+        with_talker: build the talker (``tts.*``); its keys are checked either way.
+    Raises:
+        CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
+            bad config or tokenizer (wrapped).
+    """
+    from .thinker import Thinker
+
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {d}")
+    dt = _dtype(dtype)
+    devs = _devices(devices)
+    try:
+        cfg = MiniCPMOConfig.from_file(d)
+    except ConfigError as e:
+        raise CheckpointError(f"bad config.json: {e}") from e
+    try:
+        tok = load_tokenizer(d)
+        special = SpecialTokens.resolve(tok)
+    except TokenizerError as e:
+        raise CheckpointError(f"bad tokenizer: {e}") from e
+    if len(tok) > cfg.vocab_size:
+        raise CheckpointError(f"tokenizer has {len(tok)} tokens but vocab_size is {cfg.vocab_size}")
+    t2w_dir = check_token2wav_layout(d)
+
+    index = read_weight_index(d)
+    shapes = _shapes(index)
+
+    mods = _build_on_meta(cfg)
+    expected = {k: tuple(v.shape) for k, v in mods.state_dict().items()}
+    if cfg.init_tts:
+        expected.update(_talker_expected(cfg))
+    # vision layer count (MODEL.md §1.1, §11)
+    if cfg.init_vision:
+        pat = re.compile(r"^vpm\.encoder\.layers\.(\d+)\.")
+        n_ckpt = len({m.group(1) for k in shapes if (m := pat.match(k))})
+        if n_ckpt != cfg.vision_layers_used:
+            raise CheckpointError(
+                f"checkpoint has {n_ckpt} vpm.encoder.layers but config builds {cfg.vision_layers_used} "
+                f"(vision_config.num_hidden_layers={cfg.vision_config.num_hidden_layers}, "
+                f"drop_vision_last_layer={cfg.drop_vision_last_layer})"
+            )
+    tts_unchecked = cfg.init_tts and not any(k.startswith("tts.") for k in expected)
+    missing = sorted(k for k in expected if k not in shapes)
+    unexpected = sorted(
+        k for k in shapes
+        if k not in expected and not k.startswith(IGNORED_KEY_PREFIXES) and not (tts_unchecked and k.startswith("tts."))
+    )
+    mism = sorted(f"{k}: got {shapes[k]}, expected {expected[k]}" for k in expected if k in shapes and shapes[k] != expected[k])
+    if missing or unexpected or mism:
+        raise CheckpointError(f"{d}: state dict does not match config.json", missing=missing, unexpected=unexpected, mismatched=mism)
+
+    if progress:
+        print(f"[duplexkit] loading thinker ({len(mods.state_dict())} tensors, {dt}) on {devs['thinker']}", flush=True)
+    tensors = _read_tensors(index, list(mods.state_dict().keys()), dt, devs["thinker"])
+    mods.load_state_dict(tensors, strict=True, assign=True)
+    del tensors
+    for mod in mods.modules():  # non-persistent buffers (rotary inv_freq) stay float32, just move them
+        for bn, buf in list(mod._buffers.items()):
+            if buf is not None:
+                mod._buffers[bn] = buf.to(devs["thinker"])
+    mods.eval().requires_grad_(False)
+    thinker = Thinker(mods, cfg, tok, special, device=devs["thinker"], dtype=dt)
+
+    talker = None
+    if cfg.init_tts and with_talker:
+        from .talker import Talker
+
+        tts_keys = [k for k in index if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
+        if progress:
+            print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", flush=True)
+        sd = _read_tensors(index, tts_keys, torch.float32, "cpu")
+        talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt, device=devs["talker"])
+        del sd
+
+    code2wav = None
+    if with_code2wav and t2w_dir is not None:
+        from . import code2wav as c2w_mod
+
+        if progress:
+            print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']}", flush=True)
+        Code2Wav = getattr(c2w_mod, "Code2Wav")
+        builder = getattr(Code2Wav, "from_dir", None) or getattr(Code2Wav, "from_pretrained", None)
+        if builder is None:
+            raise CheckpointError("code2wav module has no Code2Wav.from_dir")
+        layout_err = getattr(c2w_mod, "Code2WavLayoutError", None)
+        try:
+            code2wav = builder(t2w_dir, device=devs["code2wav"])
+        except Exception as e:  # noqa: BLE001 - only layout errors are re-typed
+            if layout_err is not None and isinstance(e, layout_err):
+                raise CheckpointError(f"{t2w_dir}: {e}") from e
+            raise
+
+    def _json(name):
+        p = d / name
+        if p.is_file():
+            try:
+                return json.loads(p.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                return {}
+        return {}
+
+    return MiniCPMO45(
+        config=cfg,
+        tokenizer=tok,
+        special=special,
+        thinker=thinker,
+        talker=talker,
+        code2wav=code2wav,
+        random_weights=(d / RANDOM_WEIGHTS_MARKER).is_file(),
+        model_dir=d,
+        generation_config=_json("generation_config.json"),
+        preprocessor_config=_json("preprocessor_config.json"),
+        devices=devs,
+        dtype=dt,
+    )

@@ -1,0 +1,349 @@
+"""The MiniCPM-o 4.5 thinker: Qwen3 LLM + Whisper (``apm``) + SigLIP (``vpm``) + resampler + audio
+projector, with per-stream KV caches for the duplex loop and a turn-based ``chat()``.
+
+State-dict prefixes (MODEL.md §1.1): ``llm.`` (transformers ``Qwen3ForCausalLM``), ``apm.``
+(transformers ``WhisperEncoder`` tree), ``vpm.``, ``resampler.``, ``audio_projection_layer.``.
+
+Hidden states are always the LLM's final-norm last-layer output (what ``lm_head`` consumes).
+
+Stream state (:class:`ThinkerStream`) holds the LLM KV (a transformers ``DynamicCache`` now; only
+``get_seq_length`` and being passed as ``past_key_values`` are relied upon, so a static/batched
+cache can replace it), the Whisper streaming cache, the streaming mel buffer, the turn state, the
+repetition history and the pending ``terminator, </unit>`` ids fed at the next prefill.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .audio_encoder import AudioEncoder, AudioProjector, WhisperStreamCache
+from .config import MiniCPMOConfig
+from .duplex import DuplexPolicy, UnitInput, UnitResult, run_unit
+from .processor import SAMPLE_RATE, StreamingMel, audio_embed_count, image_to_pixels, log_mel_offline
+from .tokenizer import SpecialTokens, encode_control, encode_text
+from .vision import Resampler, VisionTower
+
+__all__ = ["ThinkerModules", "Thinker", "ThinkerStream", "DEFAULT_INSTRUCTIONS"]
+
+DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
+"""Default duplex system text (MODEL.md §5.1)."""
+
+_stream_ids = itertools.count()
+
+
+def _cache_kw() -> str:
+    """Name of the KV-cache argument of ``Qwen3Model.forward`` (``cache`` in transformers ≥ 5.x,
+    ``past_key_values`` before)."""
+    import inspect
+
+    from transformers import Qwen3Model
+
+    params = inspect.signature(Qwen3Model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+_CACHE_KW = _cache_kw()
+
+
+class ThinkerModules(nn.Module):
+    """The thinker's parameters under the checkpoint's key prefixes."""
+
+    def __init__(self, cfg: MiniCPMOConfig) -> None:
+        super().__init__()
+        from transformers import Qwen3ForCausalLM
+
+        self.llm = Qwen3ForCausalLM(cfg.to_qwen3_config())
+        if cfg.init_vision:
+            self.vpm = VisionTower(cfg)
+            self.resampler = Resampler(cfg.query_num, cfg.hidden_size, cfg.vision_config.hidden_size)
+        if cfg.init_audio:
+            self.apm = AudioEncoder.build(cfg.audio_config)
+            self.audio_projection_layer = AudioProjector(cfg.audio_config.encoder_ffn_dim // 4, cfg.hidden_size)
+
+
+@dataclass
+class ThinkerStream:
+    """Per-stream duplex state (see module doc). Create with :meth:`Thinker.new_stream`."""
+
+    stream_id: str
+    policy: DuplexPolicy
+    kv: object
+    generator: Optional[torch.Generator]
+    whisper: WhisperStreamCache = field(default_factory=WhisperStreamCache)
+    mel: StreamingMel = field(default_factory=StreamingMel)
+    pending_ids: List[int] = field(default_factory=list)
+    history: List[int] = field(default_factory=list)
+    turn_ended: bool = True
+    force_speak_pending: bool = False
+    units_done: int = 0
+    prefix_len: int = 0
+    closed: bool = False
+    last_prefill_logits: Optional[torch.Tensor] = None
+    last_audio_embeds: Optional[torch.Tensor] = None
+    last_mel: Optional[np.ndarray] = None
+
+    @property
+    def position(self) -> int:
+        """Sequence length including the pending terminator/``</unit>`` ids."""
+        return (self.kv.get_seq_length() if self.kv is not None else 0) + len(self.pending_ids)
+
+    @property
+    def turn_open(self) -> bool:
+        return not self.turn_ended
+
+
+@dataclass
+class ChatThinkerResult:
+    """Result of :meth:`Thinker.chat`.
+
+    Attributes:
+        text: decoded reply (special tokens skipped).
+        token_ids: int64 [N] generated ids (without the final eos).
+        tts_token_ids: int64 [L] ids strictly inside the last ``<|tts_bos|>``…``<|tts_eos|>``
+            (or ``<|im_end|>``/end) span (MODEL.md §4).
+        tts_hidden: float32 [L, H] final-norm hidden states at those tokens' input positions.
+        finish_reason: "stop" (eos) or "length".
+        prompt_tokens: prompt length in tokens.
+    """
+
+    text: str
+    token_ids: np.ndarray
+    tts_token_ids: np.ndarray
+    tts_hidden: torch.Tensor
+    finish_reason: str
+    prompt_tokens: int
+
+
+class Thinker:
+    """Runtime wrapper around :class:`ThinkerModules` (interfaces.md "Thinker")."""
+
+    def __init__(self, modules: ThinkerModules, config: MiniCPMOConfig, tokenizer, special: SpecialTokens, device="cpu", dtype=torch.float32):
+        self.m = modules
+        self.config = config
+        self.tokenizer = tokenizer
+        self.special = special
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hidden_size = config.hidden_size
+        self.audio = AudioEncoder(modules.apm) if hasattr(modules, "apm") else None
+        bad = list(getattr(tokenizer, "bad_token_ids", []) or [])
+        forb = sorted(set([special.tts_pad] + bad + [special.chunk_eos]))
+        self.forbidden_ids = [i for i in forb if 0 <= i < config.vocab_size]
+        self._forbidden_t = {}
+
+    # ------------------------------------------------------------------------------ basics
+    def forbidden_ids_tensor(self, device) -> torch.Tensor:
+        key = str(device)
+        t = self._forbidden_t.get(key)
+        if t is None:
+            t = torch.tensor(self.forbidden_ids, dtype=torch.long, device=device)
+            self._forbidden_t[key] = t
+        return t
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def embed_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """int ids -> LLM input embeddings [T, H] (model dtype)."""
+        t = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        return self.m.llm.model.embed_tokens(t)
+
+    def forward_embeds(self, embeds: torch.Tensor, kv) -> torch.Tensor:
+        """Run [T, H] embeddings on top of ``kv`` (updated in place) -> final-norm hidden [T, H]."""
+        kw = {_CACHE_KW: kv}
+        out = self.m.llm.model(inputs_embeds=embeds.unsqueeze(0), use_cache=True, **kw)
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """final-norm hidden [..., H] -> float32 logits [..., V]."""
+        return self.m.llm.lm_head(hidden).float()
+
+    # ------------------------------------------------------------------------------ audio
+    @torch.inference_mode()
+    def audio_embeds_offline(self, audio: np.ndarray, block_mask: bool = True) -> torch.Tensor:
+        """Offline audio embeddings (chat()/prepare(); parity case b). float32 16 kHz [N] -> [n, H].
+
+        Audio longer than 30 s is encoded in 30 s pieces (MODEL.md §3.1) and concatenated; n is
+        the sum of :func:`audio_embed_count` over the pieces (0 for under ~80 ms).
+        """
+        if self.audio is None:
+            raise ValueError("this checkpoint has no audio encoder (init_audio false)")
+        a = np.asarray(audio, dtype=np.float32)
+        outs = []
+        step = 30 * SAMPLE_RATE
+        for s in range(0, max(1, a.size), step):
+            piece = a[s : s + step]
+            n = audio_embed_count(piece.size, self.config.audio_pool_step)
+            if n == 0:
+                continue
+            mel = torch.from_numpy(log_mel_offline(piece)).to(self.device, self.dtype)
+            h = self.audio.encode_offline(mel, block_mask=block_mask)
+            outs.append(self._project_pool(h)[:n])
+        if not outs:
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        return torch.cat(outs)
+
+    def _project_pool(self, h: torch.Tensor) -> torch.Tensor:
+        p = self.m.audio_projection_layer(h)  # [T, H]
+        k = self.config.audio_pool_step
+        return F.avg_pool1d(p.t().unsqueeze(0), kernel_size=k, stride=k)[0].t()
+
+    @torch.inference_mode()
+    def audio_embeds_stream(self, st: ThinkerStream, audio: np.ndarray) -> torch.Tensor:
+        """Streaming audio embeddings of one unit (parity case f) -> [10, H]; updates the stream."""
+        if self.audio is None:
+            raise ValueError("this checkpoint has no audio encoder (init_audio false)")
+        first = st.mel.unit_index == 0
+        mel = st.mel.push(audio)
+        st.last_mel = mel
+        h = self.audio.encode_stream(torch.from_numpy(mel).to(self.device, self.dtype), st.whisper, first)
+        return self._project_pool(h)
+
+    # ------------------------------------------------------------------------------ vision
+    @torch.inference_mode()
+    def image_embeds(self, image) -> torch.Tensor:
+        """One image (RGB uint8 [H, W, 3] or PIL) as a single 448 px slice -> [64, H] (parity case c)."""
+        if not hasattr(self.m, "vpm"):
+            raise ValueError("this checkpoint has no vision tower (init_vision false)")
+        pixels, grid = image_to_pixels(image, self.config.slice_config.get("scale_resolution", 448), self.config.patch_size)
+        return self.image_embeds_from_pixels(torch.from_numpy(pixels), grid)
+
+    def image_embeds_from_pixels(self, pixels: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
+        x = self.m.vpm(pixels.to(self.device, self.dtype), grid)
+        return self.m.resampler(x, grid)
+
+    def image_placeholder_ids(self, index: Optional[int]) -> Tuple[List[int], int]:
+        """``[<image_id>k</image_id>]<image>`` + 64 unk + ``</image>`` ids and the offset of the first unk."""
+        sp = self.special
+        ids: List[int] = []
+        if index is not None and self.config.use_image_id:
+            ids += [sp.image_id] + encode_text(self.tokenizer, str(index)) + [sp.image_id_end]
+        ids.append(sp.image)
+        off = len(ids)
+        ids += [sp.unk] * self.config.query_num + [sp.image_end]
+        return ids, off
+
+    # ------------------------------------------------------------------------------ duplex
+    @torch.inference_mode()
+    def new_stream(
+        self,
+        instructions: Optional[str] = None,
+        ref_audio: Optional[np.ndarray] = None,
+        seed_text: Optional[str] = None,
+        temperature: float = 0.7,
+        seed: Optional[int] = None,
+        force_listen_count: int = 0,
+        policy: Optional[DuplexPolicy] = None,
+    ) -> ThinkerStream:
+        """Open a duplex stream and prefill the session prefix (MODEL.md §5.1).
+
+        Prefix: ``<|im_start|>system\\n{instructions}\\n<|audio_start|>`` + ref-audio embeddings
+        (offline path, 10/s) + ``<|audio_end|><|im_end|>``; without ``ref_audio``:
+        ``<|im_start|>system\\n{instructions}<|im_end|>``. ``seed_text`` appends a user turn
+        ``<|im_start|>user\\n{seed_text}<|im_end|>``. Instructions and seed text are encoded as
+        plain text (special-token strings inside them stay text).
+
+        Args:
+            ref_audio: float32 [N] 16 kHz mono, or None.
+            temperature: 0.0 = greedy.
+            seed: RNG seed for sampling (None = nondeterministic).
+            policy: full policy override (its temperature/force_listen_count win).
+        Raises:
+            ValueError: bad argument values.
+        """
+        if policy is None:
+            if not 0.0 <= float(temperature) <= 2.0:
+                raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+            if force_listen_count < 0:
+                raise ValueError("force_listen_count must be >= 0")
+            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count))
+        gen = None
+        if policy.temperature > 0:
+            gen = torch.Generator()
+            if seed is not None:
+                gen.manual_seed(int(seed))
+            else:
+                gen.seed()
+        st = ThinkerStream(stream_id=f"ts{next(_stream_ids)}", policy=policy, kv=self.new_cache(), generator=gen)
+        sp = self.special
+        text = DEFAULT_INSTRUCTIONS if instructions is None else str(instructions)
+        pieces: List[torch.Tensor] = []
+        if ref_audio is not None and len(ref_audio) > 0:
+            ids = [sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text + "\n") + [sp.audio_start]
+            pieces.append(self.embed_ids(ids))
+            pieces.append(self.audio_embeds_offline(np.asarray(ref_audio, np.float32)).to(self.dtype))
+            pieces.append(self.embed_ids([sp.audio_end, sp.im_end]))
+        else:
+            ids = [sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text) + [sp.im_end]
+            pieces.append(self.embed_ids(ids))
+        if seed_text:
+            ids = [sp.im_start] + encode_control(self.tokenizer, "user\n") + encode_text(self.tokenizer, str(seed_text)) + [sp.im_end]
+            pieces.append(self.embed_ids(ids))
+        self.forward_embeds(torch.cat(pieces), st.kv)
+        st.prefix_len = st.kv.get_seq_length()
+        return st
+
+    def prefill_unit(self, st: ThinkerStream, audio: np.ndarray, frame: Optional[np.ndarray]) -> torch.Tensor:
+        """Feed pending ids + ``<unit>`` [+ image] + 10 audio embeddings; return float32 logits [V]."""
+        sp = self.special
+        aud = self.audio_embeds_stream(st, audio).to(self.dtype)
+        st.last_audio_embeds = aud
+        pieces = [self.embed_ids(st.pending_ids + [sp.unit])]
+        if frame is not None:
+            img = self.image_embeds(frame).to(self.dtype)
+            pieces += [self.embed_ids([sp.image]), img, self.embed_ids([sp.image_end])]
+        pieces.append(aud)
+        h = self.forward_embeds(torch.cat(pieces), st.kv)
+        st.pending_ids = []
+        logits = self.logits(h[-1])
+        st.last_prefill_logits = logits
+        return logits
+
+    def feed_token(self, st: ThinkerStream, tok: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Feed one decided token -> (final-norm hidden [H] at its input position, float32 logits [V])."""
+        h = self.forward_embeds(self.embed_ids([tok]), st.kv)[-1]
+        return h, self.logits(h)
+
+    def step_units(self, items: List[UnitInput]) -> List[UnitResult]:
+        """Run one unit for each item (each a different stream; loops per stream for now)."""
+        seen = set()
+        for it in items:
+            if id(it.stream) in seen:
+                raise ValueError("step_units got the same stream twice in one batch")
+            seen.add(id(it.stream))
+        return [run_unit(self, it) for it in items]
+
+    def end_turn(self, st: ThinkerStream) -> None:
+        """Close the open model turn after a cancel (turn state "ended"; a pending force_speak is dropped).
+
+        The KV stays consistent: every unit already ends with its terminator and ``</unit>``.
+        """
+        st.turn_ended = True
+        st.force_speak_pending = False
+
+    def close(self, st: ThinkerStream) -> None:
+        """Free the stream's KV and caches; later use raises ``ValueError``."""
+        st.closed = True
+        st.kv = None
+        st.whisper.clear()
+        st.mel.reset()
+        st.pending_ids = []
+        st.history = []
+
+    # ------------------------------------------------------------------------------ chat
+    def chat(self, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False, max_tokens: int = 512,
+             temperature: float = 0.7, seed: Optional[int] = None, **kw) -> ChatThinkerResult:
+        """Turn-based generation (MODEL.md §4); see :func:`duplexkit.models.minicpmo45.chat.chat_generate`."""
+        from .chat import chat_generate
+
+        return chat_generate(self, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
+                             max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
