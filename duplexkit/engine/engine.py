@@ -1,0 +1,260 @@
+"""The built-in duplex engine: :class:`DuplexEngine` (implements :class:`duplexkit.engine.api.Engine`).
+
+Construction::
+
+    engine = DuplexEngine.from_pretrained("tiny", layout="cpu")        # tiny random weights (cached)
+    engine = DuplexEngine.from_pretrained("/ckpt/MiniCPM-o-4_5", layout="1gpu")
+    engine = DuplexEngine(model, layout)                               # an in-memory MiniCPMO45
+
+Streams (:meth:`open_stream`) run through the three stage workers of
+:class:`~duplexkit.engine.runtime.StageRuntime`; turn-based chat (:meth:`generate`,
+:meth:`generate_stream`) runs as jobs on the same workers (thinker chat pass, then the offline
+talker, then one vocoder stream), so torch work never runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Union
+
+import numpy as np
+
+from .api import ChatDelta, ChatRequest, ChatResult, StreamConfig
+from .layout import Layout, LayoutError, check_supported, load_layout
+from .runtime import RuntimeStream, StageRuntime
+from .stages import StageModel, VocoderWork
+
+__all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name"]
+
+_CHUNK = 25  # new codes per vocoder call (MODEL.md §7.1)
+
+
+def default_layout_name() -> str:
+    """``1gpu`` when CUDA is available, else ``cpu``."""
+    try:
+        import torch
+
+        return "1gpu" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - engine extra missing
+        return "cpu"
+
+
+def tiny_checkpoint_dir(seed: int = 0, cache_dir: Optional[Union[str, Path]] = None) -> Path:
+    """Build (once) and return the tiny random-weight checkpoint directory.
+
+    Delegates to ``duplexkit.models.minicpmo45.tiny_checkpoint`` (cached under ``cache_dir`` or
+    ``$DUPLEXKIT_CACHE`` or ``~/.cache/duplexkit``, versioned, safe against concurrent builders),
+    which writes it with ``build_tiny_checkpoint``.
+    """
+    from duplexkit.models.minicpmo45 import tiny_checkpoint
+
+    return Path(tiny_checkpoint(seed, cache_dir=cache_dir))
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class DuplexEngine:
+    """Many duplex streams over one MiniCPM-o 4.5 model (DESIGN.md "The engine").
+
+    Args:
+        model: a loaded ``duplexkit.models.minicpmo45.MiniCPMO45``, or any
+            :class:`~duplexkit.engine.stages.StageModel` (used as is).
+        layout: a :class:`~duplexkit.engine.layout.Layout`, a bundled layout name or a YAML
+            path (default: ``1gpu`` with CUDA, else ``cpu``). Only ``max_num_seqs`` and the memory
+            budgets are applied here; devices and dtypes are applied when loading
+            (:meth:`from_pretrained`).
+        model_id: the id reported to clients (default ``"minicpm-o-4.5"``).
+        chat_max_codes: cap on codec tokens of one turn-based audio reply (default 2048, the
+            reference offline cap, MODEL.md §6; 25 codes = 1 s). Also settable as an attribute.
+
+    Raises:
+        LayoutError / LayoutNotSupportedError: invalid layout, thinker tensor parallelism > 1, or
+            CUDA devices that are not there.
+    """
+
+    def __init__(self, model: Any, layout: Union[Layout, str, Path, None] = None, *,
+                 model_id: str = "minicpm-o-4.5", chat_max_codes: int = 2048) -> None:
+        if int(chat_max_codes) < 1:
+            raise ValueError("chat_max_codes must be >= 1")
+        self.chat_max_codes = int(chat_max_codes)
+        self.layout = load_layout(layout or default_layout_name())
+        self._check_devices(self.layout)
+        if isinstance(model, StageModel) and not hasattr(model, "thinker"):
+            self.stages = model
+            self.model = getattr(model, "model", None)
+        else:
+            from .minicpmo45 import MiniCPMO45Stages
+
+            self.model = model
+            self.stages = MiniCPMO45Stages(model, model_id=model_id)
+        self.model_id = getattr(self.stages, "model_id", model_id)
+        self.random_weights = bool(getattr(self.stages, "random_weights", False))
+        self._runtime = StageRuntime(self.stages, self.layout)
+        self._closed = False
+
+    @staticmethod
+    def _check_devices(layout: Layout) -> None:
+        uses_cuda = any(d != "cpu" for s in layout.stages.values() for d in s.devices)
+        n = 0
+        if uses_cuda or layout.thinker.tensor_parallel_size > 1:
+            try:
+                import torch
+
+                n = torch.cuda.device_count()
+            except ImportError:  # pragma: no cover
+                n = 0
+        check_supported(layout, cuda_devices=n)
+        if uses_cuda:
+            import torch
+
+            budget: dict = {}
+            for s in layout.stages.values():
+                for d in s.devices:
+                    if d != "cpu" and s.memory_fraction is not None:
+                        idx = int(d.split(":")[1]) if ":" in d else 0
+                        budget[idx] = budget.get(idx, 0.0) + s.memory_fraction
+            for idx, frac in budget.items():
+                torch.cuda.set_per_process_memory_fraction(min(1.0, frac), idx)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path] = "tiny", layout: Union[Layout, str, Path, None] = None, *,
+                        dtype: Optional[str] = None, progress: bool = True, seed: int = 0,
+                        cache_dir: Optional[Union[str, Path]] = None, with_code2wav: bool = True,
+                        model_id: str = "minicpm-o-4.5") -> "DuplexEngine":
+        """Load a checkpoint directory (or ``"tiny"``) onto the layout's devices.
+
+        Args:
+            path: a MiniCPM-o 4.5 checkpoint directory, or ``"tiny"`` (random weights, built once
+                by ``build_tiny_checkpoint`` and cached, see :func:`tiny_checkpoint_dir`).
+            layout: layout (see the class); validated before any weight is read.
+            dtype: override of the thinker's layout dtype (``float32`` | ``bfloat16`` | ``float16``).
+            seed: weight seed of the tiny checkpoint.
+
+        Raises:
+            LayoutError, LayoutNotSupportedError; ``CheckpointError`` from the loader.
+        """
+        lay = load_layout(layout or default_layout_name())
+        cls._check_devices(lay)
+        from duplexkit.models.minicpmo45 import load
+
+        ckpt = tiny_checkpoint_dir(seed, cache_dir) if str(path) == "tiny" else Path(path)
+        dname = dtype or lay.thinker.dtype
+        if dname not in ("float32", "bfloat16", "float16"):
+            raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")
+        model = load(ckpt, dtype=_torch_dtype(dname), devices=lay.devices(), with_code2wav=with_code2wav,
+                     progress=progress)
+        return cls(model, lay, model_id=model_id)
+
+    # ------------------------------------------------------------------ Engine interface
+    @property
+    def num_streams(self) -> int:
+        """Streams currently open."""
+        return self._runtime.num_streams
+
+    async def open_stream(self, stream_id: str, config: StreamConfig) -> RuntimeStream:
+        """Open a duplex stream (see :class:`~duplexkit.engine.runtime.RuntimeStream`); waits until
+        its session prefix is prefilled. Open failures arrive as a fatal ``EngineError`` output."""
+        return await self._runtime.open_stream(stream_id, config)
+
+    async def _job(self, stage: str, fn) -> Any:
+        return await asyncio.wrap_future(self._runtime.run_job(stage, fn))
+
+    async def generate_stream(self, request: ChatRequest) -> AsyncIterator[ChatDelta]:
+        """Turn-based generation, streamed: text deltas as the thinker generates them, then (with
+        ``output_audio``) float32 24 kHz audio deltas, one per vocoder chunk (MODEL.md §7.3: about
+        0.84 s first, then 1 s). The audio needs the whole reply text first (the offline talker is
+        conditioned on the finished span, MODEL.md §6). Use :meth:`generate` for usage counts and
+        the finish reason."""
+        async for item in self._generate_iter(request):
+            if isinstance(item, ChatDelta):
+                yield item
+
+    async def generate(self, request: ChatRequest) -> ChatResult:
+        """Turn-based generation (chat completions): text and, with ``output_audio``, the whole
+        float32 24 kHz waveform (``None`` without audio).
+
+        Raises:
+            ValueError / model errors for bad requests (e.g. empty messages).
+        """
+        text, chunks, meta = "", [], None
+        async for item in self._generate_iter(request):
+            if isinstance(item, ChatDelta):
+                text += item.text
+                if item.audio is not None:
+                    chunks.append(item.audio)
+            else:
+                meta = item
+        audio = None
+        if request.output_audio:
+            audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+        return ChatResult(text=text, audio=audio, finish_reason=meta.finish_reason,
+                          prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens)
+
+    async def _generate_iter(self, request: ChatRequest):
+        if not isinstance(request, ChatRequest):
+            raise TypeError("generate() takes a ChatRequest")
+        if not request.messages:
+            raise ValueError("ChatRequest.messages is empty")
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        st = self.stages
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def on_text(delta: str) -> None:  # thinker thread -> event loop
+            loop.call_soon_threadsafe(pieces.put_nowait, delta)
+
+        fut = asyncio.wrap_future(self._runtime.run_job("thinker", lambda: st.chat_thinker(request, on_text)))
+        sent = ""
+        while True:
+            get = asyncio.ensure_future(pieces.get())
+            done, _ = await asyncio.wait({get, fut}, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                sent += get.result()
+                yield ChatDelta(text=get.result())
+                continue
+            get.cancel()
+            break
+        thought = fut.result()
+        while not pieces.empty():  # deltas queued before the result landed
+            d = pieces.get_nowait()
+            sent += d
+            yield ChatDelta(text=d)
+        if thought.text.startswith(sent) and len(thought.text) > len(sent):
+            yield ChatDelta(text=thought.text[len(sent):])
+        if request.output_audio:
+            codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed,
+                                                                        self.chat_max_codes))
+            handle = await self._job("code2wav", lambda: st.code2wav_open(request.ref_voice))
+            try:
+                blocks = [codes[i:i + _CHUNK] for i in range(0, len(codes), _CHUNK)] or [codes]
+                for k, block in enumerate(blocks):
+                    last = k == len(blocks) - 1
+                    (res,) = await self._job("code2wav", lambda b=block, l=last: st.code2wav_step(
+                        [VocoderWork(handle=handle, codes=np.asarray(b, np.int64), last=l)]))
+                    if isinstance(res, BaseException):
+                        raise res
+                    if res.audio.size:
+                        yield ChatDelta(audio=res.audio)
+            finally:
+                await self._job("code2wav", lambda: st.code2wav_close(handle))
+        yield thought
+
+    async def aclose(self) -> None:
+        """Close every stream, stop the stage workers."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._runtime.aclose()
+
+    async def __aenter__(self) -> "DuplexEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,250 @@
+"""MiniCPM-o 4.5 stage functions: :class:`~duplexkit.engine.stages.StageModel` over the model port.
+
+Maps the runtime's batch-shaped stage calls onto ``duplexkit.models.minicpmo45``:
+
+* thinker  -> ``model.thinker.new_stream`` / ``step_units`` / ``end_turn`` / ``close``
+* talker   -> ``model.talker.new_turn`` / ``generate_units`` (duplex budget 26 -> <= 25 codes, MODEL.md §6)
+* code2wav -> ``model.code2wav.new_stream`` / ``push`` / ``reset_turn`` / ``close`` (MODEL.md §7)
+* chat     -> ``model.thinker.chat`` then ``model.talker.generate_offline`` then one vocoder stream.
+
+Per-item isolation: while a model component processes a batch by looping over its items (it
+exposes no ``batched = True`` attribute), each item is passed on its own so an exception fails
+only that item's stream. A component that declares ``batched = True`` gets the whole list in one
+call (the GPU path), and an exception then fails the whole batch.
+
+Every method here runs on the owning stage's worker thread (never on the event loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
+from .stages import TalkerOut, ThinkerOut, VocoderOut
+
+__all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
+
+TALKER_TEMPERATURE = 0.8
+"""Talker sampling temperature of the reference duplex path (MODEL.md §6 "Sampling")."""
+CODES_PER_CHUNK = 25
+"""New codes per vocoder chunk (MODEL.md §7.1)."""
+
+
+@dataclass
+class _TalkerTurnState:
+    turn: Any
+    generator: Any
+
+
+@dataclass
+class ChatThinkerOut:
+    """Result of the chat thinker pass: reply text and the talker's spoken span."""
+
+    text: str
+    talker_input: Any  # (token_ids int64 [L], hidden float32 [L, H])
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _prefix_key(cfg: StreamConfig) -> tuple:
+    return (cfg.instructions, None if cfg.ref_voice is None else cfg.ref_voice.sha256, cfg.seed_text)
+
+
+def _loop_or_batch(component: Any, fn, items: list) -> list:
+    if getattr(component, "batched", False):
+        return list(fn(items))
+    out = []
+    for it in items:
+        try:
+            out.append(fn([it])[0])
+        except Exception as exc:  # noqa: BLE001 - confined to this item's stream
+            out.append(exc)
+    return out
+
+
+class MiniCPMO45Stages:
+    """Stage functions for a loaded :class:`duplexkit.models.minicpmo45.MiniCPMO45`.
+
+    Args:
+        model: the loaded model (``.thinker``, ``.talker``, ``.code2wav`` or None).
+        model_id: reported id (default ``"minicpm-o-4.5"``).
+        talker_temperature: talker sampling temperature (default 0.8, MODEL.md §6).
+    """
+
+    def __init__(self, model: Any, *, model_id: str = "minicpm-o-4.5",
+                 talker_temperature: float = TALKER_TEMPERATURE) -> None:
+        self.model = model
+        self.model_id = model_id
+        self.random_weights = bool(getattr(model, "random_weights", False))
+        self.talker_temperature = float(talker_temperature)
+
+    # ------------------------------------------------------------------ thinker
+    def thinker_open(self, config: StreamConfig) -> Any:
+        ref = None if config.ref_voice is None else np.asarray(config.ref_voice.audio, np.float32)
+        return self.model.thinker.new_stream(
+            instructions=config.instructions, ref_audio=ref, seed_text=config.seed_text,
+            temperature=float(config.temperature), seed=config.seed,
+            force_listen_count=int(config.force_listen_count),
+        )
+
+    def thinker_update(self, handle: Any, old: StreamConfig, new: StreamConfig) -> Any:
+        """A changed session prefix (instructions, reference voice, seed text) or seed rebuilds the
+        context from the new prefix (PROTOCOL.md §8.6); a changed temperature or
+        force_listen_count only updates the stream's policy."""
+        if _prefix_key(old) != _prefix_key(new) or old.seed != new.seed:
+            fresh = self.thinker_open(new)
+            if handle is not None:
+                self.model.thinker.close(handle)
+            return fresh
+        pol = getattr(handle, "policy", None)
+        if pol is not None:
+            if new.temperature != old.temperature:
+                if not 0.0 <= float(new.temperature) <= 2.0:
+                    raise ValueError(f"temperature must be in [0, 2], got {new.temperature}")
+                pol.temperature = float(new.temperature)
+                if pol.temperature > 0 and getattr(handle, "generator", None) is None:
+                    import torch
+
+                    handle.generator = torch.Generator()
+                    handle.generator.seed()
+            pol.force_listen_count = int(new.force_listen_count)
+        return handle
+
+    def thinker_step(self, items: list) -> list:
+        from duplexkit.models.minicpmo45.duplex import UnitInput
+
+        th = self.model.thinker
+        inputs = [UnitInput(stream=w.handle, audio=w.audio, force_listen=w.force_listen,
+                            force_speak=w.force_speak, frame=w.frame) for w in items]
+        results = _loop_or_batch(th, th.step_units, inputs)
+        out = []
+        for r in results:
+            if isinstance(r, BaseException):
+                out.append(r)
+                continue
+            speak = r.decision == "speak"
+            out.append(ThinkerOut(
+                decision=r.decision, text=r.text if speak else "", n_tokens=int(r.n_tokens),
+                turn_start=bool(r.turn_start), end_of_turn=bool(r.end_of_turn),
+                talker_input=(r.token_ids, r.hidden) if speak else None, timings=dict(r.timings),
+            ))
+        return out
+
+    def thinker_end_turn(self, handle: Any) -> None:
+        self.model.thinker.end_turn(handle)
+
+    def thinker_close(self, handle: Any) -> None:
+        self.model.thinker.close(handle)
+
+    # ------------------------------------------------------------------ talker
+    def _generator(self, seed: Optional[int]) -> Any:
+        if seed is None:
+            return None
+        import torch
+
+        dev = getattr(self.model.talker, "device", "cpu")
+        g = torch.Generator(device=dev)
+        g.manual_seed(int(seed))
+        return g
+
+    def talker_new_turn(self, seed: Optional[int]) -> Any:
+        return _TalkerTurnState(self.model.talker.new_turn(), self._generator(seed))
+
+    def talker_step(self, items: list) -> list:
+        from duplexkit.models.minicpmo45.talker import TalkerInput
+
+        tk = self.model.talker
+        inputs = []
+        for w in items:
+            token_ids, hidden = w.talker_input
+            inputs.append(TalkerInput(turn=w.turn.turn, token_ids=token_ids, hidden=hidden,
+                                      turn_start=w.turn_start, turn_end=w.turn_end,
+                                      temperature=self.talker_temperature, generator=w.turn.generator))
+        res = _loop_or_batch(tk, tk.generate_units, inputs)
+        out = []
+        for r in res:
+            if isinstance(r, BaseException):
+                out.append(r)
+            else:
+                codes = np.asarray(r, dtype=np.int64).reshape(-1)
+                out.append(TalkerOut(codes=codes, steps=int(codes.size) + 1))
+        return out
+
+    def talker_close_turn(self, turn: Any) -> None:
+        t = getattr(turn, "turn", None)
+        if t is not None and hasattr(t, "reset"):
+            t.reset()
+
+    # ------------------------------------------------------------------ code2wav
+    def _c2w(self) -> Any:
+        c2w = getattr(self.model, "code2wav", None)
+        if c2w is None:
+            raise RuntimeError("this model was loaded without code2wav: open streams with output_audio=False")
+        return c2w
+
+    def code2wav_open(self, ref_voice: Optional[ReferenceVoice]) -> Any:
+        return self._c2w().new_stream(ref_voice)
+
+    def code2wav_step(self, items: list) -> list:
+        c2w = self._c2w()
+
+        def push(batch: list) -> list:
+            return [c2w.push(w.handle, w.codes, last=w.last) for w in batch]
+
+        res = _loop_or_batch(c2w, getattr(c2w, "push_batch", push) if getattr(c2w, "batched", False) else push, items)
+        return [r if isinstance(r, BaseException) else VocoderOut(np.asarray(r, np.float32).reshape(-1)) for r in res]
+
+    def code2wav_reset_turn(self, handle: Any) -> None:
+        self._c2w().reset_turn(handle)
+
+    def code2wav_close(self, handle: Any) -> None:
+        self._c2w().close(handle)
+
+    # ------------------------------------------------------------------ chat (turn-based)
+    def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
+        """Text pass of :meth:`DuplexEngine.generate` (thinker stage thread).
+
+        ``on_text(delta)`` receives the reply text as it is generated (incremental detokenization;
+        a delta is held back while it ends in an incomplete UTF-8 sequence)."""
+        has_audio_in = any(isinstance(p, np.ndarray) and p.dtype != np.uint8
+                           for m in request.messages for p in (m.content if isinstance(m, ChatMessage) else []))
+        use_tts = request.use_tts_template
+        if use_tts is None:
+            use_tts = bool(request.output_audio or has_audio_in)
+        kw = {}
+        if on_text is not None:
+            tok = self.model.tokenizer
+            ids: list = []
+            sent = [""]
+
+            def on_token(t: int) -> None:
+                ids.append(int(t))
+                text = tok.decode(ids, skip_special_tokens=True)
+                if text.endswith("\ufffd") or not text.startswith(sent[0]):
+                    return
+                delta = text[len(sent[0]):]
+                if delta:
+                    sent[0] = text
+                    on_text(delta)
+
+            kw["on_token"] = on_token
+        r = self.model.thinker.chat(list(request.messages), use_tts_template=use_tts,
+                                    enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
+                                    temperature=float(request.temperature), seed=request.seed, **kw)
+        return ChatThinkerOut(text=r.text, talker_input=(r.tts_token_ids, r.tts_hidden),
+                              finish_reason="length" if r.finish_reason == "length" else "stop",
+                              prompt_tokens=int(r.prompt_tokens), completion_tokens=int(len(r.token_ids)))
+
+    def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:
+        """Codes for the whole spoken span (talker stage thread): int64 [n <= max_codes]
+        (reference offline cap 2048, MODEL.md §6)."""
+        token_ids, hidden = talker_input
+        if token_ids is None or len(token_ids) == 0:
+            return np.zeros(0, np.int64)
+        codes = self.model.talker.generate_offline(token_ids, hidden, max_codes=int(max_codes),
+                                                  generator=self._generator(seed))
+        return np.asarray(codes, np.int64).reshape(-1)

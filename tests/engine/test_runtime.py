@@ -1,0 +1,213 @@
+"""Runtime machinery on a torch-free toy StageModel: ordering, epochs, failures, batching, freeing."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+from duplexkit.engine import DuplexEngine, EngineInputError, load_layout
+from duplexkit.engine.api import (
+    AppendUnit, AudioChunk, CancelEpoch, Decision, EngineError, ForceSpeak, ReferenceVoice, StreamConfig,
+    TextDelta, TurnEnd, UnitTimings, UpdateStream,
+)
+from duplexkit.engine.layout import Layout
+
+from .toy import ToyStages, tag_value
+
+
+def _layout(max_num_seqs: int = 4) -> Layout:
+    d = {"name": "t", "stages": {s: {"device": "cpu", "max_num_seqs": max_num_seqs} for s in ("thinker", "talker", "code2wav")}}
+    return Layout.from_dict(d)
+
+
+def _unit(i: int, value: float = 0.0) -> np.ndarray:
+    return np.full(16560 if i == 0 else 16000, value, np.float32)
+
+
+def _voice(name: str) -> ReferenceVoice:
+    a = np.full(1600, 0.1, np.float32)
+    return ReferenceVoice(audio=a, sha256=hashlib.sha256(name.encode()).hexdigest())
+
+
+async def _collect(stream, until, timeout: float = 20.0) -> list:
+    """Collect outputs until ``until(outputs)`` is true."""
+    outs: list = []
+
+    async def run():
+        async for o in stream.outputs():
+            outs.append(o)
+            if until(outs):
+                return
+
+    await asyncio.wait_for(run(), timeout)
+    return outs
+
+
+def _units_done(n: int):
+    return lambda outs: sum(isinstance(o, UnitTimings) for o in outs) >= n
+
+
+async def test_turn_order_and_chunk_sizes():
+    toy = ToyStages(turn_units=3)
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("a", StreamConfig(instructions="A", ref_voice=_voice("va")))
+    s.submit(ForceSpeak("a", 0))
+    for i in range(5):
+        s.submit(AppendUnit("a", 0, unit_index=i, audio=_unit(i)))
+    outs = await _collect(s, _units_done(5))
+    # strictly unit by unit; within a unit: Decision, TextDelta, AudioChunk*, TurnEnd?, UnitTimings
+    idx = [o.unit_index for o in outs]
+    assert idx == sorted(idx)
+    for u in range(5):
+        kinds = [type(o).__name__ for o in outs if o.unit_index == u]
+        assert kinds[0] == "Decision" and kinds[-1] == "UnitTimings"
+    dec = [o for o in outs if isinstance(o, Decision)]
+    assert [d.decision for d in dec] == ["speak"] * 3 + ["listen"] * 2
+    assert dec[0].turn_start and not dec[1].turn_start
+    chunks = [o for o in outs if isinstance(o, AudioChunk)]
+    assert [len(c.audio) for c in chunks[:-1]] == [20160, 24000]
+    assert chunks[-1].final and chunks[-1].unit_index == 2
+    assert all(np.all(c.audio == np.float32(tag_value(_voice("va").sha256))) for c in chunks)
+    assert "".join(c.text for c in chunks) == "A0 A1 A2 " == "".join(o.text for o in outs if isinstance(o, TextDelta))
+    ends = [o for o in outs if isinstance(o, TurnEnd)]
+    assert len(ends) == 1 and ends[0].reason == "turn_eos" and ends[0].unit_index == 2
+    pos = {type(o).__name__: k for k, o in enumerate(outs) if o.unit_index == 2}
+    assert outs.index(chunks[-1]) < pos["TurnEnd"] < pos["UnitTimings"]
+    t = [o for o in outs if isinstance(o, UnitTimings)][0].timings
+    for key in ("thinker_prefill_ms", "thinker_decode_ms", "decode_steps", "talker_ms", "talker_steps",
+                "code2wav_ms", "queue_ms", "total_ms"):
+        assert key in t
+    await s.aclose()
+    await eng.aclose()
+    assert toy.live == {"thinker": 0, "talker": 0, "code2wav": 0}
+
+
+async def test_text_only_stream_skips_talker_and_code2wav():
+    toy = ToyStages(turn_units=2)
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("t", StreamConfig(instructions="T", output_audio=False))
+    s.submit(ForceSpeak("t", 0))
+    for i in range(3):
+        s.submit(AppendUnit("t", 0, unit_index=i, audio=_unit(i)))
+    outs = await _collect(s, _units_done(3))
+    assert not any(isinstance(o, AudioChunk) for o in outs)
+    names = [type(o).__name__ for o in outs if o.unit_index == 1]
+    assert names == ["Decision", "TextDelta", "TurnEnd", "UnitTimings"]
+    assert not any(st == "talker" or st == "code2wav" for st, _ in toy.calls)
+    assert toy.live["code2wav"] == 0
+    await eng.aclose()
+
+
+async def test_cancel_drops_old_epoch_and_ends_turn():
+    toy = ToyStages(turn_units=100, delay_s=0.02)
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("c", StreamConfig(instructions="C"))
+    s.submit(ForceSpeak("c", 0))
+    for i in range(3):
+        s.submit(AppendUnit("c", 0, unit_index=i, audio=_unit(i)))
+    first = await _collect(s, lambda o: any(isinstance(x, AudioChunk) for x in o))
+    s.submit(CancelEpoch("c", 1))
+    for i in range(3, 6):
+        s.submit(AppendUnit("c", 1, unit_index=i, audio=_unit(i), force_listen=True))
+    rest = await _collect(s, lambda o: any(isinstance(x, UnitTimings) and x.unit_index == 5 for x in o))
+    old = [o for o in rest if o.epoch == 0]
+    # nothing of epoch 0 beyond the units that were submitted before the cancel
+    assert all(o.unit_index < 3 for o in old)
+    new = [o for o in rest if o.epoch == 1]
+    assert not any(isinstance(o, (AudioChunk, TurnEnd)) for o in new)
+    # queued input units were kept (re-tagged with the new epoch), never lost
+    got = {o.unit_index for o in first + rest if isinstance(o, Decision)}
+    assert {3, 4, 5} <= got
+    assert ("end_turn", "C") in toy.events and ("c2w_reset", None) in toy.events
+    # the model turn is over: ForceSpeak in epoch 1 starts a fresh turn
+    s.submit(ForceSpeak("c", 1))
+    s.submit(AppendUnit("c", 1, unit_index=6, audio=_unit(6)))
+    more = await _collect(s, _units_done(1))
+    d = [o for o in more if isinstance(o, Decision)][0]
+    assert d.decision == "speak" and d.turn_start and d.epoch == 1
+    await eng.aclose()
+
+
+async def test_fault_in_one_stream_leaves_others_working():
+    for stage in ("thinker", "talker", "code2wav"):
+        toy = ToyStages(turn_units=100)
+        eng = DuplexEngine(toy, _layout())
+        a = await eng.open_stream("a", StreamConfig(instructions="A"))
+        b = await eng.open_stream("b", StreamConfig(instructions="B"))
+        for s, sid in ((a, "a"), (b, "b")):
+            s.submit(ForceSpeak(sid, 0))
+        a.inject_fault(stage)
+        for i in range(3):
+            a.submit(AppendUnit("a", 0, unit_index=i, audio=_unit(i)))
+            b.submit(AppendUnit("b", 0, unit_index=i, audio=_unit(i)))
+        outs_a = [o async for o in a.outputs()]  # ends after the fatal error
+        assert isinstance(outs_a[-1], EngineError) and outs_a[-1].fatal and stage in outs_a[-1].message
+        outs_b = await _collect(b, _units_done(3))
+        assert [len(o.audio) for o in outs_b if isinstance(o, AudioChunk)] == [20160, 24000, 24000]
+        a.submit(AppendUnit("a", 0, unit_index=3, audio=_unit(3)))  # ignored, no raise
+        assert eng.num_streams == 1
+        await eng.aclose()
+        assert toy.live == {"thinker": 0, "talker": 0, "code2wav": 0}, stage
+
+
+async def test_batches_respect_max_num_seqs_and_streams_stay_separate():
+    toy = ToyStages(turn_units=100, delay_s=0.01)
+    eng = DuplexEngine(toy, _layout(max_num_seqs=2))
+    streams = []
+    for k in range(4):
+        s = await eng.open_stream(f"s{k}", StreamConfig(instructions=f"S{k}-", ref_voice=_voice(f"v{k}")))
+        s.submit(ForceSpeak(f"s{k}", 0))
+        streams.append(s)
+    for i in range(3):
+        for k, s in enumerate(streams):
+            s.submit(AppendUnit(f"s{k}", 0, unit_index=i, audio=_unit(i)))
+    results = await asyncio.gather(*[_collect(s, _units_done(3)) for s in streams])
+    for k, outs in enumerate(results):
+        assert all(o.stream_id == f"s{k}" for o in outs)
+        text = "".join(o.text for o in outs if isinstance(o, TextDelta))
+        assert text == f"S{k}-0 S{k}-1 S{k}-2 "
+        for c in (o for o in outs if isinstance(o, AudioChunk)):
+            assert np.all(c.audio == np.float32(tag_value(_voice(f"v{k}").sha256)))
+    sizes = [n for st, n in toy.calls if st == "thinker"]
+    assert max(sizes) == 2 and all(n <= 2 for n in sizes)
+    await eng.aclose()
+
+
+async def test_open_close_many_frees_state():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _layout())
+    for k in range(50):
+        s = await eng.open_stream(f"o{k}", StreamConfig(instructions="O"))
+        s.submit(ForceSpeak(f"o{k}", 0))
+        s.submit(AppendUnit(f"o{k}", 0, unit_index=0, audio=_unit(0)))
+        await s.aclose()
+        assert s.closed
+    assert eng.num_streams == 0
+    assert toy.live == {"thinker": 0, "talker": 0, "code2wav": 0}
+    await eng.aclose()
+
+
+async def test_open_failure_is_a_fatal_output_and_bad_input_is_typed():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("f", StreamConfig(instructions="fail-open"))
+    outs = [o async for o in s.outputs()]
+    assert len(outs) == 1 and isinstance(outs[0], EngineError) and outs[0].fatal and outs[0].unit_index == -1
+    ok = await eng.open_stream("g", StreamConfig(instructions="G"))
+    with pytest.raises(EngineInputError):
+        ok.submit(AppendUnit("g", 0, unit_index=0, audio=np.zeros(16000, np.float32)))
+    with pytest.raises(EngineInputError):
+        ok.submit(AppendUnit("g", 0, unit_index=1, audio=np.full(16000, np.nan, np.float32)))
+    with pytest.raises(EngineInputError):
+        ok.submit(AppendUnit("other", 0, unit_index=0, audio=_unit(0)))
+    with pytest.raises(ValueError):
+        await eng.open_stream("g", StreamConfig())
+    ok.submit(UpdateStream("g", 0, config=StreamConfig(instructions="H")))
+    ok.submit(ForceSpeak("g", 0))
+    ok.submit(AppendUnit("g", 0, unit_index=0, audio=_unit(0)))
+    outs = await _collect(ok, _units_done(1))
+    assert [o.text for o in outs if isinstance(o, TextDelta)] == ["H0 "]
+    await eng.aclose()
