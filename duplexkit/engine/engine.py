@@ -147,7 +147,9 @@ class DuplexEngine:
         dname = dtype or lay.thinker.dtype
         if dname not in ("float32", "bfloat16", "float16"):
             raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")
-        model = load(ckpt, dtype=_torch_dtype(dname), devices=lay.devices(), with_code2wav=with_code2wav,
+        talker_dtype = dtype or lay.talker.dtype
+        model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype)},
+                     devices=lay.devices(), with_code2wav=with_code2wav,
                      progress=progress)
         return cls(model, lay, model_id=model_id)
 

@@ -231,7 +231,7 @@ def _talker_expected(cfg: MiniCPMOConfig) -> Dict[str, tuple]:
 def load(
     path: Union[str, Path],
     *,
-    dtype: Union[torch.dtype, str] = torch.float32,
+    dtype: Union[torch.dtype, str, Dict[str, Union[torch.dtype, str]]] = torch.float32,
     devices: Union[Dict[str, str], str] = "cpu",
     with_code2wav: bool = True,
     progress: bool = True,
@@ -241,7 +241,9 @@ def load(
 
     Args:
         path: directory with config.json, tokenizer files and safetensors.
-        dtype: parameter dtype (float32, bfloat16, float16).
+        dtype: parameter dtype (float32, bfloat16, float16), one for all stages or per stage
+            ``{"thinker": .., "talker": ..}`` (missing stages use float32). Code2Wav always runs in
+            float32 (its flow/HiFT scratch caches are float32, MODEL.md §7.5).
         devices: one device for all stages, or {"thinker": .., "talker": .., "code2wav": ..}.
         with_code2wav: build Code2Wav when ``assets/token2wav`` exists.
         progress: print short progress lines.
@@ -255,7 +257,14 @@ def load(
     d = Path(path).expanduser()
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")
-    dt = _dtype(dtype)
+    if isinstance(dtype, dict):
+        bad = set(dtype) - {"thinker", "talker", "code2wav"}
+        if bad:
+            raise ValueError(f"unknown stage(s) in dtype: {sorted(bad)} (use thinker/talker/code2wav)")
+        dt = _dtype(dtype.get("thinker", torch.float32))
+        dt_talker = _dtype(dtype.get("talker", torch.float32))
+    else:
+        dt = dt_talker = _dtype(dtype)
     devs = _devices(devices)
     try:
         cfg = MiniCPMOConfig.from_file(d)
@@ -317,7 +326,7 @@ def load(
         if progress:
             print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", flush=True)
         sd = _read_tensors(index, tts_keys, torch.float32, "cpu")
-        talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt, device=devs["talker"])
+        talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt_talker, device=devs["talker"])
         del sd
 
     code2wav = None
