@@ -1,0 +1,867 @@
+"""MiniCPM-o 4.5 Code2Wav: streaming S3 codes -> 24 kHz waveform (MODEL.md §7).
+
+A device-agnostic streaming wrapper over the ``stepaudio2-minicpmo`` 0.1.1 model classes
+(``CausalMaskedDiffWithXvec`` + ``UpsampleConformerEncoderV2`` + ``CausalConditionalCFM`` + ``DiT`` and
+``HiFTGenerator``). The package's ``Token2wav`` is not used (it hard-codes CUDA and single-stream state);
+this module re-implements its streaming call sequence with per-stream state:
+
+* **Chunk contract** (MODEL.md §7.1): each synthesis call takes 3 carried + 25 new codes; the flow
+  renders the first 25 and uses the last 3 as lookahead, which open the next call. A turn's first carry
+  is 3 x silence code 4218. :meth:`Code2Wav.push` buffers codes and synthesises whenever 25 new codes are
+  pending, or on ``last=True``. ``push(..., flush=True)`` also renders a partial block early (the
+  reference's turn-start flush); such a non-final call needs >= 4 new codes, else
+  :class:`ChunkBelowLookaheadError` (``chunk_below_lookahead_window``). Codes outside 0..6560 (EOS 6561,
+  ``audio_bos``) raise :class:`Code2WavInputError` and nothing is consumed.
+* **Holdback** (§7.3): HiFT keeps 8 mel frames, 3840 source and 3840 speech samples; non-final chunks
+  withhold 3840 samples and cross-fade them into the next chunk with a 7680-sample Hamming window. A first
+  chunk from a full 25-code block yields 20,160 samples, later blocks 24,000 (960 samples per code).
+* **Terminal flush** (``last=True``): synthesises carry + pending codes with the lookahead padded and
+  releases the held tail: ``(3 + n) * 960 + 3840`` samples after an earlier chunk (``(3 + n) * 960`` when it
+  is the turn's first call). Afterwards the stream is back at the prompt-only base cache, an empty HiFT
+  cache and the 3 x 4218 carry (next turn).
+* **Flow cache trim**: after every chunk the estimator and conformer attention caches are trimmed exactly
+  as ``Token2wav.stream`` (0.1.1) does: ``[:prompt_frames] ++ [-100:]`` along time once they exceed
+  ``prompt_frames + 100``. The conformer cache is oldest-first (prompt kept, newest 100 frames kept);
+  the DiT cache is newest-first (the package concatenates new keys before the cache), so there the same
+  slicing keeps the newest ``prompt_frames`` frames and the oldest 100. This is the package's behaviour,
+  reproduced as is.
+
+**Scratch buffers.** ``CausalConditionalCFM`` and ``DiT`` register fixed cache buffers at construction
+(16 steps x 16 blocks x 2 CFG x 8 heads x 1000 frames x 128: 2.24 GB fp32), and their returned caches are
+views of them. We construct the flow on the ``meta`` device (no allocation), materialise parameters with
+``to_empty`` + strict ``load_state_dict``, rebuild the non-persistent tensors (relative position tables,
+the CFM noise table), and register cache buffers sized to what is actually used: ``n_timesteps`` rows,
+the DiT's real depth and a frame capacity of ``2 * prompt_tokens + 100 + 56`` (grown on demand, rounded
+up to 64 frames; ``torch.empty``, so untouched pages cost nothing). Tiny flow: ~20 MB of buffers instead of
+2.24 GB; real flow with a 6 s prompt: ~0.6 GB, which is also the size of one stream's estimator cache.
+Returned caches are cloned into the stream (never kept as views), and every call on the shared modules is
+serialised by a lock. The HiFT width is read from ``hift.pt`` (released file: the package defaults 512/512).
+On CPU, ``TORCHDYNAMO_DISABLE=1`` is set (unless already set) before stepaudio2 is imported.
+
+**Randomness.** The CFM noise table (``rand_noise``, drawn from the global RNG at construction in the
+package) is drawn from a fixed seed (``noise_seed``, default 0); HiFT's NSF source noise is drawn under
+``torch.random.fork_rng`` seeded from (stream seed, chunk index in the turn). Output is therefore a pure
+function of (voice, codes, seed): the same codes after a turn reset give the same audio.
+
+**Reference-voice prompt features** (§7.4), cached by the sha256 of the float32 16 kHz audio bytes:
+* real assets (``speech_tokenizer_v2_25hz.onnx`` + ``campplus.onnx`` present): S3 prompt tokens from the
+  ONNX tokenizer (through ``s3tokenizer``), a 192-d CAM++ x-vector from 80-bin Kaldi fbank (mean-normalised)
+  through onnxruntime;
+* tiny assets (written by :func:`write_tiny_token2wav`, marker file ``TINY_RANDOM_WEIGHTS``, no ONNX):
+  a deterministic stand-in: ``P = len(audio) // 640`` prompt tokens (25 Hz) drawn from ``0..6560`` by a
+  PCG64 generator seeded with the first 8 bytes of the audio's sha256; the x-vector is a fixed seeded
+  (seed 0) random projection of the per-bin mean and standard deviation of the 80-bin fbank,
+  L2-normalised;
+* both: the 24 kHz 80-bin mel (n_fft 1920, hop 480, win 1920, fmax 8000, ``center=False``) is computed for
+  real from the audio resampled 16 -> 24 kHz (soxr), then replicate-padded (or cut) to ``2 * P`` frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+__all__ = [
+    "Code2Wav",
+    "Code2WavStream",
+    "PromptFeatures",
+    "OnnxPromptEncoder",
+    "StandinPromptEncoder",
+    "audio_sha256",
+    "Code2WavError",
+    "Code2WavLayoutError",
+    "Code2WavInputError",
+    "ChunkBelowLookaheadError",
+    "StreamClosedError",
+    "detect_token2wav_layout",
+    "find_token2wav_dir",
+    "write_tiny_token2wav",
+    "SAMPLE_RATE",
+    "SILENCE_CODE",
+    "SAMPLES_PER_CODE",
+    "CHUNK_CODES",
+    "LOOKAHEAD_CODES",
+    "HOLDBACK_SAMPLES",
+]
+
+#: output sample rate (Hz)
+SAMPLE_RATE = 24_000
+#: prompt-audio sample rate of the S3 tokenizer / CAM++ branch (Hz)
+PROMPT_RATE = 16_000
+#: silence code: pad and first carry (MODEL.md §2)
+SILENCE_CODE = 4218
+#: valid S3 codes are 0..NUM_CODES-1; 6561 (EOS) and anything else is refused
+NUM_CODES = 6561
+#: 25 Hz codes -> 50 Hz mel (x2) -> HiFT 480 samples/frame: 960 samples per code (MODEL.md §7.2)
+SAMPLES_PER_CODE = 960
+#: new codes per non-final synthesis call (MODEL.md §7.1)
+CHUNK_CODES = 25
+#: pre-lookahead / carry codes (MODEL.md §7.1)
+LOOKAHEAD_CODES = 3
+#: HiFT cache: 8 mel frames -> 3840 source/speech samples withheld and cross-faded (MODEL.md §7.3)
+MEL_CACHE_FRAMES = 8
+HOLDBACK_SAMPLES = MEL_CACHE_FRAMES * 480
+#: flow caches keep prompt frames + this many (Token2wav 0.1.1)
+FLOW_CACHE_TAIL_FRAMES = 100
+#: files of the 5-file layout (MODEL.md §1.2)
+FILES_5 = ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "hift.pt")
+ONNX_FILES = FILES_5[:2]
+MODEL_FILES = FILES_5[2:]
+#: files that only the minicpmo-utils 1.0.7 (7-file, CosyVoice3 vocoder) layout has
+FILES_7_MARKERS = ("hift_original.pt", "config.yaml")
+TINY_MARKER = "TINY_RANDOM_WEIGHTS"
+
+
+class Code2WavError(RuntimeError):
+    """Base class of Code2Wav errors."""
+
+
+class Code2WavLayoutError(Code2WavError):
+    """The token2wav asset folder is missing files or has an unsupported layout."""
+
+
+class Code2WavInputError(Code2WavError, ValueError):
+    """Bad codes (EOS 6561, audio_bos, negative, not 1-D integers) or bad reference audio."""
+
+
+class ChunkBelowLookaheadError(Code2WavInputError):
+    """A non-final synthesis call was asked for with fewer than 4 new codes (more than the 3-code
+    lookahead are needed; MODEL.md §7.1, vO #7633)."""
+
+    code = "chunk_below_lookahead_window"
+
+
+class StreamClosedError(Code2WavError):
+    """The stream was closed."""
+
+
+# ----------------------------------------------------------------------------- layout
+def find_token2wav_dir(path: Union[str, Path]) -> Path:
+    """Resolve a checkpoint root, its ``assets/`` folder or ``assets/token2wav/`` to the token2wav folder."""
+    p = Path(path)
+    for cand in (p, p / "token2wav", p / "assets" / "token2wav"):
+        if (cand / "flow.yaml").is_file() or any((cand / f).exists() for f in FILES_5 + FILES_7_MARKERS):
+            return cand
+    raise Code2WavLayoutError(f"no token2wav assets under {p} (looked for flow.yaml in {p}, {p}/token2wav, "
+                              f"{p}/assets/token2wav)")
+
+
+def detect_token2wav_layout(folder: Union[str, Path]) -> str:
+    """Classify a token2wav folder.
+
+    Returns:
+        ``"5-file"`` (released layout: ONNX prompt encoders + flow + HiFT) or ``"tiny"`` (flow.yaml,
+        flow.pt, hift.pt and the ``TINY_RANDOM_WEIGHTS`` marker, no ONNX).
+
+    Raises:
+        Code2WavLayoutError: the 7-file minicpmo-utils 1.0.7 layout (its ``hift.pt`` is a CosyVoice3
+            vocoder, MODEL.md §1.2), or missing files.
+    """
+    d = Path(folder)
+    present = {f for f in FILES_5 + FILES_7_MARKERS + (TINY_MARKER,) if (d / f).exists()}
+    seven = [f for f in FILES_7_MARKERS if f in present]
+    if seven:
+        raise Code2WavLayoutError(
+            f"{d} holds the 7-file token2wav layout of minicpmo-utils 1.0.7 ({', '.join(seven)} present): its "
+            "hift.pt is a causal CosyVoice3 vocoder, not the HiFT of the released 5-file layout. Use the "
+            "checkpoint's original assets/token2wav (speech_tokenizer_v2_25hz.onnx, campplus.onnx, flow.yaml, "
+            "flow.pt, hift.pt).")
+    missing_models = [f for f in MODEL_FILES if f not in present]
+    if missing_models:
+        raise Code2WavLayoutError(f"token2wav folder {d} lacks {missing_models} (5-file layout: {list(FILES_5)})")
+    onnx = [f for f in ONNX_FILES if f in present]
+    if len(onnx) == 2:
+        return "5-file"
+    if not onnx and TINY_MARKER in present:
+        return "tiny"
+    raise Code2WavLayoutError(
+        f"token2wav folder {d} lacks the prompt encoders {[f for f in ONNX_FILES if f not in present]} "
+        "(needed to compute reference-voice features; only a tiny random asset set marked "
+        f"{TINY_MARKER} may omit both)")
+
+
+# ----------------------------------------------------------------------------- torch helpers
+def _torch():
+    import torch
+
+    return torch
+
+
+def _cpu_disable_dynamo(device) -> None:
+    """On CPU set ``TORCHDYNAMO_DISABLE=1`` (unless the caller chose) before stepaudio2 is imported:
+    retracing of compiled paths dominates there (MODEL.md §7.5). GPU processes are left alone."""
+    if getattr(device, "type", str(device)) == "cpu":
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def _register_cosyvoice2_aliases() -> None:
+    """Make ``cosyvoice2.*`` (the module paths named in flow.yaml) resolve to stepaudio2's modules, the
+    way the package itself does before it parses flow.yaml."""
+    from stepaudio2 import token2wav as _t2w
+
+    _t2w._setup_cosyvoice2_alias()
+
+
+def _load_flow_yaml(path: Path, device, dtype):
+    """Construct the flow from flow.yaml on the meta device and materialise it without the fixed
+    multi-GB scratch buffers (see module docstring). Parameters are uninitialised until loaded."""
+    torch = _torch()
+    from hyperpyyaml import load_hyperpyyaml
+
+    _register_cosyvoice2_aliases()
+    with torch.device("meta"), open(path, "r") as f:
+        cfg = load_hyperpyyaml(f)
+    flow = cfg.get("flow") if isinstance(cfg, dict) else None
+    from stepaudio2.cosyvoice2.flow.flow import CausalMaskedDiffWithXvec
+
+    if not isinstance(flow, CausalMaskedDiffWithXvec):
+        raise Code2WavLayoutError(f"{path} does not define `flow: !new:...CausalMaskedDiffWithXvec`")
+    flow.to_empty(device=device)
+    _rebuild_nonpersistent(flow, device)
+    flow.to(dtype=dtype)
+    return flow
+
+
+def _rebuild_nonpersistent(flow, device) -> None:
+    torch = _torch()
+    from stepaudio2.cosyvoice2.transformer.embedding import EspnetRelPositionalEncoding
+
+    for m in flow.modules():
+        if isinstance(m, EspnetRelPositionalEncoding):
+            n = m.pe.shape[1] // 2 + 1 if m.pe is not None else 5000
+            m.pe = None
+            m.extend_pe(torch.zeros(1, n, device=device))
+    dec = flow.decoder
+    # tiny placeholders; _FlowRunner sizes them before use
+    dec.cnn_cache_buffer = torch.zeros(0, device=device)
+    dec.att_cache_buffer = torch.zeros(0, device=device)
+    dec.estimator.cnn_cache_buffer = torch.zeros(0, device=device)
+    dec.estimator.att_cache_buffer = torch.zeros(0, device=device)
+    dec.rand_noise = torch.zeros(0, device=device)
+    leftovers = []
+    for name, m in flow.named_modules():
+        for k, v in list(vars(m).items()):
+            if torch.is_tensor(v) and v.is_meta:
+                leftovers.append(f"{name}.{k}")
+        for k, v in list(m._buffers.items()) + list(m._parameters.items()):
+            if v is not None and v.is_meta:
+                leftovers.append(f"{name}.{k}")
+    if leftovers:
+        raise Code2WavLayoutError(f"flow tensors not materialised (unsupported stepaudio2 version?): {leftovers}")
+
+
+def _build_hift(sd: dict, device, dtype):
+    """HiFTGenerator whose widths are read from the tensors (the real hift.pt gives the package defaults,
+    base 512 / F0 predictor 512; the tiny asset set uses smaller widths)."""
+    torch = _torch()
+    from stepaudio2.flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator
+
+    def width(prefix):
+        for suffix in ("parametrizations.weight.original1", "weight_v", "weight"):
+            if prefix + suffix in sd:
+                return int(sd[prefix + suffix].shape[0])
+        raise Code2WavLayoutError(f"hift.pt lacks {prefix}weight")
+
+    base = width("conv_pre.")
+    cond = width("f0_predictor.condnet.0.")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hift = HiFTGenerator(base_channels=base, f0_predictor=ConvRNNF0Predictor(cond_channels=cond))
+    try:
+        hift.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise Code2WavLayoutError(f"hift.pt does not match HiFTGenerator(base_channels={base}): {e}") from e
+    return hift.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------- prompt features
+@dataclass(frozen=True)
+class PromptFeatures:
+    """Reference-voice prompt features of the flow (MODEL.md §7.4).
+
+    Attributes:
+        tokens: int32 [1, P] S3 prompt tokens (25 Hz).
+        mel: float32 [1, 2P, 80] 24 kHz log-mel, replicate-padded to 2P frames.
+        spk: float32 [1, 192] speaker x-vector.
+        key: sha256 hex of the 16 kHz float32 audio bytes.
+        source: ``"onnx"`` (real encoders), ``"standin"`` (tiny assets) or ``"injected"``.
+    """
+
+    tokens: Any
+    mel: Any
+    spk: Any
+    key: str
+    source: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def audio_sha256(audio: np.ndarray) -> str:
+    """sha256 hex of ``float32`` mono audio bytes (same rule as ``ReferenceVoice.sha256``)."""
+    return hashlib.sha256(np.ascontiguousarray(audio, dtype=np.float32).tobytes()).hexdigest()
+
+
+def _prompt_mel_24k(audio16: np.ndarray, n_frames: int):
+    torch = _torch()
+    import soxr
+    from stepaudio2.flashcosyvoice.utils.audio import mel_spectrogram
+
+    a24 = soxr.resample(audio16.astype(np.float32), PROMPT_RATE, SAMPLE_RATE).astype(np.float32)
+    mel = mel_spectrogram(torch.from_numpy(a24)[None])  # [1, 80, T]
+    mel = mel.transpose(1, 2)  # [1, T, 80]
+    if mel.shape[1] == 0:
+        raise Code2WavInputError("reference audio too short for a prompt mel")
+    if mel.shape[1] < n_frames:
+        mel = torch.nn.functional.pad(mel, (0, 0, 0, n_frames - mel.shape[1]), mode="replicate")
+    return mel[:, :n_frames].contiguous().float()
+
+
+def _fbank(audio16: np.ndarray):
+    torch = _torch()
+    import torchaudio.compliance.kaldi as kaldi
+
+    return kaldi.fbank(torch.from_numpy(audio16.astype(np.float32))[None], num_mel_bins=80, dither=0,
+                       sample_frequency=PROMPT_RATE)
+
+
+class StandinPromptEncoder:
+    """Deterministic stand-in for the two ONNX prompt encoders of the tiny asset set (module docstring)."""
+
+    source = "standin"
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.proj = (rng.standard_normal((160, 192)) / np.sqrt(160)).astype(np.float32)
+
+    def __call__(self, audio16: np.ndarray, key: str):
+        torch = _torch()
+        p = len(audio16) // 640
+        rng = np.random.default_rng(int.from_bytes(bytes.fromhex(key)[:8], "little"))
+        tokens = torch.from_numpy(rng.integers(0, NUM_CODES, size=(1, p)).astype(np.int32))
+        fb = _fbank(audio16).numpy()
+        stats = np.concatenate([fb.mean(0), fb.std(0)]).astype(np.float32)
+        spk = stats @ self.proj
+        spk = spk / max(float(np.linalg.norm(spk)), 1e-6)
+        return tokens, torch.from_numpy(spk[None].astype(np.float32))
+
+
+class OnnxPromptEncoder:
+    """The released prompt encoders (MODEL.md §7.4): the S3 tokenizer v2 (``speech_tokenizer_v2_25hz.onnx``,
+    converted to torch by ``s3tokenizer``; 128-bin log-mel at 16 kHz, 25 tokens/s) and CAM++
+    (``campplus.onnx`` through onnxruntime on CPU: 80-bin Kaldi fbank at 16 kHz, dither 0, mean-normalised
+    over time -> 192-d x-vector).
+
+    Call: ``(audio16 float32 [N], key) -> (tokens int32 [1, P], spk float32 [1, 192])``.
+    """
+
+    source = "onnx"
+
+    def __init__(self, tokenizer, campplus_session) -> None:
+        self.tokenizer = tokenizer.eval()
+        self.campplus = campplus_session
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "OnnxPromptEncoder":
+        """Load both encoders from a 5-file token2wav folder.
+
+        Raises:
+            Code2WavLayoutError: a file is missing or cannot be loaded.
+        """
+        import onnxruntime
+        import s3tokenizer
+
+        for f in ONNX_FILES:
+            if not (folder / f).is_file():
+                raise Code2WavLayoutError(f"{folder / f} is missing (needed for reference-voice prompt features)")
+        try:
+            tok = s3tokenizer.load_model(str(folder / "speech_tokenizer_v2_25hz.onnx"))
+        except Exception as e:  # noqa: BLE001 - third-party loaders raise many types
+            raise Code2WavLayoutError(f"cannot load {folder / 'speech_tokenizer_v2_25hz.onnx'}: {e}") from e
+        opt = onnxruntime.SessionOptions()
+        opt.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opt.intra_op_num_threads = 1
+        try:
+            sess = onnxruntime.InferenceSession(str(folder / "campplus.onnx"), sess_options=opt,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001
+            raise Code2WavLayoutError(f"cannot load {folder / 'campplus.onnx'}: {e}") from e
+        return cls(tok, sess)
+
+    def __call__(self, audio16: np.ndarray, key: str):
+        torch = _torch()
+        import s3tokenizer
+
+        with torch.inference_mode():
+            mels = s3tokenizer.log_mel_spectrogram(torch.from_numpy(audio16.astype(np.float32)))
+            mels, mel_lens = s3tokenizer.padding([mels])
+            dev = next(self.tokenizer.parameters()).device
+            tokens, tok_lens = self.tokenizer.quantize(mels.to(dev), mel_lens.to(dev))
+        tokens = tokens[:, : int(tok_lens[0])].to(torch.int32).cpu()
+        feat = _fbank(audio16)
+        feat = feat - feat.mean(dim=0, keepdim=True)
+        spk = self.campplus.run(None, {self.campplus.get_inputs()[0].name: feat[None].numpy()})[0]
+        return tokens, torch.from_numpy(np.asarray(spk, dtype=np.float32).reshape(1, -1))
+
+
+# ----------------------------------------------------------------------------- streams
+@dataclass
+class Code2WavStream:
+    """Per-stream vocoder state (owned by one session; never shared).
+
+    Attributes:
+        prompt: the voice's :class:`PromptFeatures`.
+        seed: seed of HiFT's source noise (with the chunk index).
+        carry: int64 [3] codes that open the next synthesis call (3 x 4218 at turn start).
+        pending: int64 [n] buffered new codes (< 25 after each push).
+        chunks: synthesis calls in the current turn.
+        samples_out: samples emitted in the current turn.
+        closed: set by :meth:`Code2Wav.close`.
+    """
+
+    prompt: PromptFeatures
+    seed: int
+    base_cache: dict
+    flow_cache: dict = field(default_factory=dict)
+    hift_cache: Optional[dict] = None
+    carry: np.ndarray = field(default_factory=lambda: np.full(LOOKAHEAD_CODES, SILENCE_CODE, np.int64))
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chunks: int = 0
+    samples_out: int = 0
+    closed: bool = False
+
+
+class Code2Wav:
+    """Streaming codes -> 24 kHz audio for many streams over one shared flow + HiFT.
+
+    Build with :meth:`from_pretrained`. All public methods are thread-safe (calls on the shared modules
+    are serialised).
+    """
+
+    def __init__(self, flow, hift, *, prompt_encoder, device="cpu", dtype=None, n_timesteps: int = 10,
+                 noise_seed: int = 0, default_voice: Optional[np.ndarray] = None, layout: str = "5-file",
+                 max_cached_voices: int = 16):
+        torch = _torch()
+        self.torch = torch
+        self.device = torch.device(device)
+        self.dtype = dtype or torch.float32
+        self.flow = flow.eval()
+        self.hift = hift.eval()
+        self.n_timesteps = int(n_timesteps)
+        self.layout = layout
+        self._encoder = prompt_encoder
+        self._default_voice = default_voice
+        self._lock = threading.RLock()
+        self._voices: "OrderedDict[str, tuple[PromptFeatures, dict]]" = OrderedDict()
+        self._max_voices = max_cached_voices
+        self.prompt_cache_misses = 0
+        self.up_rate = int(flow.up_rate)
+        self.pre_lookahead = int(flow.pre_lookahead_len)
+        if self.pre_lookahead != LOOKAHEAD_CODES or self.up_rate != 2:
+            raise Code2WavLayoutError(f"flow pre_lookahead_len={self.pre_lookahead}, up_rate={self.up_rate}; "
+                                      "expected 3 and 2 (MODEL.md §7.2)")
+        dec = flow.decoder
+        est = dec.estimator
+        self._depth = len(est.blocks)
+        attn = est.blocks[0].attn
+        self._heads = attn.num_heads
+        self._head_dim = attn.head_dim
+        self._conv_ch = est.blocks[0].conv.in_channels + est.blocks[0].conv.out_channels
+        self._capacity = 0
+        g = torch.Generator(device="cpu").manual_seed(int(noise_seed))
+        dec.rand_noise = torch.randn((1, dec.out_channels, 50 * 600), generator=g).to(self.device, self.dtype)
+        # HiFT always runs in float32 (its iSTFT); only the flow follows ``dtype``
+        self.speech_window = torch.from_numpy(np.hamming(2 * HOLDBACK_SAMPLES)).to(self.device, torch.float32)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path], *, device: str = "cpu", dtype=None, n_timesteps: int = 10,
+                        noise_seed: int = 0, prompt_encoder: Any = None) -> "Code2Wav":
+        """Load from ``assets/token2wav/`` (or the checkpoint root / ``assets/``).
+
+        ``flow.yaml`` is parsed with hyperpyyaml, ``flow.pt`` loads strict, ``hift.pt`` loads strict after
+        stripping ``generator.``. The default voice is ``assets/HT_ref_audio.wav`` when present, else
+        duplexkit's bundled ``ref_voice_16k.wav``.
+
+        Args:
+            prompt_encoder: optional replacement of the prompt encoders: a callable
+                ``(audio16 float32 [N], sha256 hex) -> (tokens int32 [1, P], spk float32 [1, 192])`` with a
+                ``source`` attribute. Default: :class:`OnnxPromptEncoder` for the 5-file layout, the
+                documented stand-in for the tiny layout.
+
+        Raises:
+            Code2WavLayoutError: missing files, the 7-file layout, or tensors that do not match.
+        """
+        torch = _torch()
+        folder = find_token2wav_dir(path)
+        layout = detect_token2wav_layout(folder)
+        device_t = torch.device(device)
+        _cpu_disable_dynamo(device_t)
+        dtype = dtype or torch.float32
+        flow = _load_flow_yaml(folder / "flow.yaml", device_t, dtype)
+        sd = torch.load(folder / "flow.pt", map_location="cpu", weights_only=True)
+        try:
+            flow.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            raise Code2WavLayoutError(f"flow.pt does not match flow.yaml: {e}") from e
+        hsd = torch.load(folder / "hift.pt", map_location="cpu", weights_only=True)
+        hsd = {k[len("generator."):] if k.startswith("generator.") else k: v for k, v in hsd.items()}
+        hift = _build_hift(hsd, device_t, torch.float32)
+        if prompt_encoder is not None:
+            encoder = prompt_encoder
+        elif layout == "5-file":
+            encoder = OnnxPromptEncoder.from_folder(folder)
+        else:
+            encoder = StandinPromptEncoder()
+        default_voice = None
+        for cand in (folder.parent / "HT_ref_audio.wav", folder.parent / "system_ref_audio.wav",
+                     Path(__file__).resolve().parents[2] / "assets" / "ref_voice_16k.wav"):
+            if cand.is_file():
+                default_voice = _read_audio_16k(cand)
+                break
+        return cls(flow, hift, prompt_encoder=encoder, device=device_t, dtype=dtype, n_timesteps=n_timesteps,
+                   noise_seed=noise_seed, default_voice=default_voice, layout=layout)
+
+    # ------------------------------------------------------------------ voices
+    def prompt_features(self, audio16: Optional[np.ndarray] = None) -> PromptFeatures:
+        """Prompt features of a 16 kHz float32 mono reference clip (``None`` = the default voice), cached by
+        the sha256 of its bytes.
+
+        Raises:
+            Code2WavInputError: empty / non-finite / too short (< 3 prompt tokens = 120 ms) audio, or no
+                default voice available.
+        """
+        return self._voice(audio16)[0]
+
+    def _voice(self, audio16: Optional[np.ndarray]):
+        torch = self.torch
+        if audio16 is None:
+            if self._default_voice is None:
+                raise Code2WavInputError("no reference voice given and no default voice available")
+            audio16 = self._default_voice
+        a = np.asarray(audio16)
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.floating):
+            raise Code2WavInputError(f"reference audio must be 1-D float 16 kHz, got {a.dtype} {a.shape}")
+        a = a.astype(np.float32)
+        if not np.isfinite(a).all():
+            raise Code2WavInputError("reference audio contains non-finite samples")
+        if len(a) < 3 * 640:
+            raise Code2WavInputError(f"reference audio too short ({len(a)} samples < 1920 = 3 prompt tokens)")
+        key = audio_sha256(a)
+        with self._lock:
+            hit = self._voices.get(key)
+            if hit is not None:
+                self._voices.move_to_end(key)
+                return hit
+            self.prompt_cache_misses += 1
+            tokens, spk = self._encoder(a, key)
+            if tokens.shape[1] < 3:
+                raise Code2WavInputError("reference audio yields fewer than 3 prompt tokens")
+            mel = _prompt_mel_24k(a, tokens.shape[1] * self.up_rate)
+            pf = PromptFeatures(tokens=tokens.to(self.device), mel=mel.to(self.device, self.dtype),
+                                spk=spk.to(self.device, self.dtype), key=key, source=self._encoder.source)
+            base = self._setup_cache(pf)
+            self._voices[key] = (pf, base)
+            while len(self._voices) > self._max_voices:
+                self._voices.popitem(last=False)
+            return pf, base
+
+    def _setup_cache(self, pf: PromptFeatures) -> dict:
+        torch = self.torch
+        self._ensure_capacity(pf.mel.shape[1])
+        pad = torch.full((1, LOOKAHEAD_CODES), SILENCE_CODE, dtype=pf.tokens.dtype, device=self.device)
+        with torch.inference_mode():
+            cache = self.flow.setup_cache(torch.cat([pf.tokens, pad], dim=1), pf.mel, pf.spk,
+                                          n_timesteps=self.n_timesteps)
+        return {k: v.clone() for k, v in cache.items()}
+
+    # ------------------------------------------------------------------ streams
+    def new_stream(self, ref_voice: Any = None, *, seed: int = 0) -> Code2WavStream:
+        """Open a stream for a reference voice.
+
+        Args:
+            ref_voice: ``duplexkit.engine.api.ReferenceVoice`` (its ``.audio``), a float32 16 kHz array, or
+                ``None`` for the default voice.
+            seed: seed of the vocoder's source noise (output is deterministic per (voice, codes, seed)).
+        """
+        audio = getattr(ref_voice, "audio", ref_voice)
+        pf, base = self._voice(audio)
+        st = Code2WavStream(prompt=pf, seed=int(seed), base_cache=base)
+        self.reset_turn(st)
+        return st
+
+    def reset_turn(self, stream: Code2WavStream) -> None:
+        """Drop pending codes and restore the prompt-only base cache, an empty HiFT cache and the 3 x 4218
+        carry (what a terminal flush does after emitting)."""
+        self._check_open(stream)
+        stream.flow_cache = {k: v.clone() for k, v in stream.base_cache.items()}
+        stream.hift_cache = None
+        stream.carry = np.full(LOOKAHEAD_CODES, SILENCE_CODE, np.int64)
+        stream.pending = np.zeros(0, np.int64)
+        stream.chunks = 0
+        stream.samples_out = 0
+
+    def close(self, stream: Code2WavStream) -> None:
+        """Free the stream's caches; later calls on it raise :class:`StreamClosedError`."""
+        stream.flow_cache = {}
+        stream.hift_cache = None
+        stream.base_cache = {}
+        stream.pending = np.zeros(0, np.int64)
+        stream.closed = True
+
+    def push(self, stream: Code2WavStream, codes: Any, last: bool = False, *, flush: bool = False) -> np.ndarray:
+        """Add codes and return the audio that became ready.
+
+        Args:
+            stream: from :meth:`new_stream`.
+            codes: int [n] S3 codes in ``0..6560`` (may be empty). EOS 6561 and any other id are refused.
+            last: terminal flush: synthesise everything pending (lookahead padded), release the held tail,
+                then reset the stream for the next turn.
+            flush: after the full 25-code blocks, synthesise the remaining pending codes now (early flush,
+                non-final); that remainder must be 0 or >= 4 codes. Without ``flush`` fewer than 25 pending
+                codes are simply buffered, so a talker unit that returns only a few codes is never an error.
+
+        Returns:
+            float32 [m] mono 24 kHz audio (possibly empty): 20,160 samples for a turn's first full 25-code
+            block, 24,000 per later block; the terminal flush returns ``(3 + n) * 960 (+ 3840 held)``.
+
+        Raises:
+            Code2WavInputError: codes out of range / wrong type (nothing is consumed).
+            ChunkBelowLookaheadError: ``flush`` with a 1..3-code remainder (nothing is consumed).
+            StreamClosedError: the stream was closed.
+        """
+        self._check_open(stream)
+        new = _check_codes(codes)
+        pending = np.concatenate([stream.pending, new])
+        if last:
+            n_blocks = max(0, (len(pending) - 1) // CHUNK_CODES)  # the final call takes 1..25 (or 0) codes
+        else:
+            n_blocks = len(pending) // CHUNK_CODES
+        rest = len(pending) - n_blocks * CHUNK_CODES
+        if flush and not last and 0 < rest < LOOKAHEAD_CODES + 1:
+            raise ChunkBelowLookaheadError(
+                f"a non-final chunk needs >= {LOOKAHEAD_CODES + 1} new codes (got {rest}); "
+                "push more codes or send last=True")
+        out = []
+        with self._lock:
+            for i in range(n_blocks):
+                out.append(self._synth(stream, pending[i * CHUNK_CODES:(i + 1) * CHUNK_CODES], last=False))
+            pending = pending[n_blocks * CHUNK_CODES:]
+            if flush and not last and len(pending) > 0:
+                out.append(self._synth(stream, pending, last=False))
+                pending = pending[:0]
+            stream.pending = pending
+            if last:
+                out.append(self._synth(stream, pending, last=True))
+                self.reset_turn(stream)
+        if not out:
+            return np.zeros(0, np.float32)
+        return np.concatenate(out).astype(np.float32, copy=False)
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self, stream: Code2WavStream) -> None:
+        if not isinstance(stream, Code2WavStream):
+            raise TypeError("expected a Code2WavStream")
+        if stream.closed:
+            raise StreamClosedError("code2wav stream is closed")
+
+    def _ensure_capacity(self, prompt_frames: int) -> None:
+        """Size the CFM/DiT cache buffers for ``prompt_frames`` + 100 kept + the largest chunk (56)."""
+        torch = self.torch
+        need = prompt_frames + FLOW_CACHE_TAIL_FRAMES + (CHUNK_CODES + LOOKAHEAD_CODES) * self.up_rate
+        if need <= self._capacity:
+            return
+        cap = -(-need // 64) * 64
+        dec = self.flow.decoder
+        est = dec.estimator
+        kw = dict(device=self.device, dtype=self.dtype)
+        steps, depth, h, hd2 = self.n_timesteps, self._depth, self._heads, 2 * self._head_dim
+        # torch.empty: the package writes [..., :L, :] before it returns (and reads) that slice, so pages
+        # beyond the frames actually used are never touched
+        dec.att_cache_buffer = torch.empty(steps, depth, 2, h, cap, hd2, **kw)
+        dec.cnn_cache_buffer = torch.zeros(steps, depth, 2, self._conv_ch, 2, **kw)
+        est.att_cache_buffer = torch.empty(depth, 2, h, cap, hd2, **kw)
+        est.cnn_cache_buffer = torch.zeros(depth, 2, self._conv_ch, 2, **kw)
+        self._capacity = cap
+
+    def _synth(self, stream: Code2WavStream, new: np.ndarray, last: bool) -> np.ndarray:
+        """One flow + HiFT call on ``carry ++ new`` (caller holds the lock)."""
+        torch = self.torch
+        pf = stream.prompt
+        self._ensure_capacity(pf.mel.shape[1])
+        tokens = np.concatenate([stream.carry, new])
+        tok = torch.from_numpy(tokens.astype(np.int64)).to(self.device)[None]
+        with torch.inference_mode():
+            mel, cache = self.flow.inference_chunk(token=tok, spk=pf.spk, cache=stream.flow_cache,
+                                                   last_chunk=last, n_timesteps=self.n_timesteps)
+            cache = {k: v.clone() for k, v in cache.items()}
+            keep = pf.mel.shape[1]
+            att = cache["estimator_att_cache"]
+            if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
+                cache["estimator_att_cache"] = torch.cat(
+                    [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
+            catt = cache["conformer_att_cache"]
+            if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
+                cache["conformer_att_cache"] = torch.cat(
+                    [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
+            mel = mel.float()
+            hc = stream.hift_cache
+            if hc is not None:
+                mel = torch.cat([hc["mel"], mel], dim=2)
+                src_cache = hc["source"]
+            else:
+                src_cache = torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
+            seed = (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
+            devices = [self.device.index or 0] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                speech, source = self.hift(mel, src_cache)
+            if hc is not None:
+                n = HOLDBACK_SAMPLES
+                speech = speech.clone()
+                speech[..., :n] = speech[..., :n] * self.speech_window[:n] + hc["speech"][..., -n:] * self.speech_window[n:]
+            stream.hift_cache = dict(
+                mel=mel[..., -MEL_CACHE_FRAMES:].clone(),
+                source=source[:, :, -HOLDBACK_SAMPLES:].clone(),
+                speech=speech[:, -HOLDBACK_SAMPLES:].clone(),
+            )
+            if not last:
+                speech = speech[:, :-HOLDBACK_SAMPLES]
+        stream.flow_cache = cache
+        if not last:
+            stream.carry = tokens[-LOOKAHEAD_CODES:].astype(np.int64)
+        stream.chunks += 1
+        audio = speech[0].float().cpu().numpy()
+        stream.samples_out += len(audio)
+        return audio
+
+
+def _check_codes(codes: Any) -> np.ndarray:
+    a = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.ndim != 1:
+        raise Code2WavInputError(f"codes must be 1-D, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise Code2WavInputError(f"codes must be integers, got {a.dtype}")
+    bad = a[(a < 0) | (a >= NUM_CODES)]
+    if bad.size:
+        raise Code2WavInputError(
+            f"codes must be S3 codes 0..{NUM_CODES - 1}; got {sorted(set(bad.tolist()))[:5]} (EOS 6561 and "
+            "audio_bos are never passed to Code2Wav, MODEL.md §7.1)")
+    return a.astype(np.int64)
+
+
+def _read_audio_16k(path: Path) -> np.ndarray:
+    import soundfile as sf
+    import soxr
+
+    data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    mono = data.mean(axis=1)
+    if rate != PROMPT_RATE:
+        mono = soxr.resample(mono, rate, PROMPT_RATE)
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------- tiny assets
+_TINY_FLOW_YAML = """\
+# Tiny random-weight token2wav flow for duplexkit tests (write_tiny_token2wav, seed {seed}).
+# Same classes and streaming geometry as the released flow.yaml (512 wide, 8 heads x 64, pre-lookahead 3,
+# up-rate 2, 80-bin mel, 192-d x-vector, 6561 codes); depth shrunk: {enc} + {up} conformer blocks, DiT
+# depth {dit}, FFN {ffn}.
+flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
+    input_size: 512
+    output_size: 80
+    spk_embed_dim: 192
+    output_type: mel
+    vocab_size: 6561
+    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2
+        input_size: 512
+        output_size: 512
+        input_layer: linear
+        pre_lookahead_len: 3
+        num_blocks: {enc}
+        num_up_blocks: {up}
+        up_stride: 2
+        up_scale_factor: 2
+        attention_heads: 8
+        pos_enc_layer_type: rel_pos_espnet
+        selfattention_layer_type: rel_selfattn
+        key_bias: true
+        linear_units: {ffn}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: true
+    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM
+        inference_cfg_rate: 0.7
+        estimator: !new:cosyvoice2.flow.decoder_dit.DiT
+            in_channels: 320
+            out_channels: 80
+            mlp_ratio: {mlp_ratio}
+            depth: {dit}
+            num_heads: 8
+            head_dim: 64
+            hidden_size: 512
+"""
+
+
+def write_tiny_token2wav(assets_dir: Union[str, Path], seed: int = 0, *, dit_depth: int = 2,
+                         encoder_blocks: int = 1, up_blocks: int = 1, ffn: int = 256,
+                         hift_channels: int = 64) -> Path:
+    """Write a tiny random-weight token2wav asset set (flow.yaml, flow.pt, hift.pt, ``TINY_RANDOM_WEIGHTS``).
+
+    Args:
+        assets_dir: the checkpoint's ``assets/`` folder (files go to ``assets/token2wav/``) or the
+            ``token2wav`` folder itself (a path whose name is ``token2wav``).
+        seed: weight seed (deterministic output for a given seed).
+
+    The streaming geometry stays the released one (512 wide, 8 heads x 64; MODEL.md §7.5, §9); only depth,
+    FFN width and the HiFT widths shrink (about 15 M parameters). No ONNX prompt encoders are written:
+    :class:`Code2Wav` uses the documented stand-in prompt features for such a folder.
+
+    Returns:
+        the token2wav folder.
+    """
+    torch = _torch()
+    _cpu_disable_dynamo(torch.device("cpu"))
+    from stepaudio2.flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator
+
+    d = Path(assets_dir)
+    if d.name != "token2wav":
+        d = d / "token2wav"
+    d.mkdir(parents=True, exist_ok=True)
+    yaml_text = _TINY_FLOW_YAML.format(seed=seed, enc=encoder_blocks, up=up_blocks, dit=dit_depth, ffn=ffn,
+                                       mlp_ratio=float(ffn) / 512.0)
+    (d / "flow.yaml").write_text(yaml_text)
+    flow = _load_flow_yaml(d / "flow.yaml", torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, p in sorted(flow.named_parameters()):
+            if p.ndim == 1 and name.endswith("weight"):
+                p.fill_(1.0)  # LayerNorm gains
+            elif name.endswith("bias") or p.ndim == 1:
+                p.copy_(0.01 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = int(np.prod(p.shape[1:]))
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(fan_in))
+    sd = {k: v.detach().clone().contiguous() for k, v in flow.state_dict().items()}
+    torch.save(sd, d / "flow.pt")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed) + 1)
+        hift = HiFTGenerator(base_channels=hift_channels, f0_predictor=ConvRNNF0Predictor(cond_channels=hift_channels))
+    torch.save({"generator." + k: v.detach().clone().contiguous() for k, v in hift.state_dict().items()},
+               d / "hift.pt")
+    (d / TINY_MARKER).write_text(
+        "Random-weight token2wav asset set written by duplexkit.models.minicpmo45.code2wav.write_tiny_token2wav "
+        f"(seed {seed}). It produces noise, not speech. No ONNX prompt encoders: Code2Wav derives stand-in "
+        "prompt features from the reference audio (see the code2wav module docstring).\n")
+    return d
