@@ -41,9 +41,12 @@ Epochs and cancellation
 
 Failures
 --------
-An exception in a stage for one stream (returned in its result slot, or raised by a batch of one)
-fails that stream only: it gets ``EngineError(code="server_error", fatal=True)``, its state is
-freed at every stage, and its output iterator ends. A batch call that raises with several
+An exception in the thinker for one stream (returned in its result slot, or raised by a batch of
+one) fails that stream only: it gets ``EngineError(code="server_error", fatal=True)`` (its KV may
+be half-updated), its state is freed at every stage, and its output iterator ends. An exception in
+the talker or the vocoder costs only the current turn: the unit gets a non-fatal ``EngineError``,
+that stage's turn state is dropped, and the stream keeps serving (the Session ends the response
+``failed`` and advances the epoch). A batch call that raises with several
 streams fails all of them (their state may be half-updated); other streams keep running.
 Errors not tied to a unit carry ``unit_index=-1``.
 """
@@ -416,6 +419,28 @@ class StageRuntime:
             self._begin_close(st)
         self._cond.notify_all()
 
+    def _fail_turn(self, st: _Stream, stage: str, exc: BaseException, slot: "_Slot") -> None:
+        """A talker or vocoder failure for one unit: the stream survives (PROTOCOL.md §9: the
+        response ends ``failed``, the session continues). The unit gets a non-fatal ``EngineError``
+        in order with its other outputs, the stage's turn state is dropped (the next speaking unit
+        opens a fresh talker turn / vocoder carry), and the Session's ``CancelEpoch`` that follows
+        clears the rest of the turn. If even the reset fails, the stream fails fatally."""
+        log.error("stream %s: %s failed on unit %s (turn dropped, stream kept): %s", st.id, stage,
+                  slot.unit_index, "".join(traceback.format_exception(exc)).rstrip())
+        try:
+            if stage == "talker" and st.talker_turn is not None:
+                turn, st.talker_turn = st.talker_turn, None
+                self.model.talker_close_turn(turn)
+            elif stage == "code2wav" and st.c2w_handle is not None:
+                self.model.code2wav_reset_turn(st.c2w_handle)
+        except Exception as reset_exc:  # noqa: BLE001 - the stream's state is unknown now
+            self._fail(st, stage, reset_exc, slot.unit_index)
+            return
+        self._emit(st, slot, EngineError(st.id, slot.epoch, slot.unit_index, code="server_error",
+                                         message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=False))
+        self._finish_slot(st, slot)
+        self._flush(st)
+
     def _deliver(self, st: _Stream, out: Optional[EngineOutput]) -> None:
         try:
             st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
@@ -702,7 +727,7 @@ class StageRuntime:
                 if st.failed or st.closing:
                     continue
                 if isinstance(res, BaseException):
-                    self._fail(st, "talker", res, slot.unit_index)
+                    self._fail_turn(st, "talker", res, slot)
                     continue
                 if slot.epoch != st.epoch:
                     self._finish_slot(st, slot, timings=False)
@@ -738,7 +763,7 @@ class StageRuntime:
                 if st.failed or st.closing:
                     continue
                 if isinstance(res, BaseException):
-                    self._fail(st, "code2wav", res, slot.unit_index)
+                    self._fail_turn(st, "code2wav", res, slot)
                     continue
                 if slot.epoch != st.epoch:
                     self._finish_slot(st, slot, timings=False)
