@@ -390,6 +390,8 @@ class _Settings:
 def _vad_classes():
     """The server VAD from duplexkit.audio (None when it is not available)."""
     try:
+        import webrtcvad  # noqa: F401  (webrtcvad-wheels)
+
         from duplexkit.audio import StreamingVAD, VadConfig  # noqa: WPS433
     except ImportError:
         return None

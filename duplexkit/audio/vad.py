@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import webrtcvad
 
 __all__ = ["VadConfig", "VadEvent", "StreamingVAD", "FrameDecision", "MIN_PREROLL_MS"]
 
@@ -191,6 +190,10 @@ class StreamingVAD:
 
     def __init__(self, cfg: VadConfig | None = None) -> None:
         self.cfg = cfg or VadConfig()
+        try:
+            import webrtcvad  # webrtcvad-wheels; imported here so the rest of duplexkit works without it
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError("server VAD needs webrtcvad: pip install webrtcvad-wheels") from e
         self._vad = webrtcvad.Vad(self.cfg.mode)
         n = self.cfg.frame_samples
         self._win = np.hanning(n).astype(np.float32)

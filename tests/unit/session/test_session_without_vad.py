@@ -1,0 +1,34 @@
+"""PROTOCOL.md §7.2: if the VAD cannot load, the default turn detection becomes null and an
+explicit ``server_vad`` gets ``unsupported_turn_detection`` (the session stays usable)."""
+
+from __future__ import annotations
+
+import sys
+
+from duplexkit.session import Session, SessionConfig
+
+
+def _events(s: Session) -> list[dict]:
+    return [o for o in s.drain() if isinstance(o, dict)]
+
+
+def test_missing_webrtcvad_makes_turn_detection_null(monkeypatch):
+    monkeypatch.setitem(sys.modules, "webrtcvad", None)  # import webrtcvad -> ImportError
+    s = Session(SessionConfig(profile="duplex"))
+    s.start(0)
+    created = _events(s)[0]
+    assert created["type"] == "session.created"
+    assert created["session"]["audio"]["input"]["turn_detection"] is None
+    s.receive_client_event({"type": "session.update", "event_id": "e1",
+                            "session": {"turn_detection": {"type": "server_vad"}}}, 10)
+    err = _events(s)[-1]
+    assert err["type"] == "error" and err["error"]["code"] == "unsupported_turn_detection"
+    assert err["error"]["event_id"] == "e1"
+    s.receive_client_event({"type": "session.heartbeat"}, 20)
+    assert _events(s)[-1]["type"] == "session.heartbeat_ack"
+
+
+def test_vad_available_flag_off_behaves_the_same():
+    s = Session(SessionConfig(profile="compat", vad_available=False))
+    s.start(0)
+    assert _events(s)[0]["session"]["audio"]["input"]["turn_detection"] is None
