@@ -1,0 +1,660 @@
+"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``.
+
+Every subcommand has ``--help``. Heavy imports (torch, the model port, the server) happen only
+inside the command that needs them, so ``duplexkit --help`` is instant.
+
+Model argument (``serve``, ``demo``, ``mic``, ``chat``):
+  * a MiniCPM-o 4.5 checkpoint directory;
+  * ``tiny``: a small random-weight checkpoint in the real layout (built once, cached). Random
+    weights never choose to listen or to end a turn, so with ``tiny`` sessions default to the
+    ``on_request`` answer policy and a small token cap (``TINY_MAX_OUTPUT_TOKENS``);
+  * ``scripted``: the torch-free :class:`duplexkit.engine.fake.ScriptedEngine` (tests, protocol work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["main", "build_parser", "load_engine", "TINY_MAX_OUTPUT_TOKENS"]
+
+TINY_MAX_OUTPUT_TOKENS = 40
+"""Default per-response token cap with the ``tiny`` model: random weights never emit
+``<|turn_eos|>``; at up to 19 decoded tokens per unit (MODEL.md §5.3) this ends a response after
+2-3 units (PROTOCOL.md §4.1)."""
+
+ASSET_DIR = Path(__file__).resolve().parent / "assets"
+DEFAULT_DEMO_WAV = ASSET_DIR / "question_16k.wav"
+
+
+def _eprint(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_voice(spec: str) -> tuple[str, Path]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--voice expects NAME=PATH, got {spec!r}")
+    return name, Path(path)
+
+
+def _parse_scripted(pairs: list[str]) -> dict:
+    out: dict[str, Any] = {}
+    for p in pairs or []:
+        key, sep, val = p.partition("=")
+        if not sep:
+            raise SystemExit(f"--scripted expects KEY=VALUE, got {p!r}")
+        try:
+            out[key] = json.loads(val)
+        except ValueError:
+            out[key] = val
+    return out
+
+
+def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
+                progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None):
+    """Load the engine named by ``model`` (a checkpoint path, ``tiny`` or ``scripted``).
+
+    Raises ``FileNotFoundError`` for a missing checkpoint directory; loader errors propagate.
+    """
+    if model == "scripted":
+        from duplexkit.engine.fake import ScriptedEngine
+
+        return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
+    if model != "tiny" and not Path(model).is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {model} (or use 'tiny' / 'scripted')")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if progress:
+        _eprint(f"loading {'the tiny random-weight model' if model == 'tiny' else model} "
+                f"(layout {layout or 'auto'}) ...")
+    from duplexkit.engine import DuplexEngine
+
+    kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
+    if model_id:
+        kwargs["model_id"] = model_id
+    t0 = time.monotonic()
+    engine = DuplexEngine.from_pretrained(model, **kwargs)
+    if progress:
+        _eprint(f"model ready in {time.monotonic() - t0:.1f} s")
+    return engine
+
+
+def _random_weights_notice(engine) -> None:
+    if getattr(engine, "random_weights", False):
+        _eprint("NOTE: this model has RANDOM weights (the 'tiny' test checkpoint): the text is gibberish and "
+                "the speech is noise. Pass a real MiniCPM-o 4.5 checkpoint directory for real answers.")
+
+
+def _session_defaults(args, engine_name: str) -> dict:
+    """SessionConfig overrides implied by the model choice and flags."""
+    out: dict[str, Any] = {}
+    policy = getattr(args, "answer_policy", None)
+    if policy is None and engine_name == "tiny":
+        policy = "on_request"
+    if policy is not None:
+        out["answer_policy"] = policy
+    cap = getattr(args, "max_output_tokens", None)
+    if cap is None and engine_name == "tiny":
+        cap = TINY_MAX_OUTPUT_TOKENS
+    if cap is not None:
+        out["max_output_tokens"] = cap
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from duplexkit_server import ServerSettings, create_app, serve
+
+    if args.model not in ("tiny", "scripted") and not Path(args.model).is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {args.model} (or use 'tiny' / 'scripted')")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    defaults = _session_defaults(args, args.model)
+    settings = ServerSettings(
+        model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
+        max_sessions=args.max_sessions, max_event_bytes=args.max_event_bytes, idle_timeout_s=args.idle_timeout_s,
+        ping_interval_s=args.ping_interval_s, max_pending_input_s=args.max_pending_input_s,
+        max_ref_audio_s=args.max_ref_audio_s, max_input_audio_s=args.max_input_audio_s,
+        ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
+        max_output_tokens=defaults.get("max_output_tokens", 1024), answer_policy=defaults.get("answer_policy"),
+        default_input_rate=args.default_input_rate, default_instructions=args.instructions,
+        default_voice=Path(args.default_voice) if args.default_voice else None,
+        voices=dict(_parse_voice(v) for v in (args.voice or [])))
+    scripted = _parse_scripted(args.scripted)
+
+    def loader():
+        engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.seed,
+                             scripted=scripted)
+        _random_weights_notice(engine)
+        return engine
+
+    app = create_app(engine_loader=loader, settings=settings)
+    _eprint(f"duplexkit serving {args.model} on http://{args.host}:{args.port} "
+            f"(realtime: ws://{args.host}:{args.port}/v1/realtime, auth {'on' if settings.api_keys else 'off'})")
+    return serve(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------
+
+
+async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0, response_timeout_s: float = 600.0,
+                       modalities: Optional[list] = None) -> dict:
+    """Stream ``audio`` (float32 16 kHz) into ``client``, commit, request a response and collect it.
+
+    Returns a dict with the response handle and timings (seconds, monotonic): ``t_audio_end``,
+    ``t_create``, ``t_first_audio``, ``t_done``.
+    """
+    import numpy as np
+
+    step = 16 * chunk_ms
+    t0 = time.monotonic()
+    for i in range(0, len(audio), step):
+        await client.send_audio(np.asarray(audio[i:i + step], np.float32), rate=16_000)
+        if pace > 0:
+            target = t0 + (i + step) / 16_000 / pace
+            await asyncio.sleep(max(0.0, target - time.monotonic()))
+    t_audio_end = time.monotonic()
+    await client.commit()
+    t_create = time.monotonic()
+    handle = await client.create_response(modalities=modalities)
+    await handle.wait(timeout=response_timeout_s)
+    return {"handle": handle, "t_start": t0, "t_audio_end": t_audio_end, "t_create": t_create,
+            "t_first_audio": handle.first_audio_at, "t_done": handle.done_at}
+
+
+def _timing_table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+async def _demo_async(args) -> int:
+    import numpy as np
+
+    from duplexkit.audio import read_wav, write_wav
+    from duplexkit.clients import DuplexClient, InlineDuplexClient
+
+    audio, _ = read_wav(args.input, 16_000)
+    session = {}
+    if args.instructions:
+        session["instructions"] = args.instructions
+    engine = None
+    t_load = time.monotonic()
+    if args.url:
+        client = DuplexClient(args.url, api_key=args.api_key, session=session, request_timeout_s=args.timeout)
+        random_weights = None
+    else:
+        engine = load_engine(args.model, layout=args.layout, seed=args.seed)
+        random_weights = bool(getattr(engine, "random_weights", False))
+        _random_weights_notice(engine)
+        opts = _session_defaults(args, args.model)
+        client = InlineDuplexClient(engine, session=session, request_timeout_s=args.timeout, **opts)
+    load_s = time.monotonic() - t_load
+    try:
+        async with client:
+            r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout)
+    finally:
+        if engine is not None:
+            await engine.aclose()
+    h = r["handle"]
+    out = h.audio_array()
+    if args.output:
+        write_wav(args.output, out if out.size else np.zeros(0, np.float32), 24_000)
+    print(f"input:      {args.input} ({len(audio) / 16000:.2f} s)")
+    print(f"response:   {h.id} status={h.status} trigger={h.trigger} epoch={h.epoch}")
+    print(f"transcript: {h.transcript or h.text!r}")
+    if args.output:
+        print(f"audio:      {args.output} ({len(out) / 24000:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
+    compute = (r["t_done"] - r["t_create"]) if r["t_done"] else float("nan")
+    rows = [("load", f"{load_s:8.2f} s"),
+            ("send input", f"{r['t_audio_end'] - r['t_start']:8.2f} s"),
+            ("commit -> created", f"{(h.created_at - r['t_create']):8.2f} s")]
+    if r["t_first_audio"]:
+        rows.append(("TTFP (create -> first audio)", f"{r['t_first_audio'] - r['t_create']:8.2f} s"))
+    rows.append(("create -> done", f"{compute:8.2f} s"))
+    if len(out):
+        rows.append(("RTF (compute / audio)", f"{compute / (len(out) / 24000):8.2f}"))
+    print("timings:")
+    print(_timing_table(rows))
+    if random_weights:
+        print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
+    return 0 if h.status in ("completed", "incomplete") else 1
+
+
+def cmd_demo(args) -> int:
+    return asyncio.run(_demo_async(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+# ---------------------------------------------------------------------------------------------
+
+
+def _chat_body(args) -> dict:
+    import base64
+
+    content: list[dict] = []
+    if args.text:
+        content.append({"type": "text", "text": args.text})
+    if args.audio:
+        data = base64.b64encode(Path(args.audio).read_bytes()).decode("ascii")
+        content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
+    if not content:
+        raise SystemExit("chat needs --text and/or --audio")
+    body: dict[str, Any] = {"model": args.served_model or "default", "messages": [{"role": "user", "content": content}],
+                            "max_tokens": args.max_tokens, "stream": bool(args.stream)}
+    if args.served_model is None:
+        body.pop("model")
+    if not args.no_audio:
+        body["modalities"] = ["text", "audio"]
+        body["audio"] = {"format": "wav"}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    return body
+
+
+def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
+    import io
+
+    import numpy as np
+
+    from duplexkit.audio import read_wav, write_wav
+
+    if not chunks or not path:
+        return None
+    parts = [read_wav(io.BytesIO(c), 24_000)[0] for c in chunks]
+    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    write_wav(path, audio, 24_000)
+    return len(audio) / 24_000
+
+
+def cmd_chat(args) -> int:
+    import base64
+
+    body = _chat_body(args)
+    wavs: list[bytes] = []
+    text = ""
+    if args.url:
+        import httpx
+
+        url = args.url.rstrip("/")
+        if not url.endswith("/v1/chat/completions"):
+            url = url.replace("ws://", "http://").replace("wss://", "https://")
+            url = url.split("/v1/")[0] + "/v1/chat/completions"
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        if args.stream:
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=args.timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    _eprint(f"HTTP {r.status_code}: {r.text}")
+                    return 1
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[6:]
+                    if payload == "[DONE]":
+                        break
+                    chunk = json.loads(payload)
+                    for ch in chunk.get("choices", []):
+                        c = (ch.get("delta") or {}).get("content")
+                        if not c:
+                            continue
+                        if chunk.get("modality") == "audio":
+                            wavs.append(base64.b64decode(c))
+                        else:
+                            text += c
+                            print(c, end="", flush=True)
+                print()
+        else:
+            r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
+            if r.status_code != 200:
+                _eprint(f"HTTP {r.status_code}: {r.text}")
+                return 1
+            data = r.json()
+            for ch in data["choices"]:
+                msg = ch.get("message") or {}
+                if (msg.get("audio") or {}).get("data"):
+                    wavs.append(base64.b64decode(msg["audio"]["data"]))
+                elif msg.get("content"):
+                    text = msg["content"]
+            print(text)
+    else:
+        text, wavs = asyncio.run(_chat_inline(args, body))
+        print(text)
+    secs = _save_chat_audio(wavs, args.output)
+    if secs is not None:
+        print(f"audio: {args.output} ({secs:.2f} s at 24 kHz)")
+    return 0
+
+
+async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
+    from duplexkit.audio import wav_bytes
+    from duplexkit_server.app import ServerSettings, ServerState
+    from duplexkit_server.chat import parse_chat_request
+
+    engine = load_engine(args.model, layout=args.layout, seed=args.seed or 0)
+    _random_weights_notice(engine)
+    try:
+        state = ServerState(ServerSettings(), engine)
+        req, _ = parse_chat_request(body, state)
+        res = await engine.generate(req)
+    finally:
+        await engine.aclose()
+    wavs = [wav_bytes(res.audio, 24_000)] if res.audio is not None and len(res.audio) else []
+    return res.text, wavs
+
+
+# ---------------------------------------------------------------------------------------------
+# mic
+# ---------------------------------------------------------------------------------------------
+
+
+async def _mic_async(args) -> int:
+    import numpy as np
+
+    from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream
+    from duplexkit.clients import DuplexClient, InlineDuplexClient
+
+    player = PlaybackBuffer(24_000)
+    session: dict[str, Any] = {}
+    if args.instructions:
+        session["instructions"] = args.instructions
+    if args.vad_responses:
+        session["turn_detection"] = {"type": "server_vad", "create_response": True, "interrupt_response": True,
+                                     "silence_duration_ms": args.silence_ms}
+    common = dict(session=session, player=player, barge_in=not args.no_barge_in, input_rate=16_000,
+                  request_timeout_s=60.0)
+    engine = None
+    if args.url:
+        client = DuplexClient(args.url, api_key=args.api_key, **common)
+    else:
+        engine = load_engine(args.model, layout=args.layout, seed=args.seed)
+        _random_weights_notice(engine)
+        client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
+
+    loop = asyncio.get_running_loop()
+    mic_q: asyncio.Queue = asyncio.Queue()
+    out_audio: list = []
+    transcript_lines: list[str] = []
+    tty = sys.stdout.isatty()
+    level = [0.0]
+
+    def on_block(block):  # called from the audio thread: hand the samples to the event loop
+        loop.call_soon_threadsafe(mic_q.put_nowait, block.audio)
+
+    speaker = SpeakerStream(player, rate=24_000, device=_device(args.output_device))
+    mic = MicStream(rate=16_000, block_ms=args.block_ms, device=_device(args.input_device), on_block=on_block)
+    t_end = time.monotonic() + args.duration if args.duration else None
+    try:
+        async with client:
+            _eprint(f"session {client.session_id} ready; speak (Ctrl+C to quit)")
+
+            async def pump_mic():
+                while True:
+                    x = await mic_q.get()
+                    level[0] = float(np.sqrt(np.mean(x * x))) if len(x) else 0.0
+                    await client.send_audio(x, rate=16_000)
+
+            async def show_events():
+                current = ""
+                async for ev in client.events():
+                    t = ev.get("type")
+                    if t == "response.output_audio_transcript.delta" or t == "response.output_text.delta":
+                        current += ev.get("delta") or ""
+                        if tty:
+                            print(f"\rassistant: {current[-70:]}  [mic {20 * np.log10(level[0] + 1e-9):6.1f} dBFS]",
+                                  end="", flush=True)
+                    elif t == "response.done":
+                        r = ev.get("response") or {}
+                        line = f"assistant ({r.get('status')}): {current}"
+                        transcript_lines.append(line)
+                        print(("\r" if tty else "") + line, flush=True)
+                        current = ""
+                    elif t == "input_audio_buffer.speech_started":
+                        print(("\n" if tty and current else "") + "[you are speaking]", flush=True)
+                    elif t == "error":
+                        print(f"[error] {ev.get('error')}", flush=True)
+
+            async def collect_output():
+                async for h in client.responses():
+                    async def grab(h=h):
+                        try:
+                            async for pcm in h.audio():
+                                out_audio.append(pcm)
+                        except Exception:
+                            pass
+                    asyncio.ensure_future(grab())
+
+            speaker.start()
+            mic.start()
+            tasks = [asyncio.ensure_future(pump_mic()), asyncio.ensure_future(show_events()),
+                     asyncio.ensure_future(collect_output())]
+            try:
+                while t_end is None or time.monotonic() < t_end:
+                    await asyncio.sleep(0.1)
+                    if any(t.done() for t in tasks):
+                        break
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        mic.stop()
+        speaker.stop()
+        if engine is not None:
+            await engine.aclose()
+    if args.save_output and out_audio:
+        from duplexkit.audio import write_wav
+        write_wav(args.save_output, np.concatenate(out_audio), 24_000)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps({
+            "responses": transcript_lines, "output_samples": int(sum(len(a) for a in out_audio)),
+            "barge_ins": client.barge_ins}, indent=2))
+    return 0
+
+
+def _device(spec: Optional[str]):
+    """A sounddevice device argument: an index when numeric, else a name substring (None = default)."""
+    if spec is None:
+        return None
+    return int(spec) if spec.strip().isdigit() else spec
+
+
+def cmd_mic(args) -> int:
+    from duplexkit.audio import DeviceError
+    from duplexkit.clients import DuplexConnectionError
+
+    try:
+        return asyncio.run(_mic_async(args))
+    except KeyboardInterrupt:
+        return 0
+    except DeviceError as exc:
+        _eprint(f"audio device error: {exc}")
+        return 2
+    except DuplexConnectionError as exc:
+        _eprint(f"connection error: {exc}")
+        return 3
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(p.stem for p in root.glob("*.py") if not p.name.startswith("_")) if root.is_dir() else []
+    if not args.name:
+        print("available benchmarks:", ", ".join(scripts) or "(none found in a source checkout)")
+        return 0
+    path = root / f"{args.name}.py"
+    if not path.is_file():
+        _eprint(f"unknown benchmark {args.name!r}; available: {', '.join(scripts) or 'none'}")
+        return 2
+    sys.argv = [str(path), *args.rest]
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tiny") -> None:
+    p.add_argument("model", nargs="?" if default else None, default=default,
+                   help="checkpoint directory, 'tiny' (random weights, built once and cached) or 'scripted' "
+                        f"(torch-free fake engine){' (default: ' + default + ')' if default else ''}")
+    p.add_argument("--layout", default=None,
+                   help="device layout: 'cpu', '1gpu', '2gpu', ... or a YAML path (default: 1gpu with CUDA, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny checkpoint (default 0)")
+    p.add_argument("--answer-policy", choices=["model", "on_request"], default=None,
+                   help="when the model may speak: 'model' decides per unit, 'on_request' only answers "
+                        "response.create / VAD commits (default: on_request for tiny, else the profile default)")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help=f"per-response token cap (default: {TINY_MAX_OUTPUT_TOKENS} for tiny, else 1024)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duplexkit", description="Realtime full-duplex voice agents "
+                                     "(MiniCPM-o 4.5): server, demos and tools.")
+    parser.add_argument("--version", action="version", version=f"duplexkit {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the OpenAI-Realtime-compatible server",
+                       description="Serve /v1/realtime, /v1/duplex, /v1/chat/completions, /v1/models and /health.")
+    _add_model_args(p, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted API key (repeatable; also $DUPLEXKIT_API_KEY); none = auth off")
+    p.add_argument("--max-sessions", type=int, default=8,
+                   help="session slots shared by realtime sessions and chat requests (default 8)")
+    p.add_argument("--ref-audio-dir", default=None,
+                   help="directory whose files may be named as ref_audio paths (default: paths refused)")
+    p.add_argument("--max-ref-audio-s", type=float, default=30.0, help="longest reference voice in s (default 30)")
+    p.add_argument("--max-input-audio-s", type=float, default=60.0,
+                   help="longest chat-completions input audio in s (default 60)")
+    p.add_argument("--max-event-bytes", type=int, default=16 * 2**20,
+                   help="largest client event in bytes (default 16 MiB; frames over twice this close with 1009)")
+    p.add_argument("--max-pending-input-s", type=float, default=10.0,
+                   help="unconsumed input before input_backpressure, in s (default 10)")
+    p.add_argument("--idle-timeout-s", type=float, default=300.0,
+                   help="close sessions without client events after this many s (default 300)")
+    p.add_argument("--ping-interval-s", type=float, default=20.0, help="WebSocket ping period in s (default 20)")
+    p.add_argument("--default-input-rate", type=int, default=16_000,
+                   help="rate of a bare 'pcm16' input format in the duplex profile, Hz (default 16000)")
+    p.add_argument("--instructions", default=None, help="default system prompt (default: the model's own)")
+    p.add_argument("--default-voice", default=None, metavar="WAV",
+                   help="default reference voice clip, 0.5-30 s (default: the checkpoint's bundled voice)")
+    p.add_argument("--voice", action="append", default=None, metavar="NAME=WAV",
+                   help="register a named voice selectable with session.voice (repeatable)")
+    p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the engine's)")
+    p.add_argument("--alias", action="append", default=None, help="another accepted model id (repeatable)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="thinker dtype override (default: the layout's)")
+    p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",
+                   help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level (default info)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="WAV in -> transcript + WAV out + timing table",
+                       description="Send a WAV as one user turn, request an answer, save it, print timings. "
+                                   "Default: the tiny random-weight model and the bundled question.")
+    _add_model_args(p)
+    p.add_argument("--input", "-i", default=str(DEFAULT_DEMO_WAV),
+                   help="input WAV (any rate; default: the bundled 'What is the weather like today in Paris?')")
+    p.add_argument("--output", "-o", default="demo_output.wav", help="output WAV, 24 kHz (default demo_output.wav)")
+    p.add_argument("--url", default=None, help="talk to a running server instead of loading the model in-process")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--instructions", default=None, help="system prompt")
+    p.add_argument("--pace", type=float, default=0.0,
+                   help="send the input at this multiple of real time (0 = as fast as possible, default)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("mic", help="talk to the model: microphone in, speaker out, barge-in by speaking",
+                       description="Live conversation with local barge-in (webrtcvad) and a live transcript.")
+    _add_model_args(p)
+    p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--input-device", default=None, help="sounddevice input device (index or name substring)")
+    p.add_argument("--output-device", default=None, help="sounddevice output device (index or name substring)")
+    p.add_argument("--block-ms", type=int, default=100, help="microphone block size in ms (default 100)")
+    p.add_argument("--no-barge-in", action="store_true", help="do not interrupt the assistant when you speak")
+    p.add_argument("--no-vad-responses", dest="vad_responses", action="store_false",
+                   help="do not ask for an answer after each utterance (let the model decide)")
+    p.add_argument("--silence-ms", type=int, default=500, help="silence that ends an utterance, ms (default 500)")
+    p.add_argument("--instructions", default=None, help="system prompt")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: Ctrl+C)")
+    p.add_argument("--save-output", default=None, help="also write everything the assistant said to this WAV")
+    p.add_argument("--summary", default=None, help="write a JSON summary (responses, barge-ins) here at exit")
+    p.set_defaults(func=cmd_mic)
+
+    p = sub.add_parser("chat", help="one /v1/chat/completions call (text and/or audio in, text + WAV out)")
+    _add_model_args(p)
+    p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--text", "-t", default=None, help="user text")
+    p.add_argument("--audio", "-a", default=None, help="user audio WAV")
+    p.add_argument("--output", "-o", default="chat_output.wav", help="where to save the spoken answer (24 kHz WAV)")
+    p.add_argument("--no-audio", action="store_true", help="text answer only")
+    p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max answer tokens (default 64)")
+    p.add_argument("--served-model", default=None, help="model id to send (default: the server's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout in s (default 600)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/ (prints tables)")
+    p.add_argument("name", nargs="?", default=None, help="benchmark name (omit to list them)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _version() -> str:
+    from duplexkit import __version__
+
+    return __version__
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except FileNotFoundError as exc:
+        _eprint(f"error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""duplexkit clients: one public API, two transports (DESIGN.md).
+
+* :class:`InlineDuplexClient` — runs a :class:`duplexkit.session.Session` over an in-process engine.
+* :class:`DuplexClient` — talks to a server speaking PROTOCOL.md over a WebSocket.
+
+Both are async context managers with ``send_audio``, ``commit``, ``create_response``, ``cancel``,
+``ack_playback``, ``update``, ``events()`` / ``responses()`` and ``close()``.
+"""
+
+from .base import (
+    BaseDuplexClient,
+    DuplexConnectionError,
+    DuplexError,
+    DuplexTimeout,
+    ResponseHandle,
+    ref_audio_data_url,
+)
+from .inline import InlineDuplexClient
+from .remote import DuplexClient, build_url
+
+__all__ = [
+    "BaseDuplexClient",
+    "InlineDuplexClient",
+    "DuplexClient",
+    "ResponseHandle",
+    "DuplexError",
+    "DuplexConnectionError",
+    "DuplexTimeout",
+    "ref_audio_data_url",
+    "build_url",
+]

@@ -1,0 +1,261 @@
+"""``DuplexClient``: the remote client over a Realtime WebSocket (PROTOCOL.md §1, §11).
+
+It speaks to the bundled server and to any server following PROTOCOL.md, vLLM-Omni's included:
+it connects with ``autostart=0`` and sends the full session first, maps beta event names to GA
+(:func:`duplexkit.protocol.parse_server_event`), sends ``session.heartbeat`` periodically, and when
+the server advertises ``capabilities.supports_session_resume`` it reconnects after a dropped
+connection and sends ``session.resume{session_id, last_server_event_seq}`` (events it already saw
+are dropped on replay). It never hangs: transport loss fails every waiting call and iterator with
+:class:`~duplexkit.clients.base.DuplexConnectionError`, and every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Optional
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .base import BaseDuplexClient, DuplexConnectionError
+
+logger = logging.getLogger("duplexkit.clients.remote")
+
+__all__ = ["DuplexClient", "build_url"]
+
+_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted"}
+
+
+def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None, autostart: bool = False) -> str:
+    """Normalise a server URL into the realtime WebSocket URL.
+
+    ``http(s)://`` becomes ``ws(s)://``; a bare host gets ``/v1/realtime``; the duplex profile adds
+    ``duplex=1`` unless the URL already says otherwise (or uses ``/v1/duplex``); ``autostart=0`` and
+    ``model`` are added unless present.
+    """
+    parts = urlsplit(url if "://" in url else "ws://" + url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    path = parts.path or ""
+    if path in ("", "/"):
+        path = "/v1/realtime"
+    q = dict(parse_qsl(parts.query, keep_blank_values=True))
+    if profile == "duplex" and "duplex" not in q and not path.endswith("/duplex"):
+        q["duplex"] = "1"
+    if not autostart:
+        q.setdefault("autostart", "0")
+    if model:
+        q.setdefault("model", model)
+    return urlunsplit((scheme, parts.netloc, path, urlencode(q), ""))
+
+
+class DuplexClient(BaseDuplexClient):
+    """A remote duplex client (websockets).
+
+    Args:
+        url: ``ws://host:port/v1/realtime`` (or ``http://host:port``, or ``/v1/duplex``).
+        api_key: sent as ``Authorization: Bearer <key>``.
+        profile: ``"duplex"`` (default) or ``"compat"``.
+        model: the ``model`` query parameter.
+        heartbeat_s: ``session.heartbeat`` period in seconds (None: off).
+        resume: reconnect + ``session.resume`` when the server advertises it.
+        resume_attempts: reconnect attempts before giving up.
+        open_timeout_s: WebSocket handshake timeout.
+        **options: the options of :class:`~duplexkit.clients.base.BaseDuplexClient`.
+    """
+
+    def __init__(self, url: str, api_key: Optional[str] = None, *, profile: str = "duplex",
+                 model: Optional[str] = None, heartbeat_s: Optional[float] = 15.0, resume: bool = True,
+                 resume_attempts: int = 5, open_timeout_s: float = 10.0, max_frame_bytes: int = 64 * 2**20,
+                 **options: Any) -> None:
+        super().__init__(**options)
+        self.url = build_url(url, profile=profile, model=model)
+        self.api_key = api_key
+        self.heartbeat_s = heartbeat_s
+        self.resume_enabled = resume
+        self.resume_attempts = resume_attempts
+        self.open_timeout_s = open_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._ws = None
+        self._reader: Optional[asyncio.Task] = None
+        self._heartbeat: Optional[asyncio.Task] = None
+        self._handshake_error: Optional[dict] = None
+        self._got_created = False
+        self._reconnected = asyncio.Event()
+        self._reconnected.set()
+        self.resumes = 0
+        self.close_code: Optional[int] = None
+
+    @property
+    def supports_resume(self) -> bool:
+        caps = (self.session or {}).get("capabilities") or {}
+        return bool(caps.get("supports_session_resume"))
+
+    # -- transport ----------------------------------------------------------------------------
+    async def _connect_ws(self):
+        import websockets
+        from websockets.asyncio.client import connect
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        try:
+            return await connect(self.url, additional_headers=headers, max_size=self.max_frame_bytes,
+                                 open_timeout=self.open_timeout_s, ping_interval=20, ping_timeout=20,
+                                 compression=None)
+        except websockets.exceptions.InvalidStatus as exc:
+            status = exc.response.status_code
+            code = {401: "unauthorized", 403: "unauthorized", 503: "session_capacity_exhausted"}.get(
+                status, "connection_failed")
+            raise DuplexConnectionError(f"handshake rejected with HTTP {status}", code=code) from exc
+        except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            raise DuplexConnectionError(f"cannot connect to {self.url}: {exc}", code="connection_failed") from exc
+
+    async def _open(self) -> None:
+        self._ws = await self._connect_ws()
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop(), name="duplex-reader")
+        if self.heartbeat_s:
+            self._heartbeat = loop.create_task(self._heartbeat_loop(), name="duplex-heartbeat")
+
+    async def _transmit(self, event: dict) -> None:
+        import websockets
+
+        if not self._reconnected.is_set():
+            try:
+                await asyncio.wait_for(self._reconnected.wait(), self.options.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost") from None
+        if self._failure is not None:
+            raise self._failure
+        try:
+            await self._ws.send(json.dumps(event, separators=(",", ":")))
+        except websockets.exceptions.ConnectionClosed as exc:
+            if self._failure is not None:
+                raise self._failure from exc
+            if self._resumable():
+                await asyncio.wait_for(self._reconnected.wait(), self.options.request_timeout_s)
+                if self._failure is not None:
+                    raise self._failure from exc
+                await self._ws.send(json.dumps(event, separators=(",", ":")))
+                return
+            raise DuplexConnectionError(f"connection closed: {exc}", code="connection_lost",
+                                        close_code=getattr(exc.rcvd, "code", None)) from exc
+
+    async def _shutdown(self) -> None:
+        for t in (self._heartbeat,):
+            if t is not None:
+                t.cancel()
+        if self._ws is not None:
+            try:
+                await asyncio.wait_for(self._ws.close(), 5)
+            except Exception:
+                pass
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._heartbeat is not None:
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+
+    # -- loops --------------------------------------------------------------------------------
+    def _resumable(self) -> bool:
+        return (self.resume_enabled and self._got_created and self.supports_resume and not self.closed
+                and self.close_reason is None)
+
+    async def _read_loop(self) -> None:
+        import websockets
+
+        from duplexkit.protocol import parse_server_event
+
+        while True:
+            ws = self._ws
+            try:
+                async for msg in ws:
+                    if isinstance(msg, (bytes, bytearray)):
+                        continue  # the protocol has no binary server frames
+                    try:
+                        data = json.loads(msg)
+                    except ValueError:
+                        logger.warning("dropping a non-JSON server frame")
+                        continue
+                    if not isinstance(data, dict):
+                        continue
+                    self._on_frame(data, parse_server_event)
+                exc: Optional[BaseException] = None
+            except websockets.exceptions.ConnectionClosed as e:
+                exc = e
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # pragma: no cover - defensive
+                exc = e
+            self.close_code = getattr(ws, "close_code", None)
+            if self.closed or self.close_reason is not None:
+                self._finish_all(None)
+                return
+            if self._handshake_error is not None:
+                err = self._handshake_error.get("error") or {}
+                self._on_transport_lost(DuplexConnectionError(
+                    str(err.get("message") or "handshake rejected"), code=str(err.get("code")),
+                    close_code=self.close_code, event=self._handshake_error))
+                return
+            if self._resumable() and await self._try_resume():
+                continue
+            self._on_transport_lost(DuplexConnectionError(
+                f"connection lost (close code {self.close_code}){': ' + str(exc) if exc else ''}",
+                code="connection_lost", close_code=self.close_code))
+            return
+
+    def _on_frame(self, data: dict, parse_server_event) -> None:
+        try:
+            parsed = parse_server_event(data)
+            ga = parsed.type
+        except Exception:
+            ga = data.get("type")
+        if ga != data.get("type") and isinstance(ga, str):
+            # The GA name; conversation.item.created duplicates are filtered by the base class.
+            data = {**data, "type": ga} if data.get("type") != "conversation.item.created" else data
+        t = data.get("type")
+        if t in ("session.created", "session.updated"):
+            self._got_created = True
+        if t == "error" and not self._got_created:
+            err = data.get("error") or {}
+            code = err.get("code")
+            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") == "model"
+                                            and not err.get("event_id")):
+                self._handshake_error = data
+        if self.resumes and isinstance(data.get("server_event_seq"), int) and t not in (
+                "session.created", "session.updated", "session.resumed", "error"):
+            if data["server_event_seq"] <= self.last_server_event_seq:
+                return  # replayed after a resume: already seen
+        self._on_server_event(data)
+
+    async def _try_resume(self) -> bool:
+        self._reconnected.clear()
+        try:
+            delay = 0.2
+            for _ in range(self.resume_attempts):
+                try:
+                    self._ws = await self._connect_ws()
+                except DuplexConnectionError:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                import websockets
+                try:
+                    await self._ws.send(json.dumps({"type": "session.resume", "event_id": self._new_event_id(),
+                                                    "session_id": self.session_id,
+                                                    "last_server_event_seq": self.last_server_event_seq}))
+                except websockets.exceptions.ConnectionClosed:
+                    continue
+                self.resumes += 1
+                return True
+            return False
+        finally:
+            self._reconnected.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.closed or self._failure is not None:
+                return
+            try:
+                await self._send({"type": "session.heartbeat"})
+            except Exception:
+                return

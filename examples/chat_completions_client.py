@@ -1,0 +1,94 @@
+"""Chat completions client: text (and optional audio) in, text + 24 kHz WAV out (PROTOCOL.md §10).
+
+    duplexkit serve tiny --port 8000
+    python examples/chat_completions_client.py --url http://127.0.0.1:8000 --text "Tell me a joke" --output joke.wav
+    python examples/chat_completions_client.py --url http://127.0.0.1:8000 --audio question.wav --stream
+
+Non-stream: the audio choice is found by ``message.audio.data`` (not by index). Stream: SSE chunks
+whose top-level ``modality`` says whether ``delta.content`` is text or a base64 WAV chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import sys
+
+import httpx
+import numpy as np
+
+from duplexkit.audio import read_wav, write_wav
+
+
+def build_body(args: argparse.Namespace) -> dict:
+    content: list[dict] = []
+    if args.text:
+        content.append({"type": "text", "text": args.text})
+    if args.audio:
+        with open(args.audio, "rb") as f:
+            content.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(f.read()).decode(),
+                                                                   "format": "wav"}})
+    body = {"messages": [{"role": "user", "content": content}], "modalities": ["text", "audio"],
+            "audio": {"format": "wav"}, "max_tokens": args.max_tokens, "stream": args.stream}
+    if args.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def main(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/") + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    body = build_body(args)
+    wavs: list[bytes] = []
+    text = ""
+    if not args.stream:
+        r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
+        r.raise_for_status()
+        data = r.json()
+        for choice in data["choices"]:
+            msg = choice["message"]
+            if (msg.get("audio") or {}).get("data"):
+                wavs.append(base64.b64decode(msg["audio"]["data"]))
+            elif msg.get("content"):
+                text = msg["content"]
+        print(text)
+        print("usage:", json.dumps(data.get("usage")))
+    else:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=args.timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk["choices"]:
+                    print("\nusage:", json.dumps(chunk.get("usage")))
+                    continue
+                c = chunk["choices"][0]["delta"].get("content")
+                if not c:
+                    continue
+                if chunk.get("modality") == "audio":
+                    wavs.append(base64.b64decode(c))
+                else:
+                    text += c
+                    print(c, end="", flush=True)
+        print()
+    if wavs:
+        audio = np.concatenate([read_wav(io.BytesIO(w), 24_000)[0] for w in wavs])
+        write_wav(args.output, audio, 24_000)
+        print(f"audio: {args.output} ({len(audio) / 24000:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--text", default="Hello! Who are you?")
+    p.add_argument("--audio", default=None, help="a WAV question (optional)")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--output", default="chat_answer.wav")
+    p.add_argument("--timeout", type=float, default=600.0)
+    sys.exit(main(p.parse_args()))

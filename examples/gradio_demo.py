@@ -1,0 +1,77 @@
+"""A small Gradio demo: record or upload a question, hear the spoken answer.
+
+    pip install gradio            # optional dependency, not installed by duplexkit
+    duplexkit serve tiny --port 8000
+    python examples/gradio_demo.py --url ws://127.0.0.1:8000
+
+Each submission opens a duplexkit session (``DuplexClient``), streams the clip, commits,
+requests an answer and returns (transcript, 24 kHz audio). ``--inline MODEL`` runs the model
+in-process instead of connecting to a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import numpy as np
+
+from duplexkit.audio import read_wav
+from duplexkit.audio.resample import resample
+from duplexkit.clients import DuplexClient, InlineDuplexClient
+
+try:
+    import gradio as gr
+except ImportError:  # pragma: no cover - optional dependency
+    gr = None
+
+
+async def answer(audio_in, url: str, engine=None) -> tuple[str, tuple[int, np.ndarray] | None]:
+    """``audio_in``: Gradio's ``(rate, int16|float array)`` or a file path. Returns (transcript, (24000, audio))."""
+    if audio_in is None:
+        return "no audio", None
+    if isinstance(audio_in, str):
+        x, _ = read_wav(audio_in, 16_000)
+    else:
+        rate, data = audio_in
+        data = np.asarray(data)
+        if data.ndim == 2:
+            data = data.mean(axis=1)
+        x = data.astype(np.float32) / 32768.0 if data.dtype == np.int16 else data.astype(np.float32)
+        x = resample(x, int(rate), 16_000) if rate != 16_000 else x
+    client = InlineDuplexClient(engine, answer_policy="on_request") if engine is not None else DuplexClient(url)
+    async with client:
+        for i in range(0, len(x), 3200):
+            await client.send_audio(x[i:i + 3200], rate=16_000)
+        await client.commit()
+        h = await client.create_response()
+        await h.wait(600)
+    return f"[{h.status}] {h.transcript}", (24_000, h.audio_array())
+
+
+def build(url: str, engine=None):
+    if gr is None:
+        raise SystemExit("this demo needs gradio: pip install gradio")
+
+    def run(audio_in):
+        return asyncio.run(answer(audio_in, url, engine))
+
+    return gr.Interface(fn=run, inputs=gr.Audio(sources=["microphone", "upload"], type="numpy"),
+                        outputs=[gr.Textbox(label="transcript"), gr.Audio(label="answer", type="numpy")],
+                        title="duplexkit", description="Ask a question; the model answers in speech.")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="ws://127.0.0.1:8000")
+    p.add_argument("--inline", default=None, metavar="MODEL", help="run MODEL in-process ('tiny' or a path)")
+    p.add_argument("--port", type=int, default=7860)
+    a = p.parse_args()
+    eng = None
+    if a.inline:
+        from duplexkit.cli import load_engine
+
+        eng = load_engine(a.inline)
+    build(a.url, eng).launch(server_port=a.port)
+    sys.exit(0)

@@ -1,0 +1,401 @@
+"""The bundled duplexkit server: a FastAPI app factory (PROTOCOL.md §1, §10).
+
+Routes: ``/v1/realtime`` and ``/v1/duplex`` (WebSocket, :mod:`duplexkit_server.realtime`),
+``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``
+and the browser page at ``/`` (``static/index.html``).
+
+One :class:`~duplexkit.engine.api.Engine` is shared by every connection; each WebSocket drives its
+own :class:`duplexkit.session.Session`. Realtime sessions and chat requests take slots from one
+pool of ``max_sessions``.
+
+Run it with :func:`serve` (``duplexkit serve``) to get a graceful shutdown that sends
+``session.closed{reason:"shutdown"}`` and close code 1001 to every open session before uvicorn
+tears connections down (uvicorn alone would close them with 1012).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+logger = logging.getLogger("duplexkit.server")
+
+__all__ = ["ServerSettings", "ServerState", "SlotPool", "create_app", "serve", "openai_error"]
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+@dataclass
+class ServerSettings:
+    """Server options (each maps to a ``duplexkit serve`` flag).
+
+    Attributes:
+        model_id: the served id (default: the engine's ``model_id``).
+        aliases: other accepted ids, each listed by ``/v1/models`` (PROTOCOL.md §10.2).
+        api_keys: accepted keys; empty = auth off (PROTOCOL.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
+        max_sessions: slot pool size shared by realtime sessions and chat requests.
+        max_event_bytes: largest client event accepted (PROTOCOL.md §1.3, default 16 MiB); the
+            transport limit (uvicorn ``ws_max_size``) is set to twice this.
+        idle_timeout_s: close a session with no client event for this long (PROTOCOL.md §1.5).
+        ping_interval_s: WebSocket ping period in seconds (uvicorn ``ws_ping_interval``).
+        max_pending_input_s: input backpressure threshold in seconds (PROTOCOL.md §6.1).
+        max_ref_audio_s: longest reference voice accepted in seconds (PROTOCOL.md §8).
+        max_input_audio_s: longest chat-completions input audio in seconds (PROTOCOL.md §10.1).
+        ref_audio_dir: allow-listed directory for reference-voice paths (None: paths refused).
+        max_output_tokens: the default per-response token cap (PROTOCOL.md §4.1).
+        answer_policy: default ``extra_body.answer_policy`` (None: the profile default);
+            ``duplexkit serve tiny`` sets ``on_request`` because random weights never listen.
+        default_input_rate: the duplex profile's bare-``pcm16`` rate in Hz.
+        default_instructions: the default system prompt (None: the model default).
+        default_voice: a WAV used as the default reference voice (None: the engine's own).
+        voices: voice name -> WAV path, selectable with ``session.voice`` (PROTOCOL.md §8.5).
+        tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
+        retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
+        shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
+    """
+
+    model_id: Optional[str] = None
+    aliases: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)
+    max_sessions: int = 8
+    max_event_bytes: int = 16 * 1024 * 1024
+    idle_timeout_s: float = 300.0
+    ping_interval_s: float = 20.0
+    max_pending_input_s: float = 10.0
+    max_ref_audio_s: float = 30.0
+    max_input_audio_s: float = 60.0
+    ref_audio_dir: Optional[Path] = None
+    max_output_tokens: Optional[int] = 1024
+    answer_policy: Optional[str] = None
+    default_input_rate: int = 16_000
+    default_instructions: Optional[str] = None
+    default_voice: Optional[Path] = None
+    voices: dict = field(default_factory=dict)
+    tick_interval_s: float = 0.1
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        env_key = os.environ.get("DUPLEXKIT_API_KEY")
+        if env_key and env_key not in self.api_keys:
+            self.api_keys = [*self.api_keys, env_key]
+        if self.ref_audio_dir is not None:
+            self.ref_audio_dir = Path(self.ref_audio_dir).resolve()
+
+
+class SlotPool:
+    """A counting pool of session slots (non-blocking)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.size = size
+        self.used = 0
+
+    def try_acquire(self) -> bool:
+        if self.used >= self.size:
+            return False
+        self.used += 1
+        return True
+
+    def release(self) -> None:
+        self.used = max(0, self.used - 1)
+
+
+def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
+                 param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+    """An OpenAI error body ``{error{message, type, param, code}}`` (PROTOCOL.md §10.1)."""
+    if type_ is None:
+        type_ = {401: "invalid_request_error", 503: "rate_limit_error", 500: "server_error"}.get(
+            status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def load_reference_voice(path, max_s: float = 30.0):
+    """A server-side voice file -> :class:`duplexkit.engine.api.ReferenceVoice` (PROTOCOL.md §8.3:
+    mono, 16 kHz, trimmed to whole 100 ms; 0.5 s to ``max_s`` long).
+
+    Raises ``FileNotFoundError``; ``ValueError`` for a clip out of range or undecodable.
+    """
+    import hashlib
+
+    import numpy as np
+
+    from duplexkit.audio import read_wav
+    from duplexkit.engine.api import ReferenceVoice
+
+    audio, _ = read_wav(Path(path), 16_000)
+    n = (len(audio) // 1600) * 1600
+    if n < 8000 or len(audio) > max_s * 16_000:
+        raise ValueError(f"reference voice {path} must last 0.5-{max_s:g} s, got {len(audio) / 16000:.2f} s")
+    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
+    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+
+
+class ServerState:
+    """What every route shares: the engine, the settings, the slot pool and open connections."""
+
+    def __init__(self, settings: ServerSettings, engine=None,
+                 engine_loader: Optional[Callable[[], Any]] = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.engine_loader = engine_loader
+        self.load_error: Optional[BaseException] = None
+        self.slots = SlotPool(settings.max_sessions)
+        self.connections: set = set()
+        self.shutting_down = False
+        self.started_at = int(time.time())
+        self._load_task: Optional[asyncio.Task] = None
+        self.on_load_error: Optional[Callable[[BaseException], None]] = None
+        self.default_voice = load_reference_voice(settings.default_voice, settings.max_ref_audio_s) \
+            if settings.default_voice else None
+        self.voices = {name: load_reference_voice(path, settings.max_ref_audio_s)
+                       for name, path in (settings.voices or {}).items()}
+
+    # -- identity ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.shutting_down
+
+    @property
+    def model_id(self) -> str:
+        if self.settings.model_id:
+            return self.settings.model_id
+        return getattr(self.engine, "model_id", None) or "duplexkit"
+
+    @property
+    def model_ids(self) -> list[str]:
+        ids = [self.model_id]
+        for a in self.settings.aliases:
+            if a not in ids:
+                ids.append(a)
+        engine_id = getattr(self.engine, "model_id", None)
+        if engine_id and engine_id not in ids:
+            ids.append(engine_id)
+        return ids
+
+    def accepts_model(self, model: Optional[str]) -> bool:
+        return model is None or model == "" or model in self.model_ids
+
+    # -- auth ---------------------------------------------------------------------------------
+    def check_key(self, key: Optional[str]) -> bool:
+        keys = self.settings.api_keys
+        if not keys:
+            return True
+        if not key:
+            return False
+        return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+
+    @staticmethod
+    def bearer(header: Optional[str]) -> Optional[str]:
+        if not header:
+            return None
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return value.strip() or None
+
+    # -- reference voice ------------------------------------------------------------------------
+    def load_ref_audio_path(self, path: str) -> bytes:
+        """The Session's ``ref_audio_loader``: bytes of an allow-listed local file (PROTOCOL.md §8.1).
+
+        Raises ``PermissionError`` when no ``ref_audio_dir`` is configured or the real path lies
+        outside it, ``FileNotFoundError`` when it does not exist.
+        """
+        root = self.settings.ref_audio_dir
+        if root is None:
+            raise PermissionError("reference-voice paths are disabled (no --ref-audio-dir)")
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        real = Path(path).resolve()
+        if not real.is_relative_to(root):
+            raise PermissionError(f"{path!r} is outside the allowed reference-voice directory")
+        return real.read_bytes()
+
+    # -- loading --------------------------------------------------------------------------------
+    async def load(self) -> None:
+        if self.engine is not None or self.engine_loader is None:
+            return
+        try:
+            self.engine = await asyncio.to_thread(self.engine_loader)
+            logger.info("engine ready: %s", getattr(self.engine, "model_id", "?"))
+        except BaseException as exc:  # surfaced by /health
+            self.load_error = exc
+            logger.exception("engine failed to load")
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+
+    # -- shutdown -----------------------------------------------------------------------------
+    async def shutdown_sessions(self, reason: str = "shutdown") -> None:
+        """Send ``session.closed{reason}`` and close 1001 on every open session (PROTOCOL.md §1.5)."""
+        self.shutting_down = True
+        conns = list(self.connections)
+        if not conns:
+            return
+        await asyncio.wait([asyncio.ensure_future(c.shutdown(reason)) for c in conns],
+                           timeout=self.settings.shutdown_grace_s)
+
+    async def aclose(self) -> None:
+        await self.shutdown_sessions()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self.engine is not None:
+            try:
+                await self.engine.aclose()
+            except Exception:  # pragma: no cover
+                logger.exception("engine close failed")
+
+
+def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
+               engine_loader: Optional[Callable[[], Any]] = None) -> FastAPI:
+    """Build the FastAPI app.
+
+    Args:
+        engine: a ready :class:`~duplexkit.engine.api.Engine` (e.g. ``DuplexEngine`` or
+            ``ScriptedEngine``), or None together with ``engine_loader``.
+        settings: :class:`ServerSettings` (defaults when None).
+        engine_loader: a blocking zero-argument callable returning the engine; it runs in a
+            worker thread at startup while ``/health`` answers 503 ``loading``.
+
+    Raises:
+        ValueError: neither ``engine`` nor ``engine_loader`` was given.
+    """
+    from contextlib import asynccontextmanager
+
+    from . import chat, realtime
+
+    if engine is None and engine_loader is None:
+        raise ValueError("create_app needs an engine or an engine_loader")
+    settings = settings or ServerSettings()
+    state = ServerState(settings, engine, engine_loader)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.engine is None:
+            state._load_task = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    app = FastAPI(title="duplexkit", version=_version(), lifespan=lifespan)
+    app.state.duplexkit = state
+
+    def http_auth(request: Request) -> Optional[JSONResponse]:
+        if state.check_key(state.bearer(request.headers.get("authorization"))):
+            return None
+        return openai_error(401, "missing or invalid API key", "unauthorized")
+
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if state.shutting_down:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
+                "sessions_max": state.slots.size,
+                "random_weights": bool(getattr(state.engine, "random_weights", False))}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if (err := http_auth(request)) is not None:
+            return err
+        return {"object": "list", "data": [
+            {"id": mid, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
+            for mid in state.model_ids]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        if (err := http_auth(request)) is not None:
+            return err
+        return await chat.handle(state, request)
+
+    @app.websocket("/v1/realtime")
+    async def ws_realtime(websocket: WebSocket):
+        await realtime.handle(state, websocket, force_duplex=False)
+
+    @app.websocket("/v1/duplex")
+    async def ws_duplex(websocket: WebSocket):
+        await realtime.handle(state, websocket, force_duplex=True)
+
+    @app.get("/")
+    async def index():
+        page = STATIC_DIR / "index.html"
+        if not page.exists():
+            return Response("duplexkit server: no browser page bundled", media_type="text/plain")
+        return FileResponse(page)
+
+    @app.get("/static/{name}")
+    async def static(name: str):
+        page = (STATIC_DIR / name).resolve()
+        if not page.is_relative_to(STATIC_DIR) or not page.is_file():
+            return Response(status_code=404)
+        return FileResponse(page)
+
+    return app
+
+
+def _version() -> str:
+    try:
+        from duplexkit import __version__
+        return __version__
+    except Exception:  # pragma: no cover
+        return "0"
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> int:
+    """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
+
+    ``ws_max_size`` is twice ``max_event_bytes`` (PROTOCOL.md §1.3), pings every
+    ``ping_interval_s``. On SIGINT/SIGTERM every open session first gets
+    ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
+
+    Returns 0 after a clean stop, 1 when the engine failed to load (the server then stops itself).
+    """
+    import uvicorn
+
+    state: ServerState = app.state.duplexkit
+    s = state.settings
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):  # type: ignore[override]
+            try:
+                await state.shutdown_sessions("shutdown")
+            except Exception:  # pragma: no cover
+                logger.exception("graceful session shutdown failed")
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            ws_max_size=2 * s.max_event_bytes,
+                            ws_ping_interval=s.ping_interval_s, ws_ping_timeout=s.ping_interval_s,
+                            timeout_graceful_shutdown=s.shutdown_grace_s + 5)
+    import signal
+    import sys
+
+    # uvicorn re-raises the captured signal after its graceful shutdown; a clean stop exits 0.
+    server = _Server(config)
+
+    def _stop_on_load_error(exc: BaseException) -> None:
+        server.should_exit = True
+
+    state.on_load_error = _stop_on_load_error
+    prev_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, prev_term)
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,342 @@
+"""``POST /v1/chat/completions`` (PROTOCOL.md §10.1): turn-based text and speech.
+
+Each request takes one slot from the same pool as realtime sessions (a full pool answers 503 with
+``Retry-After``), converts the OpenAI request into a :class:`duplexkit.engine.api.ChatRequest` and
+runs :meth:`Engine.generate` (or :meth:`Engine.generate_stream` with ``stream:true``).
+
+Non-stream: choice 0 carries the text, choice 1 (only when audio was requested) carries
+``message.audio{id, data: base64 24 kHz mono PCM16 WAV, transcript, expires_at}``.
+Stream: SSE ``chat.completion.chunk`` events with a top-level ``modality`` (``"text"`` at index 0,
+``"audio"`` at index 1 with base64 WAV or raw PCM16 per ``audio.format``), ``finish_reason`` on each
+choice's last chunk, an optional usage chunk, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import logging
+import secrets
+import time
+from typing import Any, Optional
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
+
+from .app import openai_error
+
+logger = logging.getLogger("duplexkit.server.chat")
+
+__all__ = ["handle", "parse_chat_request", "ChatRequestError"]
+
+INPUT_RATE = 16_000
+MIN_REF_AUDIO_S = 0.5  # PROTOCOL.md §8.2
+
+
+class ChatRequestError(ValueError):
+    """A request the route answers with 400 ``invalid_request_error``."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def _decode_data_url(url: str, param: str) -> bytes:
+    if not url.startswith("data:"):
+        raise ChatRequestError("only data: URLs are accepted here", param)
+    head, sep, data = url.partition(",")
+    if not sep:
+        raise ChatRequestError("malformed data URL", param)
+    try:
+        if ";base64" in head:
+            return base64.b64decode(data, validate=True)
+        from urllib.parse import unquote_to_bytes
+        return unquote_to_bytes(data)
+    except (binascii.Error, ValueError) as exc:
+        raise ChatRequestError(f"undecodable data URL: {exc}", param) from exc
+
+
+def _decode_audio(raw: bytes, param: str, max_s: float) -> np.ndarray:
+    from duplexkit.audio import read_wav
+
+    try:
+        audio, _ = read_wav(raw, INPUT_RATE)
+    except Exception as exc:
+        raise ChatRequestError(f"undecodable audio: {exc}", param, "bad_audio") from exc
+    if len(audio) == 0:
+        raise ChatRequestError("empty audio", param, "bad_audio")
+    if len(audio) > max_s * INPUT_RATE:
+        raise ChatRequestError(f"audio longer than {max_s:g} s", param, "bad_audio")
+    return audio
+
+
+def _decode_image(url: str, param: str, state) -> np.ndarray:
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - pillow ships with the engine extra
+        raise ChatRequestError("image input needs pillow", param) from exc
+    if url.startswith("data:"):
+        raw = _decode_data_url(url, param)
+    else:
+        try:
+            raw = state.load_ref_audio_path(url)  # same allow-list as reference voices
+        except (PermissionError, FileNotFoundError, OSError) as exc:
+            raise ChatRequestError(f"image not allowed: {exc}", param) from exc
+    try:
+        img = Image.open(io.BytesIO(raw)).convert("RGB")
+    except Exception as exc:
+        raise ChatRequestError(f"undecodable image: {exc}", param) from exc
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _ref_voice(audio: np.ndarray, max_s: float, param: str) -> ReferenceVoice:
+    n = (len(audio) // 1600) * 1600  # whole 100 ms (PROTOCOL.md §8.3)
+    if n < MIN_REF_AUDIO_S * INPUT_RATE or len(audio) > max_s * INPUT_RATE:
+        raise ChatRequestError(f"reference voice must last {MIN_REF_AUDIO_S}-{max_s:g} s", param, "ref_audio_invalid")
+    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
+    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+
+
+def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
+    """Convert an OpenAI chat-completions body into a :class:`ChatRequest`.
+
+    Returns ``(request, options)`` with options ``stream``, ``include_usage``, ``audio_format``,
+    ``model``. Raises :class:`ChatRequestError` for every 400 case of PROTOCOL.md §10.1.
+    """
+    s = state.settings
+    if not isinstance(body, dict):
+        raise ChatRequestError("the body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not state.accepts_model(model):
+        raise ChatRequestError(f"unknown model {model!r}", "model", "model_not_found")
+    if body.get("n") not in (None, 1):
+        raise ChatRequestError("n > 1 is not supported", "n")
+    for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
+        if body.get(unsupported) not in (None, False, []):
+            raise ChatRequestError(f"{unsupported} is not supported", unsupported)
+    modalities = body.get("modalities") or ["text"]
+    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
+        raise ChatRequestError("modalities must be a subset of ['text', 'audio']", "modalities")
+    output_audio = "audio" in modalities
+    audio_opts = body.get("audio") or {}
+    if not isinstance(audio_opts, dict):
+        raise ChatRequestError("audio must be an object", "audio")
+    audio_format = audio_opts.get("format", "wav")
+    if audio_format not in ("wav", "pcm16"):
+        raise ChatRequestError("audio.format must be 'wav' or 'pcm16'", "audio.format")
+    kw = body.get("chat_template_kwargs") or {}
+    if not isinstance(kw, dict):
+        raise ChatRequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    use_tts_template = kw.get("use_tts_template")
+    if use_tts_template is not None and not isinstance(use_tts_template, bool):
+        raise ChatRequestError("use_tts_template must be a boolean", "chat_template_kwargs.use_tts_template")
+    enable_thinking = kw.get("enable_thinking", False)
+    if not isinstance(enable_thinking, bool):
+        raise ChatRequestError("enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking")
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = min(256, s.max_output_tokens or 256)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 8192:
+        raise ChatRequestError("max_tokens must be an integer in 1..8192", "max_tokens")
+    temperature = body.get("temperature", 0.7)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+        raise ChatRequestError("temperature must be in 0..2", "temperature")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ChatRequestError("seed must be an integer", "seed")
+
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise ChatRequestError("messages must be a non-empty list", "messages")
+    messages: list[ChatMessage] = []
+    ref_voice: Optional[ReferenceVoice] = None
+    any_audio_in = False
+    for i, m in enumerate(raw_messages):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatRequestError("each message must be an object", p)
+        role = m.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ChatRequestError(f"unsupported role {role!r}", f"{p}.role")
+        content = m.get("content")
+        parts: list = []
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                pp = f"{p}.content[{j}]"
+                if not isinstance(part, dict):
+                    raise ChatRequestError("each content part must be an object", pp)
+                ptype = part.get("type")
+                if ptype == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ChatRequestError("text part needs a string 'text'", pp)
+                    parts.append(part["text"])
+                elif ptype in ("input_audio", "audio_url"):
+                    if role == "assistant":
+                        raise ChatRequestError("assistant messages are text only", pp)
+                    if ptype == "input_audio":
+                        ia = part.get("input_audio") or {}
+                        if not isinstance(ia, dict) or not isinstance(ia.get("data"), str):
+                            raise ChatRequestError("input_audio needs base64 'data'", pp)
+                        if ia.get("format", "wav") not in ("wav", "mp3"):
+                            raise ChatRequestError("input_audio.format must be wav or mp3", pp)
+                        try:
+                            raw = base64.b64decode(ia["data"], validate=True)
+                        except (binascii.Error, ValueError) as exc:
+                            raise ChatRequestError(f"input_audio.data is not base64: {exc}", pp, "bad_audio") from exc
+                    else:
+                        url = (part.get("audio_url") or {}).get("url")
+                        if not isinstance(url, str):
+                            raise ChatRequestError("audio_url needs a 'url'", pp)
+                        raw = _decode_data_url(url, pp)
+                    audio = _decode_audio(raw, pp, s.max_input_audio_s)
+                    if role == "system":
+                        ref_voice = _ref_voice(audio, s.max_ref_audio_s, pp)
+                    else:
+                        any_audio_in = True
+                        parts.append(audio)
+                elif ptype == "image_url":
+                    if role == "assistant":
+                        raise ChatRequestError("assistant messages are text only", pp)
+                    url = (part.get("image_url") or {}).get("url")
+                    if not isinstance(url, str):
+                        raise ChatRequestError("image_url needs a 'url'", pp)
+                    parts.append(_decode_image(url, pp, state))
+                else:
+                    raise ChatRequestError(f"unsupported content part type {ptype!r}", pp)
+        elif content is None and role == "assistant":
+            pass
+        else:
+            raise ChatRequestError("content must be a string or a list of parts", f"{p}.content")
+        if parts or role != "system":
+            messages.append(ChatMessage(role=role, content=parts))
+    if ref_voice is None:
+        voice = audio_opts.get("voice")
+        voices = getattr(state, "voices", None) or {}
+        ref_voice = voices.get(voice) if isinstance(voice, str) else None
+        if ref_voice is None:
+            ref_voice = getattr(state, "default_voice", None)
+    if use_tts_template is None:
+        use_tts_template = output_audio or any_audio_in
+    stream = bool(body.get("stream", False))
+    so = body.get("stream_options") or {}
+    req = ChatRequest(messages=messages, output_audio=output_audio, max_tokens=max_tokens,
+                      temperature=float(temperature), seed=seed, use_tts_template=use_tts_template,
+                      enable_thinking=enable_thinking, ref_voice=ref_voice)
+    return req, {"stream": stream, "include_usage": bool(isinstance(so, dict) and so.get("include_usage")),
+                 "audio_format": audio_format, "model": model or state.model_id}
+
+
+def _wav_b64(audio: np.ndarray) -> str:
+    from duplexkit.audio import wav_bytes
+
+    return base64.b64encode(wav_bytes(np.asarray(audio, np.float32), OUTPUT_SAMPLE_RATE)).decode("ascii")
+
+
+def _pcm16_b64(audio: np.ndarray) -> str:
+    from duplexkit.audio import float32_to_pcm16
+
+    return base64.b64encode(float32_to_pcm16(np.asarray(audio, np.float32))).decode("ascii")
+
+
+async def handle(state, request: Request):
+    """The route body (auth already checked by the app)."""
+    if not state.ready:
+        return openai_error(503, "the model is loading; retry later", "session_capacity_exhausted",
+                            headers={"Retry-After": str(state.settings.retry_after_s)})
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return openai_error(400, f"malformed JSON: {exc}", "invalid_json")
+    try:
+        req, opts = parse_chat_request(body, state)
+    except ChatRequestError as exc:
+        return openai_error(400, str(exc), exc.code, param=exc.param)
+    if not state.slots.try_acquire():
+        return openai_error(503, f"all {state.slots.size} session slots are in use", "session_capacity_exhausted",
+                            headers={"Retry-After": str(state.settings.retry_after_s)})
+    released = False
+
+    def release_slot() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.slots.release()
+
+    created = int(time.time())
+    cid = "chatcmpl-" + secrets.token_hex(12)
+    if not opts["stream"]:
+        try:
+            result = await state.engine.generate(req)
+        except Exception as exc:
+            logger.exception("chat generation failed")
+            return openai_error(500, f"generation failed: {exc}", "server_error")
+        finally:
+            release_slot()
+        choices: list[dict] = [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                                "finish_reason": result.finish_reason}]
+        if req.output_audio and result.audio is not None:
+            choices.append({"index": 1, "finish_reason": result.finish_reason, "message": {
+                "role": "assistant", "content": None,
+                "audio": {"id": "audio_" + secrets.token_hex(12), "data": _wav_b64(result.audio),
+                          "transcript": result.text, "expires_at": created + 3600}}})
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": opts["model"],
+            "choices": choices,
+            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                      "total_tokens": result.prompt_tokens + result.completion_tokens}})
+
+    async def sse():
+        def chunk(choices: list, modality: Optional[str] = None, usage: Optional[dict] = None) -> str:
+            obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                   "model": opts["model"], "choices": choices}
+            if modality is not None:
+                obj["modality"] = modality
+            if usage is not None:
+                obj["usage"] = usage
+            return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+        n_text = 0
+        finish = "stop"
+        usage: Optional[dict] = None
+        try:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "text")
+            async for d in state.engine.generate_stream(req):
+                if d.text:
+                    n_text += 1
+                    yield chunk([{"index": 0, "delta": {"content": d.text}, "finish_reason": None}], "text")
+                if req.output_audio and d.audio is not None and len(d.audio):
+                    data = _wav_b64(d.audio) if opts["audio_format"] == "wav" else _pcm16_b64(d.audio)
+                    yield chunk([{"index": 1, "delta": {"role": "assistant", "content": data},
+                                  "finish_reason": None}], "audio")
+                finish = getattr(d, "finish_reason", None) or finish
+                usage = getattr(d, "usage", None) or usage
+            yield chunk([{"index": 0, "delta": {}, "finish_reason": finish}], "text")
+            if req.output_audio:
+                yield chunk([{"index": 1, "delta": {}, "finish_reason": finish}], "audio")
+            if opts["include_usage"]:
+                if usage is None:
+                    usage = {"prompt_tokens": 0, "completion_tokens": n_text, "total_tokens": n_text}
+                yield chunk([], None, usage)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            logger.exception("chat stream failed")
+            err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",
+                             "param": None, "code": "server_error"}}
+            yield "data: " + json.dumps(err) + "\n\n"
+        finally:
+            release_slot()
+
+    from starlette.background import BackgroundTask
+
+    return StreamingResponse(sse(), media_type="text/event-stream", background=BackgroundTask(release_slot),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

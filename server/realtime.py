@@ -1,0 +1,297 @@
+"""The realtime WebSocket shell: one :class:`duplexkit.session.Session` per connection.
+
+The shell only moves bytes (DESIGN.md, "sans-I/O session"): frames in ->
+``Session.receive_client_event``; engine outputs -> ``Session.receive_engine_output``; a clock ->
+``Session.tick``; and ``Session.drain()`` out -> server events sent as JSON text frames, engine
+commands forwarded with :func:`duplexkit.engine.api.apply_command` (``OpenStream`` opens the
+stream on the shared engine), and a final ``CloseConnection`` closes the socket with its code.
+
+Handshake checks (PROTOCOL.md §1): authentication (``Authorization: Bearer`` or the
+``openai-insecure-api-key.<key>`` subprotocol; failure -> ``error{unauthorized}`` + 1008),
+the ``model`` query parameter (unknown -> ``error{bad_event, param:"model"}`` + 1008), session
+capacity (-> ``error{session_capacity_exhausted}`` + 1013).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any, Optional
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from duplexkit.engine.api import EngineCommand, EngineError, OpenStream, apply_command
+
+logger = logging.getLogger("duplexkit.server.realtime")
+
+__all__ = ["handle", "RealtimeConnection", "KEY_SUBPROTOCOL_PREFIX"]
+
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no", ""}
+
+
+def _handshake_error(code: str, message: str, param: Optional[str] = None) -> dict:
+    err: dict[str, Any] = {"type": "invalid_request_error" if code != "session_capacity_exhausted"
+                           else "rate_limit_error", "code": code, "message": message}
+    if param:
+        err["param"] = param
+    return {"type": "error", "event_id": "event_" + secrets.token_hex(12), "server_event_seq": 1, "error": err}
+
+
+async def _reject(ws: WebSocket, subprotocol: Optional[str], event: dict, close_code: int) -> None:
+    await ws.accept(subprotocol=subprotocol)
+    try:
+        await ws.send_text(json.dumps(event))
+        await ws.close(code=close_code, reason=event["error"]["code"])
+    except Exception:  # the peer may already be gone
+        pass
+
+
+def _pick_subprotocol(offered: list[str]) -> Optional[str]:
+    if not offered:
+        return None
+    if "realtime" in offered:
+        return "realtime"
+    for p in offered:
+        if not p.startswith(KEY_SUBPROTOCOL_PREFIX):
+            return p
+    return offered[0]
+
+
+async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
+    """ASGI WebSocket entry point for ``/v1/realtime`` (``force_duplex=False``) and ``/v1/duplex``."""
+    q = ws.query_params
+    offered = list(ws.scope.get("subprotocols") or [])
+    subprotocol = _pick_subprotocol(offered)
+
+    key = state.bearer(ws.headers.get("authorization"))
+    if key is None:
+        for p in offered:
+            if p.startswith(KEY_SUBPROTOCOL_PREFIX):
+                key = p[len(KEY_SUBPROTOCOL_PREFIX):]
+                break
+    if not state.check_key(key):
+        await _reject(ws, subprotocol, _handshake_error("unauthorized", "missing or invalid API key"), 1008)
+        return
+
+    duplex_raw = (q.get("duplex") or "").strip().lower()
+    if duplex_raw not in _TRUE | _FALSE:
+        duplex_raw = ""
+    duplex = force_duplex or duplex_raw in _TRUE
+    autostart_raw = (q.get("autostart") or "1").strip().lower()
+    autostart = autostart_raw not in {"0", "false", "off", "no"}
+
+    if not state.ready:
+        await _reject(ws, subprotocol, _handshake_error(
+            "session_capacity_exhausted", "the server is loading or shutting down; retry later"), 1013)
+        return
+    model = q.get("model")
+    if not state.accepts_model(model):
+        await _reject(ws, subprotocol, _handshake_error(
+            "bad_event", f"unknown model {model!r}; served: {', '.join(state.model_ids)}", "model"), 1008)
+        return
+    if not state.slots.try_acquire():
+        await _reject(ws, subprotocol, _handshake_error(
+            "session_capacity_exhausted", f"all {state.slots.size} session slots are in use"), 1013)
+        return
+    try:
+        conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart)
+        state.connections.add(conn)
+        try:
+            await ws.accept(subprotocol=subprotocol)
+            await conn.run()
+        finally:
+            state.connections.discard(conn)
+    finally:
+        state.slots.release()
+
+
+def session_config(state, profile: str):
+    """The per-connection :class:`duplexkit.session.SessionConfig` built from server settings."""
+    from duplexkit.session import SessionConfig, SessionLimits
+
+    s = state.settings
+    limits = SessionLimits(max_event_bytes=s.max_event_bytes, max_pending_input_s=s.max_pending_input_s,
+                           idle_timeout_s=s.idle_timeout_s, max_ref_audio_s=s.max_ref_audio_s,
+                           input_default_rate=s.default_input_rate)
+    kwargs: dict[str, Any] = dict(profile=profile, model_id=state.model_id,
+                                  default_instructions=s.default_instructions,
+                                  answer_policy=s.answer_policy,
+                                  ref_audio_loader=state.load_ref_audio_path if s.ref_audio_dir else None,
+                                  limits=limits)
+    if s.max_output_tokens is not None:
+        kwargs["max_output_tokens"] = s.max_output_tokens
+    voices = getattr(state, "voices", None)
+    if voices:
+        kwargs["voices"] = voices
+    default_voice = getattr(state, "default_voice", None)
+    if default_voice is not None:
+        kwargs["default_voice"] = default_voice
+    return SessionConfig(**kwargs)
+
+
+class RealtimeConnection:
+    """Drives one Session over one WebSocket (see the module docstring)."""
+
+    def __init__(self, state, ws: WebSocket, *, profile: str, autostart: bool) -> None:
+        from duplexkit.session import Session
+
+        self.state = state
+        self.ws = ws
+        self.profile = profile
+        self.autostart = autostart
+        self._t0 = time.monotonic()
+        self.session = Session(session_config(state, profile), now_ms=0)
+        self.stream = None
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._closed = asyncio.Event()
+        self._close_override: Optional[int] = None
+        self._tasks: list[asyncio.Task] = []
+        self._pump_task: Optional[asyncio.Task] = None
+
+    # -- clock ---------------------------------------------------------------------------------
+    def now_ms(self) -> int:
+        return int((time.monotonic() - self._t0) * 1000)
+
+    def _flush(self) -> None:
+        for item in self.session.drain():
+            self._out.put_nowait(item)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        if self.autostart:
+            self.session.start(self.now_ms())
+            self._flush()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._dispatch(), name="dispatch"),
+                       loop.create_task(self._read(), name="read"),
+                       loop.create_task(self._tick(), name="tick")]
+        try:
+            await self._closed.wait()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            if self._pump_task is not None:
+                self._pump_task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._pump_task is not None:
+                await asyncio.gather(self._pump_task, return_exceptions=True)
+            await self._close_stream()
+            if self.ws.application_state != WebSocketState.DISCONNECTED:
+                try:
+                    await self.ws.close(code=1000)
+                except Exception:
+                    pass
+
+    async def _close_stream(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            try:
+                await asyncio.wait_for(stream.aclose(), timeout=30)
+            except Exception:  # pragma: no cover - engine trouble must not leak the slot
+                logger.exception("closing engine stream failed")
+
+    async def shutdown(self, reason: str = "shutdown") -> None:
+        """Server shutdown: ``session.closed{reason}`` then close 1001 (PROTOCOL.md §1.5)."""
+        if self._closed.is_set():
+            return
+        self._close_override = 1001
+        self.session.close(reason, 1001, self.now_ms())
+        self._flush()
+        await self._closed.wait()
+
+    # -- tasks ----------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self.ws.receive()
+                mtype = msg.get("type")
+                if mtype == "websocket.disconnect":
+                    break
+                text = msg.get("text")
+                if text is not None:
+                    self.session.receive_client_event(text, self.now_ms())
+                else:
+                    self._binary_frame(msg.get("bytes") or b"")
+                self._flush()
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            self._closed.set()
+
+    def _binary_frame(self, data: bytes) -> None:
+        handler = getattr(self.session, "receive_binary_frame", None)
+        if callable(handler):
+            handler(data, self.now_ms())
+        else:
+            # PROTOCOL.md §1.3: binary frames get bad_event and are ignored. A dict without a string
+            # ``type`` makes the Session answer bad_event and change nothing.
+            self.session.receive_client_event({"type": None}, self.now_ms())
+
+    async def _tick(self) -> None:
+        interval = self.state.settings.tick_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.session.tick(self.now_ms())
+            self._flush()
+
+    async def _pump(self, stream) -> None:
+        try:
+            async for out in stream.outputs():
+                self.session.receive_engine_output(out, self.now_ms())
+                self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("engine stream failed")
+            self.session.receive_engine_output(
+                EngineError(stream.stream_id, self.session.epoch, -1, code="server_error",
+                            message=f"engine stream failed: {exc}", fatal=True), self.now_ms())
+            self._flush()
+
+    async def _dispatch(self) -> None:
+        from duplexkit.session import CloseConnection
+
+        try:
+            while True:
+                item = await self._out.get()
+                if isinstance(item, dict):
+                    await self.ws.send_text(json.dumps(item, separators=(",", ":")))
+                elif isinstance(item, OpenStream):
+                    await self._open_stream(item)
+                elif isinstance(item, EngineCommand):
+                    if self.stream is not None:
+                        apply_command(self.stream, item)
+                elif isinstance(item, CloseConnection):
+                    code = self._close_override or item.code
+                    try:
+                        await self.ws.close(code=code, reason=item.reason or "")
+                    except Exception:
+                        pass
+                    break
+                else:  # pydantic models or anything JSON-able a Session may hand out
+                    dump = getattr(item, "model_dump", None)
+                    if callable(dump):
+                        await self.ws.send_text(json.dumps(dump(exclude_none=True), separators=(",", ":")))
+                    else:
+                        logger.warning("unknown drain item %r", type(item))
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            pass
+        finally:
+            self._closed.set()
+
+    async def _open_stream(self, cmd: OpenStream) -> None:
+        try:
+            self.stream = await self.state.engine.open_stream(cmd.stream_id, cmd.config)
+        except Exception as exc:
+            logger.exception("open_stream failed")
+            self.session.receive_engine_output(
+                EngineError(cmd.stream_id, cmd.epoch, -1, code="server_error",
+                            message=f"engine could not open the stream: {exc}", fatal=True), self.now_ms())
+            self._flush()
+            return
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump(self.stream), name="pump")

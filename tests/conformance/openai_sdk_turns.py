@@ -1,0 +1,106 @@
+"""Turns driven by the unmodified OpenAI Python SDK realtime client (``client.realtime.connect``).
+
+Shared by ``tests/conformance/test_openai_sdk_realtime.py`` (ScriptedEngine server) and
+``tests/e2e/test_tiny_e2e.py`` (the real tiny engine). Every received event is also validated
+against ``openai.types.realtime.RealtimeServerEvent`` (the conformance oracle, PROTOCOL.md §2),
+except duplexkit extension events, which the SDK surfaces untyped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+from pydantic import TypeAdapter
+
+from duplexkit.audio import float32_to_pcm16, read_wav
+
+EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "response.speak", "response.listen"}
+
+
+def _adapter():
+    from openai.types.realtime import RealtimeServerEvent
+
+    return TypeAdapter(RealtimeServerEvent)
+
+
+def sdk_client(http_url: str, api_key: str = "sk-unused"):
+    from openai import AsyncOpenAI
+
+    ws = http_url.replace("http://", "ws://").replace("https://", "wss://")
+    return AsyncOpenAI(api_key=api_key, base_url=http_url + "/v1", websocket_base_url=ws + "/v1")
+
+
+def pcm24k_b64(path, seconds_of_silence: float = 0.0, chunk_s: float = 0.2) -> list[str]:
+    """A WAV as 24 kHz pcm16 base64 appends (the compat profile's OpenAI default rate)."""
+    audio, _ = read_wav(path, 24_000)
+    if seconds_of_silence:
+        audio = np.concatenate([audio, np.zeros(int(24_000 * seconds_of_silence), np.float32)])
+    step = int(24_000 * chunk_s)
+    return [base64.b64encode(float32_to_pcm16(audio[i:i + step])).decode() for i in range(0, len(audio), step)]
+
+
+async def collect_until_done(conn, adapter, timeout: float) -> list:
+    """Receive (and validate) events until ``response.done``; returns the SDK event objects."""
+    events = []
+    async with asyncio.timeout(timeout):
+        while True:
+            ev = await conn.recv()
+            raw = ev.model_dump(exclude_unset=True) if hasattr(ev, "model_dump") else dict(ev)
+            if raw.get("type") not in EXTENSION_EVENTS:
+                adapter.validate_python(raw)
+            events.append(ev)
+            if ev.type == "error":
+                raise AssertionError(f"server error: {raw}")
+            if ev.type == "response.done":
+                return events
+
+
+async def commit_driven_turn(http_url: str, model: str, wav, *, timeout: float = 60.0) -> dict:
+    """append + commit + response.create with the SDK; returns a summary of the response."""
+    adapter = _adapter()
+    client = sdk_client(http_url)
+    async with client.realtime.connect(model=model) as conn:
+        first = await conn.recv()
+        assert first.type == "session.created", first.type
+        adapter.validate_python(first.model_dump(exclude_unset=True))
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                                               "turn_detection": None}}})
+        upd = await conn.recv()
+        assert upd.type == "session.updated", upd
+        for chunk in pcm24k_b64(wav):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        events = await collect_until_done(conn, adapter, timeout)
+    return summarize(events)
+
+
+async def server_vad_turn(http_url: str, model: str, wav, *, timeout: float = 60.0) -> dict:
+    """The compat profile's default server_vad (create_response: true): speech then silence
+    triggers a response without any commit or response.create."""
+    adapter = _adapter()
+    client = sdk_client(http_url)
+    async with client.realtime.connect(model=model) as conn:
+        first = await conn.recv()
+        assert first.type == "session.created"
+        td = first.session.audio.input.turn_detection
+        assert td is not None and td.type == "server_vad"
+        for chunk in pcm24k_b64(wav, seconds_of_silence=1.5):
+            await conn.input_audio_buffer.append(audio=chunk)
+        events = await collect_until_done(conn, adapter, timeout)
+    return summarize(events)
+
+
+def summarize(events: list) -> dict:
+    types = [e.type for e in events]
+    done = events[-1]
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    created = next(e for e in events if e.type == "response.created")
+    return {"types": types, "status": done.response.status, "audio_samples": len(audio) // 2,
+            "transcript": transcript, "response_id": created.response.id,
+            "first_chunk_samples": next((len(base64.b64decode(e.delta)) // 2 for e in events
+                                         if e.type == "response.output_audio.delta"), 0)}

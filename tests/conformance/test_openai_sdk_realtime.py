@@ -1,0 +1,43 @@
+"""The unmodified OpenAI Python SDK realtime client against a real ``duplexkit serve scripted``
+process (compat profile, PROTOCOL.md §11): a commit-driven turn and a server_vad turn, every event
+validated against ``openai.types.realtime``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+from _serverproc import ServerProc  # noqa: E402
+from openai_sdk_turns import commit_driven_turn, server_vad_turn  # noqa: E402
+
+pytest.importorskip("openai")
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProc("scripted", "--scripted", "units_per_turn=2") as srv:
+        yield srv
+
+
+async def test_sdk_commit_driven_turn(server):
+    s = await commit_driven_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=30)
+    assert s["status"] == "completed"
+    assert s["audio_samples"] == 48000 and s["first_chunk_samples"] == 20160
+    assert s["transcript"] == "Hello there, this is "
+    assert "response.speak" not in s["types"]  # compat profile: no extension events
+    assert s["types"][0] == "input_audio_buffer.committed"
+
+
+async def test_sdk_server_vad_turn(server):
+    s = await server_vad_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=30)
+    assert s["status"] == "completed" and s["audio_samples"] == 48000
+    assert "input_audio_buffer.speech_started" in s["types"]
+    assert "input_audio_buffer.speech_stopped" in s["types"]
+    assert s["types"].index("input_audio_buffer.committed") < s["types"].index("response.created")

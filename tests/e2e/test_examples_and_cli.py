@@ -1,0 +1,138 @@
+"""The examples and the ``duplexkit`` CLI, run as real subprocesses against a real
+``duplexkit serve scripted`` process (fast; the tiny-engine paths are covered by test_tiny_e2e)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from _serverproc import REPO
+
+from duplexkit.audio import read_wav
+
+pytestmark = pytest.mark.e2e
+
+PY = sys.executable
+
+
+def run(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], cwd=str(REPO), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_realtime_wav_demo_example(scripted_server, tmp_path):
+    out = tmp_path / "answer.wav"
+    r = run(PY, "examples/realtime_wav_demo.py", "--url", scripted_server.ws_url, "--output", str(out),
+            "--no-realtime")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "status=completed" in r.stdout and "Hello there, this is a scripted" in r.stdout
+    audio, rate = read_wav(out)
+    assert rate == 24000 and len(audio) == 72000
+
+
+def test_barge_in_example(scripted_server, tmp_path):
+    r = run(PY, "examples/barge_in_client.py", "--url", scripted_server.ws_url, "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    first, second = summary["responses"]
+    assert first["status"] == "cancelled" and second["status"] == "completed"
+    assert second["epoch"] == first["epoch"] + 1
+    assert summary["late_events_of_cancelled_response"] is False
+    assert (tmp_path / "response_1_cancelled.wav").exists() and (tmp_path / "response_2_completed.wav").exists()
+    assert len(read_wav(tmp_path / "response_2_completed.wav")[0]) == 72000
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_example(scripted_server, tmp_path, stream):
+    out = tmp_path / "chat.wav"
+    r = run(PY, "examples/chat_completions_client.py", "--url", scripted_server.url, "--output", str(out),
+            *(["--stream"] if stream else []))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "This is a scripted chat reply." in r.stdout
+    assert len(read_wav(out)[0]) == 6 * 9600  # 0.4 s of tone per word
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_curl_example(scripted_server, tmp_path):
+    out = tmp_path / "curl.wav"
+    r = run("bash", "examples/curl_chat.sh", scripted_server.url, "hello", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"status":"ok"' in r.stdout and "text: This is a scripted chat reply." in r.stdout
+    assert "data: [DONE]" in r.stdout
+    assert read_wav(out)[1] == 24000
+
+
+def test_openai_sdk_example(scripted_server, tmp_path):
+    pytest.importorskip("openai")
+    out = tmp_path / "sdk.wav"
+    r = run(PY, "examples/openai_sdk_realtime.py", "--url", scripted_server.url, "--model", "scripted",
+            "--output", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ": completed" in r.stdout
+    assert len(read_wav(out)[0]) == 72000
+
+
+def test_gradio_example_is_import_guarded():
+    r = run(PY, "-c", "import sys; sys.path.insert(0, 'examples'); import gradio_demo; print('ok')")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["mic"], ["chat"], ["bench"]])
+def test_cli_help(cmd):
+    r = run(PY, "-m", "duplexkit.cli", *cmd, "--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "usage: duplexkit" in r.stdout
+
+
+def test_cli_import_is_light():
+    r = run(PY, "-c", "import sys, duplexkit.cli as c; c.build_parser(); "
+                      "assert 'torch' not in sys.modules and 'duplexkit_server' not in sys.modules")
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_demo_scripted(tmp_path):
+    out = tmp_path / "demo.wav"
+    r = run(PY, "-m", "duplexkit.cli", "demo", "scripted", "--output", str(out), "--answer-policy", "on_request")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "status=completed" in r.stdout and "timings:" in r.stdout and "TTFP" in r.stdout
+    assert len(read_wav(out)[0]) == 72000
+
+
+def test_cli_demo_against_server(scripted_server, tmp_path):
+    out = tmp_path / "demo.wav"
+    r = run(PY, "-m", "duplexkit.cli", "demo", "--url", scripted_server.ws_url, "--output", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "status=completed" in r.stdout
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cli_chat_against_server(scripted_server, tmp_path, stream):
+    out = tmp_path / "c.wav"
+    r = run(PY, "-m", "duplexkit.cli", "chat", "--url", scripted_server.url, "--text", "hi", "--output", str(out),
+            *(["--stream"] if stream else []))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "This is a scripted chat reply." in r.stdout
+    assert read_wav(out)[1] == 24000
+
+
+def test_cli_chat_inline_scripted(tmp_path):
+    out = tmp_path / "c.wav"
+    r = run(PY, "-m", "duplexkit.cli", "chat", "scripted", "--text", "hi", "--output", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "This is a scripted chat reply." in r.stdout
+
+
+def test_cli_serve_rejects_a_missing_checkpoint(tmp_path):
+    r = run(PY, "-m", "duplexkit.cli", "serve", str(tmp_path / "nope"), "--port", "1", timeout=60)
+    assert r.returncode == 2 and "checkpoint directory not found" in r.stderr
+
+
+def test_cli_serve_exits_when_the_engine_fails_to_load():
+    # a scripted option that does not exist: loading fails inside the server, which stops with 1
+    r = run(PY, "-m", "duplexkit.cli", "serve", "scripted", "--port", "0", "--scripted", "no_such_option=1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "unknown ScriptConfig field" in r.stdout + r.stderr

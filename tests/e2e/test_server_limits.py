@@ -1,0 +1,142 @@
+"""Transport rules of PROTOCOL.md §1 against real ``duplexkit serve scripted`` processes: auth,
+capacity (1013 / 503 + Retry-After), frame size (event_too_large vs 1009), idle timeout and
+graceful shutdown (session.closed{shutdown} + 1001)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import websockets
+from _serverproc import ServerProc
+
+from duplexkit.clients import DuplexClient, DuplexConnectionError
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def limited_server():
+    with ServerProc("scripted", "--api-key", KEY, "--max-sessions", "1", "--max-event-bytes", "100000",
+                    "--idle-timeout-s", "2") as srv:
+        yield srv
+
+
+async def test_auth_bearer_subprotocol_and_rejection(limited_server):
+    # no key: error{unauthorized} then 1008
+    async with websockets.connect(limited_server.ws_url + "/v1/realtime") as ws:
+        ev = json.loads(await ws.recv())
+        assert ev["type"] == "error" and ev["error"]["code"] == "unauthorized"
+        with pytest.raises(websockets.ConnectionClosed) as ei:
+            await ws.recv()
+        assert ei.value.rcvd.code == 1008
+    # the client surfaces it as a handshake error
+    with pytest.raises(DuplexConnectionError) as ei:
+        async with DuplexClient(limited_server.ws_url, api_key="wrong"):
+            pass
+    assert ei.value.code == "unauthorized" and ei.value.close_code == 1008
+    # browser-style subprotocol key
+    async with websockets.connect(limited_server.ws_url + "/v1/realtime",
+                                  subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
+        assert ws.subprotocol == "realtime"
+        assert json.loads(await ws.recv())["type"] == "session.created"
+    # HTTP routes: 401 without the key, 200 with it; /health never needs it
+    assert httpx.get(limited_server.url + "/v1/models").status_code == 401
+    assert httpx.get(limited_server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(limited_server.url + "/health").status_code == 200
+
+
+async def test_capacity_1013_and_chat_503(limited_server):
+    async with DuplexClient(limited_server.ws_url, api_key=KEY) as c:
+        assert httpx.get(limited_server.url + "/health").json()["sessions_active"] == 1
+        with pytest.raises(DuplexConnectionError) as ei:
+            async with DuplexClient(limited_server.ws_url, api_key=KEY):
+                pass
+        assert ei.value.code == "session_capacity_exhausted" and ei.value.close_code == 1013
+        r = httpx.post(limited_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "session_capacity_exhausted"
+        await c.heartbeat()
+    # the slot is free again
+    for _ in range(50):
+        if httpx.get(limited_server.url + "/health").json()["sessions_active"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    r = httpx.post(limited_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+
+
+async def test_event_too_large_then_1009(limited_server):
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    async with websockets.connect(limited_server.ws_url + "/v1/realtime?duplex=1", additional_headers=hdr,
+                                  max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        big = json.dumps({"type": "input_audio_buffer.append", "event_id": "big1", "audio": "A" * 150_000})
+        await ws.send(big)
+        ev = json.loads(await ws.recv())
+        assert ev["type"] == "error" and ev["error"]["code"] == "event_too_large"
+        assert ev["error"]["event_id"] == "big1"
+        await ws.send(json.dumps({"type": "session.heartbeat"}))
+        assert json.loads(await ws.recv())["type"] == "session.heartbeat_ack"
+        await ws.send("x" * 250_000)  # over twice the limit: the transport closes with 1009
+        with pytest.raises(websockets.ConnectionClosed) as ei:
+            while True:
+                await ws.recv()
+        assert ei.value.rcvd.code == 1009
+
+
+async def test_idle_timeout(limited_server):
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    async with websockets.connect(limited_server.ws_url + "/v1/realtime?duplex=1", additional_headers=hdr) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        async with asyncio.timeout(10):
+            ev = json.loads(await ws.recv())
+            while ev["type"] != "session.closed":
+                ev = json.loads(await ws.recv())
+        assert ev["reason"] == "timeout"
+        with pytest.raises(websockets.ConnectionClosed) as ei:
+            await ws.recv()
+        assert ei.value.rcvd.code == 1000
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_graceful_shutdown_closes_sessions_with_1001(sig):
+    srv = ServerProc("scripted")
+    try:
+        async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            srv.proc.send_signal(sig)
+            async with asyncio.timeout(15):
+                ev = json.loads(await ws.recv())
+                while ev["type"] != "session.closed":
+                    ev = json.loads(await ws.recv())
+            assert ev["reason"] == "shutdown"
+            with pytest.raises(websockets.ConnectionClosed) as ei:
+                await ws.recv()
+            assert ei.value.rcvd.code == 1001
+        assert srv.proc.wait(20) == 0
+    finally:
+        srv.__exit__(None, None, None)
+
+
+async def test_server_voices(fixtures_audio):
+    ref = str(fixtures_audio / "ref_voice_16k.wav")
+    with ServerProc("scripted", "--default-voice", ref, "--voice", f"alice={ref}") as srv:
+        async with DuplexClient(srv.ws_url, session={"voice": "alice"}) as c:
+            assert c.session["voice"] == "alice"
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
+            "audio": {"voice": "alice", "format": "wav"}})
+        assert r.status_code == 200
+    r = subprocess.run([sys.executable, "-m", "duplexkit.cli", "serve", "scripted", "--voice", "bad"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "NAME=PATH" in r.stderr

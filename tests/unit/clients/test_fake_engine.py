@@ -1,0 +1,122 @@
+"""The ScriptedEngine follows its script exactly (it is the oracle of the fast protocol tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexkit.engine.api import (
+    AppendUnit,
+    AudioChunk,
+    CancelEpoch,
+    ChatMessage,
+    ChatRequest,
+    Decision,
+    Engine,
+    EngineError,
+    EngineStream,
+    ForceSpeak,
+    StreamConfig,
+    TextDelta,
+    TurnEnd,
+    UpdateStream,
+)
+from duplexkit.engine.fake import ScriptedEngine, tone
+
+
+def _unit(i: int, epoch: int = 0, **kw) -> AppendUnit:
+    return AppendUnit("s", epoch, unit_index=i, audio=np.zeros(16560 if i == 0 else 16000, np.float32), **kw)
+
+
+async def _run(engine: ScriptedEngine, commands, config: StreamConfig = StreamConfig()) -> list:
+    st = await engine.open_stream("s", config)
+    assert isinstance(st, EngineStream)
+    for c in commands:
+        st.submit(c)
+    await st.aclose()
+    return [o async for o in st.outputs()]
+
+
+def test_is_an_engine():
+    assert isinstance(ScriptedEngine(), Engine)
+    with pytest.raises(TypeError):
+        ScriptedEngine(no_such_field=1)
+
+
+async def test_listens_until_forced_then_speaks_with_real_chunk_sizes():
+    outs = await _run(ScriptedEngine(units_per_turn=3),
+                      [_unit(0), ForceSpeak("s", 0), _unit(1), _unit(2), _unit(3), _unit(4)])
+    decisions = [(o.unit_index, o.decision, o.turn_start) for o in outs if isinstance(o, Decision)]
+    assert decisions == [(0, "listen", False), (1, "speak", True), (2, "speak", False), (3, "speak", False),
+                         (4, "listen", False)]
+    chunks = [o for o in outs if isinstance(o, AudioChunk)]
+    assert [len(c.audio) for c in chunks] == [20160, 24000, 24000, 3840]
+    assert [c.final for c in chunks] == [False, False, False, True]
+    assert all(c.audio.dtype == np.float32 for c in chunks)
+    # phase-continuous tone across the turn
+    whole = np.concatenate([c.audio for c in chunks])
+    np.testing.assert_allclose(whole, tone(72000), atol=1e-6)
+    ends = [o for o in outs if isinstance(o, TurnEnd)]
+    assert len(ends) == 1 and ends[0].unit_index == 3 and ends[0].reason == "turn_eos"
+    texts = [o.text for o in outs if isinstance(o, TextDelta)]
+    assert texts == ["Hello there, ", "this is ", "a scripted "]
+
+
+async def test_model_native_speaking_and_force_listen():
+    outs = await _run(ScriptedEngine(speak_after_units=2, units_per_turn=1),
+                      [_unit(0), _unit(1), _unit(2, force_listen=True), _unit(3)])
+    assert [o.decision for o in outs if isinstance(o, Decision)] == ["listen", "listen", "listen", "speak"]
+
+
+async def test_cancel_ends_the_turn_and_old_epochs_stay_silent():
+    outs = await _run(ScriptedEngine(units_per_turn=None),
+                      [ForceSpeak("s", 0), _unit(0), _unit(1), CancelEpoch("s", 1), _unit(2, epoch=0),
+                       _unit(3, epoch=1)])
+    dec = [(o.unit_index, o.epoch, o.decision) for o in outs if isinstance(o, Decision)]
+    assert dec == [(0, 0, "speak"), (1, 0, "speak"), (2, 0, "listen"), (3, 1, "listen")]
+    assert not [o for o in outs if isinstance(o, TurnEnd)]
+
+
+async def test_text_only_stream_has_no_audio():
+    outs = await _run(ScriptedEngine(), [ForceSpeak("s", 0), _unit(0)], StreamConfig(output_audio=False))
+    assert not [o for o in outs if isinstance(o, AudioChunk)]
+    assert [o.text for o in outs if isinstance(o, TextDelta)] == ["Hello there, "]
+
+
+async def test_update_stream_switches_audio_off():
+    outs = await _run(ScriptedEngine(units_per_turn=None),
+                      [ForceSpeak("s", 0), _unit(0), UpdateStream("s", 0, config=StreamConfig(output_audio=False)),
+                       _unit(1)])
+    assert [o.unit_index for o in outs if isinstance(o, AudioChunk)] == [0]
+
+
+async def test_failure_injection():
+    outs = await _run(ScriptedEngine(fail_at_unit=1, fail_fatal=True), [_unit(0), _unit(1)])
+    errs = [o for o in outs if isinstance(o, EngineError)]
+    assert len(errs) == 1 and errs[0].fatal and errs[0].unit_index == 1
+
+
+async def test_stream_rules():
+    eng = ScriptedEngine()
+    st = await eng.open_stream("s", StreamConfig())
+    with pytest.raises(ValueError):
+        await eng.open_stream("s", StreamConfig())
+    assert eng.open_streams == 1
+    await st.aclose()
+    assert eng.open_streams == 0
+    with pytest.raises(RuntimeError):
+        st.submit(_unit(0))
+
+
+async def test_generate_and_stream():
+    eng = ScriptedEngine()
+    req = ChatRequest(messages=[ChatMessage("user", ["hi there"])], output_audio=True, max_tokens=3)
+    res = await eng.generate(req)
+    assert res.text == "This is a" and res.finish_reason == "length"
+    assert res.audio is not None and len(res.audio) == 3 * 9600
+    assert res.completion_tokens == 3 and res.prompt_tokens == 2
+    deltas = [d async for d in eng.generate_stream(req)]
+    assert "".join(d.text for d in deltas) == res.text
+    np.testing.assert_allclose(np.concatenate([d.audio for d in deltas]), res.audio, atol=1e-6)
+    full = await eng.generate(ChatRequest(messages=[ChatMessage("user", ["x"])], max_tokens=100))
+    assert full.finish_reason == "stop" and full.audio is None
