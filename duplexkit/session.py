@@ -223,6 +223,8 @@ class SessionConfig:
         vad_available: False when the server VAD cannot run (turn detection defaults to null).
         temperature: default sampling temperature (0–2).
         silence_slack_ms: grace after a unit deadline before silence is fed (ms).
+        seed: default sampling seed (None = nondeterministic); clients may set
+            ``extra_body.seed`` (duplexkit extension) to make sampling repeatable on the same hardware.
         limits: :class:`SessionLimits`.
     """
 
@@ -237,6 +239,7 @@ class SessionConfig:
     vad_available: bool = True
     temperature: float = 0.7
     silence_slack_ms: int = 250
+    seed: Optional[int] = None
     limits: SessionLimits = field(default_factory=SessionLimits)
 
     def __post_init__(self) -> None:
@@ -379,6 +382,7 @@ class _Settings:
     force_listen_count: int
     answer_policy: str
     playback_commit_policy: str
+    seed: Optional[int] = None
 
     def copy(self) -> "_Settings":
         s = _Settings(**self.__dict__)
@@ -458,6 +462,7 @@ class Session:
             force_listen_count=0,
             answer_policy=self.cfg.answer_policy or ("model" if duplex else "on_request"),
             playback_commit_policy="ack_only" if duplex else "commit_on_done",
+            seed=self.cfg.seed,
         )
         self._seed_text: list[str] = []
         self._system_text: list[str] = []
@@ -696,6 +701,8 @@ class Session:
             s.force_listen_count = int(p.force_listen_count)
         if "answer_policy" in given:
             s.answer_policy = p.answer_policy
+        if "seed" in given:
+            s.seed = int(p.seed)
         if "playback_commit_policy" in given:
             s.playback_commit_policy = p.playback_commit_policy
         # voice and reference audio (PROTOCOL.md §8)
@@ -1403,6 +1410,7 @@ class Session:
             ref_voice=s.ref_voice,
             output_audio="audio" in s.output_modalities,
             temperature=s.temperature,
+            seed=s.seed,
             force_listen_count=s.force_listen_count,
             seed_text="\n".join(self._seed_text) if self._seed_text else None,
         )
@@ -1447,6 +1455,7 @@ class Session:
                 "force_listen_count": s.force_listen_count,
                 "answer_policy": s.answer_policy,
                 "playback_commit_policy": s.playback_commit_policy,
+                "seed": s.seed,
             },
             capabilities=Capabilities(extension_events=EXTENSION_EVENTS if self._duplex else []),
         )

@@ -126,6 +126,7 @@ class SessionPatch(_In):
     max_output_tokens: Optional[Union[Literal["inf"], int]] = None
     force_listen_count: Optional[int] = Field(default=None, ge=0, le=10)
     answer_policy: Optional[Literal["model", "on_request"]] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     playback_commit_policy: Optional[Literal["ack_only", "commit_on_done"]] = None
     given: List[str] = Field(default_factory=list)
     sources: Dict[str, str] = Field(default_factory=dict)
@@ -151,6 +152,7 @@ class SessionPatch(_In):
             "max_output_tokens": ("max_output_tokens", "max_response_output_tokens"),
             "force_listen_count": ("extra_body.force_listen_count", "force_listen_count"),
             "answer_policy": ("extra_body.answer_policy", "answer_policy"),
+            "seed": ("extra_body.seed", "seed"),
             "playback_commit_policy": ("extra_body.playback_commit_policy", "playback_commit_policy"),
         }
         for key, paths in spellings.items():
@@ -174,7 +176,7 @@ class SessionPatch(_In):
         td = out.get("turn_detection", _MISSING)
         if td is not _MISSING and td is not None and not isinstance(td, dict):
             raise ValueError("turn_detection must be null or an object")
-        for k in ("force_listen_count", "input_sample_rate_hz"):
+        for k in ("force_listen_count", "input_sample_rate_hz", "seed"):
             if isinstance(out.get(k), bool):
                 raise ValueError(f"{k} must be an integer")
         out["given"] = list(src)

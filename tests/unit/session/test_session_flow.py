@@ -43,7 +43,8 @@ def test_compat_profile_defaults():
     s = d.events[0]["session"]
     assert s["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
     assert s["audio"]["input"]["turn_detection"]["create_response"] is True
-    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done"}
+    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done",
+                               "seed": None}
     assert s["capabilities"]["extension_events"] == []
 
 

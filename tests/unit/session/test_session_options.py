@@ -32,3 +32,23 @@ def test_vad_available_flag_off_behaves_the_same():
     s = Session(SessionConfig(profile="compat", vad_available=False))
     s.start(0)
     assert _events(s)[0]["session"]["audio"]["input"]["turn_detection"] is None
+
+
+def test_extra_body_seed_reaches_the_engine_and_is_echoed():
+    from duplexkit.engine.api import OpenStream, UpdateStream
+
+    s = Session(SessionConfig(profile="duplex", seed=7))
+    s.start(0)
+    out = s.drain()
+    opened = [o for o in out if isinstance(o, OpenStream)][0]
+    assert opened.config.seed == 7
+    s.receive_client_event({"type": "session.update", "session": {"extra_body": {"seed": 42}}}, 5)
+    out = s.drain()
+    upd = [o for o in out if isinstance(o, UpdateStream)]
+    ev = [o for o in out if isinstance(o, dict)][-1]
+    assert ev["type"] == "session.updated" and ev["session"]["extra_body"]["seed"] == 42
+    assert upd and upd[-1].config.seed == 42
+    s.receive_client_event({"type": "session.update", "event_id": "bad",
+                            "session": {"extra_body": {"seed": -1}}}, 6)
+    err = [o for o in s.drain() if isinstance(o, dict)][-1]
+    assert err["error"]["code"] == "bad_event" and err["error"]["event_id"] == "bad"
