@@ -294,10 +294,16 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class ChatDelta:
-    """Streamed piece of a chat result: text and/or float32 24 kHz audio."""
+    """Streamed piece of a chat result: text and/or float32 24 kHz audio.
+
+    The last delta of a stream carries ``finish_reason`` (``stop`` | ``length``) and ``usage``
+    (``{"prompt_tokens", "completion_tokens", "total_tokens"}``, LLM tokens); earlier ones carry None.
+    """
 
     text: str = ""
     audio: Optional[np.ndarray] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    usage: Optional[dict] = None
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,10 @@ class DuplexEngine:
         async for item in self._generate_iter(request):
             if isinstance(item, ChatDelta):
                 yield item
+            else:  # the thinker result: close the stream with the finish reason and token usage
+                yield ChatDelta(finish_reason=item.finish_reason, usage={
+                    "prompt_tokens": int(item.prompt_tokens), "completion_tokens": int(item.completion_tokens),
+                    "total_tokens": int(item.prompt_tokens) + int(item.completion_tokens)})
 
     async def generate(self, request: ChatRequest) -> ChatResult:
         """Turn-based generation (chat completions): text and, with ``output_audio``, the whole

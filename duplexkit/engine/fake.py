@@ -334,7 +334,7 @@ class ScriptedEngine:
         """Streamed :meth:`generate`: one ``ChatDelta`` per word; with audio, each word's 0.4 s of
         tone rides the same delta."""
         self.chat_requests.append(request)
-        pieces, _ = self._chat_plan(request)
+        pieces, finish = self._chat_plan(request)
         if request.enable_thinking:
             yield ChatDelta(text="<think>\nscripted thought\n</think>\n\n")
         pos = 0
@@ -347,6 +347,9 @@ class ScriptedEngine:
                 audio = tone(n, pos, self.script.tone_hz, self.script.tone_amplitude)
                 pos += n
             yield ChatDelta(text=p, audio=audio)
+        prompt = self._prompt_tokens(request)
+        yield ChatDelta(finish_reason=finish, usage={"prompt_tokens": prompt, "completion_tokens": len(pieces),  # type: ignore[arg-type]
+                                                     "total_tokens": prompt + len(pieces)})
 
     def chat_finish_reason(self, request: ChatRequest) -> str:
         return self._chat_plan(request)[1]

@@ -196,6 +196,24 @@ def test_chat_completions_stream(scripted_server):
     assert done and text == "This is a scripted chat reply."
     assert audio_chunks >= 1 and finish == {"text": "stop", "audio": "stop"}
     assert usage is not None and usage["completion_tokens"] >= 1
+    assert usage["prompt_tokens"] >= 1 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_chat_completions_stream_length_finish(scripted_server):
+    """The engine's last stream delta carries the finish reason: a cut reply ends with "length"."""
+    body = {"messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 2,
+            "stream_options": {"include_usage": True}}
+    finish, usage = None, None
+    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+            elif chunk["choices"][0].get("finish_reason"):
+                finish = chunk["choices"][0]["finish_reason"]
+    assert finish == "length" and usage["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("body,param", [
