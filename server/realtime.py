@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from duplexkit.engine.api import EngineCommand, EngineError, OpenStream, apply_command
 
 logger = logging.getLogger("duplexkit.server.realtime")
 
@@ -135,163 +134,90 @@ def session_config(state, profile: str):
 
 
 class RealtimeConnection:
-    """Drives one Session over one WebSocket (see the module docstring)."""
+    """Drives one Session over one WebSocket (see the module docstring) with a
+    :class:`duplexkit.driver.SessionDriver`; this class only reads frames and writes events."""
 
     def __init__(self, state, ws: WebSocket, *, profile: str, autostart: bool) -> None:
+        from duplexkit.driver import SessionDriver
         from duplexkit.session import Session
 
         self.state = state
         self.ws = ws
         self.profile = profile
         self.autostart = autostart
-        self._t0 = time.monotonic()
         self.session = Session(session_config(state, profile), now_ms=0)
-        self.stream = None
-        self._out: asyncio.Queue = asyncio.Queue()
+        self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
+                                    tick_interval_s=state.settings.tick_interval_s)
         self._closed = asyncio.Event()
+        self._ended = asyncio.Event()
         self._close_override: Optional[int] = None
-        self._tasks: list[asyncio.Task] = []
-        self._pump_task: Optional[asyncio.Task] = None
 
-    # -- clock ---------------------------------------------------------------------------------
     def now_ms(self) -> int:
-        return int((time.monotonic() - self._t0) * 1000)
+        return self.driver.now_ms()
 
-    def _flush(self) -> None:
-        for item in self.session.drain():
-            self._out.put_nowait(item)
+    @property
+    def stream(self):
+        return self.driver.stream
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
         if self.autostart:
-            self.session.start(self.now_ms())
-            self._flush()
+            self.driver.start_session()
+        self.driver.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._dispatch(), name="dispatch"),
-                       loop.create_task(self._read(), name="read"),
-                       loop.create_task(self._tick(), name="tick")]
+        # the connection ends when the peer goes (reader), the Session closes it (dispatch), or a
+        # send fails (_send)
+        reader = loop.create_task(self._read(), name="read")
+        dispatched = loop.create_task(self.driver.dispatch_done.wait(), name="dispatch-done")
+        for t in (reader, dispatched):
+            t.add_done_callback(lambda _t: self._ended.set())
         try:
-            await self._closed.wait()
+            await self._ended.wait()
         finally:
-            for t in self._tasks:
-                t.cancel()
-            if self._pump_task is not None:
-                self._pump_task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._pump_task is not None:
-                await asyncio.gather(self._pump_task, return_exceptions=True)
-            await self._close_stream()
+            self._closed.set()
+            reader.cancel()
+            dispatched.cancel()
+            await asyncio.gather(reader, dispatched, return_exceptions=True)
+            await self.driver.aclose()
             if self.ws.application_state != WebSocketState.DISCONNECTED:
                 try:
                     await self.ws.close(code=1000)
                 except Exception:
                     pass
 
-    async def _close_stream(self) -> None:
-        stream, self.stream = self.stream, None
-        if stream is not None:
-            try:
-                await asyncio.wait_for(stream.aclose(), timeout=30)
-            except Exception:  # pragma: no cover - engine trouble must not leak the slot
-                logger.exception("closing engine stream failed")
-
     async def shutdown(self, reason: str = "shutdown") -> None:
         """Server shutdown: ``session.closed{reason}`` then close 1001 (PROTOCOL.md §1.5)."""
         if self._closed.is_set():
             return
         self._close_override = 1001
-        self.session.close(reason, 1001, self.now_ms())
-        self._flush()
+        self.driver.close_session(reason, 1001)
         await self._closed.wait()
 
-    # -- tasks ----------------------------------------------------------------------------------
+    # -- the socket side ------------------------------------------------------------------------
+    async def _send(self, event: dict) -> None:
+        try:
+            await self.ws.send_text(json.dumps(event, separators=(",", ":")))
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            self._ended.set()
+
+    async def _close_socket(self, item) -> None:
+        try:
+            await self.ws.close(code=self._close_override or item.code, reason=item.reason or "")
+        except Exception:
+            pass
+
     async def _read(self) -> None:
         try:
             while True:
                 msg = await self.ws.receive()
-                mtype = msg.get("type")
-                if mtype == "websocket.disconnect":
+                if msg.get("type") == "websocket.disconnect":
                     break
                 text = msg.get("text")
                 if text is not None:
-                    self.session.receive_client_event(text, self.now_ms())
+                    self.driver.client_event(text)
                 else:
-                    self._binary_frame(msg.get("bytes") or b"")
-                self._flush()
+                    # PROTOCOL.md §1.3: binary frames get bad_event and are ignored. A dict without a
+                    # string ``type`` makes the Session answer bad_event and change nothing.
+                    self.driver.client_event({"type": None})
         except (WebSocketDisconnect, RuntimeError):
             pass
-        finally:
-            self._closed.set()
-
-    def _binary_frame(self, data: bytes) -> None:
-        handler = getattr(self.session, "receive_binary_frame", None)
-        if callable(handler):
-            handler(data, self.now_ms())
-        else:
-            # PROTOCOL.md §1.3: binary frames get bad_event and are ignored. A dict without a string
-            # ``type`` makes the Session answer bad_event and change nothing.
-            self.session.receive_client_event({"type": None}, self.now_ms())
-
-    async def _tick(self) -> None:
-        interval = self.state.settings.tick_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            self.session.tick(self.now_ms())
-            self._flush()
-
-    async def _pump(self, stream) -> None:
-        try:
-            async for out in stream.outputs():
-                self.session.receive_engine_output(out, self.now_ms())
-                self._flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception("engine stream failed")
-            self.session.receive_engine_output(
-                EngineError(stream.stream_id, self.session.epoch, -1, code="server_error",
-                            message=f"engine stream failed: {exc}", fatal=True), self.now_ms())
-            self._flush()
-
-    async def _dispatch(self) -> None:
-        from duplexkit.session import CloseConnection
-
-        try:
-            while True:
-                item = await self._out.get()
-                if isinstance(item, dict):
-                    await self.ws.send_text(json.dumps(item, separators=(",", ":")))
-                elif isinstance(item, OpenStream):
-                    await self._open_stream(item)
-                elif isinstance(item, EngineCommand):
-                    if self.stream is not None:
-                        apply_command(self.stream, item)
-                elif isinstance(item, CloseConnection):
-                    code = self._close_override or item.code
-                    try:
-                        await self.ws.close(code=code, reason=item.reason or "")
-                    except Exception:
-                        pass
-                    break
-                else:  # pydantic models or anything JSON-able a Session may hand out
-                    dump = getattr(item, "model_dump", None)
-                    if callable(dump):
-                        await self.ws.send_text(json.dumps(dump(exclude_none=True), separators=(",", ":")))
-                    else:
-                        logger.warning("unknown drain item %r", type(item))
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
-            pass
-        finally:
-            self._closed.set()
-
-    async def _open_stream(self, cmd: OpenStream) -> None:
-        try:
-            self.stream = await self.state.engine.open_stream(cmd.stream_id, cmd.config)
-        except Exception as exc:
-            logger.exception("open_stream failed")
-            self.session.receive_engine_output(
-                EngineError(cmd.stream_id, cmd.epoch, -1, code="server_error",
-                            message=f"engine could not open the stream: {exc}", fatal=True), self.now_ms())
-            self._flush()
-            return
-        self._pump_task = asyncio.get_running_loop().create_task(self._pump(self.stream), name="pump")

@@ -117,6 +117,9 @@ async def test_generate_and_stream():
     assert res.completion_tokens == 3 and res.prompt_tokens == 2
     deltas = [d async for d in eng.generate_stream(req)]
     assert "".join(d.text for d in deltas) == res.text
-    np.testing.assert_allclose(np.concatenate([d.audio for d in deltas]), res.audio, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate([d.audio for d in deltas if d.audio is not None]), res.audio, atol=1e-6)
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage == {
+        "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert all(d.finish_reason is None for d in deltas[:-1])
     full = await eng.generate(ChatRequest(messages=[ChatMessage("user", ["x"])], max_tokens=100))
     assert full.finish_reason == "stop" and full.audio is None

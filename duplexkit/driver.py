@@ -1,0 +1,166 @@
+"""The asyncio shell that drives one :class:`duplexkit.session.Session` over an engine.
+
+The Session does no I/O (DESIGN.md, "The one idea"); something has to move its inputs and outputs.
+Both the server's WebSocket handler and :class:`~duplexkit.clients.InlineDuplexClient` do exactly
+the same thing, so it lives here once:
+
+* client events go in with :meth:`SessionDriver.client_event`;
+* engine outputs of the stream are pumped into ``Session.receive_engine_output``;
+* a clock task calls ``Session.tick`` every ``tick_interval_s`` (silence feeding, idle timeout);
+* everything ``Session.drain()`` returns is dispatched in order: server events (JSON-ready dicts)
+  to ``on_event``; ``OpenStream`` opens the stream on the (shared) engine; other engine commands go
+  to the stream with :func:`duplexkit.engine.api.apply_command`; a final ``CloseConnection`` goes to
+  ``on_close`` and ends the dispatch loop.
+
+The shells only differ in what ``on_event`` / ``on_close`` do (send a text frame and close the
+socket, or hand the dict to the client's event machinery) and in where client events come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any, Awaitable, Callable, Optional, Union
+
+from duplexkit.engine.api import Engine, EngineCommand, EngineError, EngineStream, OpenStream, apply_command
+
+logger = logging.getLogger("duplexkit.driver")
+
+__all__ = ["SessionDriver"]
+
+EventSink = Callable[[dict], Union[None, Awaitable[None]]]
+
+
+class SessionDriver:
+    """Drives one Session over one engine stream on the running event loop.
+
+    Args:
+        session: a fresh :class:`duplexkit.session.Session`.
+        engine: the :class:`~duplexkit.engine.api.Engine` the stream is opened on (shared; never
+            closed here).
+        on_event: called with each server event dict, in order (sync or async).
+        on_close: called with the Session's ``CloseConnection`` (sync or async); dispatch ends after it.
+        tick_interval_s: clock period in seconds (default 50 ms: well under one 1-s unit).
+
+    Time is milliseconds since the driver was created (monotonic clock), passed to every Session call.
+    """
+
+    def __init__(self, session, engine: Engine, *, on_event: EventSink,
+                 on_close: Callable[[Any], Union[None, Awaitable[None]]], tick_interval_s: float = 0.05) -> None:
+        self.session = session
+        self.engine = engine
+        self.stream: Optional[EngineStream] = None
+        self.tick_interval_s = tick_interval_s
+        self._on_event = on_event
+        self._on_close = on_close
+        self._t0 = time.monotonic()
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._pump_task: Optional[asyncio.Task] = None
+        self.dispatch_done = asyncio.Event()
+
+    # -- clock and Session calls ------------------------------------------------------------------
+    def now_ms(self) -> int:
+        return int((time.monotonic() - self._t0) * 1000)
+
+    def flush(self) -> None:
+        """Move everything the Session has produced to the dispatch queue."""
+        for item in self.session.drain():
+            self._out.put_nowait(item)
+
+    def start_session(self) -> None:
+        """``Session.start`` (emits ``session.created`` and opens the engine stream)."""
+        self.session.start(self.now_ms())
+        self.flush()
+
+    def client_event(self, raw: Union[str, bytes, dict]) -> None:
+        """Apply one client event (a JSON text frame or an already-parsed dict)."""
+        self.session.receive_client_event(raw, self.now_ms())
+        self.flush()
+
+    def close_session(self, reason: str, code: int) -> None:
+        """Server-side close (shutdown): ``session.closed{reason}`` then ``CloseConnection(code)``."""
+        self.session.close(reason, code, self.now_ms())
+        self.flush()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the dispatch and clock tasks (call once, inside the running loop)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._dispatch(), name="session-dispatch"),
+                       loop.create_task(self._tick(), name="session-tick")]
+
+    async def aclose(self) -> None:
+        """Stop the tasks and close the engine stream (its per-stream state is freed)."""
+        tasks = list(self._tasks) + ([self._pump_task] if self._pump_task is not None else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._pump_task = [], None
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            try:
+                await asyncio.wait_for(stream.aclose(), timeout=30)
+            except Exception:  # engine trouble must not leak the caller's resources
+                logger.exception("closing the engine stream failed")
+
+    # -- tasks ----------------------------------------------------------------------------------
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval_s)
+            self.session.tick(self.now_ms())
+            self.flush()
+
+    async def _pump(self, stream: EngineStream) -> None:
+        try:
+            async for out in stream.outputs():
+                self.session.receive_engine_output(out, self.now_ms())
+                self.flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("engine stream failed")
+            self._engine_failed(stream.stream_id, self.session.epoch, f"engine stream failed: {exc}")
+
+    def _engine_failed(self, stream_id: str, epoch: int, message: str) -> None:
+        self.session.receive_engine_output(
+            EngineError(stream_id, epoch, -1, code="server_error", message=message, fatal=True), self.now_ms())
+        self.flush()
+
+    async def _open_stream(self, cmd: OpenStream) -> None:
+        try:
+            self.stream = await self.engine.open_stream(cmd.stream_id, cmd.config)
+        except Exception as exc:
+            logger.exception("open_stream failed")
+            self._engine_failed(cmd.stream_id, cmd.epoch, f"engine could not open the stream: {exc}")
+            return
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump(self.stream), name="session-pump")
+
+    @staticmethod
+    async def _call(fn, arg) -> None:
+        res = fn(arg)
+        if inspect.isawaitable(res):
+            await res
+
+    async def _dispatch(self) -> None:
+        from duplexkit.session import CloseConnection
+
+        try:
+            while True:
+                item = await self._out.get()
+                if isinstance(item, dict):
+                    await self._call(self._on_event, item)
+                elif isinstance(item, OpenStream):
+                    await self._open_stream(item)
+                elif isinstance(item, EngineCommand):
+                    if self.stream is not None:
+                        apply_command(self.stream, item)
+                elif isinstance(item, CloseConnection):
+                    await self._call(self._on_close, item)
+                    return
+                else:
+                    raise TypeError(f"unexpected item from Session.drain(): {type(item).__name__}")
+        finally:
+            self.dispatch_done.set()
