@@ -7,3 +7,9 @@ Layers (DESIGN.md): ``duplexkit.audio`` (codecs, resampling, framing, VAD, playb
 """
 
 __version__ = "0.1.0"
+
+from pathlib import Path as _Path
+
+ASSETS_DIR = _Path(__file__).resolve().parent / "assets"
+"""Bundled speech WAVs (16 kHz mono pcm16, espeak-ng): ``question_16k.wav``, ``interrupt_16k.wav``,
+``ref_voice_16k.wav`` — used by ``duplexkit demo`` and the examples."""

@@ -140,7 +140,7 @@ def cmd_serve(args) -> int:
     scripted = _parse_scripted(args.scripted)
 
     def loader():
-        engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.seed,
+        engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
                              scripted=scripted)
         _random_weights_notice(engine)
         return engine
@@ -202,7 +202,7 @@ async def _demo_async(args) -> int:
         client = DuplexClient(args.url, api_key=args.api_key, session=session, request_timeout_s=args.timeout)
         random_weights = None
     else:
-        engine = load_engine(args.model, layout=args.layout, seed=args.seed)
+        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
         random_weights = bool(getattr(engine, "random_weights", False))
         _random_weights_notice(engine)
         opts = _session_defaults(args, args.model)
@@ -350,7 +350,7 @@ async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
     from duplexkit_server.app import ServerSettings, ServerState
     from duplexkit_server.chat import parse_chat_request
 
-    engine = load_engine(args.model, layout=args.layout, seed=args.seed or 0)
+    engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
     _random_weights_notice(engine)
     try:
         state = ServerState(ServerSettings(), engine)
@@ -386,7 +386,7 @@ async def _mic_async(args) -> int:
     if args.url:
         client = DuplexClient(args.url, api_key=args.api_key, **common)
     else:
-        engine = load_engine(args.model, layout=args.layout, seed=args.seed)
+        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
         _random_weights_notice(engine)
         client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
 
@@ -523,13 +523,16 @@ def cmd_bench(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tiny") -> None:
+def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tiny", session: bool = True) -> None:
     p.add_argument("model", nargs="?" if default else None, default=default,
                    help="checkpoint directory, 'tiny' (random weights, built once and cached) or 'scripted' "
                         f"(torch-free fake engine){' (default: ' + default + ')' if default else ''}")
     p.add_argument("--layout", default=None,
                    help="device layout: 'cpu', '1gpu', '2gpu', ... or a YAML path (default: 1gpu with CUDA, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed of the tiny checkpoint (default 0)")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="seed of the tiny checkpoint's random weights (default 0; ignored for real checkpoints)")
+    if not session:
+        return
     p.add_argument("--answer-policy", choices=["model", "on_request"], default=None,
                    help="when the model may speak: 'model' decides per unit, 'on_request' only answers "
                         "response.create / VAD commits (default: on_request for tiny, else the profile default)")
@@ -615,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_mic)
 
     p = sub.add_parser("chat", help="one /v1/chat/completions call (text and/or audio in, text + WAV out)")
-    _add_model_args(p)
+    _add_model_args(p, session=False)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed sent with the request (repeatable answers on the same hardware; default: none)")
     p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
     p.add_argument("--api-key", default=None, help="API key for --url")
     p.add_argument("--text", "-t", default=None, help="user text")

@@ -27,8 +27,7 @@ import numpy as np
 from duplexkit.audio import read_wav, write_wav
 from duplexkit.clients import DuplexClient
 
-ASSETS = Path(__file__).resolve().parents[1] / "duplexkit" / "assets"
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "audio"
+from duplexkit import ASSETS_DIR as ASSETS
 
 
 async def stream(client, audio: np.ndarray, chunk: int = 1600) -> None:
@@ -91,7 +90,7 @@ if __name__ == "__main__":
     p.add_argument("--url", default="ws://127.0.0.1:8000", help="server URL")
     p.add_argument("--api-key", default=None)
     p.add_argument("--question", default=str(ASSETS / "question_16k.wav"), help="first question WAV")
-    p.add_argument("--interrupt", default=str(FIXTURES / "interrupt_16k.wav"), help="interrupting WAV")
+    p.add_argument("--interrupt", default=str(ASSETS / "interrupt_16k.wav"), help="interrupting WAV")
     p.add_argument("--interrupt-after-ms", type=int, default=500, help="interrupt once this much answer arrived")
     p.add_argument("--out-dir", default="barge_in_out", help="where to write WAVs and summary.json")
     p.add_argument("--timeout", type=float, default=600.0)

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import float32_to_pcm16, pcm16_to_float32, read_wav, write_wav
+from duplexkit import ASSETS_DIR
 
-DEFAULT_WAV = Path(__file__).resolve().parents[1] / "duplexkit" / "assets" / "question_16k.wav"
+DEFAULT_WAV = ASSETS_DIR / "question_16k.wav"
 
 
 async def main(args: argparse.Namespace) -> int:

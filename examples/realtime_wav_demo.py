@@ -20,8 +20,9 @@ import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
 from duplexkit.clients import DuplexClient, InlineDuplexClient
+from duplexkit import ASSETS_DIR
 
-DEFAULT_WAV = Path(__file__).resolve().parents[1] / "duplexkit" / "assets" / "question_16k.wav"
+DEFAULT_WAV = ASSETS_DIR / "question_16k.wav"
 
 
 async def main(args: argparse.Namespace) -> int:
