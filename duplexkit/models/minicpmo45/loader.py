@@ -138,20 +138,37 @@ def _shapes(index: Dict[str, Path]) -> Dict[str, tuple]:
     return shapes
 
 
-def _read_tensors(index: Dict[str, Path], keys, dtype: torch.dtype, device) -> Dict[str, torch.Tensor]:
+def _read_tensors(index: Dict[str, Path], keys, dtype: torch.dtype, device,
+                  progress: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Read ``keys`` from their shards, cast floating tensors to ``dtype`` and move them to
+    ``device``. With ``progress`` (a label), a tqdm bar counts the tensors read (stderr)."""
     from safetensors import safe_open
 
     by_file: Dict[Path, List[str]] = {}
     for k in keys:
         by_file.setdefault(index[k], []).append(k)
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is in the engine extra; without it, no bar
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=len(keys), desc=progress, unit="tensor", leave=False)
     out = {}
-    for p, ks in by_file.items():
-        with safe_open(str(p), framework="pt", device="cpu") as f:
-            for k in ks:
-                t = f.get_tensor(k)
-                if t.is_floating_point():
-                    t = t.to(dtype)
-                out[k] = t.to(device)
+    try:
+        for p, ks in by_file.items():
+            with safe_open(str(p), framework="pt", device="cpu") as f:
+                for k in ks:
+                    t = f.get_tensor(k)
+                    if bar is not None:
+                        bar.update(1)
+                    if t.is_floating_point():
+                        t = t.to(dtype)
+                    out[k] = t.to(device)
+    finally:
+        if bar is not None:
+            bar.close()
     return out
 
 
@@ -236,6 +253,7 @@ def load(
     with_code2wav: bool = True,
     progress: bool = True,
     with_talker: bool = True,
+    fast: Optional[bool] = None,
 ) -> MiniCPMO45:
     """Load a checkpoint directory (see module doc).
 
@@ -248,6 +266,9 @@ def load(
         with_code2wav: build Code2Wav when ``assets/token2wav`` exists.
         progress: print short progress lines.
         with_talker: build the talker (``tts.*``); its keys are checked either way.
+        fast: use the batched GPU paths per stage (``FastThinker``: static KV slots, batched decode,
+            CUDA graphs; ``FastTalker``; ``BatchedCode2Wav``) and pin SDPA off cuDNN. Default: for
+            the stages placed on a CUDA device. The CPU path stays the reference-checked one.
     Raises:
         CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
             bad config or tokenizer (wrapped).
@@ -308,7 +329,8 @@ def load(
 
     if progress:
         print(f"[duplexkit] loading thinker ({len(mods.state_dict())} tensors, {dt}) on {devs['thinker']}", flush=True)
-    tensors = _read_tensors(index, list(mods.state_dict().keys()), dt, devs["thinker"])
+    tensors = _read_tensors(index, list(mods.state_dict().keys()), dt, devs["thinker"],
+                            progress="thinker weights" if progress else None)
     mods.load_state_dict(tensors, strict=True, assign=True)
     del tensors
     for mod in mods.modules():  # non-persistent buffers (rotary inv_freq) stay float32, just move them
@@ -317,6 +339,13 @@ def load(
                 mod._buffers[bn] = buf.to(devs["thinker"])
     mods.eval().requires_grad_(False)
     thinker = Thinker(mods, cfg, tok, special, device=devs["thinker"], dtype=dt)
+    fast_on = (lambda stage: str(devs[stage]).startswith("cuda")) if fast is None else (lambda stage: bool(fast))
+    if fast_on("thinker"):
+        from .fast_kv import pin_sdpa_backend
+        from .fast_thinker import FastThinker
+
+        pin_sdpa_backend()
+        thinker = FastThinker.from_thinker(thinker)
 
     talker = None
     if cfg.init_tts and with_talker:
@@ -325,9 +354,13 @@ def load(
         tts_keys = [k for k in index if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
         if progress:
             print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", flush=True)
-        sd = _read_tensors(index, tts_keys, torch.float32, "cpu")
+        sd = _read_tensors(index, tts_keys, torch.float32, "cpu", progress="talker weights" if progress else None)
         talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt_talker, device=devs["talker"])
         del sd
+        if fast_on("talker"):
+            from .fast_talker import FastTalker
+
+            talker = FastTalker(talker)
 
     code2wav = None
     if with_code2wav and t2w_dir is not None:
@@ -336,6 +369,8 @@ def load(
         if progress:
             print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']}", flush=True)
         Code2Wav = getattr(c2w_mod, "Code2Wav")
+        if fast_on("code2wav"):
+            from .fast_code2wav import BatchedCode2Wav as Code2Wav
         builder = getattr(Code2Wav, "from_dir", None) or getattr(Code2Wav, "from_pretrained", None)
         if builder is None:
             raise CheckpointError("code2wav module has no Code2Wav.from_dir")
