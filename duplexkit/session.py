@@ -740,7 +740,7 @@ class Session:
                 enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
                        "audio/pcm": "pcm16"}.get(f)
                 if enc is None:
-                    raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"unsupported input format {f!r}", "input_format")
+                    raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
                 if enc.startswith("g711"):
                     rate = 8000 if explicit is None else explicit
                 else:
@@ -749,10 +749,10 @@ class Session:
             t = f.get("type")
             enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
             if enc is None:
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"unsupported input format type {t!r}", "input_format")
+                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
             rate = f.get("rate", explicit if explicit is not None else (8000 if enc.startswith("g711") else 24000))
             if isinstance(rate, bool) or not isinstance(rate, int):
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"input rate must be an integer, got {rate!r}", "input_format")
+                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an integer input rate in Hz, got {rate!r}", "input_format")
             return InputFormat(enc, rate)
         except AudioFormatError as e:
             raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_format") from None
@@ -852,11 +852,12 @@ class Session:
     # --- input audio -------------------------------------------------------------------------
 
     def _on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
+        # bad base64, a zero-length append or non-finite floats: one bad_audio error, no state change
+        fmt = self.settings.input_format
         try:
-            data = b64decode_audio(ev.audio)
+            data = b64decode_audio(ev.audio, allow_empty=False, what=fmt.describe())
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
-        fmt = self.settings.input_format
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
         pending = self._framer.pending_samples + self._inflight_samples
         limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
@@ -865,7 +866,7 @@ class Session:
                                 f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; append dropped",
                                 event_id=ev.event_id)
         try:
-            x = self._decoder.decode(data)
+            x = self._decoder.decode(data, allow_empty=False)
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         self._push_real(self._resampler.process(x), now_ms)
@@ -918,8 +919,13 @@ class Session:
         units = self._framer.push(np.zeros(need, np.float32))
         self._frame(units, now_ms, silence=pending == 0)
 
-    def _flush_input(self, now_ms: float) -> None:
-        """End the user turn's audio: resampler tail and the zero-padded partial unit."""
+    def _flush_input(self, now_ms: float, drop_carry: bool = True) -> None:
+        """End the user turn's audio: resampler tail and the zero-padded partial unit.
+
+        ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (PROTOCOL.md §6.1: on a
+        client commit or clear). A server-VAD commit passes False: it happens at a point of the
+        byte stream the client does not know, so its next append still completes that sample.
+        """
         tail = self._resampler.flush()
         if tail.size:
             self._since_commit += tail.size
@@ -927,7 +933,8 @@ class Session:
         u = self._framer.flush()
         if u is not None:
             self._append_unit(u, now_ms, silence=False)
-        self._decoder.reset()
+        if drop_carry:
+            self._decoder.reset()
 
     def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
         if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
@@ -944,8 +951,8 @@ class Session:
             return 0
         return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
-    def _commit(self, now_ms: float, item_id: Optional[str] = None) -> str:
-        self._flush_input(now_ms)
+    def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True) -> str:
+        self._flush_input(now_ms, drop_carry)
         self._since_commit = 0
         uid = item_id or self._new_item_id()
         prev = self._last_item_id()
@@ -985,7 +992,7 @@ class Session:
         self._emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
         if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             return
-        self._commit(now_ms, uid)
+        self._commit(now_ms, uid, drop_carry=False)
         td = self.settings.turn_detection or {}
         if td.get("create_response") and self._resp is None:
             self._create_response(None, "server_vad", None)
@@ -1320,7 +1327,7 @@ class Session:
             dec = StreamDecoder(fmt)
             for i, c in enumerate(item.content):
                 try:
-                    chunks.append(dec.decode(b64decode_audio(c.audio or "")))
+                    chunks.append(dec.decode(b64decode_audio(c.audio or "", what=fmt.describe())))
                 except AudioFormatError as e:
                     raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param=f"item.content.{i}.audio", event_id=ev.event_id) from None
             x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)

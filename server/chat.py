@@ -27,6 +27,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from duplexkit.errors import DuplexkitError
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
 from .app import openai_error
@@ -39,13 +40,16 @@ INPUT_RATE = 16_000
 MIN_REF_AUDIO_S = 0.5  # PROTOCOL.md §8.2
 
 
-class ChatRequestError(ValueError):
-    """A request the route answers with 400 ``invalid_request_error``."""
+class ChatRequestError(DuplexkitError, ValueError):
+    """A request the route answers with 400 ``invalid_request_error`` (PROTOCOL.md §10.1).
+
+    ``code`` is the OpenAI error code of the body: ``bad_request`` by default, or a §9 code
+    (``bad_audio``, ``ref_audio_invalid``) or ``model_not_found`` where one applies.
+    """
 
     def __init__(self, message: str, param: Optional[str] = None, code: str = "bad_request") -> None:
-        super().__init__(message)
+        super().__init__(message, code=code)
         self.param = param
-        self.code = code
 
 
 def _decode_data_url(url: str, param: str) -> bytes:

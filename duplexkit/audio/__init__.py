@@ -2,9 +2,17 @@
 
 Core dependencies only (numpy, soxr, soundfile, webrtcvad); ``sounddevice`` is imported lazily by
 :class:`MicStream`, :class:`SpeakerStream` and :func:`list_devices` (install ``duplexkit[mic]``).
+The threaded parts (:mod:`.devices`, :mod:`.playback`) are imported on first attribute access
+(PEP 562), so the sans-I/O Session, which only needs the codecs, framer, resampler and VAD, does
+not load them.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from duplexkit.errors import DeviceError
 
 from .codecs import (
     AudioFormatError,
@@ -15,9 +23,7 @@ from .codecs import (
     float32_to_pcm16,
     pcm16_to_float32,
 )
-from .devices import AudioBlock, DeviceError, MicStream, SpeakerStream, list_devices
 from .framer import Unit, UnitFramer
-from .playback import PlaybackBuffer
 from .resample import StreamResampler
 from .vad import StreamingVAD, VadConfig, VadEvent
 from .wav import read_wav, wav_bytes, write_wav
@@ -46,3 +52,26 @@ __all__ = [
     "AudioBlock",
     "DeviceError",
 ]
+
+#: lazily imported name -> submodule that defines it (threaded code)
+_LAZY = {
+    "AudioBlock": ".devices",
+    "MicStream": ".devices",
+    "SpeakerStream": ".devices",
+    "list_devices": ".devices",
+    "find_device": ".devices",
+    "PlaybackBuffer": ".playback",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -23,6 +23,8 @@ from typing import Literal
 
 import numpy as np
 
+from duplexkit.errors import AudioFormatError
+
 __all__ = [
     "AudioFormatError",
     "InputFormat",
@@ -55,26 +57,19 @@ G711_RATE = 8000
 #: Most interleaved channels a StreamDecoder accepts (downmixed to mono).
 MAX_CHANNELS = 8
 
-_ERROR_CODES = ("bad_audio", "unsupported_audio_format")
-
-
-class AudioFormatError(ValueError):
-    """Bad or unsupported audio input.
-
-    ``code`` is the PROTOCOL.md §9 error code: ``"bad_audio"`` (undecodable content: bad base64,
-    non-finite floats, broken WAV) or ``"unsupported_audio_format"`` (a format/rate/channel count
-    duplexkit does not accept).  ``str(err)`` is a human-readable message.
-    """
-
-    def __init__(self, code: str, message: str | None = None) -> None:
-        if code not in _ERROR_CODES:
-            raise TypeError(f"AudioFormatError code must be one of {_ERROR_CODES}, got {code!r}")
-        self.code = code
-        self.message = message or code
-        super().__init__(self.message)
-
-
 # --------------------------------------------------------------------------- PCM16 / float32
+
+
+def _check_finite(a: np.ndarray, what: str) -> None:
+    """AudioFormatError("bad_audio") unless every sample of float array ``a`` is finite (PROTOCOL.md §6.1)."""
+    if a.size:
+        bad = ~np.isfinite(a)
+        if bad.any():
+            raise AudioFormatError(
+                "bad_audio",
+                f"expected finite {what} samples (out-of-range values are clipped to [-1, 1]), "
+                f"got {int(bad.sum())} NaN/inf of {a.size}",
+            )
 
 
 def pcm16_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -89,7 +84,9 @@ def pcm16_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
     """
     mv = memoryview(data).cast("B")
     if len(mv) % 2:
-        raise AudioFormatError("bad_audio", f"pcm16 data has an odd byte count ({len(mv)})")
+        raise AudioFormatError(
+            "bad_audio", f"expected an even number of pcm16 bytes (2 per sample), got {len(mv)} bytes"
+        )
     return np.frombuffer(mv, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
 
 
@@ -105,8 +102,7 @@ def float32_to_pcm16(x: np.ndarray) -> bytes:
         AudioFormatError("bad_audio") if ``x`` holds NaN or inf.
     """
     a = np.asarray(x, dtype=np.float32).reshape(-1)
-    if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "float audio contains NaN or inf")
+    _check_finite(a, "float")
     return np.round(np.clip(a, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
@@ -119,18 +115,18 @@ def f32le_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
     """
     mv = memoryview(data).cast("B")
     if len(mv) % 4:
-        raise AudioFormatError("bad_audio", f"pcm_f32le data length {len(mv)} is not a multiple of 4")
+        raise AudioFormatError(
+            "bad_audio", f"expected a multiple of 4 pcm_f32le bytes (4 per sample), got {len(mv)} bytes"
+        )
     a = np.frombuffer(mv, dtype="<f4")
-    if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "pcm_f32le audio contains NaN or inf")
+    _check_finite(a, "pcm_f32le")
     return np.clip(a, -1.0, 1.0).astype(np.float32)
 
 
 def float32_to_f32le(x: np.ndarray) -> bytes:
     """Encode float audio as little-endian float32 bytes (clipped to [-1, 1])."""
     a = np.asarray(x, dtype=np.float32).reshape(-1)
-    if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "float audio contains NaN or inf")
+    _check_finite(a, "float")
     return np.clip(a, -1.0, 1.0).astype("<f4").tobytes()
 
 
@@ -220,8 +216,7 @@ def alaw_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
 
 def _to_int16(x: np.ndarray) -> np.ndarray:
     a = np.asarray(x, dtype=np.float32).reshape(-1)
-    if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "float audio contains NaN or inf")
+    _check_finite(a, "float")
     return np.round(np.clip(a, -1.0, 1.0) * 32767.0).astype(np.int16)
 
 
@@ -243,25 +238,37 @@ def b64encode_audio(data: bytes | bytearray | memoryview) -> str:
     return base64.b64encode(bytes(data)).decode("ascii")
 
 
-def b64decode_audio(s: str | bytes) -> bytes:
+def b64decode_audio(s: str | bytes, *, allow_empty: bool = True, what: str = "audio") -> bytes:
     """Decode standard base64 audio (PROTOCOL.md §6.1).
 
-    Leading/trailing whitespace is ignored; anything else outside the base64 alphabet, or wrong
-    padding, raises :class:`AudioFormatError` with code ``bad_audio``.
+    Args:
+        s: base64 text (RFC 4648 standard alphabet, with padding). Leading/trailing whitespace is
+            ignored.
+        allow_empty: False rejects an empty string (a zero-length ``input_audio_buffer.append``).
+        what: how the audio is named in error messages, e.g. ``"pcm16 at 16000 Hz"``
+            (:meth:`InputFormat.describe`).
+    Returns:
+        the decoded bytes.
+    Raises:
+        AudioFormatError("bad_audio"): characters outside the base64 alphabet, wrong padding, a
+        value that is not a string, or (``allow_empty=False``) no data. The message says what was
+        expected, e.g. ``expected base64 pcm16 at 16000 Hz, got ...``.
     """
     if isinstance(s, str):
         try:
             raw = s.strip().encode("ascii")
         except UnicodeEncodeError as exc:
-            raise AudioFormatError("bad_audio", "audio is not valid base64 (non-ASCII characters)") from exc
+            raise AudioFormatError("bad_audio", f"expected base64 {what}, got non-ASCII characters") from exc
     elif isinstance(s, (bytes, bytearray, memoryview)):
         raw = bytes(s).strip()
     else:
-        raise AudioFormatError("bad_audio", f"audio must be a base64 string, got {type(s).__name__}")
+        raise AudioFormatError("bad_audio", f"expected base64 {what} as a string, got {type(s).__name__}")
+    if not raw and not allow_empty:
+        raise AudioFormatError("bad_audio", f"expected base64 {what} of at least one byte, got an empty string")
     try:
         return base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise AudioFormatError("bad_audio", f"audio is not valid base64: {exc}") from exc
+        raise AudioFormatError("bad_audio", f"expected base64 {what}, got invalid base64 ({exc})") from exc
 
 
 # --------------------------------------------------------------------------- formats and streaming
@@ -290,23 +297,29 @@ class InputFormat:
                 f"unsupported audio encoding {self.encoding!r}; expected one of {list(ENCODINGS)}",
             )
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, np.integer)):
-            raise AudioFormatError("unsupported_audio_format", f"sample rate must be an integer, got {self.rate!r}")
+            raise AudioFormatError(
+                "unsupported_audio_format", f"expected an integer sample rate in Hz, got {self.rate!r}"
+            )
         if self.encoding in ("g711_ulaw", "g711_alaw"):
             if self.rate != G711_RATE:
                 raise AudioFormatError(
-                    "unsupported_audio_format", f"{self.encoding} is 8000 Hz only, got {self.rate} Hz"
+                    "unsupported_audio_format", f"expected {G711_RATE} Hz for {self.encoding}, got {self.rate} Hz"
                 )
         elif not (PCM_RATE_MIN <= self.rate <= PCM_RATE_MAX):
             raise AudioFormatError(
                 "unsupported_audio_format",
-                f"sample rate {self.rate} Hz outside {PCM_RATE_MIN}-{PCM_RATE_MAX} Hz",
+                f"expected a {self.encoding} sample rate in {PCM_RATE_MIN}-{PCM_RATE_MAX} Hz, got {self.rate} Hz",
             )
         if isinstance(self.channels, bool) or not isinstance(self.channels, (int, np.integer)) or not (
             1 <= self.channels <= MAX_CHANNELS
         ):
             raise AudioFormatError(
-                "unsupported_audio_format", f"channels must be an integer in 1..{MAX_CHANNELS}, got {self.channels!r}"
+                "unsupported_audio_format", f"expected an integer channel count in 1..{MAX_CHANNELS}, got {self.channels!r}"
             )
+
+    def describe(self) -> str:
+        """The format in words for messages, e.g. ``"pcm16 at 16000 Hz"`` (``", 2 channels"`` appended if > 1)."""
+        return f"{self.encoding} at {self.rate} Hz" + (f", {self.channels} channels" if self.channels > 1 else "")
 
     @property
     def bytes_per_sample(self) -> int:
@@ -328,7 +341,7 @@ def decode_frames(data: bytes | bytearray | memoryview, fmt: InputFormat) -> np.
     mv = memoryview(data).cast("B")
     if len(mv) % fmt.frame_bytes:
         raise AudioFormatError(
-            "bad_audio", f"{len(mv)} bytes is not a whole number of {fmt.frame_bytes}-byte frames"
+            "bad_audio", f"expected whole {fmt.frame_bytes}-byte frames of {fmt.describe()}, got {len(mv)} bytes"
         )
     enc = fmt.encoding
     if enc == "pcm16":
@@ -369,19 +382,25 @@ class StreamDecoder:
         """Bytes of an incomplete frame waiting for the next :meth:`decode` (0..frame_bytes-1)."""
         return len(self._carry)
 
-    def decode(self, data: bytes | bytearray | memoryview) -> np.ndarray:
+    def decode(self, data: bytes | bytearray | memoryview, *, allow_empty: bool = True) -> np.ndarray:
         """Decode the next chunk.
 
         Args:
-            data: raw bytes of ``self.fmt`` (any length, including 0).
+            data: raw bytes of ``self.fmt`` (any length; 0 only with ``allow_empty``).
+            allow_empty: False makes a zero-length chunk an error (a zero-length append).
         Returns:
             float32 [n] mono at ``fmt.rate``; ``n`` = whole frames available so far.
         Raises:
-            AudioFormatError("bad_audio") on non-finite ``pcm_f32le`` values; the decoder state is then
-            unchanged (the chunk is not used and no bytes are carried from it).
+            AudioFormatError("bad_audio") on non-finite ``pcm_f32le`` values or (``allow_empty=False``)
+            an empty chunk; the decoder state is then unchanged (the chunk is not used and no bytes
+            are carried from it).
         """
         fb = self.fmt.frame_bytes
         mv = memoryview(data).cast("B")
+        if not len(mv) and not allow_empty:
+            raise AudioFormatError(
+                "bad_audio", f"expected at least one byte of {self.fmt.describe()} audio, got 0 bytes"
+            )
         if self._carry:
             buf = self._carry + bytes(mv)
             mv = memoryview(buf)

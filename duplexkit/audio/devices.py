@@ -21,13 +21,11 @@ from typing import Any, Callable, Protocol, Union
 
 import numpy as np
 
+from duplexkit.errors import DeviceError
+
 __all__ = ["MicStream", "SpeakerStream", "AudioBlock", "list_devices", "find_device", "DeviceError"]
 
 Device = Union[int, str, None]
-
-
-class DeviceError(RuntimeError):
-    """sounddevice/PortAudio is missing, or a device cannot be found or opened."""
 
 
 def _sd() -> Any:

@@ -30,7 +30,7 @@ def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
         cannot read or non-finite samples; ValueError for a non-positive ``rate``.
     """
     if rate is not None and int(rate) <= 0:
-        raise ValueError(f"rate must be positive, got {rate}")
+        raise ValueError(f"expected a positive rate in Hz, got {rate}")
     if isinstance(src, (bytes, bytearray, memoryview)):
         src = io.BytesIO(bytes(src))
     elif isinstance(src, (str, Path)):
@@ -41,9 +41,9 @@ def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
     try:
         data, sr = sf.read(src, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise AudioFormatError("bad_audio", f"cannot read audio: {exc}") from exc
+        raise AudioFormatError("bad_audio", f"expected an audio file libsndfile can read (WAV, FLAC, OGG, ...), got: {exc}") from exc
     if data.size and not np.isfinite(data).all():
-        raise AudioFormatError("bad_audio", "audio file contains NaN or inf samples")
+        raise AudioFormatError("bad_audio", "expected finite samples in the audio file, got NaN or inf")
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
     mono = np.clip(np.ascontiguousarray(mono, dtype=np.float32), -1.0, 1.0)
     if rate is not None and int(rate) != sr:
@@ -59,7 +59,7 @@ def _check_audio(audio: np.ndarray, rate: int) -> np.ndarray:
     if int(rate) <= 0:
         raise ValueError(f"rate must be positive, got {rate}")
     if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "audio contains NaN or inf")
+        raise AudioFormatError("bad_audio", "expected finite float samples, got NaN or inf")
     return np.clip(a, -1.0, 1.0)
 
 

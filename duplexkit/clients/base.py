@@ -38,6 +38,8 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import numpy as np
 
+from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
+
 logger = logging.getLogger("duplexkit.clients")
 
 __all__ = [
@@ -59,47 +61,6 @@ MAX_KEPT_RESPONSES = 256
 
 _BENIGN_ERRORS = {"response_not_active"}
 """Error codes clients swallow (PROTOCOL.md §7.3: cancel races)."""
-
-
-class DuplexError(Exception):
-    """A server ``error`` answering one of this client's events (PROTOCOL.md §9).
-
-    Attributes: ``code`` (§9 code), ``message``, ``param``, ``event_id`` (the client's), ``event`` (raw).
-    """
-
-    def __init__(self, code: str, message: str = "", param: Optional[str] = None,
-                 event_id: Optional[str] = None, event: Optional[dict] = None) -> None:
-        super().__init__(f"{code}: {message}" + (f" (param {param})" if param else ""))
-        self.code = code
-        self.message = message
-        self.param = param
-        self.event_id = event_id
-        self.event = event or {}
-
-    @classmethod
-    def from_event(cls, ev: dict) -> "DuplexError":
-        err = ev.get("error") or {}
-        return cls(str(err.get("code") or err.get("type") or "server_error"), str(err.get("message") or ""),
-                   err.get("param"), err.get("event_id"), ev)
-
-
-class DuplexConnectionError(DuplexError, ConnectionError):
-    """The connection is gone (transport loss, close frame, or a handshake rejection).
-
-    ``close_code`` is the WebSocket close code when known (1008 unauthorized, 1013 capacity, ...).
-    """
-
-    def __init__(self, message: str, *, code: str = "connection_closed", close_code: Optional[int] = None,
-                 event: Optional[dict] = None) -> None:
-        super().__init__(code, message, event=event)
-        self.close_code = close_code
-
-
-class DuplexTimeout(DuplexError, TimeoutError):
-    """A call waited longer than ``request_timeout_s`` for its answer."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("timeout", message)
 
 
 def ref_audio_data_url(ref: Union[str, Path, bytes, np.ndarray, tuple], rate: int = 16_000) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from duplexkit.errors import LayoutError, LayoutNotSupportedError
+
 __all__ = [
     "STAGES",
     "LAYOUT_DIR",
@@ -51,19 +53,6 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _STAGE_KEYS = {"device", "dtype", "memory_fraction", "max_num_seqs", "tensor_parallel_size", "max_model_len"}
 _TOP_KEYS = {"name", "description", "stages"}
-
-
-class LayoutError(ValueError):
-    """A layout file is missing, unreadable or invalid. ``.source`` names the file or name."""
-
-    def __init__(self, message: str, source: str = "") -> None:
-        super().__init__(f"{source}: {message}" if source else message)
-        self.source = source
-
-
-class LayoutNotSupportedError(LayoutError):
-    """A valid layout that this engine cannot build (e.g. thinker tensor parallelism > 1, or a
-    CUDA device on a machine without one)."""
 
 
 @dataclass(frozen=True)

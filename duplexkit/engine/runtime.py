@@ -65,6 +65,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 
+from duplexkit.errors import EngineInputError
+
 from .api import (
     AppendUnit,
     AudioChunk,
@@ -93,10 +95,6 @@ FIRST_UNIT_SAMPLES = 16_560
 """Samples of unit 0 at 16 kHz (MODEL.md §3.1, parity case f: the first 1035 ms window)."""
 UNIT_SAMPLES = 16_000
 """Samples of every later unit at 16 kHz (1 s)."""
-
-
-class EngineInputError(ValueError):
-    """A command with invalid content (wrong unit length, non-finite audio, unknown command)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
+from duplexkit.errors import InjectedFault
+
 from .api import ReferenceVoice, StreamConfig
 
 __all__ = [
@@ -34,11 +36,6 @@ __all__ = [
     "VocoderOut",
     "StageModel",
 ]
-
-
-class InjectedFault(RuntimeError):
-    """The failure a stage worker produces for a stream whose test fault hook
-    (:meth:`~duplexkit.engine.runtime.RuntimeStream.inject_fault`) names that stage."""
 
 
 @dataclass

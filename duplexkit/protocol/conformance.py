@@ -25,6 +25,8 @@ import base64
 from dataclasses import dataclass, field
 from typing import Optional
 
+from duplexkit.errors import ConformanceError
+
 __all__ = ["ConformanceError", "EventStreamChecker"]
 
 _DELTA_TYPES = {
@@ -52,10 +54,6 @@ _STEP = {
     "response.listen": 11,
     "response.done": 12,
 }
-
-
-class ConformanceError(AssertionError):
-    """A PROTOCOL.md §12 invariant was violated (the message names it and the event)."""
 
 
 @dataclass

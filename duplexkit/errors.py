@@ -1,0 +1,297 @@
+"""The one module of duplexkit's exception hierarchy and of the PROTOCOL.md §9 error codes.
+
+Every exception duplexkit raises derives from :class:`DuplexkitError`, which carries a ``code``
+(a PROTOCOL.md §9 code string such as ``"bad_audio"``; a few client-side conditions that have no
+wire code use their own names, e.g. ``"timeout"``) and a ``message`` that says what was expected.
+Classes keep their historical standard-library bases as well (``AudioFormatError`` is still a
+``ValueError``, ``DuplexTimeout`` a ``TimeoutError``, ...), so ``except ValueError`` keeps working.
+
+The old locations re-export these names (``duplexkit.audio.codecs.AudioFormatError``,
+``duplexkit.protocol.errors.ProtocolError``, ``duplexkit.engine.runtime.EngineInputError``,
+``duplexkit.clients.base.DuplexError``, ...). This module imports nothing from duplexkit, so any
+layer may import it without a cycle.
+
+Hierarchy::
+
+    DuplexkitError(Exception)
+    ├── AudioFormatError(ValueError)        bad_audio | unsupported_audio_format
+    ├── ProtocolError                       any ErrorCode (a rejected client event)
+    │   └── TransitionError                 response_already_active | response_not_active
+    ├── EngineInputError(ValueError)        server_error (a command the engine cannot run)
+    ├── InjectedFault(RuntimeError)         server_error (test fault hook of a stage worker)
+    ├── LayoutError(ValueError)             server_error (a bad engine layout file)
+    │   └── LayoutNotSupportedError
+    ├── DeviceError(RuntimeError)           server_error (sounddevice/PortAudio)
+    ├── ConformanceError(AssertionError)    server_error (a §12 invariant violated by a server)
+    └── DuplexError                         the server's error code (an ``error`` event)
+        ├── DuplexConnectionError(ConnectionError)   connection_closed | unauthorized | ...
+        └── DuplexTimeout(TimeoutError)               timeout
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+__all__ = [
+    "ErrorCode",
+    "ERROR_TYPES",
+    "DuplexkitError",
+    "AudioFormatError",
+    "ProtocolError",
+    "TransitionError",
+    "EngineInputError",
+    "InjectedFault",
+    "LayoutError",
+    "LayoutNotSupportedError",
+    "DeviceError",
+    "ConformanceError",
+    "DuplexError",
+    "DuplexConnectionError",
+    "DuplexTimeout",
+]
+
+
+class ErrorCode(str, Enum):
+    """Every error code of PROTOCOL.md §9 (values are the wire strings)."""
+
+    INVALID_JSON = "invalid_json"
+    UNKNOWN_EVENT = "unknown_event"
+    BAD_EVENT = "bad_event"
+    BAD_AUDIO = "bad_audio"
+    EVENT_TOO_LARGE = "event_too_large"
+    UNSUPPORTED_AUDIO_FORMAT = "unsupported_audio_format"
+    UNSUPPORTED_TURN_DETECTION = "unsupported_turn_detection"
+    INPUT_AUDIO_BUFFER_EMPTY = "input_audio_buffer_empty"
+    RESPONSE_ALREADY_ACTIVE = "response_already_active"
+    RESPONSE_NOT_ACTIVE = "response_not_active"
+    ITEM_NOT_FOUND = "item_not_found"
+    INVALID_TRUNCATE = "invalid_truncate"
+    REF_AUDIO_INVALID = "ref_audio_invalid"
+    REF_AUDIO_UPDATE_UNSUPPORTED = "ref_audio_update_unsupported"
+    SESSION_CAPACITY_EXHAUSTED = "session_capacity_exhausted"
+    INPUT_BACKPRESSURE = "input_backpressure"
+    UNAUTHORIZED = "unauthorized"
+    SERVER_ERROR = "server_error"
+
+
+#: error code -> OpenAI error ``type`` (PROTOCOL.md §9, column "Type").
+ERROR_TYPES: dict[ErrorCode, str] = {
+    ErrorCode.INVALID_JSON: "invalid_request_error",
+    ErrorCode.UNKNOWN_EVENT: "invalid_request_error",
+    ErrorCode.BAD_EVENT: "invalid_request_error",
+    ErrorCode.BAD_AUDIO: "invalid_request_error",
+    ErrorCode.EVENT_TOO_LARGE: "invalid_request_error",
+    ErrorCode.UNSUPPORTED_AUDIO_FORMAT: "invalid_request_error",
+    ErrorCode.UNSUPPORTED_TURN_DETECTION: "invalid_request_error",
+    ErrorCode.INPUT_AUDIO_BUFFER_EMPTY: "invalid_request_error",
+    ErrorCode.RESPONSE_ALREADY_ACTIVE: "invalid_request_error",
+    ErrorCode.RESPONSE_NOT_ACTIVE: "invalid_request_error",
+    ErrorCode.ITEM_NOT_FOUND: "invalid_request_error",
+    ErrorCode.INVALID_TRUNCATE: "invalid_request_error",
+    ErrorCode.REF_AUDIO_INVALID: "invalid_request_error",
+    ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED: "invalid_request_error",
+    ErrorCode.SESSION_CAPACITY_EXHAUSTED: "rate_limit_error",
+    ErrorCode.INPUT_BACKPRESSURE: "rate_limit_error",
+    ErrorCode.UNAUTHORIZED: "invalid_request_error",
+    ErrorCode.SERVER_ERROR: "server_error",
+}
+
+
+# ------------------------------------------------------------------------------------------ base
+
+
+class DuplexkitError(Exception):
+    """Base of every duplexkit exception.
+
+    Attributes:
+        code: the PROTOCOL.md §9 error code (``str``; an :class:`ErrorCode` for protocol errors).
+            Subclasses without a more specific code use :attr:`default_code` (``"server_error"``).
+        message: human-readable text saying what was expected and what was got.
+    """
+
+    default_code: str = ErrorCode.SERVER_ERROR.value
+
+    def __init__(self, message: str = "", *args: object, code: Optional[str] = None) -> None:
+        # ``args`` go to the standard-library base (e.g. OSError-style bases); normally empty.
+        if not hasattr(self, "code") or code is not None:
+            self.code = code if code is not None else self.default_code
+        if not hasattr(self, "message"):
+            self.message = message
+        super().__init__(message, *args)
+
+
+# ------------------------------------------------------------------------------------------ audio
+
+_AUDIO_CODES = ("bad_audio", "unsupported_audio_format")
+
+
+class AudioFormatError(DuplexkitError, ValueError):
+    """Bad or unsupported audio input (``duplexkit.audio``).
+
+    ``code`` is the PROTOCOL.md §9 error code: ``"bad_audio"`` (undecodable content: bad base64,
+    non-finite floats, a zero-length append, a broken WAV) or ``"unsupported_audio_format"`` (a
+    format/rate/channel count duplexkit does not accept, PROTOCOL.md §6.1). ``str(err)`` is the
+    message, which says what was expected.
+
+    Raises:
+        TypeError: on construction with any other ``code``.
+    """
+
+    def __init__(self, code: str, message: Optional[str] = None) -> None:
+        code = code.value if isinstance(code, ErrorCode) else code
+        if code not in _AUDIO_CODES:
+            raise TypeError(f"AudioFormatError code must be one of {_AUDIO_CODES}, got {code!r}")
+        self.code = code
+        self.message = message or code
+        super().__init__(self.message)
+
+
+# ------------------------------------------------------------------------------------------ protocol
+
+
+class ProtocolError(DuplexkitError):
+    """A rejected client event (or a malformed server event seen by a client).
+
+    Every rejected client event produces exactly one ``error`` server event built from a
+    ProtocolError; the session stays alive (PROTOCOL.md §9 "Principle").
+
+    Attributes:
+        code: the :class:`ErrorCode` (a ``str`` enum: ``err.code == "bad_audio"`` works).
+        message: human-readable text.
+        param: dotted path of the offending field (e.g. ``session.audio.input.format``) or None.
+        event_id: the offending client event's ``event_id`` (echoed as ``error.event_id``) or None.
+    Raises:
+        ValueError: on construction with a code that is not in PROTOCOL.md §9.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode | str,
+        message: str,
+        param: Optional[str] = None,
+        event_id: Optional[str] = None,
+    ) -> None:
+        self.code = ErrorCode(code)
+        self.message = message
+        self.param = param
+        self.event_id = event_id
+        super().__init__(f"{self.code.value}: {message}")
+
+    @property
+    def type(self) -> str:
+        """The OpenAI error type of :attr:`code` (PROTOCOL.md §9)."""
+        return ERROR_TYPES[self.code]
+
+    def to_error_dict(self) -> dict:
+        """The ``error{type, code, message, param?, event_id?}`` object of PROTOCOL.md §5.3."""
+        d = {"type": self.type, "code": self.code.value, "message": self.message}
+        if self.param is not None:
+            d["param"] = self.param
+        if self.event_id is not None:
+            d["event_id"] = self.event_id
+        return d
+
+
+class TransitionError(ProtocolError):
+    """A protocol violation detected by the Session's transition table.
+
+    Names the session ``state`` and the ``event`` (transition-table event name) that was illegal in it.
+    """
+
+    def __init__(self, code: ErrorCode | str, state: str, event: str, message: str = "", **kw) -> None:
+        self.state = state
+        self.event = event
+        super().__init__(code, message or f"{event} is not allowed in state {state!r}", **kw)
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+class EngineInputError(DuplexkitError, ValueError):
+    """An engine command with invalid content (wrong unit length, non-finite audio, unknown
+    command, a command for another stream). Code ``server_error``: the Session never sends one,
+    so reaching it is an internal failure (PROTOCOL.md §9)."""
+
+    def __init__(self, message: str, code: str = "server_error") -> None:
+        super().__init__(message, code=code)
+
+
+class InjectedFault(DuplexkitError, RuntimeError):
+    """The failure a stage worker produces for a stream whose test fault hook
+    (:meth:`~duplexkit.engine.runtime.RuntimeStream.inject_fault`) names that stage
+    (code ``server_error``)."""
+
+
+class LayoutError(DuplexkitError, ValueError):
+    """A layout file is missing, unreadable or invalid. ``.source`` names the file or name
+    (code ``server_error``: a server configuration problem, never a client's)."""
+
+    def __init__(self, message: str, source: str = "") -> None:
+        super().__init__(f"{source}: {message}" if source else message)
+        self.source = source
+
+
+class LayoutNotSupportedError(LayoutError):
+    """A valid layout that this engine cannot build (e.g. thinker tensor parallelism > 1, or a
+    CUDA device on a machine without one)."""
+
+
+# ------------------------------------------------------------------------------------------ devices
+
+
+class DeviceError(DuplexkitError, RuntimeError):
+    """sounddevice/PortAudio is missing, or a device cannot be found or opened (code ``server_error``)."""
+
+
+# ------------------------------------------------------------------------------------------ conformance
+
+
+class ConformanceError(DuplexkitError, AssertionError):
+    """A PROTOCOL.md §12 invariant was violated by a server's event stream (the message names it
+    and the event). Still an ``AssertionError``, so test runners report it as a failure."""
+
+
+# ------------------------------------------------------------------------------------------ clients
+
+
+class DuplexError(DuplexkitError):
+    """A server ``error`` answering one of this client's events (PROTOCOL.md §9).
+
+    Attributes: ``code`` (§9 code), ``message``, ``param``, ``event_id`` (the client's), ``event`` (raw).
+    """
+
+    def __init__(self, code: str, message: str = "", param: Optional[str] = None,
+                 event_id: Optional[str] = None, event: Optional[dict] = None) -> None:
+        self.code = code
+        self.message = message
+        self.param = param
+        self.event_id = event_id
+        self.event = event or {}
+        super().__init__(f"{code}: {message}" + (f" (param {param})" if param else ""))
+
+    @classmethod
+    def from_event(cls, ev: dict) -> "DuplexError":
+        """Build one from a server ``error`` event dict (``error{code, type, message, param, event_id}``)."""
+        err = ev.get("error") or {}
+        return cls(str(err.get("code") or err.get("type") or "server_error"), str(err.get("message") or ""),
+                   err.get("param"), err.get("event_id"), ev)
+
+
+class DuplexConnectionError(DuplexError, ConnectionError):
+    """The connection is gone (transport loss, close frame, or a handshake rejection).
+
+    ``close_code`` is the WebSocket close code when known (1008 unauthorized, 1013 capacity, ...).
+    """
+
+    def __init__(self, message: str, *, code: str = "connection_closed", close_code: Optional[int] = None,
+                 event: Optional[dict] = None) -> None:
+        super().__init__(code, message, event=event)
+        self.close_code = close_code
+
+
+class DuplexTimeout(DuplexError, TimeoutError):
+    """A call waited longer than ``request_timeout_s`` for its answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("timeout", message)
