@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A ``config.json`` is missing, malformed or violates a model constraint."""
 
 
+SUPPORTED_VERSIONS = ("4.5",)
+"""``config.json`` ``version`` values this port reads (MODEL.md §1.2: ``version "4.5"``)."""
+
+
 def _get(d: dict, key: str, default: Any) -> Any:
     v = d.get(key, default)
     return default if v is None else v
@@ -308,6 +312,13 @@ class MiniCPMOConfig:
         """Check the constraints of parity ``tiny_config_README.md``; raises :class:`ConfigError`."""
         if self.model_type != "minicpmo":
             raise ConfigError(f"model_type must be 'minicpmo', got {self.model_type!r}")
+        if "version" not in self.raw and self.raw:
+            raise ConfigError("config.json has no 'version'; MiniCPM-o 4.5 checkpoints carry \"version\": \"4.5\" "
+                              "(MODEL.md §1.2) and older releases such as 2.6 are not supported")
+        if self.version.strip() not in SUPPORTED_VERSIONS:
+            raise ConfigError(f"unsupported MiniCPM-o version {self.version!r}: duplexkit's minicpmo45 port reads "
+                              f"version 4.5 checkpoints only (MODEL.md §1.2); 2.6 and other releases differ in "
+                              "architecture and token ids")
         if self.hidden_size < 128 or self.hidden_size % 128:
             raise ConfigError(f"hidden_size must be a positive multiple of 128 (resampler heads = hidden/128), got {self.hidden_size}")
         if self.query_num != 64:

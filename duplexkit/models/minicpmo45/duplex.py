@@ -53,6 +53,19 @@ class DuplexPolicy:
         max_unit_chars: optional vO-style cut when a unit's text reaches this many characters
             (``None`` = off, the reference).
         force_listen_count: forced listen for the first N units of the stream.
+        min_unit_tokens: a speaking unit decides at least this many tokens before it may end
+            (duplexkit option, default 0 = off, the reference): while fewer are decided, the
+            boundary pass is ignored and the terminators (``<|listen|>``, ``<|chunk_eos|>``,
+            ``<|chunk_tts_eos|>``) and ``<|turn_eos|>`` are masked in the main pass (like a
+            ``min_new_tokens``). Applies to units that speak (force_speak or an open turn).
+        max_unit_tokens: a unit decides at most this many tokens; then ``<|chunk_eos|>`` is fed
+            (duplexkit option, default None = only the ``budget`` cut). Together with
+            ``min_unit_tokens`` it fixes the token count of speaking units (load tests).
+        window_high / window_low: the thinker's sliding context window (the reference "basic"
+            window, MODEL.md §10/§11; default 4000 → 3500 tokens; ``None`` = off). Before a unit's
+            prefill, when the cache plus that unit's largest possible size would pass
+            ``window_high`` positions, the oldest whole units after the session prefix are dropped
+            until at most ``window_low`` positions remain (see :meth:`Thinker.slide_window`).
     """
 
     temperature: float = 0.7
@@ -65,6 +78,29 @@ class DuplexPolicy:
     budget: int = 20
     max_unit_chars: Optional[int] = None
     force_listen_count: int = 0
+    min_unit_tokens: int = 0
+    max_unit_tokens: Optional[int] = None
+    window_high: Optional[int] = 4000
+    window_low: Optional[int] = 3500
+
+    def __post_init__(self) -> None:
+        if (self.window_high is None) != (self.window_low is None):
+            raise ValueError("window_high and window_low must both be set or both be None")
+        if self.window_high is not None and not 0 < int(self.window_low) < int(self.window_high):
+            raise ValueError(f"need 0 < window_low < window_high, got {self.window_low} / {self.window_high}")
+        if self.min_unit_tokens < 0:
+            raise ValueError("min_unit_tokens must be >= 0")
+        if self.max_unit_tokens is not None and self.max_unit_tokens < 1:
+            raise ValueError("max_unit_tokens must be >= 1 (or None)")
+        if self.max_unit_tokens is not None and self.min_unit_tokens > self.max_unit_tokens:
+            raise ValueError("min_unit_tokens must be <= max_unit_tokens")
+
+    def unit_limit(self) -> int:
+        """Decision steps of a unit: ``budget`` or ``max_unit_tokens + 1`` (the +1 step feeds
+        ``<|chunk_eos|>``), whichever is smaller."""
+        if self.max_unit_tokens is None:
+            return self.budget
+        return min(self.budget, self.max_unit_tokens + 1)
 
 
 @dataclass
@@ -143,7 +179,8 @@ def sample_logits(
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def _main_pass_logits(th: "Thinker", st: "ThinkerStream", logits: torch.Tensor, mask_listen: bool) -> torch.Tensor:
+def _main_pass_logits(th: "Thinker", st: "ThinkerStream", logits: torch.Tensor, mask_listen: bool,
+                      must_continue: bool = False) -> torch.Tensor:
     sp = th.special
     pol = st.policy
     x = logits.clone()
@@ -157,6 +194,8 @@ def _main_pass_logits(th: "Thinker", st: "ThinkerStream", logits: torch.Tensor, 
         x[sp.im_end] = x[sp.im_end] * pol.listen_prob_scale
     if mask_listen:
         x[sp.listen] = float("-inf")
+    if must_continue:  # DuplexPolicy.min_unit_tokens
+        x[th.continue_mask_ids_tensor(x.device)] = float("-inf")
     return x
 
 
@@ -194,13 +233,15 @@ def run_unit(th: "Thinker", inp: UnitInput) -> UnitResult:
         if force_speak and st.turn_ended:
             st.turn_ended = False
             turn_start = True
-        for j in range(pol.budget):
-            if j == pol.budget - 1:
+        limit = pol.unit_limit()
+        for j in range(limit):
+            if j == limit - 1:
                 terminator = sp.chunk_eos
                 break
             first_forced = force_speak and j == 0
+            must_continue = j < pol.min_unit_tokens and (j > 0 or first_forced or not st.turn_ended)
             tok: Optional[int] = None
-            if not first_forced:
+            if not first_forced and not must_continue:
                 if pol.temperature <= 0:
                     b = int(torch.argmax(logits))
                 else:
@@ -208,7 +249,7 @@ def run_unit(th: "Thinker", inp: UnitInput) -> UnitResult:
                 if b == sp.chunk_eos:
                     tok = b
             if tok is None:
-                x = _main_pass_logits(th, st, logits, mask_listen=first_forced)
+                x = _main_pass_logits(th, st, logits, mask_listen=first_forced, must_continue=must_continue)
                 tok = sample_logits(x, pol.temperature, pol.top_k, pol.top_p, st.generator)
                 if tok == sp.listen and not st.turn_ended:
                     tok = sp.tts_bos

@@ -10,6 +10,12 @@ Stream state (:class:`ThinkerStream`) holds the LLM KV (a transformers ``Dynamic
 ``get_seq_length`` and being passed as ``past_key_values`` are relied upon, so a static/batched
 cache can replace it), the Whisper streaming cache, the streaming mel buffer, the turn state, the
 repetition history and the pending ``terminator, </unit>`` ids fed at the next prefill.
+
+Long sessions (MODEL.md §10/§11): before each unit's prefill the reference "basic" sliding window
+(``DuplexPolicy.window_high`` / ``window_low``, default 4000 → 3500) drops the oldest whole units
+after the session prefix and re-rotates the kept keys so positions stay contiguous
+(:meth:`Thinker.slide_window`; the sliding window edits ``DynamicCache`` layers directly). The
+Whisper streaming cache resets itself at 1500 positions (:mod:`.audio_encoder`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from .processor import SAMPLE_RATE, StreamingMel, audio_embed_count, image_to_pi
 from .tokenizer import SpecialTokens, encode_control, encode_text
 from .vision import Resampler, VisionTower
 
-__all__ = ["ThinkerModules", "Thinker", "ThinkerStream", "DEFAULT_INSTRUCTIONS"]
+__all__ = ["ThinkerModules", "Thinker", "ThinkerStream", "DEFAULT_INSTRUCTIONS", "rerotate_keys"]
 
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
 """Default duplex system text (MODEL.md §5.1)."""
@@ -50,6 +56,33 @@ def _cache_kw() -> str:
 
 
 _CACHE_KW = _cache_kw()
+
+
+def rerotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Move RoPE-rotated keys by ``delta`` positions (the sliding window, MODEL.md §10/§11).
+
+    RoPE rotates each pair ``(i, i + D/2)`` by ``pos · inv_freq[i]`` (transformers' ``rotate_half``
+    layout), so a key at position p becomes the key at p + delta by one more rotation of
+    ``delta · inv_freq`` (exact up to rounding; computed in float64/float32, returned in the
+    keys' dtype). Any ``attention_scaling`` factor already in the keys is kept.
+
+    Args:
+        keys: [..., T, D] cached (post-RoPE) keys.
+        delta: position shift (negative when positions are dropped before the keys).
+        inv_freq: [D/2] the model's rotary inverse frequencies (``rotary_emb.inv_freq``).
+    Returns:
+        [..., T, D] re-rotated keys.
+    """
+    if delta == 0 or keys.numel() == 0:
+        return keys
+    ang = inv_freq.detach().to(device=keys.device, dtype=torch.float64) * float(delta)
+    ang = torch.cat([ang, ang])
+    cos = torch.cos(ang).to(torch.float32)
+    sin = torch.sin(ang).to(torch.float32)
+    x = keys.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rot * sin).to(keys.dtype)
 
 
 class ThinkerModules(nn.Module):
@@ -88,6 +121,12 @@ class ThinkerStream:
     last_prefill_logits: Optional[torch.Tensor] = None
     last_audio_embeds: Optional[torch.Tensor] = None
     last_mel: Optional[np.ndarray] = None
+    unit_starts: List[int] = field(default_factory=list)
+    """KV positions of the ``<unit>`` token of each unit still in the cache (sliding window)."""
+    window_slides: int = 0
+    """Times the sliding window dropped units (:meth:`Thinker.slide_window`)."""
+    window_dropped: int = 0
+    """Positions dropped by the sliding window so far (pending ids of a dropped unit included)."""
 
     @property
     def position(self) -> int:
@@ -137,6 +176,12 @@ class Thinker:
         forb = sorted(set([special.tts_pad] + bad + [special.chunk_eos]))
         self.forbidden_ids = [i for i in forb if 0 <= i < config.vocab_size]
         self._forbidden_t = {}
+        self.continue_mask_ids = sorted(set(special.terminators) | {special.turn_eos})
+        self._continue_t = {}
+        self.policy_defaults: dict = {}
+        """Extra :class:`DuplexPolicy` fields applied to every stream opened later without an
+        explicit ``policy`` (an engine-wide option, e.g. ``{"min_unit_tokens": 5,
+        "max_unit_tokens": 5}`` for fixed-size speaking units in load tests)."""
 
     # ------------------------------------------------------------------------------ basics
     def forbidden_ids_tensor(self, device) -> torch.Tensor:
@@ -147,10 +192,23 @@ class Thinker:
             self._forbidden_t[key] = t
         return t
 
+    def continue_mask_ids_tensor(self, device) -> torch.Tensor:
+        """Ids masked while ``DuplexPolicy.min_unit_tokens`` is not reached (terminators + turn_eos)."""
+        key = str(device)
+        t = self._continue_t.get(key)
+        if t is None:
+            t = torch.tensor(self.continue_mask_ids, dtype=torch.long, device=device)
+            self._continue_t[key] = t
+        return t
+
     def new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache()
+
+    def _stream_cache(self):
+        """The KV of a new duplex stream (a ``DynamicCache`` here; the fast thinker uses a static slot)."""
+        return self.new_cache()
 
     def embed_ids(self, ids: Sequence[int]) -> torch.Tensor:
         """int ids -> LLM input embeddings [T, H] (model dtype)."""
@@ -265,7 +323,8 @@ class Thinker:
                 raise ValueError(f"temperature must be in [0, 2], got {temperature}")
             if force_listen_count < 0:
                 raise ValueError("force_listen_count must be >= 0")
-            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count))
+            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count),
+                                  **self.policy_defaults)
         gen = None
         if policy.temperature > 0:
             gen = torch.Generator()
@@ -273,7 +332,7 @@ class Thinker:
                 gen.manual_seed(int(seed))
             else:
                 gen.seed()
-        st = ThinkerStream(stream_id=f"ts{next(_stream_ids)}", policy=policy, kv=self.new_cache(), generator=gen)
+        st = ThinkerStream(stream_id=f"ts{next(_stream_ids)}", policy=policy, kv=self._stream_cache(), generator=gen)
         sp = self.special
         text = DEFAULT_INSTRUCTIONS if instructions is None else str(instructions)
         pieces: List[torch.Tensor] = []
@@ -290,13 +349,24 @@ class Thinker:
             pieces.append(self.embed_ids(ids))
         self.forward_embeds(torch.cat(pieces), st.kv)
         st.prefix_len = st.kv.get_seq_length()
+        if policy.window_low is not None and st.prefix_len >= policy.window_low:
+            self.close(st)
+            raise ValueError(f"session prefix of {st.prefix_len} positions does not fit the sliding window "
+                             f"(window_low {policy.window_low}); shorten the instructions / reference voice "
+                             "or raise the window")
         return st
 
     def prefill_unit(self, st: ThinkerStream, audio: np.ndarray, frame: Optional[np.ndarray]) -> torch.Tensor:
-        """Feed pending ids + ``<unit>`` [+ image] + 10 audio embeddings; return float32 logits [V]."""
+        """Feed pending ids + ``<unit>`` [+ image] + 10 audio embeddings; return float32 logits [V].
+
+        First applies the sliding window (:meth:`slide_window`) for this unit's largest size.
+        """
         sp = self.special
         aud = self.audio_embeds_stream(st, audio).to(self.dtype)
         st.last_audio_embeds = aud
+        upcoming = 1 + aud.shape[0] + (self.config.query_num + 2 if frame is not None else 0) + st.policy.unit_limit() - 1
+        self.slide_window(st, upcoming)
+        st.unit_starts.append(st.kv.get_seq_length() + len(st.pending_ids))
         pieces = [self.embed_ids(st.pending_ids + [sp.unit])]
         if frame is not None:
             img = self.image_embeds(frame).to(self.dtype)
@@ -307,6 +377,77 @@ class Thinker:
         logits = self.logits(h[-1])
         st.last_prefill_logits = logits
         return logits
+
+    # ------------------------------------------------------------------------------ sliding window
+    def window_plan(self, st: ThinkerStream, upcoming: int) -> Optional[Tuple[int, int, bool]]:
+        """Plan the sliding window (reference "basic" window, MODEL.md §10/§11) before a unit.
+
+        Args:
+            upcoming: the largest number of KV positions the next unit can add besides the pending
+                ids (``<unit>`` + image block + audio embeddings + ``unit_limit() − 1`` fed tokens).
+        Returns:
+            None when ``kv + pending + upcoming <= window_high`` (or the window is off); else
+            ``(lo, cut, drop_pending)``: drop KV positions ``[lo, cut)`` with ``lo = prefix_len``
+            and ``cut`` the ``<unit>`` position of the oldest unit kept (or the cache end, then the
+            pending terminator/``</unit>`` of the last unit go too), the smallest such cut leaving at
+            most ``min(window_low, window_high − upcoming)`` positions. Whole units only: a unit's
+            image block, text and terminator leave together.
+        Raises:
+            ValueError: the session prefix plus one unit does not fit under ``window_high``.
+        """
+        pol = st.policy
+        if pol.window_high is None or st.kv is None:
+            return None
+        kv_len = st.kv.get_seq_length()
+        pend = len(st.pending_ids)
+        if kv_len + pend + upcoming <= pol.window_high:
+            return None
+        p = st.prefix_len
+        target = min(pol.window_low, pol.window_high - upcoming)
+        for cut in [s for s in st.unit_starts if p < s < kv_len] + [kv_len]:
+            keep = kv_len - cut + (pend if cut < kv_len else 0)
+            if p + keep <= target:
+                return p, cut, cut >= kv_len
+        raise ValueError(f"sliding window too small: session prefix {p} + a unit of up to {upcoming} positions "
+                         f"exceeds window_high {pol.window_high}")
+
+    def slide_window(self, st: ThinkerStream, upcoming: int) -> int:
+        """Apply :meth:`window_plan`; returns the number of positions dropped (0 = no slide).
+
+        Positions (the reference's choice): the kept keys are re-rotated by ``−(cut − lo)`` RoPE
+        steps (:func:`rerotate_keys`), so the cache stays contiguous, its length equals the next
+        position and positions never exceed ``window_high``; values and the prefix are untouched
+        (the prefix stays byte-identical). Attention inside the kept tail keeps its relative
+        positions; the tail's states were computed with the dropped units in context (as in the
+        reference, nothing is recomputed).
+        """
+        plan = self.window_plan(st, upcoming)
+        if plan is None:
+            return 0
+        lo, cut, drop_pending = plan
+        n = cut - lo
+        self._drop_kv_range(st.kv, lo, cut)
+        dropped = n + (len(st.pending_ids) if drop_pending else 0)
+        if drop_pending:
+            st.pending_ids = []
+        st.unit_starts = [s - n for s in st.unit_starts if s >= cut]
+        st.window_slides += 1
+        st.window_dropped += dropped
+        return dropped
+
+    def _drop_kv_range(self, kv, lo: int, hi: int) -> None:
+        """Remove KV positions ``[lo, hi)`` of a ``DynamicCache`` in place, re-rotating the keys after
+        ``hi`` by ``−(hi − lo)`` positions. Raises ``TypeError`` for other cache types."""
+        layers = getattr(kv, "layers", None)
+        if layers is None:
+            raise TypeError(f"the sliding window needs a transformers DynamicCache, got {type(kv).__name__}")
+        inv_freq = self.m.llm.model.rotary_emb.inv_freq
+        for layer in layers:
+            k, v = layer.keys, layer.values
+            if k is None or k.numel() == 0:
+                continue
+            layer.keys = torch.cat([k[..., :lo, :], rerotate_keys(k[..., hi:, :], lo - hi, inv_freq)], dim=-2)
+            layer.values = torch.cat([v[..., :lo, :], v[..., hi:, :]], dim=-2)
 
     def feed_token(self, st: ThinkerStream, tok: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Feed one decided token -> (final-norm hidden [H] at its input position, float32 logits [V])."""
@@ -338,6 +479,7 @@ class Thinker:
         st.mel.reset()
         st.pending_ids = []
         st.history = []
+        st.unit_starts = []
 
     # ------------------------------------------------------------------------------ chat
     def chat(self, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False, max_tokens: int = 512,
