@@ -1,0 +1,238 @@
+"""Static KV caches, a batched decoder-layer forward over them, and CUDA-graph helpers.
+
+Shared by the fast thinker (:mod:`.fast_thinker`) and the fast talker (:mod:`.fast_talker`):
+
+* :class:`KVPool` — one preallocated K and V tensor per model, ``[layers, slots + 1, max_len,
+  kv_heads, head_dim]``; each stream (thinker) or talker turn owns one slot, the extra last slot is
+  scratch for the padding rows of a CUDA-graph batch bucket. Slots are handed out and returned
+  under a lock; the pool grows (reallocating, which invalidates captured graphs: see ``version``).
+* :func:`decoder_forward` — Qwen3 / Llama decoder layers (the ``transformers`` modules' own
+  weights and norms) over ``[B, T]`` rows at arbitrary per-row positions: each row writes its K/V
+  at ``pos`` in its slot and attends keys ``j <= pos`` of its slot, over the first ``kv_len``
+  cached positions (a bucket ≥ every row's last position + 1). Attention is written out
+  as Hkv-head SDPA with g·T query rows and an additive position mask (no host sync, capturable in
+  a CUDA graph; on CUDA the RMSNorms go through ``F.rms_norm``).
+* positions beyond a row's valid length may hold garbage (padding writes): they are never
+  attended, because a row only attends ``j <= pos`` and every later write overwrites them.
+
+Numbers (MODEL.md §10): thinker KV = 36 layers x 8 heads x 128 x 2 x 2 B = 144 KiB per position
+in bf16, so 8192 positions x 16 slots = 19.3 GB; talker KV = 20 x 12 x 64 x 2 x 2 B = 60 KiB per
+position (4096 positions = 252 MB per slot).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CAPTURE_LOCK", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
+
+
+CAPTURE_LOCK = threading.RLock()
+"""Held while a CUDA graph is captured and while eager code draws from the default CUDA generator
+(HiFT's source noise, unseeded talker noise). The engine's stage threads run concurrently; a
+capture registers the default generator, and a draw from it on another thread during the capture
+fails ("Offset increment outside graph capture")."""
+
+
+class ContextFullError(ValueError):
+    """A stream's static KV slot has no room for the positions a step needs."""
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    """Smallest entry of ``sizes`` that is >= n (the last one if none)."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return sizes[-1]
+
+
+def pin_sdpa_backend() -> None:
+    """Disable PyTorch's cuDNN SDPA backend (MODEL.md §10: on torch 2.11 + cuDNN 9.19 it spends
+    ~2 ms of CPU per call on every new KV length); flash / memory-efficient / math stay enabled.
+    Process-wide; a no-op without CUDA."""
+    if torch.cuda.is_available() and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def cuda_graphs_enabled(device: torch.device) -> bool:
+    """CUDA graphs are used on CUDA devices unless ``DUPLEXKIT_CUDA_GRAPHS=0``."""
+    import os
+
+    return device.type == "cuda" and os.environ.get("DUPLEXKIT_CUDA_GRAPHS", "1") != "0"
+
+
+class KVPool:
+    """Preallocated per-slot KV storage (see module doc).
+
+    Args:
+        n_layers / n_kv_heads / head_dim: model geometry.
+        max_len: positions per slot.
+        slots: initial slot count (grows by ``grow_by`` when exhausted).
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, *, dtype: torch.dtype,
+                 device, slots: int = 4, grow_by: int = 8) -> None:
+        self.n_layers, self.n_kv, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, int(max_len)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.grow_by = max(1, int(grow_by))
+        self._lock = threading.Lock()
+        self.version = 0
+        self.n_slots = 0
+        self.k = self.v = None
+        self.free: List[int] = []
+        self._resize(max(1, int(slots)))
+
+    @property
+    def scratch(self) -> int:
+        """Index of the scratch slot (padding rows of graph batches)."""
+        return self.n_slots
+
+    def _resize(self, n: int) -> None:
+        shape = (self.n_layers, n + 1, self.max_len, self.n_kv, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.k is not None:
+            k[:, : self.n_slots].copy_(self.k[:, : self.n_slots])
+            v[:, : self.n_slots].copy_(self.v[:, : self.n_slots])
+        old = self.n_slots
+        self.k, self.v, self.n_slots = k, v, n
+        self.free.extend(range(old, n))
+        self.version += 1
+
+    def alloc(self) -> int:
+        """A free slot index (grows the pool when none is free)."""
+        with self._lock:
+            if not self.free:
+                self._resize(self.n_slots + self.grow_by)
+            return self.free.pop(0)
+
+    def release(self, slot: Optional[int]) -> None:
+        if slot is None:
+            return
+        with self._lock:
+            if 0 <= slot < self.n_slots and slot not in self.free:
+                self.free.append(slot)
+                self.free.sort()
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def attention_bias(pos: torch.Tensor, kv_len: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, group*T, kv_len]: 0 where key j <= pos[b, t], -inf elsewhere (query
+    rows ordered (group, t) as :func:`_attention` lays them out)."""
+    B, T = pos.shape
+    j = torch.arange(kv_len, device=pos.device)
+    allowed = j[None, None, :] <= pos[:, :, None]  # [B, T, L]
+    bias = torch.zeros(B, T, kv_len, dtype=dtype, device=pos.device).masked_fill(~allowed, float("-inf"))
+    return bias[:, None, None].expand(B, 1, group, T, kv_len).reshape(B, 1, group * T, kv_len)
+
+
+def _attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               slots: torch.Tensor, pos: torch.Tensor, kv_len: int, scaling: float, bias: torch.Tensor) -> torch.Tensor:
+    """q [B,T,H,D], k_new/v_new [B,T,Hkv,D]; kc/vc [S+1, Lmax, Hkv, D] (one layer); bias from
+    :func:`attention_bias`. Grouped-query attention as Hkv-head attention with g*T query rows,
+    through PyTorch SDPA (flash / memory-efficient / math; cuDNN is pinned off). Returns [B,T,H*D]."""
+    B, T, H, D = q.shape
+    hkv = k_new.shape[2]
+    g = H // hkv
+    idx_s = slots[:, None].expand(B, T)
+    kc.index_put_((idx_s, pos), k_new)
+    vc.index_put_((idx_s, pos), v_new)
+    K = kc[:, :kv_len].index_select(0, slots).transpose(1, 2)  # [B, Hkv, L, D]
+    V = vc[:, :kv_len].index_select(0, slots).transpose(1, 2)
+    qg = q.view(B, T, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * T, D)
+    o = F.scaled_dot_product_attention(qg, K, V, attn_mask=bias, scale=scaling)  # [B, Hkv, gT, D]
+    return o.view(B, hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+
+def _rms(mod, x: torch.Tensor) -> torch.Tensor:
+    """The module's RMSNorm; on CUDA through ``F.rms_norm`` (one fused op where PyTorch has it)."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+    return mod(x)
+
+
+def fuse_projections(model) -> None:
+    """Give each decoder layer one fused QKV weight and one fused gate/up weight, and rebind the
+    original ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj`` weights as views
+    into them (no extra memory; every other user of the modules sees the same values). Layers
+    with biases are left alone. Idempotent."""
+    from torch import nn
+
+    for layer in model.layers:
+        if hasattr(layer, "_dk_qkv"):
+            continue
+        a, m = layer.self_attn, layer.mlp
+        if any(getattr(x, "bias", None) is not None for x in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
+            continue
+        with torch.no_grad():
+            for name, mods in (("_dk_qkv", (a.q_proj, a.k_proj, a.v_proj)), ("_dk_gu", (m.gate_proj, m.up_proj))):
+                w = torch.cat([x.weight for x in mods], dim=0)
+                o = 0
+                for x in mods:
+                    n = x.weight.shape[0]
+                    x.weight = nn.Parameter(w[o:o + n], requires_grad=False)
+                    o += n
+                setattr(layer, name, w)
+            if hasattr(a, "q_norm"):  # Qwen3: per-head q/k RMSNorm gains as one [Hq + Hkv, D] table
+                hq = a.q_proj.weight.shape[0] // a.head_dim
+                hk = a.k_proj.weight.shape[0] // a.head_dim
+                layer._dk_qk_gain = torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hk, -1)])
+
+
+def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,
+                    kv_len: int) -> torch.Tensor:
+    """Run ``model``'s decoder layers (a transformers ``Qwen3Model`` or ``LlamaModel``) and final
+    norm on ``x`` [B, T, hidden] at positions ``pos`` [B, T] (long) writing into / attending the
+    ``slots`` [B] (long) of ``pool``. Returns the final-norm hidden states [B, T, hidden]."""
+    cos, sin = model.rotary_emb(x, pos)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+    B, T, _ = x.shape
+    n_heads = model.config.num_attention_heads
+    bias = attention_bias(pos, kv_len, n_heads // model.config.num_key_value_heads, x.dtype)
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        hd = a.head_dim
+        h = _rms(layer.input_layernorm, x)
+        if hasattr(layer, "_dk_qkv"):
+            qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
+            nk = a.k_proj.weight.shape[0] // hd
+            nq = qkv.shape[2] - 2 * nk
+            qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk:]
+            if hasattr(layer, "_dk_qk_gain"):
+                if x.is_cuda:
+                    qk = F.rms_norm(qk, (hd,), None, a.q_norm.variance_epsilon) * layer._dk_qk_gain
+                else:
+                    qk = torch.cat([a.q_norm(qk[:, :, :nq]), a.k_norm(qk[:, :, nq:])], dim=2)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :, :nq], qk[:, :, nq:]
+        else:
+            q = a.q_proj(h).view(B, T, -1, hd)
+            k = a.k_proj(h).view(B, T, -1, hd)
+            v = a.v_proj(h).view(B, T, -1, hd)
+            if hasattr(a, "q_norm"):  # Qwen3
+                q = _rms(a.q_norm, q)
+                k = _rms(a.k_norm, k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        o = _attention(q, k, v, pool.k[i], pool.v[i], slots, pos, kv_len, a.scaling, bias)
+        x = x + a.o_proj(o)
+        h = _rms(layer.post_attention_layernorm, x)
+        mlp = layer.mlp
+        if hasattr(layer, "_dk_gu"):
+            g, u = F.linear(h, layer._dk_gu).chunk(2, dim=-1)
+            x = x + mlp.down_proj(mlp.act_fn(g) * u)
+        else:
+            x = x + mlp(h)
+    return _rms(model.norm, x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)

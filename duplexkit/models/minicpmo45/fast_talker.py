@@ -1,0 +1,329 @@
+"""The batched talker: static KV slots per talker turn, one batched prefill and one batched
+26-step decode for all speaking streams, captured as a single CUDA graph per (batch, KV-length)
+bucket with sampling on the GPU (no host sync inside the unit).
+
+:class:`FastTalker` wraps a :class:`~.talker.Talker` (weights shared) and exposes the same API
+(interfaces.md "Talker"): ``new_turn``, ``generate_units`` (batched: ``batched = True``),
+``generate_offline`` (delegated to the wrapped talker, the chat path), ``device``, ``dtype``,
+``config``. The duplex algorithm is the talker's (MODEL.md §6): prefill ``[cond..., audio_bos]``
+at ``text_start_pos``, then ``budget − 1`` (25) samples, each fed back (so the KV holds exactly the
+returned codes), EOS masked for ``min_new_tokens`` steps (26 mid-turn, 0 on a turn's first and
+last unit), temperature 0.8 and the sign-aware repetition penalty 1.05 over the call's last 16
+codes, sampling the full distribution. Sampling uses the Gumbel-max trick with noise drawn
+before the graph from each turn's generator: the same distribution as ``torch.multinomial``,
+another random stream. The graph always runs all 25 steps; codes after a sampled EOS are
+discarded and their KV positions are beyond the turn's length (overwritten later, never read).
+
+``top_k`` / ``top_p`` / ``min_p`` sampling options are not on this path: such an item fails with
+:class:`~.talker.TalkerError` (the engine never sets them; use the wrapped talker).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .fast_kv import CAPTURE_LOCK, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
+
+__all__ = ["FastTalker", "FastTalkerTurn"]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+KV_BUCKET = 256
+
+
+class FastTalkerTurn:
+    """Per-stream talker state of one model turn (the :class:`~.talker.TalkerTurn` fields) over a
+    KV slot of the fast talker's pool; :meth:`reset` returns the slot."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self._pool = pool
+        self.slot: Optional[int] = None
+        self.text_start_pos = 0
+        self.units = 0
+        self.window_resets = 0
+        self.finished_codes = False
+        self._cell: list = [None]  # the slot, seen by the finalizer (returns it when the turn is dropped)
+        weakref.finalize(self, FastTalkerTurn._free, pool, self._cell)
+
+    @staticmethod
+    def _free(pool: KVPool, cell: list) -> None:
+        pool.release(cell[0])
+        cell[0] = None
+
+    @property
+    def cache(self):
+        return self.slot
+
+    def ensure_slot(self) -> int:
+        if self.slot is None:
+            self.slot = self._pool.alloc()
+            self._cell[0] = self.slot
+        return self.slot
+
+    def reset(self) -> None:
+        """Return the KV slot and rewind ``text_start_pos`` to 0 (turn end)."""
+        if self.slot is not None:
+            self._pool.release(self.slot)
+        self.slot = None
+        self._cell[0] = None
+        self.text_start_pos = 0
+        self.units = 0
+        self.finished_codes = False
+
+
+class _UnitGraph:
+    """The whole duplex decode (``steps`` samples, each fed) for a (batch, kv_len) bucket."""
+
+    def __init__(self, ft: "FastTalker", B: int, kv_len: int, steps: int) -> None:
+        dev = ft.device
+        V = ft.config.num_audio_tokens
+        self.scratch = ft.pool.scratch
+        self.inp = dict(
+            logits0=torch.zeros(B, V, dtype=torch.float32, device=dev),
+            base=torch.zeros(B, dtype=torch.long, device=dev),
+            slots=torch.full((B,), self.scratch, dtype=torch.long, device=dev),
+            min_new=torch.zeros(B, dtype=torch.long, device=dev),
+            inv_temp=torch.ones(B, 1, dtype=torch.float32, device=dev),
+            greedy=torch.ones(B, dtype=torch.bool, device=dev),
+            penalty=torch.ones(B, 1, dtype=torch.float32, device=dev),
+            gumbel=torch.zeros(B, steps, V, dtype=torch.float32, device=dev),
+        )
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            ft._decode_eager(kv_len=kv_len, steps=steps, **self.inp)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=ft.graph_pool, capture_error_mode="thread_local"):
+            self.codes = ft._decode_eager(kv_len=kv_len, steps=steps, **self.inp)
+
+    def run(self, **kw) -> torch.Tensor:
+        n = kw["base"].shape[0]
+        for k, v in kw.items():
+            self.inp[k][:n].copy_(v)
+        if n < self.inp["base"].shape[0]:
+            self.inp["slots"][n:].fill_(self.scratch)
+            self.inp["base"][n:].zero_()
+            self.inp["greedy"][n:].fill_(True)
+        self.graph.replay()
+        return self.codes[:n]
+
+
+class FastTalker:
+    """Batched talker over a wrapped :class:`Talker` (see module doc).
+
+    Args:
+        talker: the loaded talker (weights shared, not copied).
+        slots: initial KV slots (one per live talker turn; grows by 8).
+        cuda_graphs: capture the unit decode (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``).
+    """
+
+    batched = True
+
+    def __init__(self, talker: Talker, *, slots: int = 4, cuda_graphs: Optional[bool] = None) -> None:
+        self.talker = talker
+        self.config = talker.config
+        m = talker.model
+        fuse_projections(m)
+        a0 = m.layers[0].self_attn
+        self.pool = KVPool(len(m.layers), talker.config.num_key_value_heads, a0.head_dim,
+                           talker.config.max_position_embeddings, dtype=talker.dtype, device=talker.device,
+                           slots=slots)
+        self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._graphs: Dict[Tuple[int, int, int], _UnitGraph] = {}
+        self._graph_version = self.pool.version
+        self.stats = {"graph_captures": 0, "units": 0}
+
+    # ------------------------------------------------------------------ the Talker API
+    @property
+    def device(self) -> torch.device:
+        return self.talker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.talker.dtype
+
+    def new_turn(self) -> FastTalkerTurn:
+        return FastTalkerTurn(self.pool)
+
+    def generate_offline(self, *a, **kw) -> np.ndarray:
+        """The chat path (delegated to the wrapped :class:`Talker`)."""
+        return self.talker.generate_offline(*a, **kw)
+
+    def __getattr__(self, name: str) -> Any:  # condition(), prefill_embeds(), head_weight(), ...
+        return getattr(self.__dict__["talker"], name)
+
+    def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 512, budget: int = DUPLEX_BUDGET) -> int:
+        """Capture the unit-decode graphs of these batch buckets for KV lengths up to ``max_kv_len``
+        now (engine start-up). Returns the number of graphs captured (0 without CUDA graphs)."""
+        if not self.use_graphs:
+            return 0
+        n0 = self.stats["graph_captures"]
+        steps = budget - 1
+        with torch.no_grad():
+            for B in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
+                for L in range(KV_BUCKET, min(max_kv_len, self.config.max_position_embeddings) + 1, KV_BUCKET):
+                    if (B, L, steps) not in self._graphs:
+                        self._graphs[(B, L, steps)] = _UnitGraph(self, B, L, steps)
+                        self.stats["graph_captures"] += 1
+        return self.stats["graph_captures"] - n0
+
+    # ------------------------------------------------------------------ batched duplex units
+    @torch.no_grad()
+    def generate_units(self, items: Sequence[TalkerInput]) -> list:
+        """Codes of one speaking unit per item, all items together. Returns int64 arrays
+        [<= budget − 1] (25 for a full mid-turn unit), or a :class:`TalkerError` in the slot of an
+        item with bad input (its turn is left unchanged)."""
+        results: list = [None] * len(items)
+        prep = []
+        cfg = self.config
+        for i, it in enumerate(items):
+            try:
+                if not isinstance(it.turn, FastTalkerTurn):
+                    raise TalkerError("turn was not created by this FastTalker.new_turn()")
+                if it.budget < 1:
+                    raise TalkerError("budget must be >= 1")
+                s = it.sampling
+                if s is None:
+                    s = GREEDY if it.temperature <= 0 else TalkerSampling(temperature=float(it.temperature))
+                if not s.greedy and (s.top_k is not None or s.top_p is not None or s.min_p is not None
+                                     or s.repetition_window != 16):
+                    raise TalkerError("the batched talker supports the reference duplex sampling only "
+                                      "(temperature + 16-code repetition penalty); top_k/top_p/min_p are not batched")
+                embeds = self.talker.prefill_embeds(it.token_ids, it.hidden)
+                need = embeds.shape[0] + it.budget - 1
+                if need > cfg.max_position_embeddings:
+                    raise TalkerError(f"one unit needs {need} positions > max_position_embeddings "
+                                      f"{cfg.max_position_embeddings}")
+            except TalkerError as exc:
+                results[i] = exc
+                continue
+            prep.append((i, it, s, embeds))
+        by_budget: Dict[int, list] = {}
+        for p in prep:
+            by_budget.setdefault(p[1].budget, []).append(p)
+        for budget, group in by_budget.items():
+            for (i, _it, _s, _e), codes in zip(group, self._run_group(group, budget)):
+                results[i] = codes
+        return results
+
+    def _run_group(self, group: list, budget: int) -> List[np.ndarray]:
+        cfg = self.config
+        dev = self.device
+        turns, embeds = [], []
+        min_new, inv_temp, greedy, penalty = [], [], [], []
+        for i, it, s, e in group:
+            turn: FastTalkerTurn = it.turn
+            if it.turn_start and turn.units > 0:
+                turn.reset()
+            need = e.shape[0] + budget - 1
+            if turn.text_start_pos + need > cfg.max_position_embeddings:
+                turn.text_start_pos = 0  # 4096-position window full: restart at this unit boundary
+                turn.window_resets += 1
+            turn.ensure_slot()
+            turns.append(turn)
+            embeds.append(e)
+            min_new.append(int(it.min_new_tokens) if it.min_new_tokens is not None
+                           else (0 if (it.turn_start or it.turn_end) else budget))
+            inv_temp.append(1.0 if s.greedy else 1.0 / s.temperature)
+            greedy.append(bool(s.greedy))
+            penalty.append(float(s.repetition_penalty))
+        B = len(group)
+        T = max(e.shape[0] for e in embeds)
+        x = torch.zeros(B, T, cfg.hidden_size, dtype=self.dtype, device=dev)
+        for b, e in enumerate(embeds):
+            x[b, : e.shape[0]] = e.to(self.dtype)
+        starts = torch.tensor([t.text_start_pos for t in turns], dtype=torch.long, device=dev)
+        pos = starts[:, None] + torch.arange(T, device=dev)[None]
+        slots = torch.tensor([t.slot for t in turns], dtype=torch.long, device=dev)
+        kv_len = min(-(-(max(t.text_start_pos for t in turns) + T) // 64) * 64, cfg.max_position_embeddings)
+        h = decoder_forward(self.talker.model, x, pos, slots, self.pool, kv_len)
+        lens = torch.tensor([e.shape[0] for e in embeds], dtype=torch.long, device=dev)
+        last = h[torch.arange(B, device=dev), lens - 1]
+        logits0 = F.linear(last, self.talker.head_weight()).float()
+        base = starts + lens  # position of the first fed code
+        steps = budget - 1
+        V = cfg.num_audio_tokens
+        gumbel = torch.empty(B, max(steps, 1), V, dtype=torch.float32, device=dev)
+        with CAPTURE_LOCK:  # the default CUDA generator may be drawn from (generator None)
+            for b, (_i, it, _s, _e) in enumerate(group):
+                gumbel[b].exponential_(generator=it.generator)
+        gumbel = -torch.log(gumbel)
+        kw = dict(
+            logits0=logits0, base=base, slots=slots,
+            min_new=torch.tensor(min_new, dtype=torch.long, device=dev),
+            inv_temp=torch.tensor(inv_temp, dtype=torch.float32, device=dev)[:, None],
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            penalty=torch.tensor(penalty, dtype=torch.float32, device=dev)[:, None],
+            gumbel=gumbel,
+        )
+        if steps <= 0:
+            codes_t = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        else:
+            max_base = max(t.text_start_pos + e.shape[0] for t, e in zip(turns, embeds))
+            kvl = min(-(-(max_base + steps) // KV_BUCKET) * KV_BUCKET, cfg.max_position_embeddings)
+            if self.use_graphs:
+                if self._graph_version != self.pool.version:
+                    self._graphs.clear()
+                    self._graph_version = self.pool.version
+                Bb = bucket(B, BATCH_BUCKETS)
+                key = (Bb, kvl, steps)
+                g = self._graphs.get(key)
+                if g is None:
+                    g = _UnitGraph(self, Bb, kvl, steps)
+                    self._graphs[key] = g
+                    self.stats["graph_captures"] += 1
+                codes_t = g.run(**kw)
+            else:
+                codes_t = self._decode_eager(kv_len=kvl, steps=steps, **kw)
+        codes_all = codes_t.cpu().numpy()  # the one host sync of the unit
+        self.stats["units"] += B
+        eos = cfg.eos_code
+        out = []
+        for b, (turn, e) in enumerate(zip(turns, embeds)):
+            row = codes_all[b]
+            hit = np.nonzero(row == eos)[0]
+            n = int(hit[0]) if hit.size else len(row)
+            if hit.size:
+                turn.finished_codes = True
+            turn.text_start_pos += e.shape[0] + n
+            turn.units += 1
+            out.append(row[:n].astype(np.int64))
+        for (_i, it, _s, _e), turn in zip(group, turns):
+            if it.turn_end:
+                turn.reset()
+        return out
+
+    def _decode_eager(self, *, logits0, base, slots, min_new, inv_temp, greedy, penalty, gumbel, kv_len: int,
+                      steps: int) -> torch.Tensor:
+        """``steps`` samples, each fed back at ``base + s``; returns codes [B, steps] (long)."""
+        B, V = logits0.shape
+        dev = logits0.device
+        eos = self.config.eos_code
+        head = self.talker.head_weight()
+        window = torch.full((B, 16), V, dtype=torch.long, device=dev)
+        ones = torch.ones(B, 16, dtype=torch.float32, device=dev)
+        eos_col = torch.arange(V, device=dev)[None] == eos
+        logits = logits0
+        codes = []
+        for s in range(steps):
+            lg = logits.masked_fill(eos_col & (min_new[:, None] > s), float("-inf"))
+            x = lg * inv_temp
+            counts = torch.zeros(B, V + 1, dtype=torch.float32, device=dev).scatter_add_(1, window, ones)[:, :V]
+            alpha = torch.pow(penalty, counts)
+            x = torch.where(x < 0, x * alpha, x / alpha)
+            code = torch.where(greedy, torch.argmax(lg, dim=-1), torch.argmax(x + gumbel[:, s], dim=-1))
+            codes.append(code)
+            window = torch.cat([window[:, 1:], code[:, None]], dim=1)
+            # every returned code is fed, so the KV holds exactly the returned codes (MODEL.md §6;
+            # the budget's last sample is never drawn)
+            xe = self.talker.code_embed(code)[:, None]
+            h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
+            logits = F.linear(h, head).float()
+        return torch.stack(codes, dim=1)

@@ -1,0 +1,553 @@
+"""The batched thinker: static KV slots, one batched decode step per token for all streams,
+CUDA-graph-captured decode steps and sampling on the GPU (one host sync per decode step).
+
+:class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, interfaces.md) whose
+``step_units`` runs every stream of the batch together:
+
+1. **Prefill** (per unit): each stream's Whisper streaming encode (per stream, as the reference
+   path), then one batched LLM forward over ``[pending terminator, </unit>] <unit> [image] 10
+   audio`` of all streams (rows padded to the longest), writing into each stream's KV slot.
+2. **Decode** (lock step over j = 0..budget−1): the decision rule of :func:`.duplex.run_unit`
+   applied row-wise on the GPU (boundary pass, forbidden set, repetition penalty, turn_eos length
+   penalty, listen mask, ``min_unit_tokens`` mask, temperature / top-k / top-p sampling by the
+   Gumbel-max trick with each stream's own CUDA generator), one ``.tolist()`` of the chosen ids,
+   then one batched decode step for the streams that go on. On CUDA that step is a captured CUDA
+   graph per (batch bucket 1/2/4/8/16/32, KV-length bucket of 256 positions).
+
+Greedy decoding gives the same ids as the reference path (tests/model/test_fast_paths.py); with
+sampling the distribution is the same but the random stream differs (GPU generator, Gumbel-max).
+The stream prefix (``new_stream``) is prefilled by the same batched forward.
+
+KV capacity: ``max_len`` positions per stream (default 8192, about 10 minutes of audio-only
+duplex at ≥ 780 positions/min, MODEL.md §10); a unit that would not fit fails that stream with
+:class:`~.fast_kv.ContextFullError` (the reference context window policy is not implemented).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .duplex import UnitInput, UnitResult
+from .fast_kv import CAPTURE_LOCK, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .thinker import Thinker, ThinkerStream
+
+__all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS"]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+KV_BUCKET = 256
+PREFILL_TOKENS = 16
+"""Unit prefills of at most this many positions (audio-only units: 11-13) run as a captured graph."""
+
+
+class StaticKV:
+    """A stream's KV handle: a slot of the thinker's :class:`KVPool` and its valid length."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.slot: Optional[int] = pool.alloc()
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
+
+    def __del__(self):  # noqa: D401 - best effort (streams are normally closed explicitly)
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class _StepGraph:
+    """One captured LLM forward for a (batch, tokens, kv_len) bucket: embeddings [B, T, H] at
+    positions [B, T] into slots [B] -> final-norm hidden [B, T, H] (+ float32 logits when T = 1)."""
+
+    def __init__(self, th: "FastThinker", B: int, T: int, kv_len: int) -> None:
+        dev = th.device
+        self.scratch = th.pool.scratch
+        self.x = torch.zeros(B, T, th.hidden_size, dtype=th.dtype, device=dev)
+        self.pos = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.pos.copy_(torch.arange(T, device=dev)[None])
+        self.slots = torch.full((B,), self.scratch, dtype=torch.long, device=dev)
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up (writes only the scratch slot)
+                th._forward_eager(self.x, self.pos, self.slots, kv_len)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=th.graph_pool, capture_error_mode="thread_local"):
+            self.h, self.logits = th._forward_eager(self.x, self.pos, self.slots, kv_len)
+
+    def run(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
+        n, t = x.shape[0], x.shape[1]
+        self.x[:n, :t].copy_(x)
+        self.pos[:n, :t].copy_(pos)
+        if t < self.x.shape[1]:  # pad tokens: positions after the row's last (overwritten later, never read)
+            self.pos[:n, t:] = pos[:, -1:] + torch.arange(1, self.x.shape[1] - t + 1, device=pos.device)[None]
+        self.slots[:n].copy_(slots)
+        if n < self.x.shape[0]:
+            self.slots[n:].fill_(self.scratch)
+            self.pos[n:].copy_(torch.arange(self.x.shape[1], device=pos.device)[None])
+        self.graph.replay()
+        return self.h[:n, :t], (None if self.logits is None else self.logits[:n])
+
+
+class FastThinker(Thinker):
+    """Batched :class:`Thinker` (see module doc). ``batched = True`` tells the engine to hand it
+    the whole batch in one ``step_units`` call.
+
+    Args (besides the :class:`Thinker` ones):
+        max_len: KV positions per stream (default 8192).
+        slots: initial KV slots (grows by 8 when exhausted).
+        cuda_graphs: capture decode steps (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``).
+    """
+
+    batched = True
+
+    def __init__(self, modules, config, tokenizer, special, device="cpu", dtype=torch.float32, *,
+                 max_len: int = 8192, slots: int = 4, cuda_graphs: Optional[bool] = None) -> None:
+        super().__init__(modules, config, tokenizer, special, device=device, dtype=dtype)
+        lm = modules.llm.model
+        fuse_projections(lm)
+        a0 = lm.layers[0].self_attn
+        self.pool = KVPool(len(lm.layers), config.num_key_value_heads, a0.head_dim, max_len, dtype=dtype,
+                           device=self.device, slots=slots)
+        self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._graphs: Dict[Tuple[int, int, int], _StepGraph] = {}
+        self._graph_version = self.pool.version
+        V = config.vocab_size
+        self._forbid_mask = torch.zeros(V, dtype=torch.bool, device=self.device)
+        self._forbid_mask[self.forbidden_ids] = True
+        self._cont_mask = torch.zeros(V, dtype=torch.bool, device=self.device)
+        self._cont_mask[[i for i in self.continue_mask_ids if 0 <= i < V]] = True
+        self.stats = {"graph_captures": 0, "decode_steps": 0}
+
+    @classmethod
+    def from_thinker(cls, th: Thinker, **kw) -> "FastThinker":
+        """Wrap an existing thinker's modules (weights shared)."""
+        ft = cls(th.m, th.config, th.tokenizer, th.special, device=th.device, dtype=th.dtype, **kw)
+        ft.policy_defaults = dict(th.policy_defaults)
+        return ft
+
+    # ------------------------------------------------------------------ KV
+    def _stream_cache(self):
+        return StaticKV(self.pool)
+
+    def forward_embeds(self, embeds: torch.Tensor, kv) -> torch.Tensor:
+        if not isinstance(kv, StaticKV):
+            return super().forward_embeds(embeds, kv)
+        return self._prefill([kv], [embeds])[0]
+
+    def _drop_kv_range(self, kv, lo: int, hi: int) -> None:
+        """The sliding window on a static slot: positions ``[lo, hi)`` removed, the keys after ``hi``
+        re-rotated by ``−(hi − lo)`` and moved down (as :meth:`Thinker._drop_kv_range`)."""
+        if not isinstance(kv, StaticKV):
+            return super()._drop_kv_range(kv, lo, hi)
+        from .thinker import rerotate_keys
+
+        n, s = kv.length, kv.slot
+        inv_freq = self.m.llm.model.rotary_emb.inv_freq
+        k_tail = rerotate_keys(self.pool.k[:, s, hi:n].transpose(1, 2), lo - hi, inv_freq).transpose(1, 2)
+        v_tail = self.pool.v[:, s, hi:n].clone()
+        self.pool.k[:, s, lo:lo + (n - hi)] = k_tail
+        self.pool.v[:, s, lo:lo + (n - hi)] = v_tail
+        kv.length = n - (hi - lo)
+
+    def close(self, st: ThinkerStream) -> None:
+        if isinstance(st.kv, StaticKV):
+            st.kv.release()
+        super().close(st)
+
+    def _prefill(self, kvs: List[StaticKV], embeds: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Batched forward of per-row embeddings [T_b, H] appended to each row's KV; returns the
+        final-norm hidden states [T_b, H] per row and advances the lengths."""
+        B = len(kvs)
+        T = max(e.shape[0] for e in embeds)
+        H = self.hidden_size
+        for kv, e in zip(kvs, embeds):
+            if kv.slot is None:
+                raise ValueError("stream is closed")
+            if kv.length + T > self.pool.max_len:
+                raise ContextFullError(f"thinker context full: {kv.length} + {T} > {self.pool.max_len} positions")
+        x = torch.zeros(B, T, H, dtype=self.dtype, device=self.device)
+        for b, e in enumerate(embeds):
+            x[b, : e.shape[0]] = e.to(self.dtype)
+        base = torch.tensor([kv.length for kv in kvs], dtype=torch.long, device=self.device)
+        pos = base[:, None] + torch.arange(T, device=self.device)[None]
+        slots = torch.tensor([kv.slot for kv in kvs], dtype=torch.long, device=self.device)
+        if self.use_graphs and T <= PREFILL_TOKENS and B <= BATCH_BUCKETS[-1] \
+                and max(kv.length for kv in kvs) + PREFILL_TOKENS <= self.pool.max_len:
+            kv_len = min(-(-(max(kv.length for kv in kvs) + PREFILL_TOKENS) // KV_BUCKET) * KV_BUCKET, self.pool.max_len)
+            h, _ = self._graph(bucket(B, BATCH_BUCKETS), PREFILL_TOKENS, kv_len).run(x, pos, slots)
+        else:
+            kv_len = -(-(max(kv.length for kv in kvs) + T) // 64) * 64
+            kv_len = min(kv_len, self.pool.max_len)
+            h = decoder_forward(self.m.llm.model, x, pos, slots, self.pool, kv_len)
+        out = []
+        for b, (kv, e) in enumerate(zip(kvs, embeds)):
+            kv.length += e.shape[0]
+            out.append(h[b, : e.shape[0]])
+        return out
+
+    def _forward_eager(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        h = decoder_forward(self.m.llm.model, x, pos, slots, self.pool, kv_len)
+        logits = self.m.llm.lm_head(h[:, 0]).float() if x.shape[1] == 1 else None
+        return h, logits
+
+    def _graph(self, B: int, T: int, kv_len: int) -> "_StepGraph":
+        if self._graph_version != self.pool.version:
+            self._graphs.clear()
+            self._graph_version = self.pool.version
+        g = self._graphs.get((B, T, kv_len))
+        if g is None:
+            g = _StepGraph(self, B, T, kv_len)
+            self._graphs[(B, T, kv_len)] = g
+            self.stats["graph_captures"] += 1
+        return g
+
+    def _decode_step(self, kvs: List[StaticKV], toks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per row -> (hidden [n, H], float32 logits [n, V]); advances lengths."""
+        n = len(kvs)
+        for kv in kvs:
+            if kv.length + 1 > self.pool.max_len:
+                raise ContextFullError(f"thinker context full at {kv.length} positions")
+        host = torch.tensor([toks, [kv.length for kv in kvs], [kv.slot for kv in kvs]], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        ids, pos, slots = dev[0], dev[1], dev[2]
+        need = max(kv.length for kv in kvs) + 1
+        kv_len = min(-(-need // KV_BUCKET) * KV_BUCKET, self.pool.max_len)
+        self.stats["decode_steps"] += 1
+        x = self.m.llm.model.embed_tokens(ids)[:, None]
+        if self.use_graphs:
+            B = bucket(n, BATCH_BUCKETS)
+            if n > B:
+                raise RuntimeError(f"batch of {n} exceeds the largest graph bucket {B}")
+            h, logits = self._graph(B, 1, kv_len).run(x, pos[:, None], slots)
+            h = h[:, 0].clone()
+        else:
+            h, logits = self._forward_eager(x, pos[:, None], slots, kv_len)
+            h = h[:, 0]
+        for kv in kvs:
+            kv.length += 1
+        return h, logits
+
+    def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 1024) -> int:
+        """Capture the decode-step graphs of these batch buckets for KV lengths up to
+        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit. Returns the number
+        of graphs captured (0 without CUDA graphs)."""
+        if not self.use_graphs:
+            return 0
+        n0 = self.stats["graph_captures"]
+        with torch.inference_mode():
+            for B in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
+                for L in range(KV_BUCKET, min(max_kv_len, self.pool.max_len) + 1, KV_BUCKET):
+                    self._graph(B, 1, L)
+                    self._graph(B, PREFILL_TOKENS, L)
+        return self.stats["graph_captures"] - n0
+
+    def _audio_embeds_batch(self, sts: List[ThinkerStream], audios: list) -> List[torch.Tensor]:
+        """:meth:`Thinker.audio_embeds_stream` for several streams: the streaming mel per stream
+        (CPU), then one Whisper pass per group of streams whose caches have the same length."""
+        if self.audio is None:
+            raise ValueError("this checkpoint has no audio encoder (init_audio false)")
+        enc = self.audio
+        mels, groups = [], {}
+        for r, (st, a) in enumerate(zip(sts, audios)):
+            first = st.mel.unit_index == 0
+            mel = st.mel.push(a)
+            st.last_mel = mel
+            mels.append(mel)
+            groups.setdefault((first, mel.shape, st.whisper.positions, len(st.whisper.keys)), []).append(r)
+        out: List[Optional[torch.Tensor]] = [None] * len(sts)
+        for (first, _shape, _pos, _nk), rows in groups.items():
+            mel = torch.from_numpy(np.stack([mels[r] for r in rows])).to(self.device, self.dtype)
+            x = enc._convs(mel)
+            x = x[:, (0 if first else 1): x.shape[1] - 1]
+            n = x.shape[1]
+            caches = [sts[r].whisper for r in rows]
+            if caches[0].positions + n > enc.max_positions:
+                for c in caches:
+                    c.clear()
+                    c.resets += 1
+            p = caches[0].positions
+            h = x + enc.apm.embed_positions.weight[p: p + n].unsqueeze(0)
+            new_k, new_v = [], []
+            for li, layer in enumerate(enc.apm.layers):
+                past = None
+                if caches[0].keys:
+                    past = (torch.cat([c.keys[li] for c in caches]), torch.cat([c.values[li] for c in caches]))
+                h, (k, v) = enc._layer(layer, h, past, None)
+                new_k.append(k)
+                new_v.append(v)
+            for b, c in enumerate(caches):
+                c.keys = [k[b:b + 1] for k in new_k]
+                c.values = [v[b:b + 1] for v in new_v]
+                c.positions = p + n
+            h = enc.apm.layer_norm(h)
+            pr = self.m.audio_projection_layer(h)  # [B, T, H]
+            k = self.config.audio_pool_step
+            pooled = F.avg_pool1d(pr.transpose(1, 2), kernel_size=k, stride=k).transpose(1, 2)
+            for b, r in enumerate(rows):
+                out[r] = pooled[b]
+        return out
+
+    # ------------------------------------------------------------------ sampling on the GPU
+    def _gen(self, st: ThinkerStream) -> Optional[torch.Generator]:
+        g = st.generator
+        if g is None:
+            return None
+        if g.device == self.device or (g.device.type == self.device.type == "cpu"):
+            return g
+        cached = getattr(st, "_dev_gen", None)
+        if cached is None or getattr(st, "_dev_gen_src", None) is not g:
+            cached = torch.Generator(device=self.device)
+            cached.manual_seed(g.initial_seed())
+            st._dev_gen = cached
+            st._dev_gen_src = g
+        return cached
+
+    def _exp_noise(self, rows: List[ThinkerStream], n: int) -> torch.Tensor:
+        """Exp(1) noise [len(rows), n], each row from its stream's generator."""
+        out = torch.empty(len(rows), n, dtype=torch.float32, device=self.device)
+        for r, st in enumerate(rows):
+            out[r].exponential_(generator=self._gen(st))
+        return out
+
+    def _decide(self, rows: List[ThinkerStream], logits: torch.Tensor, boundary: List[bool], mask_listen: List[bool],
+                must_continue: List[bool]) -> Tuple[List[int], List[int]]:
+        """Boundary-pass and main-pass choices for each row (see :func:`.duplex.run_unit`)."""
+        sp = self.special
+        n, V = logits.shape
+        dev = self.device
+        pols = [st.policy for st in rows]
+        # boundary pass: raw logits (argmax when greedy, else one sample of the raw softmax)
+        bnd = torch.argmax(logits, dim=-1)
+        samp_rows = [r for r in range(n) if boundary[r] and pols[r].temperature > 0]
+        if samp_rows:
+            idx = torch.tensor(samp_rows, device=dev)
+            e = self._exp_noise([rows[r] for r in samp_rows], V)
+            bnd[idx] = torch.argmax(logits[idx] - torch.log(e), dim=-1)
+        # main pass
+        x = logits.masked_fill(self._forbid_mask, float("-inf"))
+        hist_rows = [(r, sorted(set(st.history[-pols[r].repetition_window:]))) for r, st in enumerate(rows)
+                     if pols[r].repetition_penalty != 1.0 and st.history]
+        if hist_rows:
+            W = max(len(h) for _, h in hist_rows)
+            idx = torch.full((n, W), V, dtype=torch.long)
+            pen = torch.ones(n, 1)
+            for r, h in hist_rows:
+                idx[r, : len(h)] = torch.tensor(h)
+                pen[r, 0] = pols[r].repetition_penalty
+            m = torch.zeros(n, V + 1, dtype=torch.bool, device=dev)
+            m.scatter_(1, idx.to(dev), True)
+            x = torch.where(m[:, :V], x / pen.to(dev), x)
+        te = x[:, sp.turn_eos]
+        lp = torch.tensor([p.length_penalty for p in pols], device=dev)
+        x[:, sp.turn_eos] = torch.where(te > 0, te / lp, te * lp)
+        scale = [p.listen_prob_scale for p in pols]
+        if any(s != 1.0 for s in scale):
+            x[:, sp.im_end] = x[:, sp.im_end] * torch.tensor(scale, device=dev)
+        if any(mask_listen):
+            ml = torch.tensor(mask_listen, device=dev)
+            x[:, sp.listen] = x[:, sp.listen].masked_fill(ml, float("-inf"))
+        if any(must_continue):
+            mc = torch.tensor(must_continue, device=dev)
+            x = x.masked_fill(mc[:, None] & self._cont_mask[None], float("-inf"))
+        main = torch.argmax(x, dim=-1)
+        groups: Dict[tuple, List[int]] = {}
+        for r, p in enumerate(pols):
+            if p.temperature > 0:
+                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+        for (temp, top_k, top_p), rs in groups.items():
+            idx = torch.tensor(rs, device=dev)
+            xs = x[idx] / temp
+            if top_k and 0 < top_k < V:
+                vals, inds = torch.topk(xs, top_k, dim=-1)
+            else:
+                vals, inds = torch.sort(xs, dim=-1, descending=True)
+            if top_p and top_p < 1.0:
+                pr = torch.softmax(vals, dim=-1)
+                remove = (pr.cumsum(-1) - pr) >= top_p
+                remove[:, 0] = False
+                vals = vals.masked_fill(remove, float("-inf"))
+            e = self._exp_noise([rows[r] for r in rs], vals.shape[1])
+            pick = torch.argmax(vals - torch.log(e), dim=-1)
+            main[idx] = inds.gather(1, pick[:, None])[:, 0]
+        both = torch.stack([bnd, main]).tolist()  # the one host sync of the step
+        return both[0], both[1]
+
+    # ------------------------------------------------------------------ the batched unit loop
+    @torch.inference_mode()
+    def step_units(self, items: List[UnitInput]) -> list:
+        """Run one unit for each item together (each a different stream). Returns one
+        :class:`UnitResult` per item, or an exception object in the slot of an item that failed
+        on its own (closed stream, context full); the engine fails only that stream."""
+        seen = set()
+        for it in items:
+            if id(it.stream) in seen:
+                raise ValueError("step_units got the same stream twice in one batch")
+            seen.add(id(it.stream))
+        results: list = [None] * len(items)
+        live = []
+        for i, it in enumerate(items):
+            st = it.stream
+            if st.closed or not isinstance(st.kv, StaticKV):
+                results[i] = ValueError(f"stream {st.stream_id} is closed or not a fast-thinker stream")
+            else:
+                live.append(i)
+        if not live:
+            return results
+        sp = self.special
+        t0 = time.perf_counter()
+        # ---- prefill: audio, sliding window (as Thinker.prefill_unit), one batched LLM forward
+        auds = self._audio_embeds_batch([items[i].stream for i in live], [items[i].audio for i in live])
+        embeds, kept = [], []
+        for i, aud in zip(live, auds):
+            it, st = items[i], items[i].stream
+            aud = aud.to(self.dtype)
+            st.last_audio_embeds = aud
+            upcoming = 1 + aud.shape[0] + (self.config.query_num + 2 if it.frame is not None else 0) \
+                + st.policy.unit_limit() - 1
+            try:
+                self.slide_window(st, upcoming)
+                need = st.kv.length + len(st.pending_ids) + max(upcoming, PREFILL_TOKENS) + 1
+                if need > self.pool.max_len:
+                    raise ContextFullError(f"stream {st.stream_id}: thinker context full ({st.kv.length} of "
+                                           f"{self.pool.max_len} positions; enable the sliding window)")
+            except ValueError as exc:
+                results[i] = exc
+                continue
+            st.unit_starts.append(st.kv.length + len(st.pending_ids))
+            pieces = [self.embed_ids(st.pending_ids + [sp.unit])]
+            if it.frame is not None:
+                img = self.image_embeds(it.frame).to(self.dtype)
+                pieces += [self.embed_ids([sp.image]), img, self.embed_ids([sp.image_end])]
+            pieces.append(aud)
+            embeds.append(torch.cat(pieces))
+            kept.append(i)
+        live = kept
+        if not live:
+            return results
+        hs = self._prefill([items[i].stream.kv for i in live], embeds)
+        last = torch.stack([h[-1] for h in hs])
+        logits_all = self.m.llm.lm_head(last).float()
+        t1 = time.perf_counter()
+        # ---- per-row unit state
+        rows = []
+        for r, i in enumerate(live):
+            it, st = items[i], items[i].stream
+            st.pending_ids = []
+            st.last_prefill_logits = logits_all[r]
+            pol = st.policy
+            forced_listen = bool(it.force_listen) or st.units_done < pol.force_listen_count
+            force_speak = bool(it.force_speak) or st.force_speak_pending
+            st.force_speak_pending = False
+            if forced_listen and force_speak:
+                st.force_speak_pending = True
+                force_speak = False
+            row = dict(i=i, st=st, forced_listen=forced_listen, force_speak=force_speak, turn_start=False,
+                       end_of_turn=False, generated=[], rec_ids=[], rec_h=[], steps=0, terminator=None,
+                       limit=pol.unit_limit(), logits_row=r)
+            if forced_listen:
+                row["terminator"] = sp.listen
+            elif force_speak and st.turn_ended:
+                st.turn_ended = False
+                row["turn_start"] = True
+            rows.append(row)
+        active = [row for row in rows if row["terminator"] is None]
+        logits = logits_all
+        j = 0
+        while active:
+            for row in active:
+                if j == row["limit"] - 1:
+                    row["terminator"] = sp.chunk_eos
+            active = [row for row in active if row["terminator"] is None]
+            if not active:
+                break
+            sts = [row["st"] for row in active]
+            first_forced = [row["force_speak"] and j == 0 for row in active]
+            must = [j < row["st"].policy.min_unit_tokens and (j > 0 or ff or not row["st"].turn_ended)
+                    for row, ff in zip(active, first_forced)]
+            boundary = [not ff and not mc for ff, mc in zip(first_forced, must)]
+            sel = [row["logits_row"] for row in active]
+            lg = logits if sel == list(range(logits.shape[0])) else logits[torch.tensor(sel, device=self.device)]
+            bnd, main = self._decide(sts, lg, boundary, first_forced, must)
+            feed_rows, feed_toks = [], []
+            for k, row in enumerate(active):
+                st = row["st"]
+                tok = None
+                if boundary[k] and bnd[k] == sp.chunk_eos:
+                    tok = bnd[k]
+                if tok is None:
+                    tok = main[k]
+                    if tok == sp.listen and not st.turn_ended:
+                        tok = sp.tts_bos
+                    st.history.append(tok)
+                    pol = st.policy
+                    if len(st.history) > 4 * pol.repetition_window:
+                        del st.history[: -pol.repetition_window]
+                if tok in sp.terminators:
+                    row["terminator"] = tok
+                    continue
+                row["generated"].append(tok)
+                feed_rows.append(row)
+                feed_toks.append(tok)
+            if not feed_rows:
+                break
+            h, logits = self._decode_step([row["st"].kv for row in feed_rows], feed_toks)
+            for k, (row, tok) in enumerate(zip(feed_rows, feed_toks)):
+                st = row["st"]
+                row["logits_row"] = k
+                row["steps"] += 1
+                if tok == sp.turn_eos:
+                    st.turn_ended = True
+                    row["end_of_turn"] = True
+                elif st.turn_ended:
+                    st.turn_ended = False
+                    row["turn_start"] = True
+                if j >= 1:
+                    row["rec_ids"].append(tok)
+                    row["rec_h"].append(h[k])
+                    mx = st.policy.max_unit_chars
+                    if mx is not None and len(self.tokenizer.decode(row["rec_ids"], skip_special_tokens=True)) >= mx:
+                        row["terminator"] = sp.chunk_eos
+            active = [row for row in feed_rows if row["terminator"] is None]
+            j += 1
+        t2 = time.perf_counter()
+        H = self.hidden_size
+        for row in rows:
+            st = row["st"]
+            term = row["terminator"]
+            assert term is not None
+            row["generated"] += [term, sp.unit_end]
+            st.pending_ids += [term, sp.unit_end]
+            st.units_done += 1
+            rec = row["rec_ids"]
+            hidden = torch.stack(row["rec_h"]).float() if rec else torch.zeros(0, H, dtype=torch.float32, device=self.device)
+            results[row["i"]] = UnitResult(
+                decision="listen" if (term == sp.listen and not row["steps"]) else "speak",
+                token_ids=np.asarray(rec, dtype=np.int64),
+                hidden=hidden,
+                text=self.tokenizer.decode(rec, skip_special_tokens=True) if rec else "",
+                turn_start=row["turn_start"],
+                end_of_turn=row["end_of_turn"],
+                n_tokens=len(rec),
+                timings={"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0,
+                         "decode_steps": row["steps"], "batch": len(live)},
+                generated_ids=row["generated"],
+                pending_logits=st.last_prefill_logits,
+            )
+        return results
