@@ -418,3 +418,23 @@ def test_bfloat16_talker_generates(random_talker):
     codes = t.generate_units([TalkerInput(turn, ids, h, generator=torch.Generator().manual_seed(0))])[0]
     assert codes.shape == (25,) and (codes < CODEC_EOS).all()
     assert turn.text_start_pos == 5 + 25
+
+
+def test_batched_new_turns_then_batched_again(tk_unit):
+    """Four new turns decoded in one batch, then again in one batch from the split-back caches (the
+    engine's usual pattern with concurrent streams): equals running each turn alone, both units."""
+    talker, ids, h = tk_unit
+
+    def run(batch: bool):
+        turns = [talker.new_turn() for _ in range(4)]
+        units = []
+        for first in (True, False):
+            items = [TalkerInput(t, ids[k:], h[k:], temperature=0.0, turn_start=first) for k, t in enumerate(turns)]
+            units.append(talker.generate_units(items) if batch else [talker.generate_units([it])[0] for it in items])
+        return units, [(t.text_start_pos, t.cache.get_seq_length()) for t in turns]
+
+    one, bat = run(False), run(True)
+    for ua, ub in zip(one[0], bat[0]):
+        for x, y in zip(ua, ub):
+            np.testing.assert_array_equal(x, y)
+    assert one[1] == bat[1]

@@ -275,6 +275,21 @@ class TalkerInput:
     sampling: Optional[TalkerSampling] = None
 
 
+
+def _cache_from(data: list):
+    """A ``DynamicCache`` holding the given per-layer ``(keys, values)`` [B, H, T, D] tensors.
+
+    Built with ``DynamicCache.update`` layer by layer, which every transformers release since 4.36
+    supports (the ``ddp_cache_data`` constructor argument is not stable across 5.x releases: on the
+    GPU image's transformers 5.17 it produced caches without layers, IndexError in batched decode)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for li, (k, v) in enumerate(data):
+        cache.update(k, v, li)
+    return cache
+
+
 class Talker(nn.Module):
     """MiniCPM-o 4.5 talker (``tts.`` keys, MODEL.md §1.1 and §6).
 
@@ -611,7 +626,7 @@ class Talker(nn.Module):
                 ks = [F.pad(j.turn.cache.layers[li].keys, (0, 0, p, 0)) for j, p in zip(jobs, pads)]
                 vs = [F.pad(j.turn.cache.layers[li].values, (0, 0, p, 0)) for j, p in zip(jobs, pads)]
                 data.append((torch.cat(ks, 0), torch.cat(vs, 0)))
-            cache = DynamicCache(ddp_cache_data=data)
+            cache = _cache_from(data)
             mask = torch.ones(B, lmax, dtype=torch.long, device=dev)
             for i, p in enumerate(pads):
                 mask[i, :p] = 0
@@ -663,7 +678,7 @@ class Talker(nn.Module):
                     layer = cache.layers[li]
                     data.append((layer.keys[i:i + 1, :, pads[i]:lmax + fed[i]].clone(),
                                  layer.values[i:i + 1, :, pads[i]:lmax + fed[i]].clone()))
-                j.turn.cache = DynamicCache(ddp_cache_data=data)
+                j.turn.cache = _cache_from(data)
         for i, j in enumerate(jobs):
             if B > 1:
                 j.turn.text_start_pos += fed[i]
