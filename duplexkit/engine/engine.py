@@ -15,6 +15,7 @@ talker, then one vocoder stream), so torch work never runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -25,9 +26,34 @@ from .layout import Layout, LayoutError, check_supported, load_layout
 from .runtime import RuntimeStream, StageRuntime
 from .stages import StageModel, VocoderWork
 
-__all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name"]
+__all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_code_budget",
+           "CHAT_CODES_BASE", "CHAT_CODES_PER_TEXT_TOKEN"]
 
 _CHUNK = 25  # new codes per vocoder call (MODEL.md §7.1)
+
+CHAT_CODES_BASE = 50
+"""Codec tokens every turn-based audio reply may use whatever its length: 2 s (25 codes = 1 s,
+MODEL.md §7.1). See :func:`chat_code_budget`."""
+
+CHAT_CODES_PER_TEXT_TOKEN = 25
+"""Codec tokens allowed per reply text token: 1 s of speech per token. Real speech runs at about
+2.5-4 text tokens per second, so this is more than 2x any real speech rate and never cuts a real
+model's answer. It is 2.5x more generous than vLLM-Omni's ``text_len * 10`` cap, which MODEL.md §11
+reports truncating speech. It exists because a talker that never samples EOS (random weights:
+``tiny``) would otherwise run to ``chat_max_codes`` (82 s of noise for a 64-token reply)."""
+
+
+def chat_code_budget(n_text_tokens: int, chat_max_codes: int) -> int:
+    """The codec-token cap of one turn-based audio reply: ``min(chat_max_codes, CHAT_CODES_BASE +
+    CHAT_CODES_PER_TEXT_TOKEN * n_text_tokens)`` (25 codes = 1 s of 24 kHz audio).
+
+    Args:
+        n_text_tokens: text tokens of the reply (the thinker's completion tokens), >= 0.
+        chat_max_codes: the engine's absolute cap (default 2048, MODEL.md §6).
+    Returns:
+        The cap in codec tokens, >= 1.
+    """
+    return max(1, min(int(chat_max_codes), CHAT_CODES_BASE + CHAT_CODES_PER_TEXT_TOKEN * max(0, int(n_text_tokens))))
 
 
 def default_layout_name() -> str:
@@ -71,6 +97,10 @@ class DuplexEngine:
         model_id: the id reported to clients (default ``"minicpm-o-4.5"``).
         chat_max_codes: cap on codec tokens of one turn-based audio reply (default 2048, the
             reference offline cap, MODEL.md §6; 25 codes = 1 s). Also settable as an attribute.
+            Each reply is further bounded by its text length: at most ``CHAT_CODES_BASE +
+            CHAT_CODES_PER_TEXT_TOKEN * completion_tokens`` codes (2 s + 1 s per text token, see
+            :func:`chat_code_budget`), so a talker that never samples EOS (random weights) stops
+            in proportion to the reply instead of running to this cap.
 
     Raises:
         LayoutError / LayoutNotSupportedError: invalid layout, thinker tensor parallelism > 1, or
@@ -96,6 +126,27 @@ class DuplexEngine:
         self.random_weights = bool(getattr(self.stages, "random_weights", False))
         self._runtime = StageRuntime(self.stages, self.layout)
         self._closed = False
+
+    def warmup(self, max_kv_len: int = 512) -> int:
+        """Capture the GPU fast paths' CUDA graphs for every batch size a stage can form
+        (1..``max_num_seqs`` of its layout), so no capture happens while streams are live.
+
+        A no-op for stages without a ``warmup`` method (the CPU reference path, custom stage
+        models). Returns the number of graphs captured. Called by :meth:`from_pretrained` when a
+        stage runs on CUDA; ``benchmarks/gpu_engine.py`` measured ~18 s for 39 graphs on an H200.
+        """
+        m = self.model
+        if m is None:
+            return 0
+        n = 0
+        for stage, obj in (("thinker", getattr(m, "thinker", None)), ("talker", getattr(m, "talker", None))):
+            if obj is not None and hasattr(obj, "warmup"):
+                n += int(obj.warmup(list(range(1, self.layout.stages[stage].max_num_seqs + 1)), max_kv_len))
+        c2w = getattr(m, "code2wav", None)
+        if c2w is not None and hasattr(c2w, "warmup"):
+            sizes = tuple(b for b in (1, 2, 4, 8, 16) if b <= self.layout.code2wav.max_num_seqs) or (1,)
+            n += int(c2w.warmup(sizes))
+        return n
 
     @staticmethod
     def _check_devices(layout: Layout) -> None:
@@ -151,7 +202,13 @@ class DuplexEngine:
         model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
                      progress=progress)
-        return cls(model, lay, model_id=model_id)
+        engine = cls(model, lay, model_id=model_id)
+        if any(d.startswith("cuda") for d in lay.devices().values()):
+            t0 = time.perf_counter()
+            n = engine.warmup()
+            if progress and n:
+                print(f"[duplexkit] captured {n} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+        return engine
 
     # ------------------------------------------------------------------ Engine interface
     @property
@@ -235,8 +292,8 @@ class DuplexEngine:
         if thought.text.startswith(sent) and len(thought.text) > len(sent):
             yield ChatDelta(text=thought.text[len(sent):])
         if request.output_audio:
-            codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed,
-                                                                        self.chat_max_codes))
+            budget = chat_code_budget(thought.completion_tokens, self.chat_max_codes)
+            codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed, budget))
             handle = await self._job("code2wav", lambda: st.code2wav_open(request.ref_voice))
             try:
                 blocks = [codes[i:i + _CHUNK] for i in range(0, len(codes), _CHUNK)] or [codes]
