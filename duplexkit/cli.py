@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from duplexkit.errors import DuplexkitError
+
 __all__ = ["main", "build_parser", "load_engine", "TINY_MAX_OUTPUT_TOKENS"]
 
 TINY_MAX_OUTPUT_TOKENS = 40
@@ -29,12 +31,115 @@ TINY_MAX_OUTPUT_TOKENS = 40
 ``<|turn_eos|>``; at up to 19 decoded tokens per unit (MODEL.md §5.3) this ends a response after
 2-3 units (PROTOCOL.md §4.1)."""
 
+MIN_TURN_SAMPLES = 1600
+"""The shortest input ``demo`` sends, in 16 kHz samples: 100 ms, the least a commit accepts
+(``input_audio_buffer_empty`` below it, PROTOCOL.md §9)."""
+
 ASSET_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_DEMO_WAV = ASSET_DIR / "question_16k.wav"
 
 
 def _eprint(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+DEBUG_ENV = "DUPLEXKIT_DEBUG"
+"""Set to 1 to let errors show their full traceback instead of one ``error: …`` line."""
+
+EXIT_FAILURE = 1
+"""The run failed: the answer ended ``cancelled``/``failed``, a timeout, a server-side error, or the
+engine failed to load in ``serve`` (docs/server.md)."""
+EXIT_BAD_INPUT = 2
+"""Bad arguments or input: a missing or invalid checkpoint directory, an unreadable or too short
+WAV, an unknown layout (docs/server.md: a missing checkpoint exits 2; argparse usage errors too)."""
+EXIT_CONNECTION = 3
+"""The server could not be reached or refused the connection (refused, unauthorized, capacity)."""
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _int_range(lo: int, hi: Optional[int] = None, *, allow_inf: bool = False):
+    """An argparse type: an integer in ``lo..hi`` (the wire's limits), optionally the string ``inf``."""
+    def parse(text: str):
+        if allow_inf and text.strip().lower() == "inf":
+            return "inf"
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer{' or inf' if allow_inf else ''}, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {rng}{' or inf' if allow_inf else ''}, got {v}")
+        return v
+    return parse
+
+
+def _float_min(lo: float, *, strict: bool = False):
+    """An argparse type: a finite float ``>= lo`` (``> lo`` when ``strict``)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}, got {text}")
+        return v
+    return parse
+
+
+class CliError(DuplexkitError):
+    """A failure reported as one ``error: <message>`` line with exit status ``exit_status``."""
+
+    default_code = "cli_error"
+
+    def __init__(self, message: str, exit_status: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _error_line(exc: BaseException) -> tuple[str, int]:
+    """The message and exit status for an exception that ends a command (see EXIT_*)."""
+    from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
+                                  DuplexTimeout, LayoutError)
+
+    if isinstance(exc, CliError):
+        return str(exc), exc.exit_status
+    if isinstance(exc, FileNotFoundError):
+        return str(exc), EXIT_BAD_INPUT
+    if isinstance(exc, DuplexTimeout):
+        return f"timed out: {exc.message}", EXIT_FAILURE
+    if isinstance(exc, DuplexConnectionError):
+        hints = {"unauthorized": "the server refused the API key (pass --api-key KEY)",
+                 "session_capacity_exhausted": "the server has no free session slot; retry later"}
+        msg = hints.get(exc.code, exc.message or exc.code)
+        return (f"{msg} ({exc.message})" if exc.code in hints and exc.message else msg), EXIT_CONNECTION
+    if isinstance(exc, DuplexError):
+        if exc.code == "input_audio_buffer_empty":
+            return "input too short: need at least 100 ms of audio", EXIT_BAD_INPUT
+        return f"the server rejected the request: {exc.code}: {exc.message}", EXIT_FAILURE
+    if isinstance(exc, AudioFormatError):
+        return f"bad audio: {exc}", EXIT_BAD_INPUT
+    if isinstance(exc, LayoutError):
+        return f"bad layout: {exc}", EXIT_BAD_INPUT
+    if isinstance(exc, DeviceError):
+        return f"audio device error: {exc}", EXIT_BAD_INPUT
+    chat_mod = sys.modules.get("duplexkit_server.chat")
+    if chat_mod is not None and isinstance(exc, getattr(chat_mod, "ChatRequestError", ())):
+        return f"bad chat request: {exc}", EXIT_BAD_INPUT
+    httpx = sys.modules.get("httpx")
+    if httpx is not None:
+        if isinstance(exc, httpx.TimeoutException):
+            return f"timed out: {exc}", EXIT_FAILURE
+        if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
+            return f"cannot connect: {exc}", EXIT_CONNECTION
+        if isinstance(exc, httpx.HTTPError):
+            return f"HTTP request failed: {exc}", EXIT_CONNECTION
+    if isinstance(exc, (ConnectionError, OSError)):
+        return f"{type(exc).__name__}: {exc}", EXIT_CONNECTION if isinstance(exc, ConnectionError) else EXIT_FAILURE
+    return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,7 +150,7 @@ def _eprint(*a: Any) -> None:
 def _parse_voice(spec: str) -> tuple[str, Path]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise SystemExit(f"--voice expects NAME=PATH, got {spec!r}")
+        raise CliError(f"--voice expects NAME=PATH, got {spec!r}", EXIT_BAD_INPUT)
     return name, Path(path)
 
 
@@ -54,7 +159,7 @@ def _parse_scripted(pairs: list[str]) -> dict:
     for p in pairs or []:
         key, sep, val = p.partition("=")
         if not sep:
-            raise SystemExit(f"--scripted expects KEY=VALUE, got {p!r}")
+            raise CliError(f"--scripted expects KEY=VALUE, got {p!r}", EXIT_BAD_INPUT)
         try:
             out[key] = json.loads(val)
         except ValueError:
@@ -72,8 +177,7 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
         from duplexkit.engine.fake import ScriptedEngine
 
         return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
-    if model != "tiny" and not Path(model).is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {model} (or use 'tiny' / 'scripted')")
+    _check_model_arg(model, layout)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if progress:
         _eprint(f"loading {'the tiny random-weight model' if model == 'tiny' else model} "
@@ -88,6 +192,26 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     if progress:
         _eprint(f"model ready in {time.monotonic() - t0:.1f} s")
     return engine
+
+
+def _check_model_arg(model: str, layout: Optional[str]) -> None:
+    """Cheap checks before anything heavy loads (and before ``serve`` binds its port).
+
+    Raises ``FileNotFoundError`` for a missing checkpoint directory, :class:`CliError` (status 2)
+    for a directory without ``config.json``, :class:`duplexkit.errors.LayoutError` for an unknown
+    or invalid ``--layout``.
+    """
+    if model not in ("tiny", "scripted"):
+        path = Path(model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory not found: {model} (or use 'tiny' / 'scripted')")
+        if not (path / "config.json").is_file():
+            raise CliError(f"{model} is not a MiniCPM-o 4.5 checkpoint directory: it has no config.json "
+                           "(or use 'tiny' / 'scripted')", EXIT_BAD_INPUT)
+    if layout is not None and model != "scripted":
+        from duplexkit.engine.layout import load_layout
+
+        load_layout(layout)
 
 
 def _random_weights_notice(engine) -> None:
@@ -122,8 +246,7 @@ def cmd_serve(args) -> int:
 
     from duplexkit_server import ServerSettings, create_app, serve
 
-    if args.model not in ("tiny", "scripted") and not Path(args.model).is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {args.model} (or use 'tiny' / 'scripted')")
+    _check_model_arg(args.model, getattr(args, "layout", None))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     defaults = _session_defaults(args, args.model)
@@ -193,6 +316,9 @@ async def _demo_async(args) -> int:
     from duplexkit.clients import DuplexClient, InlineDuplexClient
 
     audio, _ = read_wav(args.input, 16_000)
+    if len(audio) < MIN_TURN_SAMPLES:
+        raise CliError(f"input too short: need at least 100 ms of audio, {args.input} has "
+                       f"{len(audio) * 1000 // 16_000} ms", EXIT_BAD_INPUT)
     session = {}
     if args.instructions:
         session["instructions"] = args.instructions
@@ -258,7 +384,7 @@ def _chat_body(args) -> dict:
         data = base64.b64encode(Path(args.audio).read_bytes()).decode("ascii")
         content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
     if not content:
-        raise SystemExit("chat needs --text and/or --audio")
+        raise CliError("chat needs --text and/or --audio", EXIT_BAD_INPUT)
     body: dict[str, Any] = {"model": args.served_model or "default", "messages": [{"role": "user", "content": content}],
                             "max_tokens": args.max_tokens, "stream": bool(args.stream)}
     if args.served_model is None:
@@ -287,11 +413,7 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
 
 
 def cmd_chat(args) -> int:
-    import base64
-
     body = _chat_body(args)
-    wavs: list[bytes] = []
-    text = ""
     if args.url:
         import httpx
 
@@ -300,42 +422,12 @@ def cmd_chat(args) -> int:
             url = url.replace("ws://", "http://").replace("wss://", "https://")
             url = url.split("/v1/")[0] + "/v1/chat/completions"
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        if args.stream:
-            with httpx.stream("POST", url, json=body, headers=headers, timeout=args.timeout) as r:
-                if r.status_code != 200:
-                    r.read()
-                    _eprint(f"HTTP {r.status_code}: {r.text}")
-                    return 1
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[6:]
-                    if payload == "[DONE]":
-                        break
-                    chunk = json.loads(payload)
-                    for ch in chunk.get("choices", []):
-                        c = (ch.get("delta") or {}).get("content")
-                        if not c:
-                            continue
-                        if chunk.get("modality") == "audio":
-                            wavs.append(base64.b64decode(c))
-                        else:
-                            text += c
-                            print(c, end="", flush=True)
-                print()
-        else:
-            r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
-            if r.status_code != 200:
-                _eprint(f"HTTP {r.status_code}: {r.text}")
-                return 1
-            data = r.json()
-            for ch in data["choices"]:
-                msg = ch.get("message") or {}
-                if (msg.get("audio") or {}).get("data"):
-                    wavs.append(base64.b64decode(msg["audio"]["data"]))
-                elif msg.get("content"):
-                    text = msg["content"]
-            print(text)
+        try:
+            text, wavs = _chat_http(url, body, headers, args)
+        except httpx.ConnectError as exc:
+            raise CliError(f"cannot connect to {url}: {exc}", EXIT_CONNECTION) from exc
+        except httpx.TimeoutException as exc:
+            raise CliError(f"timed out after {args.timeout:g} s waiting for {url}", EXIT_FAILURE) from exc
     else:
         text, wavs = asyncio.run(_chat_inline(args, body))
         print(text)
@@ -343,6 +435,60 @@ def cmd_chat(args) -> int:
     if secs is not None:
         print(f"audio: {args.output} ({secs:.2f} s at 24 kHz)")
     return 0
+
+
+def _http_error(status: int, body: str) -> CliError:
+    try:
+        err = json.loads(body).get("error") or {}
+        msg = f"{err.get('code') or err.get('type')}: {err.get('message')}"
+    except (ValueError, AttributeError):
+        msg = body.strip()[:500]
+    code = EXIT_CONNECTION if status in (401, 403, 503) else EXIT_FAILURE
+    return CliError(f"the server answered HTTP {status}: {msg}", code)
+
+
+def _chat_http(url: str, body: dict, headers: dict, args) -> tuple[str, list[bytes]]:
+    import base64
+
+    import httpx
+
+    wavs: list[bytes] = []
+    text = ""
+    if args.stream:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=args.timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                raise _http_error(r.status_code, r.text)
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                for ch in chunk.get("choices", []):
+                    c = (ch.get("delta") or {}).get("content")
+                    if not c:
+                        continue
+                    if chunk.get("modality") == "audio":
+                        wavs.append(base64.b64decode(c))
+                    else:
+                        text += c
+                        print(c, end="", flush=True)
+            print()
+    else:
+        r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
+        if r.status_code != 200:
+            raise _http_error(r.status_code, r.text)
+        data = r.json()
+        for ch in data["choices"]:
+            msg = ch.get("message") or {}
+            if (msg.get("audio") or {}).get("data"):
+                wavs.append(base64.b64decode(msg["audio"]["data"]))
+            elif msg.get("content"):
+                text = msg["content"]
+        print(text)
+    return text, wavs
 
 
 async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
@@ -481,19 +627,11 @@ def _device(spec: Optional[str]):
 
 
 def cmd_mic(args) -> int:
-    from duplexkit.audio import DeviceError
-    from duplexkit.clients import DuplexConnectionError
-
     try:
         return asyncio.run(_mic_async(args))
     except KeyboardInterrupt:
         return 0
-    except DeviceError as exc:
-        _eprint(f"audio device error: {exc}")
-        return 2
-    except DuplexConnectionError as exc:
-        _eprint(f"connection error: {exc}")
-        return 3
+    # DeviceError -> status 2, DuplexConnectionError -> 3: reported by main() (_error_line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,8 +674,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tin
     p.add_argument("--answer-policy", choices=["model", "on_request"], default=None,
                    help="when the model may speak: 'model' decides per unit, 'on_request' only answers "
                         "response.create / VAD commits (default: on_request for tiny, else the profile default)")
-    p.add_argument("--max-output-tokens", type=int, default=None,
-                   help=f"per-response token cap (default: {TINY_MAX_OUTPUT_TOKENS} for tiny, else 1024)")
+    p.add_argument("--max-output-tokens", type=_int_range(1, 8192, allow_inf=True), default=None,
+                   help=f"per-response token cap, 1..8192 or inf (default: {TINY_MAX_OUTPUT_TOKENS} for tiny, "
+                        "else 1024)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -550,24 +689,24 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/realtime, /v1/duplex, /v1/chat/completions, /v1/models and /health.")
     _add_model_args(p, default=None)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=_int_range(0, 65535), default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted API key (repeatable; also $DUPLEXKIT_API_KEY); none = auth off")
-    p.add_argument("--max-sessions", type=int, default=8,
+    p.add_argument("--max-sessions", type=_int_range(1), default=8,
                    help="session slots shared by realtime sessions and chat requests (default 8)")
     p.add_argument("--ref-audio-dir", default=None,
                    help="directory whose files may be named as ref_audio paths (default: paths refused)")
-    p.add_argument("--max-ref-audio-s", type=float, default=30.0, help="longest reference voice in s (default 30)")
-    p.add_argument("--max-input-audio-s", type=float, default=60.0,
+    p.add_argument("--max-ref-audio-s", type=_float_min(0.5), default=30.0, help="longest reference voice in s (default 30)")
+    p.add_argument("--max-input-audio-s", type=_float_min(0, strict=True), default=60.0,
                    help="longest chat-completions input audio in s (default 60)")
-    p.add_argument("--max-event-bytes", type=int, default=16 * 2**20,
+    p.add_argument("--max-event-bytes", type=_int_range(1024), default=16 * 2**20,
                    help="largest client event in bytes (default 16 MiB; frames over twice this close with 1009)")
-    p.add_argument("--max-pending-input-s", type=float, default=10.0,
+    p.add_argument("--max-pending-input-s", type=_float_min(0, strict=True), default=10.0,
                    help="unconsumed input before input_backpressure, in s (default 10)")
-    p.add_argument("--idle-timeout-s", type=float, default=300.0,
+    p.add_argument("--idle-timeout-s", type=_float_min(0, strict=True), default=300.0,
                    help="close sessions without client events after this many s (default 300)")
-    p.add_argument("--ping-interval-s", type=float, default=20.0, help="WebSocket ping period in s (default 20)")
-    p.add_argument("--default-input-rate", type=int, default=16_000,
+    p.add_argument("--ping-interval-s", type=_float_min(0, strict=True), default=20.0, help="WebSocket ping period in s (default 20)")
+    p.add_argument("--default-input-rate", type=_int_range(8000, 48000), default=16_000,
                    help="rate of a bare 'pcm16' input format in the duplex profile, Hz (default 16000)")
     p.add_argument("--instructions", default=None, help="default system prompt (default: the model's own)")
     p.add_argument("--default-voice", default=None, metavar="WAV",
@@ -594,9 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="talk to a running server instead of loading the model in-process")
     p.add_argument("--api-key", default=None, help="API key for --url")
     p.add_argument("--instructions", default=None, help="system prompt")
-    p.add_argument("--pace", type=float, default=0.0,
+    p.add_argument("--pace", type=_float_min(0), default=0.0,
                    help="send the input at this multiple of real time (0 = as fast as possible, default)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
+    p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0,
+                   help="seconds to wait for the answer (default 600)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("mic", help="talk to the model: microphone in, speaker out, barge-in by speaking",
@@ -606,13 +746,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="API key for --url")
     p.add_argument("--input-device", default=None, help="sounddevice input device (index or name substring)")
     p.add_argument("--output-device", default=None, help="sounddevice output device (index or name substring)")
-    p.add_argument("--block-ms", type=int, default=100, help="microphone block size in ms (default 100)")
+    p.add_argument("--block-ms", type=_int_range(10, 1000), default=100, help="microphone block size in ms (default 100)")
     p.add_argument("--no-barge-in", action="store_true", help="do not interrupt the assistant when you speak")
     p.add_argument("--no-vad-responses", dest="vad_responses", action="store_false",
                    help="do not ask for an answer after each utterance (let the model decide)")
-    p.add_argument("--silence-ms", type=int, default=500, help="silence that ends an utterance, ms (default 500)")
+    p.add_argument("--silence-ms", type=_int_range(0), default=500, help="silence that ends an utterance, ms (default 500)")
     p.add_argument("--instructions", default=None, help="system prompt")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: Ctrl+C)")
+    p.add_argument("--duration", type=_float_min(0, strict=True), default=None, help="stop after this many seconds (default: Ctrl+C)")
     p.add_argument("--save-output", default=None, help="also write everything the assistant said to this WAV")
     p.add_argument("--summary", default=None, help="write a JSON summary (responses, barge-ins) here at exit")
     p.set_defaults(func=cmd_mic)
@@ -628,9 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default="chat_output.wav", help="where to save the spoken answer (24 kHz WAV)")
     p.add_argument("--no-audio", action="store_true", help="text answer only")
     p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
-    p.add_argument("--max-tokens", type=int, default=64, help="max answer tokens (default 64)")
+    p.add_argument("--max-tokens", type=_int_range(1, 8192), default=64, help="max answer tokens, 1..8192 (default 64)")
     p.add_argument("--served-model", default=None, help="model id to send (default: the server's)")
-    p.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout in s (default 600)")
+    p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0, help="HTTP timeout in s (default 600)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/ (prints tables)")
@@ -654,11 +794,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except FileNotFoundError as exc:
-        _eprint(f"error: {exc}")
-        return 2
     except KeyboardInterrupt:
         return 130
+    except SystemExit:
+        raise
+    except Exception as exc:
+        # one clean line (and a documented status, see EXIT_*); DUPLEXKIT_DEBUG=1 shows the traceback
+        message, code = _error_line(exc)
+        if _debug():
+            import traceback
+
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        _eprint(f"error: {message}")
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

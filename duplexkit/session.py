@@ -547,6 +547,9 @@ class Session:
             return
         self._last_client_ms = float(now_ms)
         event_id = raw.get("event_id") if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) else None
+        first_update = not self._started and (
+            isinstance(raw, dict) and raw.get("type") == "session.update"
+            or isinstance(raw, (str, bytes, bytearray)) and _looks_like_session_update(raw))
         try:
             ev = parse_client_event(raw, max_event_bytes=self.cfg.limits.max_event_bytes)
             event_id = ev.event_id
@@ -557,6 +560,13 @@ class Session:
                 self.start(now_ms)
             self._dispatch(ev, now_ms)
         except ProtocolError as pe:
+            if not self._started and first_update:
+                # a rejected first session.update (autostart=0): the error (echoing its event_id)
+                # comes BEFORE session.created, so a client's connect() can fail on it; the
+                # session then starts with the defaults (PROTOCOL.md §5.1)
+                self._error(pe)
+                self.start(now_ms)
+                return
             if not self._started:
                 self.start(now_ms)
             self._error(pe)
@@ -565,6 +575,17 @@ class Session:
             if not self._started:
                 self.start(now_ms)
             self._error(ProtocolError(ErrorCode.SERVER_ERROR, f"internal error: {type(exc).__name__}", event_id=event_id))
+
+    def receive_binary_frame(self, now_ms: float = 0) -> None:
+        """A binary WebSocket frame: answered with ``error{bad_event}`` and otherwise ignored
+        (PROTOCOL.md §1.3, §9). Never raises."""
+        if self.closed:
+            return
+        self._last_client_ms = float(now_ms)
+        if not self._started:
+            self.start(now_ms)
+        self._error(ProtocolError(ErrorCode.BAD_EVENT,
+                                  "binary frames are not supported: send each event as a JSON text frame"))
 
     def receive_engine_output(self, out: EngineOutput, now_ms: float = 0) -> None:
         """Apply one engine output. Outputs of other streams or older epochs are dropped."""
@@ -644,12 +665,7 @@ class Session:
     # --- session -----------------------------------------------------------------------------
 
     def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
-        try:
-            new = self._validated_settings(ev.session, ev.event_id)
-        except ProtocolError:
-            if first:
-                self.start(now_ms)
-            raise
+        new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
         old = self.settings
         old_stream = self._stream_config()
         self.settings = new
@@ -1468,6 +1484,17 @@ class Session:
         )
 
     _HANDLERS: dict = {}
+
+
+def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:
+    """Whether a raw text frame is a ``session.update`` (checked only for a session's first event)."""
+    import json
+
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and data.get("type") == "session.update"
 
 
 def _config_key(c: StreamConfig) -> tuple:

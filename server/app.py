@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -51,7 +51,7 @@ class ServerSettings:
         max_ref_audio_s: longest reference voice accepted in seconds (PROTOCOL.md §8).
         max_input_audio_s: longest chat-completions input audio in seconds (PROTOCOL.md §10.1).
         ref_audio_dir: allow-listed directory for reference-voice paths (None: paths refused).
-        max_output_tokens: the default per-response token cap (PROTOCOL.md §4.1).
+        max_output_tokens: the default per-response token cap, 1..8192 or ``"inf"`` (PROTOCOL.md §4.1).
         answer_policy: default ``extra_body.answer_policy`` (None: the profile default);
             ``duplexkit serve tiny`` sets ``on_request`` because random weights never listen.
         default_input_rate: the duplex profile's bare-``pcm16`` rate in Hz.
@@ -74,7 +74,7 @@ class ServerSettings:
     max_ref_audio_s: float = 30.0
     max_input_audio_s: float = 60.0
     ref_audio_dir: Optional[Path] = None
-    max_output_tokens: Optional[int] = 1024
+    max_output_tokens: Union[int, str, None] = 1024
     answer_policy: Optional[str] = None
     default_input_rate: int = 16_000
     default_instructions: Optional[str] = None
@@ -231,9 +231,13 @@ class ServerState:
             logger.info("engine ready: %s", getattr(self.engine, "model_id", "?"))
         except BaseException as exc:  # surfaced by /health
             self.load_error = exc
-            logger.exception("engine failed to load")
-            if self.on_load_error is not None:
+            debug = os.environ.get("DUPLEXKIT_DEBUG", "") not in ("", "0")
+            if self.on_load_error is not None:  # e.g. `duplexkit serve` prints one error line and exits 1
+                if debug:
+                    logger.error("engine failed to load", exc_info=exc)
                 self.on_load_error(exc)
+            else:
+                logger.error("engine failed to load: %s: %s", type(exc).__name__, exc, exc_info=exc if debug else None)
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown_sessions(self, reason: str = "shutdown") -> None:
@@ -388,6 +392,7 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     server = _Server(config)
 
     def _stop_on_load_error(exc: BaseException) -> None:
+        print(f"error: engine failed to load: {exc}", file=sys.stderr, flush=True)
         server.should_exit = True
 
     state.on_load_error = _stop_on_load_error

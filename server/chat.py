@@ -86,13 +86,25 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
         from PIL import Image
     except ImportError as exc:  # pragma: no cover - pillow ships with the engine extra
         raise ChatRequestError("image input needs pillow", param) from exc
+    accepted = ("accepted: a data URL (data:image/png;base64,...)"
+                + (" or a file:// / plain path under the server's --ref-audio-dir"
+                   if state.settings.ref_audio_dir is not None else
+                   "; local paths need a server started with --ref-audio-dir"))
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if url.startswith("data:"):
         raw = _decode_data_url(url, param)
+    elif scheme and scheme != "file":
+        # PROTOCOL.md §8.1: the server never fetches remote hosts (no SSRF, no hidden latency)
+        raise ChatRequestError(f"image_url {scheme}:// URLs are never fetched by this server; {accepted}", param)
+    elif state.settings.ref_audio_dir is None:
+        raise ChatRequestError(f"image paths are disabled on this server; {accepted}", param)
     else:
         try:
             raw = state.load_ref_audio_path(url)  # same allow-list as reference voices
-        except (PermissionError, FileNotFoundError, OSError) as exc:
-            raise ChatRequestError(f"image not allowed: {exc}", param) from exc
+        except FileNotFoundError as exc:
+            raise ChatRequestError(f"image file not found: {url!r}", param) from exc
+        except (PermissionError, OSError) as exc:
+            raise ChatRequestError(f"image not allowed: {exc}; {accepted}", param) from exc
     try:
         img = Image.open(io.BytesIO(raw)).convert("RGB")
     except Exception as exc:
@@ -147,7 +159,8 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
-        max_tokens = min(256, s.max_output_tokens or 256)
+        cap = s.max_output_tokens
+        max_tokens = min(256, cap) if isinstance(cap, int) and not isinstance(cap, bool) else 256  # None/"inf": 256
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 8192:
         raise ChatRequestError("max_tokens must be an integer in 1..8192", "max_tokens")
     temperature = body.get("temperature", 0.7)

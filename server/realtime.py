@@ -215,9 +215,9 @@ class RealtimeConnection:
                 text = msg.get("text")
                 if text is not None:
                     self.driver.client_event(text)
-                else:
-                    # PROTOCOL.md §1.3: binary frames get bad_event and are ignored. A dict without a
-                    # string ``type`` makes the Session answer bad_event and change nothing.
-                    self.driver.client_event({"type": None})
+                elif msg.get("bytes") is not None:
+                    # PROTOCOL.md §1.3: binary frames get bad_event and are ignored
+                    self.session.receive_binary_frame(self.now_ms())
+                    self.driver.flush()
         except (WebSocketDisconnect, RuntimeError):
             pass

@@ -59,8 +59,35 @@ OUTPUT_RATE = 24_000
 MAX_KEPT_RESPONSES = 256
 """Finished response handles kept for :meth:`BaseDuplexClient.response` lookups (older ones are dropped)."""
 
+CLOSE_CODES = {"client_close": 1000, "timeout": 1000, "shutdown": 1001, "server_error": 1011}
+"""WebSocket close code that follows ``session.closed{reason}`` (PROTOCOL.md §1.5)."""
+
 _BENIGN_ERRORS = {"response_not_active"}
 """Error codes clients swallow (PROTOCOL.md §7.3: cancel races)."""
+
+
+async def wait_done(aw: Any, timeout: Optional[float]) -> bool:
+    """Wait for a future/awaitable for at most ``timeout`` seconds (None: no limit); True when it
+    finished, False on timeout (it is then cancelled if this call created it; a given future is
+    left alone).
+
+    Unlike ``asyncio.wait_for`` on Python 3.11, a cancellation of the waiting task is never lost
+    when the awaited thing completes in the same loop iteration: ``asyncio.wait`` only waits, so
+    the ``CancelledError`` always propagates. The caller reads the result (``fut.result()``).
+    """
+    fut = asyncio.ensure_future(aw)
+    owned = fut is not aw
+    try:
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+    except BaseException:
+        if owned:
+            fut.cancel()
+        raise
+    if not done:
+        if owned:
+            fut.cancel()
+        return False
+    return True
 
 
 def ref_audio_data_url(ref: Union[str, Path, bytes, np.ndarray, tuple], rate: int = 16_000) -> str:
@@ -232,10 +259,8 @@ class ResponseHandle:
     async def wait(self, timeout: Optional[float] = None) -> dict:
         """Wait for ``response.done``; returns it. Raises :class:`DuplexTimeout` after ``timeout``
         seconds, :class:`DuplexConnectionError` if the connection drops first."""
-        try:
-            await asyncio.wait_for(self._done.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise DuplexTimeout(f"response {self.id} not done after {timeout} s") from None
+        if not self._done.is_set() and not await wait_done(self._done.wait(), timeout):
+            raise DuplexTimeout(f"response {self.id} not done after {timeout} s")
         if self._error is not None and self.final is None:
             raise self._error
         return self.final or {}
@@ -298,6 +323,8 @@ class BaseDuplexClient:
         self.epoch = 0
         self.closed = False
         self.close_reason: Optional[str] = None
+        self.close_code: Optional[int] = None
+        self._released = False
         self.last_server_event_seq = 0
         self.events_dropped = 0
         self._events = _Stream(max_buffered_events)
@@ -314,6 +341,8 @@ class BaseDuplexClient:
         self._vad_resampler = None
         self._failure: Optional[BaseException] = None
         self._opened = False
+        self._init_event_id: Optional[str] = None
+        self._init_error: Optional[BaseException] = None
         self._send_lock = asyncio.Lock()
         self.barge_ins = 0
 
@@ -331,7 +360,10 @@ class BaseDuplexClient:
         The initial options (``session`` fields, ``ref_audio``, the input rate) are sent as the
         first ``session.update`` (applied before ``session.created``, PROTOCOL.md §5.1).
         Raises :class:`DuplexConnectionError` (e.g. ``unauthorized``, ``session_capacity_exhausted``),
-        :class:`DuplexError` for a rejected initial update, :class:`DuplexTimeout`.
+        :class:`DuplexError` for a rejected initial update (e.g. ``ref_audio_invalid``: an ``error``
+        echoing the update's ``event_id`` that arrives before, or together with,
+        ``session.created``), :class:`DuplexTimeout`. On any of these the session is closed and the
+        transport released before the error is raised (no ``close()`` is needed).
         """
         if self._opened:
             return self.session
@@ -339,13 +371,31 @@ class BaseDuplexClient:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         eid = self._new_event_id()
-        self._session_waiter = (eid, fut)
         update = self._initial_update()
-        await self._open()
-        if self._failure is not None:
-            raise self._failure
-        await self._send({"type": "session.update", "event_id": eid, "session": update})
-        return await self._await(fut, "session.created")
+        self._init_event_id = eid
+        self._init_error = None
+        self._session_waiter = (eid, fut)
+        self._waiters[eid] = fut  # an error echoing eid fails connect() (base _on_error)
+        try:
+            await self._open()
+            if self._failure is not None:
+                raise self._failure
+            await self._send({"type": "session.update", "event_id": eid, "session": update})
+            session = await self._await(fut, "session.created")
+            if self._init_error is not None:  # the error landed together with session.created
+                raise self._init_error
+            return session
+        except BaseException:
+            await asyncio.shield(self._abort_connect())
+            raise
+        finally:
+            self._init_event_id = None
+
+    async def _abort_connect(self) -> None:
+        try:
+            await self.close()
+        except Exception:  # pragma: no cover - close() never raises; defensive
+            logger.debug("close after a failed connect failed", exc_info=True)
 
     def _initial_update(self) -> dict:
         upd = dict(self.options.session or {})
@@ -363,15 +413,16 @@ class BaseDuplexClient:
     async def close(self, reason: str = "client_close") -> None:
         """Send ``session.close`` (if still open), wait briefly for ``session.closed``, then release
         the transport. Idempotent; never raises for a connection that is already gone."""
-        if self.closed:
+        if self._released:
             return
-        if self._failure is None and self._opened:
+        if not self.closed and self._failure is None and self._opened:
             try:
                 await self._send({"type": "session.close", "reason": reason})
-                await asyncio.wait_for(self._closed_event().wait(), timeout=5)
+                await wait_done(self._closed_event().wait(), 5)
             except Exception:
                 pass
         self.closed = True
+        self._released = True
         try:
             await self._shutdown()
         finally:
@@ -519,7 +570,7 @@ class BaseDuplexClient:
     async def _send(self, event: dict) -> None:
         if self._failure is not None:
             raise self._failure
-        if self.closed:
+        if self._released:
             raise DuplexConnectionError("the client is closed", code="client_closed")
         event.setdefault("event_id", self._new_event_id())
         async with self._send_lock:
@@ -541,10 +592,14 @@ class BaseDuplexClient:
         return self._tw
 
     async def _await(self, fut: asyncio.Future, what: str) -> Any:
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.options.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise DuplexTimeout(f"no {what} within {self.options.request_timeout_s} s") from None
+        """The reply ``fut`` carries, within ``request_timeout_s`` (:class:`DuplexTimeout`).
+
+        ``asyncio.wait`` rather than ``wait_for(shield(fut))``: on Python 3.11 ``wait_for`` drops a
+        cancellation of the caller when the reply lands in the same loop iteration; this never does.
+        """
+        if not await wait_done(fut, self.options.request_timeout_s):
+            raise DuplexTimeout(f"no {what} within {self.options.request_timeout_s} s")
+        return fut.result()
 
     @staticmethod
     def _resolve(fut: Optional[asyncio.Future], value: Any = None, exc: Optional[BaseException] = None) -> None:
@@ -621,7 +676,12 @@ class BaseDuplexClient:
         elif t == "error":
             self._on_error(ev)
         elif t == "session.closed":
+            # the session is over: mark the client closed now (the close frame may come later;
+            # the remote client then replaces close_code with the code it read)
             self.close_reason = ev.get("reason")
+            self.closed = True
+            if self.close_code is None:
+                self.close_code = CLOSE_CODES.get(str(self.close_reason), 1000)
             self._closed_event().set()
         elif t == "conversation.item.added":
             item = ev.get("item") or {}
@@ -695,6 +755,10 @@ class BaseDuplexClient:
         if ceid and ceid in self._quiet_ids and code in _BENIGN_ERRORS:
             self._quiet_ids.discard(ceid)
             return  # cancel race: swallowed (PROTOCOL.md §7.3)
+        if ceid and ceid == self._init_event_id:
+            # the initial session.update was rejected; if session.created already resolved
+            # connect()'s future, connect() still raises this (it has not returned yet)
+            self._init_error = DuplexError.from_event(ev)
         if ceid and ceid in self._waiters:
             fut = self._waiters.pop(ceid)
             if self._session_waiter and self._session_waiter[0] == ceid:

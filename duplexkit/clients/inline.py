@@ -91,6 +91,7 @@ class InlineDuplexClient(BaseDuplexClient):
             await self._driver.aclose()
 
     def _on_close(self, item) -> None:
+        self.close_code = item.code
         if item.code in (1000, 1001):
             self._finish_all(None)
         else:

@@ -17,7 +17,7 @@ import logging
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .base import BaseDuplexClient, DuplexConnectionError
+from .base import BaseDuplexClient, DuplexConnectionError, wait_done
 
 logger = logging.getLogger("duplexkit.clients.remote")
 
@@ -83,7 +83,6 @@ class DuplexClient(BaseDuplexClient):
         self._reconnected = asyncio.Event()
         self._reconnected.set()
         self.resumes = 0
-        self.close_code: Optional[int] = None
 
     @property
     def supports_resume(self) -> bool:
@@ -119,10 +118,8 @@ class DuplexClient(BaseDuplexClient):
         import websockets
 
         if not self._reconnected.is_set():
-            try:
-                await asyncio.wait_for(self._reconnected.wait(), self.options.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost") from None
+            if not await wait_done(self._reconnected.wait(), self.options.request_timeout_s):
+                raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost")
         if self._failure is not None:
             raise self._failure
         try:
@@ -131,7 +128,9 @@ class DuplexClient(BaseDuplexClient):
             if self._failure is not None:
                 raise self._failure from exc
             if self._resumable():
-                await asyncio.wait_for(self._reconnected.wait(), self.options.request_timeout_s)
+                if not await wait_done(self._reconnected.wait(), self.options.request_timeout_s):
+                    raise DuplexConnectionError("reconnect did not finish in time",
+                                                code="connection_lost") from exc
                 if self._failure is not None:
                     raise self._failure from exc
                 await self._ws.send(json.dumps(event, separators=(",", ":")))
@@ -185,8 +184,9 @@ class DuplexClient(BaseDuplexClient):
                 raise
             except Exception as e:  # pragma: no cover - defensive
                 exc = e
-            self.close_code = getattr(ws, "close_code", None)
+            self.close_code = getattr(ws, "close_code", None) or self.close_code
             if self.closed or self.close_reason is not None:
+                self.closed = True
                 self._finish_all(None)
                 return
             if self._handshake_error is not None:

@@ -84,6 +84,8 @@ async def test_sequence_numbers_and_heartbeat(scripted_server):
         evs = await _recv_until(ws, lambda e: e["type"] == "session.heartbeat_ack")
         codes = [e["error"]["code"] for e in evs if e["type"] == "error"]
         assert codes == ["invalid_json", "unknown_event", "bad_event"]
+        binary = [e for e in evs if e["type"] == "error"][2]["error"]
+        assert binary["message"] == "binary frames are not supported: send each event as a JSON text frame"
         assert [e for e in evs if e["type"] == "error"][1]["error"]["event_id"] == "c1"
         assert [e["server_event_seq"] for e in evs] == list(range(2, 2 + len(evs)))
 
@@ -292,3 +294,46 @@ async def test_heartbeat_from_client(scripted_server):
                 if ev["type"] == "session.heartbeat_ack":
                     break
         assert ev["session_id"] == c.session_id
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    ({"ref_audio": "short"}, "ref_audio_invalid"),
+    ({"ref_audio": "file:///x.wav"}, "ref_audio_invalid"),
+    ({"session": {"turn_detection": {"type": "semantic_vad"}}}, "unsupported_turn_detection"),
+])
+async def test_connect_raises_when_the_initial_update_is_rejected(scripted_server, fixtures_audio, kwargs, code):
+    """PROTOCOL.md §5.1: the error echoing the first update comes before session.created, and
+    connect() raises it (the session is then closed; no close() is needed)."""
+    from duplexkit.clients import DuplexError
+
+    if kwargs.get("ref_audio") == "short":
+        audio, sr = read_wav(fixtures_audio / "ref_voice_16k.wav", 16_000)
+        kwargs = {"ref_audio": (audio[: int(0.3 * sr)], sr)}  # 0.3 s < the 0.5 s minimum (§8.2)
+    c = DuplexClient(scripted_server.ws_url, **kwargs)
+    with pytest.raises(DuplexError) as ei:
+        async with c:
+            pytest.fail("connect() returned although the initial update was rejected")
+    assert ei.value.code == code and ei.value.event_id.startswith("cevt_")
+    assert c.closed and c.close_reason == "client_close"
+    # the raw order on the wire: the error, then session.created with the defaults
+    async with websockets.connect(scripted_server.ws_url + "/v1/realtime?duplex=1&autostart=0") as ws:
+        await ws.send(json.dumps({"type": "session.update", "event_id": "c_first",
+                                  "session": {"turn_detection": {"type": "semantic_vad"}}}))
+        err = json.loads(await ws.recv())
+        created = json.loads(await ws.recv())
+        assert err["type"] == "error" and err["error"]["event_id"] == "c_first"
+        assert created["type"] == "session.created"
+        assert [err["server_event_seq"], created["server_event_seq"]] == [1, 2]
+
+
+def test_chat_remote_image_url_is_refused_with_what_is_accepted(scripted_server):
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]}
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "never fetched" in msg and "data URL" in msg and "reference-voice" not in msg
+    body["messages"][0]["content"][1]["image_url"]["url"] = "/etc/hostname"
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "--ref-audio-dir" in r.json()["error"]["message"]

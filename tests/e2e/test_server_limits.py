@@ -128,6 +128,26 @@ async def test_graceful_shutdown_closes_sessions_with_1001(sig):
         srv.__exit__(None, None, None)
 
 
+async def test_client_is_closed_with_1001_right_after_shutdown():
+    srv = ServerProc("scripted")
+    try:
+        c = DuplexClient(srv.ws_url, heartbeat_s=None)
+        await c.connect()
+        assert not c.closed and c.close_code is None
+        srv.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            types = [ev["type"] async for ev in c.events()]
+        assert types[-1] == "session.closed"
+        # marked closed as soon as session.closed was handled, before any close frame is read
+        assert c.closed and c.close_reason == "shutdown" and c.close_code == 1001
+        await asyncio.sleep(0.5)
+        assert c.closed and c.close_code == 1001
+        await c.close()  # releases the transport; idempotent
+        assert srv.proc.wait(20) == 0
+    finally:
+        srv.__exit__(None, None, None)
+
+
 async def test_server_voices(fixtures_audio):
     ref = str(fixtures_audio / "ref_voice_16k.wav")
     with ServerProc("scripted", "--default-voice", ref, "--voice", f"alice={ref}") as srv:

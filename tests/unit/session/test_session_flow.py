@@ -56,9 +56,29 @@ def test_autostart_off_applies_first_update_before_created():
     assert d.cmds[0].config.instructions == "Be brief." and d.cmds[0].config.output_audio is False
 
 
-def test_autostart_off_bad_first_update_still_creates_then_errors():
+def test_autostart_off_bad_first_update_errors_before_created():
+    # the error echoing the rejected first update precedes session.created, so a client's
+    # connect() can fail on it; the session still starts, with the defaults
     d = Driver(start=False)
-    d.send({"type": "session.update", "session": {"temperature": 9}})
+    d.send({"type": "session.update", "event_id": "cevt_first", "session": {"temperature": 9}})
+    assert d.types() == ["error", "session.created"]
+    assert d.events[0]["error"]["event_id"] == "cevt_first"
+    assert [e["server_event_seq"] for e in d.events] == [1, 2]
+    assert d.events[1]["session"]["temperature"] != 9
+
+
+def test_autostart_off_unparsable_first_update_text_frame_errors_before_created():
+    d = Driver(start=False)
+    d.s.receive_client_event(json.dumps({"type": "session.update", "event_id": "cevt_x",
+                                         "session": {"turn_detection": {"type": "bogus"}}}), 0)
+    d.pump()
+    assert d.types() == ["error", "session.created"]
+    assert d.events[0]["error"]["event_id"] == "cevt_x"
+
+
+def test_autostart_off_bad_first_non_update_event_still_creates_then_errors():
+    d = Driver(start=False)
+    d.send({"type": "response.cancel", "response_id": 5})
     assert d.types() == ["session.created", "error"]
 
 
