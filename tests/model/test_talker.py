@@ -438,3 +438,28 @@ def test_batched_new_turns_then_batched_again(tk_unit):
         for x, y in zip(ua, ub):
             np.testing.assert_array_equal(x, y)
     assert one[1] == bat[1]
+
+
+def test_meta_construction_does_not_poison_lazy_imports():
+    """Building a talker on the meta device must not turn module constants of lazily imported modules
+    into meta tensors (torchaudio's kaldi EPSILON did, breaking every later fbank in the process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ['TORCHDYNAMO_DISABLE']='1'\n"
+        "import torch\n"
+        "from duplexkit.models.minicpmo45.talker import Talker, TalkerConfig\n"
+        "from duplexkit.models.minicpmo45.meta import meta_device\n"
+        "cfg = TalkerConfig.from_tts_config({'llm_dim': 128, 'hidden_size': 32, 'intermediate_size': 64,"
+        " 'num_attention_heads': 2, 'num_key_value_heads': 2, 'num_hidden_layers': 1,"
+        " 'audio_bos_token_id': 151687, 'text_eos_token_id': 151692})\n"
+        "with meta_device():\n"
+        "    Talker(cfg)\n"
+        "import torchaudio.compliance.kaldi as kaldi\n"
+        "assert not kaldi.EPSILON.is_meta\n"
+        "x = kaldi.fbank(torch.randn(1, 16000), num_mel_bins=80, dither=0)\n"
+        "print('ok', tuple(x.shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]

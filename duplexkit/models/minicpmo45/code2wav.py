@@ -215,8 +215,10 @@ def _load_flow_yaml(path: Path, device, dtype):
     torch = _torch()
     from hyperpyyaml import load_hyperpyyaml
 
+    from .meta import meta_device
+
     _register_cosyvoice2_aliases()
-    with torch.device("meta"), open(path, "r") as f:
+    with meta_device(), open(path, "r") as f:
         cfg = load_hyperpyyaml(f)
     flow = cfg.get("flow") if isinstance(cfg, dict) else None
     from stepaudio2.cosyvoice2.flow.flow import CausalMaskedDiffWithXvec

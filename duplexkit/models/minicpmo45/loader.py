@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from .meta import meta_device
 from .config import ConfigError, MiniCPMOConfig
 from .tokenizer import SpecialTokens, TokenizerError, load_tokenizer
 
@@ -177,7 +178,7 @@ def _build_on_meta(cfg: MiniCPMOConfig):
     rotary-embedding modules (their ``inv_freq`` buffers are computed, not loaded) on the CPU."""
     from .thinker import ThinkerModules
 
-    with torch.device("meta"):
+    with meta_device():
         mods = ThinkerModules(cfg)
     for name, mod in list(mods.named_modules()):
         if any(b is not None and b.is_meta for b in mod._buffers.values()):
@@ -239,7 +240,7 @@ def _talker_expected(cfg: MiniCPMOConfig) -> Dict[str, tuple]:
     except ImportError:  # talker not available: accept tts.* keys unchecked
         return {}
     tc = TalkerConfig.from_tts_config(cfg.tts_config.raw or {})
-    with torch.device("meta"):
+    with meta_device():
         probe = Talker(tc)
     return {"tts." + k: tuple(v.shape) for k, v in probe.state_dict().items()
             if not ("tts." + k).startswith(IGNORED_KEY_PREFIXES)}

@@ -32,6 +32,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from .meta import meta_device
 from .loader import MiniCPMO45
 
 __all__ = ["real_config_dict", "build_random_model", "REAL_TTS", "REAL_FLOW"]
@@ -188,7 +189,7 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
         else:
             thinker = Thinker(mods, cfg, tok, special, device=dev, dtype=dtype)
         tc = TalkerConfig.from_tts_config(cfg.tts_config.raw or {})
-        with torch.device("meta"):
+        with meta_device():
             tk = Talker(tc)
         tk = _materialise(tk, dev, dtype, gen)
         tk._folded_head = None

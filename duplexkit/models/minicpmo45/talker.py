@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .meta import meta_device
+
 __all__ = [
     "TalkerConfig",
     "TalkerSampling",
@@ -276,6 +278,23 @@ class TalkerInput:
 
 
 
+def _cache_arg(model) -> str:
+    """Name of the KV-cache keyword of ``LlamaModel.forward``: ``cache`` in recent transformers 5.x,
+    ``past_key_values`` before (e.g. 5.17 on the GPU image, where a ``cache=`` keyword is silently
+    swallowed by ``**kwargs`` and the model runs without our cache)."""
+    import inspect
+
+    fwd = type(model).forward
+    name = _CACHE_ARG.get(fwd)
+    if name is None:
+        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+        _CACHE_ARG[fwd] = name
+    return name
+
+
+_CACHE_ARG: dict = {}
+
+
 def _cache_from(data: list):
     """A ``DynamicCache`` holding the given per-layer ``(keys, values)`` [B, H, T, D] tensors.
 
@@ -349,7 +368,7 @@ class Talker(nn.Module):
                 ignored, MODEL.md §1.1).
         """
         cfg = tts_config if isinstance(tts_config, TalkerConfig) else TalkerConfig.from_tts_config(tts_config)
-        with torch.device("meta"):
+        with meta_device():
             probe = cls(cfg, attn_implementation=attn_implementation)
         expected = {k: tuple(v.shape) for k, v in probe.state_dict().items() if not k.startswith(cls.IGNORED_PREFIXES)}
         del probe
@@ -460,8 +479,8 @@ class Talker(nn.Module):
         if turn.cache is None:
             turn.cache = DynamicCache()
         pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        out = self.model(inputs_embeds=embeds.unsqueeze(0).to(self.dtype), position_ids=pos, cache=turn.cache,
-                         use_cache=True)
+        out = self.model(inputs_embeds=embeds.unsqueeze(0).to(self.dtype), position_ids=pos,
+                         use_cache=True, **{_cache_arg(self.model): turn.cache})
         turn.cache = out.cache if getattr(out, "cache", None) is not None else turn.cache
         turn.text_start_pos = start + t
         hs = out.last_hidden_state[0]
@@ -692,7 +711,7 @@ class Talker(nn.Module):
         positions = pos + torch.tensor(fed, dtype=torch.long, device=pos.device)
         out = self.model(inputs_embeds=self.code_embed(code)[:, None].to(self.dtype), position_ids=positions[:, None],
                          attention_mask=torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1),
-                         cache=cache, use_cache=True)
+                         use_cache=True, **{_cache_arg(self.model): cache})
         for i in range(B):
             if feed[i]:
                 fed[i] += 1

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from .loader import IGNORED_KEY_PREFIXES, RANDOM_WEIGHTS_MARKER
+from .meta import meta_device
 from .tokenizer import SPECIAL_TOKEN_STRINGS
 
 __all__ = ["TINY_VERSION", "build_tiny_checkpoint", "tiny_checkpoint", "tiny_config_dict"]
@@ -256,7 +257,7 @@ def _expected_shapes(cfg) -> Dict[str, tuple]:
     from .loader import _talker_expected
     from .thinker import ThinkerModules
 
-    with torch.device("meta"):
+    with meta_device():
         mods = ThinkerModules(cfg)
     shapes = {k: tuple(v.shape) for k, v in mods.state_dict().items()}
     shapes.update(_talker_expected(cfg))
