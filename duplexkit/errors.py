@@ -26,6 +26,11 @@ Hierarchy::
     └── DuplexError                         the server's error code (an ``error`` event)
         ├── DuplexConnectionError(ConnectionError)   connection_closed | unauthorized | ...
         └── DuplexTimeout(TimeoutError)               timeout
+
+The model port's errors derive from :class:`DuplexkitError` where they are defined (they belong to
+their modules): ``CheckpointError``, ``ConfigError``, ``TokenizerError``, ``ChatInputError``,
+``AudioInputError``, ``ImageInputError``, ``TalkerError``, ``ContextFullError`` and the
+``Code2WavError`` family in ``duplexkit.models.minicpmo45``; ``ChatRequestError`` in the server.
 """
 
 from __future__ import annotations

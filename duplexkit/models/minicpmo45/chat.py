@@ -24,6 +24,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from duplexkit.errors import DuplexkitError
+
 from .duplex import sample_logits
 from .tokenizer import encode_control, encode_text
 
@@ -34,7 +36,7 @@ _MED = ("\ue002", "\ue003")
 _MARK = re.compile("\ue000(\\d+)\ue001|\ue002(\\d+)\ue003")
 
 
-class ChatInputError(ValueError):
+class ChatInputError(DuplexkitError, ValueError):
     """A chat message or part of an unsupported shape/type."""
 
 

@@ -58,6 +58,8 @@ function of (voice, codes, seed): the same codes after a turn reset give the sam
 
 from __future__ import annotations
 
+from duplexkit.errors import DuplexkitError
+
 import hashlib
 import os
 import threading
@@ -119,7 +121,7 @@ FILES_7_MARKERS = ("hift_original.pt", "config.yaml")
 TINY_MARKER = "TINY_RANDOM_WEIGHTS"
 
 
-class Code2WavError(RuntimeError):
+class Code2WavError(DuplexkitError, RuntimeError):
     """Base class of Code2Wav errors."""
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from duplexkit.errors import DuplexkitError
+
 __all__ = [
     "ConfigError",
     "VisionConfig",
@@ -24,7 +26,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(DuplexkitError, ValueError):
     """A ``config.json`` is missing, malformed or violates a model constraint."""
 
 

@@ -28,6 +28,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from duplexkit.errors import DuplexkitError
+
 __all__ = ["CAPTURE_LOCK", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
 
 
@@ -38,7 +40,7 @@ capture registers the default generator, and a draw from it on another thread du
 fails ("Offset increment outside graph capture")."""
 
 
-class ContextFullError(ValueError):
+class ContextFullError(DuplexkitError, ValueError):
     """A stream's static KV slot has no room for the positions a step needs."""
 
 

@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from duplexkit.errors import DuplexkitError
+
 from .meta import meta_device
 from .config import ConfigError, MiniCPMOConfig
 from .tokenizer import SpecialTokens, TokenizerError, load_tokenizer
@@ -41,7 +43,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DuplexkitError, RuntimeError):
     """The checkpoint directory is unusable. ``report`` holds the readable key report (may be empty).
 
     Attributes:

@@ -17,6 +17,8 @@ Everything here is numpy (float64 STFT) except the returned arrays, which are fl
 
 from __future__ import annotations
 
+from duplexkit.errors import DuplexkitError
+
 import math
 from functools import lru_cache
 from typing import Optional, Tuple
@@ -56,11 +58,11 @@ _STREAM_MAX_SAMPLES = 30 * SAMPLE_RATE  # mel window slides by 10 s at 30 s (MOD
 _STREAM_SLIDE_SAMPLES = 10 * SAMPLE_RATE
 
 
-class AudioInputError(ValueError):
+class AudioInputError(DuplexkitError, ValueError):
     """Audio input with a bad shape, dtype or non-finite values."""
 
 
-class ImageInputError(ValueError):
+class ImageInputError(DuplexkitError, ValueError):
     """Image input that is not an RGB uint8 [H, W, 3] array or PIL image."""
 
 

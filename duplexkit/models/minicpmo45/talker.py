@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexkit.errors import DuplexkitError
+
 from .meta import meta_device
 
 __all__ = [
@@ -66,7 +68,7 @@ SILENCE_CODE = 4218
 _L2_EPS = 1e-12
 
 
-class TalkerError(ValueError):
+class TalkerError(DuplexkitError, ValueError):
     """Bad talker input (shapes, ids out of range, prefix longer than the position budget)."""
 
 

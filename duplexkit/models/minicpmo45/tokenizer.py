@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Sequence, Union
 
+from duplexkit.errors import DuplexkitError
+
 __all__ = [
     "TokenizerError",
     "SpecialTokens",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DuplexkitError, ValueError):
     """Tokenizer files missing/broken, or a required special token is absent (maps to unk)."""
 
 
