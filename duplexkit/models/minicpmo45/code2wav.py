@@ -58,6 +58,8 @@ function of (voice, codes, seed): the same codes after a turn reset give the sam
 
 from __future__ import annotations
 
+import contextlib
+
 from duplexkit.errors import DuplexkitError
 
 import hashlib
@@ -707,6 +709,20 @@ class Code2Wav:
             mel, cache = self.flow.inference_chunk(token=tok, spk=pf.spk, cache=stream.flow_cache,
                                                    last_chunk=last, n_timesteps=self.n_timesteps)
             cache = {k: v.clone() for k, v in cache.items()}
+        return self._finish(stream, mel, cache, tokens, last)
+
+    def _hift_guard(self, last: bool):
+        """Context around the HiFT call (its NSF source draws random phase). Subclasses add locks or
+        backend flags (``BatchedCode2Wav``)."""
+        return contextlib.nullcontext()
+
+    def _finish(self, stream: Code2WavStream, mel, cache: dict, tokens: np.ndarray, last: bool) -> np.ndarray:
+        """Everything after the flow for one stream: flow-cache trim (prompt + last 100 frames, as
+        Token2wav 0.1.1), HiFT with its mel/source cache, the 3840-sample holdback and Hamming
+        cross-fade, the 3-code carry (MODEL.md §7.3). Returns float32 24 kHz audio."""
+        torch = self.torch
+        pf = stream.prompt
+        with torch.inference_mode():
             keep = pf.mel.shape[1]
             att = cache["estimator_att_cache"]
             if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
@@ -725,7 +741,7 @@ class Code2Wav:
                 src_cache = torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
             seed = (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
+            with self._hift_guard(last), torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 speech, source = self.hift(mel, src_cache)
             if hc is not None:

@@ -30,10 +30,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .code2wav import (
-    CHUNK_CODES, FLOW_CACHE_TAIL_FRAMES, HOLDBACK_SAMPLES, LOOKAHEAD_CODES, MEL_CACHE_FRAMES, Code2Wav, Code2WavStream,
-    _check_codes,
-)
+from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 
 __all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH"]
 
@@ -341,53 +338,17 @@ class BatchedCode2Wav(Code2Wav):
             out.append(self._finish(st, mel_all[b:b + 1], c, tokens[b], last))
         return out
 
-    def _finish(self, stream: Code2WavStream, mel, cache: dict, tokens: np.ndarray, last: bool) -> np.ndarray:
-        """The rest of :meth:`Code2Wav._synth` after the flow: cache trim, HiFT with its cache,
-        cross-fade / holdback, carry (same arithmetic, MODEL.md §7.3)."""
-        torch = self.torch
-        pf = stream.prompt
-        with torch.inference_mode():
-            keep = pf.mel.shape[1]
-            att = cache["estimator_att_cache"]
-            if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["estimator_att_cache"] = torch.cat(
-                    [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
-            catt = cache["conformer_att_cache"]
-            if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["conformer_att_cache"] = torch.cat(
-                    [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
-            mel = mel.float()
-            hc = stream.hift_cache
-            if hc is not None:
-                mel = torch.cat([hc["mel"], mel], dim=2)
-                src_cache = hc["source"]
-            else:
-                src_cache = torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
-            seed = (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
-            devices = [self.device.index or 0] if self.device.type == "cuda" else []
-            # cuDNN autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk on the
-            # H200, benchmarks/NOTES.md); the turn's variable-length last chunk keeps the heuristics
-            from .fast_kv import CAPTURE_LOCK
+    def _hift_guard(self, last: bool):
+        """HiFT under the CUDA-graph capture lock (it draws from the default CUDA generator, which a
+        capture on another thread would break), with cuDNN autotuned conv plans for the steady chunk
+        shapes (~25 % less CPU per chunk on the H200, benchmarks/NOTES.md); the turn's variable-length
+        last chunk keeps the heuristics."""
+        import contextlib
 
-            with CAPTURE_LOCK, torch.random.fork_rng(devices=devices), \
-                    torch.backends.cudnn.flags(enabled=True, benchmark=not last and self.device.type == "cuda"):
-                torch.manual_seed(seed)
-                speech, source = self.hift(mel, src_cache)
-            if hc is not None:
-                n = HOLDBACK_SAMPLES
-                speech = speech.clone()
-                speech[..., :n] = speech[..., :n] * self.speech_window[:n] + hc["speech"][..., -n:] * self.speech_window[n:]
-            stream.hift_cache = dict(
-                mel=mel[..., -MEL_CACHE_FRAMES:].clone(),
-                source=source[:, :, -HOLDBACK_SAMPLES:].clone(),
-                speech=speech[:, -HOLDBACK_SAMPLES:].clone(),
-            )
-            if not last:
-                speech = speech[:, :-HOLDBACK_SAMPLES]
-        stream.flow_cache = cache
-        if not last:
-            stream.carry = tokens[-LOOKAHEAD_CODES:].astype(np.int64)
-        stream.chunks += 1
-        audio = speech[0].float().cpu().numpy()
-        stream.samples_out += len(audio)
-        return audio
+        from .fast_kv import CAPTURE_LOCK
+
+        torch = self.torch
+        stack = contextlib.ExitStack()
+        stack.enter_context(CAPTURE_LOCK)
+        stack.enter_context(torch.backends.cudnn.flags(enabled=True, benchmark=not last and self.device.type == "cuda"))
+        return stack
