@@ -218,6 +218,8 @@ def _random_weights_notice(engine) -> None:
     if getattr(engine, "random_weights", False):
         _eprint("NOTE: this model has RANDOM weights (the 'tiny' test checkpoint): the text is gibberish and "
                 "the speech is noise. Pass a real MiniCPM-o 4.5 checkpoint directory for real answers.")
+    if not getattr(engine, "supports_audio", True):
+        _eprint("NOTE: the checkpoint has no assets/token2wav (no vocoder): answers are text only.")
 
 
 def _session_defaults(args, engine_name: str) -> dict:

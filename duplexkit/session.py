@@ -223,6 +223,9 @@ class SessionConfig:
         vad_available: False when the server VAD cannot run (turn detection defaults to null).
         temperature: default sampling temperature (0–2).
         silence_slack_ms: grace after a unit deadline before silence is fed (ms).
+        audio_output_available: False when the engine has no vocoder (a checkpoint without
+            ``assets/token2wav``): sessions default to ``["text"]`` and asking for audio is a
+            ``bad_event`` that says why.
         seed: default sampling seed (None = nondeterministic); clients may set
             ``extra_body.seed`` (duplexkit extension) to make sampling repeatable on the same hardware.
         limits: :class:`SessionLimits`.
@@ -240,6 +243,7 @@ class SessionConfig:
     temperature: float = 0.7
     silence_slack_ms: int = 250
     seed: Optional[int] = None
+    audio_output_available: bool = True
     limits: SessionLimits = field(default_factory=SessionLimits)
 
     def __post_init__(self) -> None:
@@ -391,6 +395,10 @@ class _Settings:
         return s
 
 
+_NO_VOCODER = ("this server has no vocoder (its checkpoint lacks assets/token2wav), so it answers in text only: "
+               "expected output_modalities ['text']")
+
+
 def _vad_classes():
     """The server VAD from duplexkit.audio (None when it is not available)."""
     try:
@@ -450,7 +458,7 @@ class Session:
             else None
         )
         self.settings = _Settings(
-            output_modalities=["audio", "text"],
+            output_modalities=["audio", "text"] if self.cfg.audio_output_available else ["text"],
             instructions=self.cfg.default_instructions,
             voice="default",
             ref_voice=self.cfg.default_voice,
@@ -693,6 +701,8 @@ class Session:
             mods = p.output_modalities or []
             if not mods or any(m not in ("audio", "text") for m in mods):
                 raise err(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']", "output_modalities")
+            if "audio" in mods and not self.cfg.audio_output_available:
+                raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
             s.output_modalities = list(dict.fromkeys(mods))
         if "instructions" in given and p.instructions != s.instructions:
             if self._units_appended > 0:
@@ -1026,6 +1036,9 @@ class Session:
             ):
                 raise ProtocolError(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']",
                                     param="response.output_modalities", event_id=ev.event_id)
+            if params.output_modalities and "audio" in params.output_modalities and not self.cfg.audio_output_available:
+                raise ProtocolError(ErrorCode.BAD_EVENT, _NO_VOCODER, param="response.output_modalities",
+                                    event_id=ev.event_id)
         self._transition(TEvent.CREATE, ev.event_id)
         self._create_response(params, "client", ev.event_id)
 

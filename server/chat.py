@@ -141,6 +141,9 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
         raise ChatRequestError("modalities must be a subset of ['text', 'audio']", "modalities")
     output_audio = "audio" in modalities
+    if output_audio and not bool(getattr(state.engine, "supports_audio", True)):
+        raise ChatRequestError("this server has no vocoder (its checkpoint lacks assets/token2wav): "
+                               "expected modalities ['text']", "modalities")
     audio_opts = body.get("audio") or {}
     if not isinstance(audio_opts, dict):
         raise ChatRequestError("audio must be an object", "audio")

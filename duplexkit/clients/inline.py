@@ -47,6 +47,7 @@ class InlineDuplexClient(BaseDuplexClient):
         if config is None:
             cfg_kwargs.setdefault("profile", profile)
             cfg_kwargs.setdefault("model_id", getattr(engine, "model_id", "duplexkit"))
+            cfg_kwargs.setdefault("audio_output_available", bool(getattr(engine, "supports_audio", True)))
             config = SessionConfig(**cfg_kwargs)
         elif cfg_kwargs:
             config = dataclasses.replace(config, **cfg_kwargs)

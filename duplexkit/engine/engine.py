@@ -124,6 +124,11 @@ class DuplexEngine:
             self.stages = MiniCPMO45Stages(model, model_id=model_id)
         self.model_id = getattr(self.stages, "model_id", model_id)
         self.random_weights = bool(getattr(self.stages, "random_weights", False))
+        m = self.model
+        self.supports_audio = bool(getattr(self.stages, "supports_audio",
+                                           m is None or getattr(m, "code2wav", None) is not None))
+        """False when the model has no vocoder (a checkpoint without ``assets/token2wav``): sessions
+        and chat requests then answer in text only."""
         self._runtime = StageRuntime(self.stages, self.layout)
         self._closed = False
 

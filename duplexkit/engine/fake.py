@@ -264,6 +264,7 @@ class ScriptedEngine:
     """
 
     random_weights = False
+    supports_audio = True  # set False to act like a checkpoint without a vocoder
 
     def __init__(self, script: Optional[ScriptConfig] = None, *, model_id: str = "scripted", **overrides) -> None:
         self.script = script or ScriptConfig()

@@ -52,3 +52,24 @@ def test_extra_body_seed_reaches_the_engine_and_is_echoed():
                             "session": {"extra_body": {"seed": -1}}}, 6)
     err = [o for o in s.drain() if isinstance(o, dict)][-1]
     assert err["error"]["code"] == "bad_event" and err["error"]["event_id"] == "bad"
+
+
+def test_without_a_vocoder_sessions_are_text_only():
+    """A checkpoint without assets/token2wav: sessions default to text and asking for audio is a
+    bad_event saying why; the session lives on."""
+    s = Session(SessionConfig(profile="duplex", audio_output_available=False))
+    s.start(0)
+    created = _events(s)[0]
+    assert created["session"]["output_modalities"] == ["text"]
+    s.receive_client_event({"type": "session.update", "event_id": "u1",
+                            "session": {"output_modalities": ["audio", "text"]}}, 5)
+    err = _events(s)[-1]
+    assert err["error"]["code"] == "bad_event" and "assets/token2wav" in err["error"]["message"]
+    assert err["error"]["event_id"] == "u1"
+    s.receive_client_event({"type": "response.create", "event_id": "r1",
+                            "response": {"output_modalities": ["audio"]}}, 6)
+    err = _events(s)[-1]
+    assert err["error"]["code"] == "bad_event" and err["error"]["event_id"] == "r1"
+    s.receive_client_event({"type": "response.create", "event_id": "r2"}, 7)
+    ev = _events(s)
+    assert ev[0]["type"] == "response.created" and ev[0]["response"]["output_modalities"] == ["text"]

@@ -1,0 +1,23 @@
+"""A checkpoint loaded without Code2Wav: the engine says so (``supports_audio``), so the server and
+the clients can answer in text only instead of failing the first audio unit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+pytest.importorskip("torch")
+
+from duplexkit.engine import DuplexEngine  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+
+async def test_supports_audio_follows_the_vocoder():
+    eng = DuplexEngine.from_pretrained("tiny", layout="cpu", progress=False, with_code2wav=False)
+    try:
+        assert eng.supports_audio is False and eng.random_weights is True
+    finally:
+        await eng.aclose()
