@@ -272,7 +272,7 @@ def cmd_serve(args) -> int:
 
     app = create_app(engine_loader=loader, settings=settings)
     _eprint(f"duplexkit serving {args.model} on http://{args.host}:{args.port} "
-            f"(realtime: ws://{args.host}:{args.port}/v1/realtime, auth {'on' if settings.api_keys else 'off'})")
+            f"(realtime: ws://{args.host}:{args.port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: /v1/realtime, auth {'on' if settings.api_keys else 'off'})")
     return serve(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -383,7 +383,13 @@ def _chat_body(args) -> dict:
     if args.text:
         content.append({"type": "text", "text": args.text})
     if args.audio:
-        data = base64.b64encode(Path(args.audio).read_bytes()).decode("ascii")
+        from duplexkit.audio import read_wav
+
+        path = Path(args.audio)
+        if not path.is_file():
+            raise CliError(f"audio file not found: {args.audio}", EXIT_BAD_INPUT)
+        read_wav(path)  # an unreadable WAV is a local input error (AudioFormatError -> exit 2)
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
         content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
     if not content:
         raise CliError("chat needs --text and/or --audio", EXIT_BAD_INPUT)
@@ -681,11 +687,18 @@ def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tin
                         "else 1024)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: …``, exit 2), like every other CLI failure."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duplexkit", description="Realtime full-duplex voice agents "
+    parser = _Parser(prog="duplexkit", description="Realtime full-duplex voice agents "
                                      "(MiniCPM-o 4.5): server, demos and tools.")
     parser.add_argument("--version", action="version", version=f"duplexkit {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("serve", help="run the OpenAI-Realtime-compatible server",
                        description="Serve /v1/realtime, /v1/duplex, /v1/chat/completions, /v1/models and /health.")

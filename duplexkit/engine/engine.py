@@ -15,6 +15,7 @@ talker, then one vocoder stream), so torch work never runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
@@ -212,7 +213,7 @@ class DuplexEngine:
             t0 = time.perf_counter()
             n = engine.warmup()
             if progress and n:
-                print(f"[duplexkit] captured {n} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+                print(f"[duplexkit] captured {n} CUDA graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return engine
 
     # ------------------------------------------------------------------ Engine interface

@@ -34,7 +34,8 @@ def test_out_of_range_options_are_argparse_errors(argv, capsys):
         parse(*argv)
     assert ei.value.code == 2
     err = capsys.readouterr().err
-    assert "error: argument " + argv[-2] in err and "Traceback" not in err
+    assert err.startswith("error: duplexkit ") and "argument " + argv[-2] in err and "Traceback" not in err
+    assert err.count("\n") == 1  # one line, no usage block
 
 
 def test_valid_option_values_parse():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -331,7 +332,7 @@ def load(
         raise CheckpointError(f"{d}: state dict does not match config.json", missing=missing, unexpected=unexpected, mismatched=mism)
 
     if progress:
-        print(f"[duplexkit] loading thinker ({len(mods.state_dict())} tensors, {dt}) on {devs['thinker']}", flush=True)
+        print(f"[duplexkit] loading thinker ({len(mods.state_dict())} tensors, {dt}) on {devs['thinker']}", file=sys.stderr, flush=True)
     tensors = _read_tensors(index, list(mods.state_dict().keys()), dt, devs["thinker"],
                             progress="thinker weights" if progress else None)
     mods.load_state_dict(tensors, strict=True, assign=True)
@@ -356,7 +357,7 @@ def load(
 
         tts_keys = [k for k in index if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
         if progress:
-            print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", flush=True)
+            print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", file=sys.stderr, flush=True)
         sd = _read_tensors(index, tts_keys, torch.float32, "cpu", progress="talker weights" if progress else None)
         talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt_talker, device=devs["talker"])
         del sd
@@ -370,7 +371,7 @@ def load(
         from . import code2wav as c2w_mod
 
         if progress:
-            print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']}", flush=True)
+            print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']}", file=sys.stderr, flush=True)
         Code2Wav = getattr(c2w_mod, "Code2Wav")
         if fast_on("code2wav"):
             from .fast_code2wav import BatchedCode2Wav as Code2Wav
