@@ -1,7 +1,7 @@
 """InlineDuplexClient and DuplexClient give the same result for the same input (DESIGN.md: "the inline
 client is the server without the socket"): same event types, statuses, transcripts and audio
-sample counts (timings aside). With the ScriptedEngine and with the real tiny engine (greedy
-thinker, ``temperature: 0``)."""
+sample counts (timings aside). With the ScriptedEngine, and with the real tiny engine twice: greedy
+(``temperature: 0``) and sampled at the default temperature with a fixed ``extra_body.seed``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from duplexkit.clients import DuplexClient, InlineDuplexClient
 pytestmark = pytest.mark.e2e
 
 SESSION = {"temperature": 0.0, "turn_detection": None}
+SEEDED = {"turn_detection": None, "extra_body": {"seed": 1234}}  # default temperature 0.7, sampled
 
 
 async def one_turn(client, audio: np.ndarray) -> dict:
@@ -55,7 +56,8 @@ async def test_parity_scripted(question_wav):
 
 
 @pytest.mark.engine
-async def test_parity_tiny(question_wav):
+@pytest.mark.parametrize("session", [SESSION, SEEDED], ids=["greedy", "seeded"])
+async def test_parity_tiny(question_wav, session):
     pytest.importorskip("torch")
     from duplexkit.engine import DuplexEngine
 
@@ -63,13 +65,13 @@ async def test_parity_tiny(question_wav):
     engine = DuplexEngine.from_pretrained("tiny", layout="cpu", progress=False)
     try:
         inline = await one_turn(InlineDuplexClient(engine, answer_policy="on_request", max_output_tokens=40,
-                                                   session=SESSION, request_timeout_s=120), audio)
+                                                   session=session, request_timeout_s=120), audio)
     finally:
         await engine.aclose()
         del engine
         gc.collect()
     with ServerProc("tiny", "--layout", "cpu", "--max-output-tokens", "40", ready_timeout_s=600) as srv:
-        remote = await one_turn(DuplexClient(srv.ws_url, session=SESSION, request_timeout_s=120), audio)
+        remote = await one_turn(DuplexClient(srv.ws_url, session=session, request_timeout_s=120), audio)
     assert inline["status"] in ("completed", "incomplete")
     assert inline["chunks"] and inline["chunks"][0] == 20160
     assert inline == remote
