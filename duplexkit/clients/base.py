@@ -26,6 +26,7 @@ Beta / vLLM-Omni event names are mapped to GA names before anything else sees th
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import base64
 import collections
@@ -301,7 +302,7 @@ class ResponseHandle:
                 f"epoch={self.epoch}, audio_ms={self.audio_ms}, transcript={self.transcript!r})")
 
 
-class BaseDuplexClient:
+class BaseDuplexClient(abc.ABC):
     """The shared client machinery; subclasses provide the transport.
 
     Subclasses implement ``_open()`` (connect; server events then arrive through
@@ -852,14 +853,17 @@ class BaseDuplexClient:
         self._finish_all(self._failure)
 
     # ------------------------------------------------------------------ transport (subclasses)
-    async def _open(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _open(self) -> None:
+        """Open the transport (a WebSocket, or a SessionDriver in-process)."""
 
-    async def _transmit(self, event: dict) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _transmit(self, event: dict) -> None:
+        """Deliver one client event dict to the Session."""
 
-    async def _shutdown(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _shutdown(self) -> None:
+        """Release the transport."""
 
 
 def _decode_pcm16(b64: str) -> np.ndarray:
