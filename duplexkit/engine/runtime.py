@@ -643,6 +643,33 @@ class StageRuntime:
                     results[i] = exc
         return results, t0, time.perf_counter()
 
+    def _mark_queue_wait(self, work: list) -> None:
+        """Add the time each item waited in its stage queue to its unit's ``queue_ms``."""
+        with self._cond:
+            now = time.perf_counter()
+            for _st, it in work:
+                it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
+
+    def _current_results(self, stage: str, work: list, results: list, on_error: Callable) -> Any:
+        """(Caller holds the lock.) Yield ``(stream, item, result)`` for the results that still
+        matter: skips failed or closing streams, hands exceptions to ``on_error(st, stage, exc,
+        slot)``, and finishes (without emitting) units whose epoch was cancelled while they ran."""
+        for (st, it), res in zip(work, results):
+            slot = it.slot
+            if st.failed or st.closing:
+                continue
+            if isinstance(res, BaseException):
+                on_error(st, stage, res, slot)
+                continue
+            if slot.epoch != st.epoch:  # cancelled while running: discard
+                self._finish_slot(st, slot, timings=False)
+                self._flush(st)
+                continue
+            yield st, it, res
+
+    def _fail_stream(self, st: _Stream, stage: str, exc: BaseException, slot: "_Slot") -> None:
+        self._fail(st, stage, exc, slot.unit_index)
+
     def _thinker_step(self, work: list) -> None:
         items = []
         with self._cond:
@@ -657,17 +684,8 @@ class StageRuntime:
                                          force_speak=force_speak, frame=cmd.frame, unit_index=cmd.unit_index))
         results, t0, t1 = self._run_batch("thinker", self.model.thinker_step, work, items)
         with self._cond:
-            for (st, it), res in zip(work, results):
+            for st, it, res in self._current_results("thinker", work, results, self._fail_stream):
                 slot = it.slot
-                if st.failed or st.closing:
-                    continue
-                if isinstance(res, BaseException):
-                    self._fail(st, "thinker", res, slot.unit_index)
-                    continue
-                if slot.epoch != st.epoch:  # cancelled while running: discard
-                    self._finish_slot(st, slot, timings=False)
-                    self._flush(st)
-                    continue
                 tm = slot.timings
                 tm["thinker_prefill_ms"] = round(float(res.timings.get("prefill_ms", 0.0)), 3)
                 tm["thinker_decode_ms"] = round(float(res.timings.get("decode_ms", _ms(t0, t1))), 3)
@@ -710,27 +728,15 @@ class StageRuntime:
                 pre[i] = exc
             items.append(TalkerWork(turn=st.talker_turn, talker_input=res.talker_input, turn_start=turn_start,
                                     turn_end=bool(res.end_of_turn)))
-        with self._cond:
-            now = time.perf_counter()
-            for st, it in work:
-                it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
+        self._mark_queue_wait(work)
         results, t0, t1 = self._run_batch("talker", m.talker_step, work, items, pre)
         for (st, it), res in zip(work, results):
             if it.payload.end_of_turn and not isinstance(res, BaseException) and st.talker_turn is not None:
                 turn, st.talker_turn = st.talker_turn, None  # turn over: free its KV now
                 m.talker_close_turn(turn)
         with self._cond:
-            for (st, it), res in zip(work, results):
+            for st, it, res in self._current_results("talker", work, results, self._fail_turn):
                 slot = it.slot
-                if st.failed or st.closing:
-                    continue
-                if isinstance(res, BaseException):
-                    self._fail_turn(st, "talker", res, slot)
-                    continue
-                if slot.epoch != st.epoch:
-                    self._finish_slot(st, slot, timings=False)
-                    self._flush(st)
-                    continue
                 slot.timings["talker_ms"] = _ms(t0, t1)
                 slot.timings["talker_steps"] = int(res.steps)
                 slot.timings["talker_codes"] = int(len(res.codes))
@@ -750,23 +756,11 @@ class StageRuntime:
                     pre[i] = exc
             codes, last, _text = it.payload
             items.append(VocoderWork(handle=st.c2w_handle, codes=np.asarray(codes, dtype=np.int64), last=last))
-        with self._cond:
-            now = time.perf_counter()
-            for st, it in work:
-                it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
+        self._mark_queue_wait(work)
         results, t0, t1 = self._run_batch("code2wav", m.code2wav_step, work, items, pre)
         with self._cond:
-            for (st, it), res in zip(work, results):
+            for st, it, res in self._current_results("code2wav", work, results, self._fail_turn):
                 slot = it.slot
-                if st.failed or st.closing:
-                    continue
-                if isinstance(res, BaseException):
-                    self._fail_turn(st, "code2wav", res, slot)
-                    continue
-                if slot.epoch != st.epoch:
-                    self._finish_slot(st, slot, timings=False)
-                    self._flush(st)
-                    continue
                 codes, last, text = it.payload
                 audio = np.asarray(res.audio, dtype=np.float32).reshape(-1)
                 st.pending_text += text
