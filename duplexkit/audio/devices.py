@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import abc
+
 import queue
 import threading
 from dataclasses import dataclass
@@ -118,7 +120,47 @@ class _Source(Protocol):
     def read(self, n: int) -> np.ndarray: ...
 
 
-class MicStream:
+class _PortAudioStream(abc.ABC):
+    """What :class:`MicStream` and :class:`SpeakerStream` share: the PortAudio stream's clock and
+    state, ``stop``/``close`` and the context-manager protocol (``start`` is the subclass's)."""
+
+    _stream = None
+    _lock: threading.Lock
+
+    @abc.abstractmethod
+    def start(self):
+        """Open and start the PortAudio stream; returns ``self``."""
+
+    @property
+    def time(self) -> float:
+        """The stream clock now (PortAudio ``Stream.time``), seconds; 0.0 when not running."""
+        return float(self._stream.time) if self._stream is not None else 0.0
+
+    @property
+    def active(self) -> bool:
+        return self._stream is not None and bool(self._stream.active)
+
+    def stop(self) -> None:
+        """Stop and close the stream (a microphone's blocks already captured stay readable)."""
+        with self._lock:
+            if self._stream is not None:
+                try:
+                    self._stream.stop()
+                finally:
+                    self._stream.close()
+                    self._stream = None
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MicStream(_PortAudioStream):
     """Microphone capture into a queue of :class:`AudioBlock` (callback based).
 
     Args:
@@ -222,35 +264,9 @@ class MicStream:
             except queue.Empty:
                 return out
 
-    @property
-    def time(self) -> float:
-        """The stream clock now (PortAudio ``Stream.time``), seconds; 0.0 when not running."""
-        return float(self._stream.time) if self._stream is not None else 0.0
-
-    @property
-    def active(self) -> bool:
-        return self._stream is not None and bool(self._stream.active)
-
-    def stop(self) -> None:
-        """Stop and close the stream (blocks already captured stay readable)."""
-        with self._lock:
-            if self._stream is not None:
-                try:
-                    self._stream.stop()
-                finally:
-                    self._stream.close()
-                    self._stream = None
-
-    close = stop
-
-    def __enter__(self) -> "MicStream":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
-class SpeakerStream:
+class SpeakerStream(_PortAudioStream):
     """Speaker output pulling from a source in the PortAudio callback.
 
     Args:
@@ -325,29 +341,3 @@ class SpeakerStream:
                 raise DeviceError(f"cannot open output device {self.device!r}: {exc}") from exc
         return self
 
-    @property
-    def time(self) -> float:
-        """The stream clock now (PortAudio ``Stream.time``), seconds; 0.0 when not running."""
-        return float(self._stream.time) if self._stream is not None else 0.0
-
-    @property
-    def active(self) -> bool:
-        return self._stream is not None and bool(self._stream.active)
-
-    def stop(self) -> None:
-        """Stop and close the stream."""
-        with self._lock:
-            if self._stream is not None:
-                try:
-                    self._stream.stop()
-                finally:
-                    self._stream.close()
-                    self._stream = None
-
-    close = stop
-
-    def __enter__(self) -> "SpeakerStream":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
