@@ -23,6 +23,7 @@ from .codecs import (
     float32_to_pcm16,
     pcm16_to_float32,
 )
+from .encoder import StreamEncoder
 from .framer import Unit, UnitFramer
 from .resample import StreamResampler
 from .vad import StreamingVAD, VadConfig, VadEvent
@@ -37,12 +38,15 @@ __all__ = [
     "InputFormat",
     "StreamDecoder",
     "StreamResampler",
+    "StreamEncoder",
     "read_wav",
     "write_wav",
     "wav_bytes",
     "UnitFramer",
     "Unit",
     "PlaybackBuffer",
+    "Player",
+    "VirtualPlayer",
     "VadConfig",
     "StreamingVAD",
     "VadEvent",
@@ -61,6 +65,8 @@ _LAZY = {
     "list_devices": ".devices",
     "find_device": ".devices",
     "PlaybackBuffer": ".playback",
+    "Player": ".playback",
+    "VirtualPlayer": ".playback",
 }
 
 

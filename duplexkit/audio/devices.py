@@ -269,10 +269,14 @@ class MicStream(_PortAudioStream):
 class SpeakerStream(_PortAudioStream):
     """Speaker output pulling from a source in the PortAudio callback.
 
+    It is a :class:`~duplexkit.audio.Player`: ``enqueue``/``flush``/``played_ms``/``queued_samples``/
+    ``on_drained`` go to its :class:`~duplexkit.audio.PlaybackBuffer` (the ``source``, or one it
+    creates), so a client can be given the speaker itself as its ``player``.
+
     Args:
         source: a :class:`~duplexkit.audio.PlaybackBuffer` or any object with ``read(n) -> float32 [n]``
-            (zero-filled when short). Each callback reads exactly the block's frame count, which
-            advances the buffer's played-ms cursor.
+            (zero-filled when short); ``None`` creates a PlaybackBuffer at ``rate``. Each callback
+            reads exactly the block's frame count, which advances the buffer's played-ms cursor.
         rate: Hz (default 24 000, PROTOCOL.md §6.2 output rate).
         block_ms: block size, ms (default 20).
         device: index, name substring or ``None`` (default output).
@@ -284,7 +288,7 @@ class SpeakerStream(_PortAudioStream):
 
     def __init__(
         self,
-        source: _Source,
+        source: _Source | None = None,
         rate: int = 24000,
         block_ms: int = 20,
         device: Device = None,
@@ -293,6 +297,10 @@ class SpeakerStream(_PortAudioStream):
     ) -> None:
         if rate <= 0 or block_ms <= 0 or channels <= 0:
             raise ValueError("rate, block_ms and channels must be positive")
+        if source is None:
+            from .playback import PlaybackBuffer
+
+            source = PlaybackBuffer(int(rate))
         self.source = source
         self.rate = int(rate)
         self.block_samples = self.rate * int(block_ms) // 1000
@@ -305,6 +313,29 @@ class SpeakerStream(_PortAudioStream):
         self.last_dac_time = 0.0  #: PortAudio outputBufferDacTime of the last block, seconds
         self.last_block_start = 0  #: sample index of the last block's first sample
         self.status_count = 0
+
+    # -- Player (delegated to the PlaybackBuffer source) -----------------------------------------
+    @property
+    def sample_rate(self) -> int:
+        return self.rate
+
+    def enqueue(self, response_id: str, pcm: np.ndarray) -> int:
+        return self.source.enqueue(response_id, pcm)
+
+    def flush(self, response_id: str | None = None) -> int:
+        return self.source.flush(response_id)
+
+    def played_ms(self, response_id: str) -> int:
+        return self.source.played_ms(response_id)
+
+    def queued_samples(self, response_id: str | None = None) -> int:
+        return self.source.queued_samples(response_id)
+
+    def on_drained(self, callback) -> None:
+        self.source.on_drained(callback)
+
+    def on_render(self, callback) -> None:
+        self.source.on_render(callback)
 
     def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
         x = np.asarray(self.source.read(frames), dtype=np.float32)

@@ -1,22 +1,62 @@
-"""Client-side playback buffer: per-response queues, flush on cancel, played-ms cursor.
+"""Client-side playback: the :class:`Player` protocol, per-response queues and playback clocks.
 
-The player (a :class:`~duplexkit.audio.SpeakerStream` callback, or any loop) calls
-:meth:`PlaybackBuffer.read` for each output block; that advances the played cursor of the response
-the samples came from. After a barge-in the client calls :meth:`PlaybackBuffer.flush` and reports
-``played_ms(response_id)`` to the server (PROTOCOL.md §7.5 playback truth).
+A *player* is what the clients feed with the assistant's audio and ask what was actually heard
+(PROTOCOL.md §7.5 playback truth). Three implementations ship:
+
+* :class:`PlaybackBuffer`: per-response queues read by any output loop; :meth:`PlaybackBuffer.read`
+  hands the next block to the device and advances the played cursor of the response the samples
+  came from. Its clock is the output device's: samples read = samples played.
+* :class:`VirtualPlayer`: a :class:`PlaybackBuffer` read in real time by an asyncio task (the
+  default player of the clients when none is given: a speaker that plays in real time, for WAV
+  demos, tests and headless agents).
+* :class:`~duplexkit.audio.SpeakerStream`: the sounddevice speaker, which owns a
+  :class:`PlaybackBuffer` and reads it in the PortAudio callback.
+
+After a barge-in the client calls :meth:`Player.flush` and reports ``played_ms(response_id)``;
+when a response has played out, :meth:`Player.on_drained` callbacks tell the client to report it
+as fully heard at that moment.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PlaybackBuffer", "OUTPUT_RATE"]
+__all__ = ["Player", "PlaybackBuffer", "VirtualPlayer", "OUTPUT_RATE"]
 
 #: Output audio rate, Hz (PROTOCOL.md §6.2: always 24 kHz mono).
 OUTPUT_RATE = 24000
+
+
+@runtime_checkable
+class Player(Protocol):
+    """What a client needs of a speaker (float32 mono at ``sample_rate`` Hz, 24 000 by default).
+
+    All methods are thread-safe; ``on_drained`` callbacks may run on the audio thread.
+    """
+
+    sample_rate: int
+
+    def enqueue(self, response_id: str, pcm: np.ndarray) -> int:
+        """Queue float32 [n] audio of ``response_id``; returns samples queued (0 once flushed)."""
+
+    def flush(self, response_id: Optional[str] = None) -> int:
+        """Drop the unplayed audio of one response (all when ``None``); returns samples dropped.
+        Later audio of a flushed response is dropped on enqueue."""
+
+    def played_ms(self, response_id: str) -> int:
+        """Integer ms of ``response_id`` played so far (floored; 0 if unknown)."""
+
+    def queued_samples(self, response_id: Optional[str] = None) -> int:
+        """Unplayed samples of one response, or of all when ``None``."""
+
+    def on_drained(self, callback: Callable[[str], None]) -> None:
+        """Register ``callback(response_id)``: called each time the queued audio of a response has
+        all been played (its queue ran empty after holding audio)."""
 
 
 class _Queue:
@@ -46,7 +86,19 @@ class PlaybackBuffer:
         self.sample_rate = int(sample_rate)
         self._queues: OrderedDict[str, _Queue] = OrderedDict()
         self._lock = threading.Lock()
+        self._drained_callbacks: list[Callable[[str], None]] = []
+        self._render_callbacks: list[Callable[[np.ndarray], None]] = []
         self.underrun_samples = 0  #: zeros handed out by read() because nothing was queued
+
+    def on_drained(self, callback: Callable[[str], None]) -> None:
+        """Register ``callback(response_id)``, called (from the thread that calls :meth:`read`,
+        outside the lock) whenever a response's queue runs empty by playing its last sample."""
+        self._drained_callbacks.append(callback)
+
+    def on_render(self, callback: Callable[[np.ndarray], None]) -> None:
+        """Register ``callback(block)``: every block :meth:`read` hands out (float32 [n] at
+        ``sample_rate``, zeros included), in play order. The echo canceller's reference signal."""
+        self._render_callbacks.append(callback)
 
     def _ms(self, samples: int) -> int:
         return samples * 1000 // self.sample_rate
@@ -80,8 +132,10 @@ class PlaybackBuffer:
             raise ValueError(f"n must be >= 0, got {n}")
         out = np.zeros(n, np.float32)
         filled = 0
+        drained: list[str] = []
         with self._lock:
-            for q in self._queues.values():
+            for rid, q in self._queues.items():
+                had = q.queued > 0
                 while filled < n and q.chunks:
                     c = q.chunks[0]
                     take = min(n - filled, c.size - q.head)
@@ -93,9 +147,16 @@ class PlaybackBuffer:
                     if q.head == c.size:
                         q.chunks.popleft()
                         q.head = 0
+                if had and q.queued == 0:
+                    drained.append(rid)
                 if filled == n:
                     break
             self.underrun_samples += n - filled
+        for cb in self._render_callbacks:
+            cb(out)
+        for rid in drained:
+            for cb in self._drained_callbacks:
+                cb(rid)
         return out
 
     def flush(self, response_id: str | None = None) -> int:
@@ -153,3 +214,71 @@ class PlaybackBuffer:
         """Remove all bookkeeping of a response (its played cursor included)."""
         with self._lock:
             self._queues.pop(response_id, None)
+
+
+class VirtualPlayer(PlaybackBuffer):
+    """A :class:`PlaybackBuffer` played by a virtual real-time speaker (no audio device).
+
+    A speaker that plays in real time from :meth:`start` on: every ``block_ms`` an asyncio task
+    reads exactly the samples that real time has made due since the start (no drift), so
+    ``played_ms`` follows the wall clock the way a sound card's would, including underruns
+    (silence while nothing is queued). :meth:`advance` does one such step; tests may call it with
+    their own ``clock``.
+
+    Args:
+        sample_rate: Hz (default 24 000, PROTOCOL.md §6.2).
+        block_ms: speaker block, ms (default 20: a flush is heard within one block).
+        clock: seconds, monotonic (default :func:`time.monotonic`).
+    """
+
+    def __init__(self, sample_rate: int = OUTPUT_RATE, block_ms: int = 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(sample_rate)
+        if block_ms <= 0:
+            raise ValueError(f"block_ms must be positive, got {block_ms}")
+        self.block_ms = int(block_ms)
+        self.clock = clock
+        self._t0: Optional[float] = None
+        self._read_total = 0
+        self._task = None
+        self.output: Optional[list] = None  #: when a list, every block read is appended (tests)
+
+    def advance(self) -> np.ndarray:
+        """Play what real time has made due since the last call: float32 [k] (k >= 0)."""
+        now = self.clock()
+        if self._t0 is None:
+            self._t0 = now
+        due = int((now - self._t0) * self.sample_rate) - self._read_total
+        if due <= 0:
+            return np.zeros(0, np.float32)
+        self._read_total += due
+        out = self.read(due)
+        if self.output is not None:
+            self.output.append(out)
+        return out
+
+    def start(self) -> "VirtualPlayer":
+        """Start the real-time reader task on the running asyncio loop (idempotent)."""
+        import asyncio
+
+        if self._task is None or self._task.done():
+            self._t0 = None
+            self._read_total = 0
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="duplexkit-virtual-player")
+        return self
+
+    async def _run(self) -> None:
+        import asyncio
+
+        while True:
+            self.advance()
+            await asyncio.sleep(self.block_ms / 1000)
+
+    async def stop(self) -> None:
+        """Stop the reader task (queued audio stays queued)."""
+        import asyncio
+
+        t, self._task = self._task, None
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
+from .state import new_event_id
 
 logger = logging.getLogger("duplexkit.clients.remote")
 
@@ -186,7 +187,6 @@ class DuplexClient(BaseDuplexClient):
                 exc = e
             self.close_code = getattr(ws, "close_code", None) or self.close_code
             if self.closed or self.close_reason is not None:
-                self.closed = True
                 self._finish_all(None)
                 return
             if self._handshake_error is not None:
@@ -203,15 +203,13 @@ class DuplexClient(BaseDuplexClient):
             return
 
     def _on_frame(self, data: dict, parse_server_event) -> None:
+        from duplexkit.protocol import ProtocolError
+
         try:
-            parsed = parse_server_event(data)
-            ga = parsed.type
-        except Exception:
-            ga = data.get("type")
-        if ga != data.get("type") and isinstance(ga, str):
-            # The GA name; conversation.item.created duplicates are filtered by the base class.
-            data = {**data, "type": ga} if data.get("type") != "conversation.item.created" else data
-        t = data.get("type")
+            ev = parse_server_event(data)
+        except ProtocolError:  # pragma: no cover - data is already a dict
+            return
+        t = ev.type
         if t in ("session.created", "session.updated"):
             self._got_created = True
         if t == "error" and not self._got_created:
@@ -220,11 +218,12 @@ class DuplexClient(BaseDuplexClient):
             if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") == "model"
                                             and not err.get("event_id")):
                 self._handshake_error = data
-        if self.resumes and isinstance(data.get("server_event_seq"), int) and t not in (
+        seq = data.get("server_event_seq")
+        if self.resumes and isinstance(seq, int) and t not in (
                 "session.created", "session.updated", "session.resumed", "error"):
-            if data["server_event_seq"] <= self.last_server_event_seq:
+            if seq <= self.last_server_event_seq:
                 return  # replayed after a resume: already seen
-        self._on_server_event(data)
+        self._on_server_event(ev)
 
     async def _try_resume(self) -> bool:
         self._reconnected.clear()
@@ -239,7 +238,7 @@ class DuplexClient(BaseDuplexClient):
                     continue
                 import websockets
                 try:
-                    await self._ws.send(json.dumps({"type": "session.resume", "event_id": self._new_event_id(),
+                    await self._ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
                                                     "session_id": self.session_id,
                                                     "last_server_event_seq": self.last_server_event_seq}))
                 except websockets.exceptions.ConnectionClosed:

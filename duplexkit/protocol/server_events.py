@@ -323,9 +323,9 @@ class SessionClosed(ServerEvent):
     """Ext. ``reason``: ``client_close``, ``timeout``, ``shutdown`` or ``server_error``."""
 
     type: Literal["session.closed"] = "session.closed"
-    session_id: str
-    epoch: int
-    reason: str
+    session_id: Optional[str] = None
+    epoch: Optional[int] = None  # always sent by duplexkit; optional for other servers
+    reason: str = "client_close"
 
 
 class SessionHeartbeatAck(ServerEvent):

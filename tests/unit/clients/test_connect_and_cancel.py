@@ -99,7 +99,7 @@ async def _waiting(c: _RecordingClient, kind: str) -> asyncio.Task:
     task = asyncio.get_running_loop().create_task(_call(c, kind))
     for _ in range(100):
         await asyncio.sleep(0)
-        if c.sent and c.sent[-1]["event_id"] in c._waiters:
+        if c.sent and c.sent[-1]["event_id"] in c._futures:
             return task
     raise AssertionError("the call never started waiting for its reply")
 
@@ -125,7 +125,7 @@ async def test_the_reply_is_returned_when_not_cancelled(kind):
     if kind == "create_response":
         assert res.id == "resp_1" and res.trigger == "client"
     else:
-        assert res["type"] == _reply_for(kind, {})["type"]
+        assert res.type == _reply_for(kind, {})["type"]
 
 
 async def test_response_wait_cancel_is_not_lost_when_done_lands_together():
@@ -181,5 +181,5 @@ async def test_an_error_for_the_init_update_after_connect_returned_goes_to_event
     c._on_server_event({"type": "session.created", "session": {"id": "sess_1"}})
     assert (await task)["id"] == "sess_1"
     c._on_server_event({"type": "error", "error": {"code": "bad_event", "message": "late", "event_id": eid}})
-    assert [(await c.events().get())["type"] for _ in range(2)] == ["session.created", "error"]
+    assert [(await c.events().get()).type for _ in range(2)] == ["session.created", "error"]
     assert not c.closed

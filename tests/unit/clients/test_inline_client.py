@@ -42,20 +42,24 @@ async def test_commit_driven_turn_and_events():
         chunks = [x async for x in h.audio()]
         assert sum(len(x) for x in chunks) == 72000
         assert h.transcript == "Hello there, this is a scripted "
-        # ack_only: auto_ack reported the (virtually) played audio
+        # ack_only: auto_ack reports the answer fully heard once the (virtual, real-time) player
+        # has played all of it, not at response.done
+        sent, committed, _ = c.session_machine.item_playback(h.item_id)
+        assert committed < 3000
+        assert await h.wait_heard(10) == 3000
         await asyncio.sleep(0.05)
         sent, committed, _ = c.session_machine.item_playback(h.item_id)
         assert sent == 3000 and committed == 3000
         types = []
         while True:
             try:
-                types.append((await asyncio.wait_for(c.events().get(), 0.1))["type"])
+                types.append((await asyncio.wait_for(c.events().get(), 0.1)).type)
             except (asyncio.TimeoutError, StopAsyncIteration):
                 break
         assert types[0] == "session.created" and types[-1] == "response.done"
     assert c.close_reason == "client_close"
     # the event iterator ends after session.closed
-    rest = [ev["type"] async for ev in c.events()]
+    rest = [ev.type async for ev in c.events()]
     assert rest[-1] == "session.closed"
 
 
@@ -78,7 +82,7 @@ async def test_errors_reach_the_waiting_call_and_cancel_races_are_swallowed():
         s = await c.update(temperature=0.2)
         assert s["temperature"] == pytest.approx(0.2)
         ack = await c.heartbeat()
-        assert ack["session_id"] == c.session_id
+        assert ack.session_id == c.session_id
 
 
 async def test_text_only_response():

@@ -122,9 +122,9 @@ async def test_beta_trace_gives_the_same_response_as_ga():
         async with FakeServer(response_trace(beta)) as srv:
             c, h, evs = await run_turn(srv.url)
             results[beta] = (h.status, h.transcript, h.chunk_sizes, h.item_id,
-                             [e["type"] for e in evs if e["type"].startswith(("response.output", "response.done"))])
+                             [e.type for e in evs if e.type.startswith(("response.output", "response.done"))])
             if beta:
-                types = [e["type"] for e in evs]
+                types = [e.type for e in evs]
                 assert "overlap.decision" in types  # unknown events surface raw
                 assert types.count("conversation.item.added") == 1  # created+added of one item -> one
             # the client connected the vLLM-Omni way: autostart=0 and the full session first

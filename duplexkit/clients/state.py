@@ -1,0 +1,723 @@
+"""The client half of a duplex conversation as a sans-I/O state machine.
+
+:class:`ClientState` is to the clients what :class:`duplexkit.session.Session` is to the server
+(and what ``websockets.protocol.Protocol`` is to its asyncio and sync shells): typed server events
+go in (:func:`duplexkit.protocol.parse_server_event` models, GA or beta names), *actions* come out,
+and it does no I/O: no sockets, no asyncio, no threads, no clock. Both asyncio clients
+(:class:`~duplexkit.clients.InlineDuplexClient`, :class:`~duplexkit.clients.DuplexClient`) are thin
+shells that feed it and carry out its actions.
+
+It owns:
+
+* **one correlation map** from the ``event_id`` of each client request to the reply type it waits
+  for (``session.update`` -> ``session.updated``, ``response.create`` -> a client-triggered
+  ``response.created``, ``input_audio_buffer.commit`` -> ``.committed`` that is not the server
+  VAD's own, ...). Replies that echo no ``event_id`` resolve the oldest request waiting for that type
+  (the server answers in order); an ``error`` echoing an ``event_id`` rejects exactly that request;
+  cancel races (``response_not_active`` for our own ``response.cancel``) are swallowed
+  (docs/protocol.md §7.3);
+* **responses** (:class:`ResponseRecord`): identity, text, transcript, audio, status, and two
+  separate truths: ``generating`` (the server is still producing it) and ``audible`` (the player
+  still holds unplayed audio of it). Client state follows playback, not generation:
+  :attr:`ClientState.speaking` is true while audio of any response is audible;
+* **playback truth** (docs/protocol.md §7.5) through a :class:`~duplexkit.audio.Player`, a
+  sans-I/O object itself (queues and counters; a speaker thread or a virtual clock reads it):
+
+  ===========================================  ====================================================
+  what happens                                 what the state does
+  ===========================================  ====================================================
+  audio delta of a response not flushed        ``player.enqueue``
+  ``response.done`` ``cancelled`` (any         flush that response's unplayed audio at once and send
+  reason), ``output_audio_buffer.cleared``      ``playback.ack{played_ms, truncate:true}``
+  with its id, server-VAD ``speech_started``
+  while audible and ``interrupt_response``
+  on, :meth:`barge_in` / local VAD speech
+  response done and its audio all played       ``playback.ack{played_ms = all of it}`` *then*
+  (``on_drained``, or already drained at done)  (not at ``response.done``)
+  ===========================================  ====================================================
+
+  :meth:`barge_in` works on whatever is audible, including the tail of a response the server
+  already finished (``response.cancel`` is only sent while it is generating);
+* the **input format** of the session (:attr:`ClientState.input_format`, from the last
+  ``session.created``/``session.updated``), which the shells encode and resample for.
+
+Actions (all frozen dataclasses): :class:`Send`, :class:`Resolve`, :class:`Reject`,
+:class:`ResponseStarted`, :class:`ResponseAudio`, :class:`ResponseEnded`, :class:`PlaybackFlushed`,
+:class:`PlaybackHeard`, :class:`Deliver`, :class:`SessionEnded`.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from duplexkit.errors import DuplexConnectionError, DuplexError
+from duplexkit.protocol import UnknownServerEvent, parse_server_event
+
+__all__ = [
+    "ClientState",
+    "ResponseRecord",
+    "Action",
+    "Send",
+    "Resolve",
+    "Reject",
+    "ResponseStarted",
+    "ResponseAudio",
+    "ResponseEnded",
+    "PlaybackFlushed",
+    "PlaybackHeard",
+    "Deliver",
+    "SessionEnded",
+    "REPLY_TYPES",
+    "OUTPUT_RATE",
+]
+
+OUTPUT_RATE = 24_000
+"""Server output rate in Hz (docs/protocol.md §6.2: always 24 kHz mono pcm16)."""
+
+REPLY_TYPES: dict[str, tuple[str, ...]] = {
+    "session.update": ("session.updated", "session.created"),
+    "response.create": ("response.created",),
+    "input_audio_buffer.commit": ("input_audio_buffer.committed",),
+    "input_audio_buffer.clear": ("input_audio_buffer.cleared",),
+    "output_audio_buffer.clear": ("output_audio_buffer.cleared",),
+    "conversation.item.truncate": ("conversation.item.truncated",),
+    "conversation.item.create": ("conversation.item.added",),
+    "conversation.item.retrieve": ("conversation.item.retrieved",),
+    "conversation.item.delete": ("conversation.item.deleted",),
+    "session.heartbeat": ("session.heartbeat_ack",),
+}
+"""Client event type -> the server event types that answer it (first match resolves)."""
+
+QUIET_ERRORS = frozenset({"response_not_active"})
+"""Error codes swallowed for this client's own ``response.cancel`` (docs/protocol.md §7.3 races)."""
+
+MAX_KEPT_RESPONSES = 256
+"""Finished responses kept for lookup; older finished ones are forgotten (player bookkeeping too)."""
+
+_QUIET_KEEP = 256
+
+
+# ------------------------------------------------------------------------------------------------
+# actions
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Transmit this client event (a JSON-ready dict with an ``event_id``)."""
+
+    event: dict
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """The request sent with ``event_id`` succeeded; ``value`` is its answer (a typed event, the
+    :class:`~duplexkit.protocol.SessionObject`, or the :class:`ResponseRecord` of a create)."""
+
+    event_id: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Reject:
+    """The request sent with ``event_id`` failed with ``error``."""
+
+    event_id: str
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    """A ``response.created`` (model-, client- or VAD-triggered) opened ``response``."""
+
+    response: "ResponseRecord"
+
+
+@dataclass(frozen=True)
+class ResponseAudio:
+    """Decoded audio of ``response``: float32 [n] at 24 kHz (also queued on the player unless
+    the response was flushed)."""
+
+    response: "ResponseRecord"
+    pcm: np.ndarray
+
+
+@dataclass(frozen=True)
+class ResponseEnded:
+    """``response`` stopped generating (``response.done``, or ``error`` set when the session ended
+    first)."""
+
+    response: "ResponseRecord"
+    error: Optional[BaseException] = None
+
+
+@dataclass(frozen=True)
+class PlaybackFlushed:
+    """The player's unplayed audio of ``response_id`` was dropped at ``played_ms``; ``reason``:
+    ``barge_in`` (API or local VAD), ``cancelled`` (response.done), ``cleared``
+    (output_audio_buffer.cleared) or ``speech_started`` (server VAD)."""
+
+    response_id: str
+    played_ms: int
+    dropped_samples: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlaybackHeard:
+    """Every sample of ``response_id`` has played (reported to the server now)."""
+
+    response_id: str
+    played_ms: int
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Hand ``event`` (a typed server event) to ``events()``."""
+
+    event: Any
+
+
+@dataclass(frozen=True)
+class SessionEnded:
+    """The session is over: ``reason`` from ``session.closed``, or ``error`` on transport loss."""
+
+    reason: Optional[str]
+    error: Optional[BaseException] = None
+
+
+Action = Union[Send, Resolve, Reject, ResponseStarted, ResponseAudio, ResponseEnded, PlaybackFlushed,
+               PlaybackHeard, Deliver, SessionEnded]
+
+
+# ------------------------------------------------------------------------------------------------
+# responses
+# ------------------------------------------------------------------------------------------------
+
+
+class ResponseRecord:
+    """One response as the client sees it (docs/protocol.md §5.3).
+
+    Attributes:
+        id, item_id, epoch, trigger: identity (``trigger``: ``model``/``client``/``server_vad``).
+        status: None while generating, then ``completed``/``cancelled``/``incomplete``/``failed``.
+        status_details: the ``response.done`` details (e.g. ``{"reason": "turn_detected"}``).
+        transcript / text: audio transcript / text-only output so far (the ``done`` value at the end).
+        audio_samples: 24 kHz samples received; ``chunk_sizes`` samples per delta, in order.
+        decision: ``"listen"`` when a requested response ended with a terminating ``response.listen``.
+        final: the typed ``response.done`` event (None while generating).
+        events: the typed events of this response (audio deltas keep their size, not their payload).
+        acked_ms: the highest ``played_ms`` reported to the server; ``heard_final``: playback of it
+            is settled (flushed and reported, or fully heard and reported).
+        flushed: its unplayed audio was dropped (later deltas are not played).
+    """
+
+    def __init__(self, event: Any = None) -> None:
+        r = getattr(event, "response", None)
+        self.id: str = (getattr(r, "id", None) or "") if r is not None else ""
+        self.epoch: Optional[int] = getattr(r, "epoch", None) if r is not None else None
+        self.trigger: Optional[str] = getattr(r, "trigger", None) if r is not None else None
+        self.item_id: Optional[str] = None
+        self.status: Optional[str] = None
+        self.status_details: Optional[dict] = None
+        self.transcript = ""
+        self.text = ""
+        self.audio_samples = 0
+        self.chunk_sizes: list[int] = []
+        self.decision: Optional[str] = None
+        self.final: Any = None
+        self.events: list = []
+        self.acked_ms = 0
+        self.heard_final = False
+        self.flushed = False
+        self._player = None
+
+    @property
+    def generating(self) -> bool:
+        """True until ``response.done`` (the server may still send audio)."""
+        return self.status is None
+
+    active = generating  # the name of earlier releases
+
+    @property
+    def audible(self) -> bool:
+        """True while the player holds unplayed audio of this response."""
+        p = self._player
+        return bool(p is not None and not self.flushed and p.queued_samples(self.id) > 0)
+
+    @property
+    def audio_ms(self) -> int:
+        """Received audio, integer ms (floored)."""
+        return self.audio_samples * 1000 // OUTPUT_RATE
+
+    @property
+    def played_ms(self) -> int:
+        """Audio of this response the player has played, integer ms (floored)."""
+        p = self._player
+        return int(p.played_ms(self.id)) if p is not None else 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(id={self.id!r}, status={self.status!r}, trigger={self.trigger!r}, "
+                f"epoch={self.epoch}, audio_ms={self.audio_ms}, transcript={self.transcript!r})")
+
+
+# ------------------------------------------------------------------------------------------------
+# the machine
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    replies: tuple[str, ...]
+    quiet: bool = False
+
+
+@dataclass
+class ClientState:
+    """The sans-I/O client state (see the module docstring).
+
+    Args:
+        player: a :class:`~duplexkit.audio.Player` (required: playback truth needs a playback clock;
+            the shells give a :class:`~duplexkit.audio.VirtualPlayer` when the user gives none).
+        auto_ack: report playback to the server (``playback.ack``) as described above; False leaves
+            acknowledging to the application (flushes still happen).
+        new_record: factory of response records (the asyncio shells pass their ``ResponseHandle``).
+        new_event_id: factory of client ``event_id`` strings.
+    """
+
+    player: Any
+    auto_ack: bool = True
+    new_record: Callable[[Any], ResponseRecord] = ResponseRecord
+    new_event_id: Callable[[], str] = field(default=None)  # type: ignore[assignment]
+    session: Any = None
+    session_id: Optional[str] = None
+    epoch: int = 0
+    closed: bool = False
+    close_reason: Optional[str] = None
+    last_server_event_seq: int = 0
+    barge_ins: int = 0
+
+    def __post_init__(self) -> None:
+        if self.new_event_id is None:
+            self.new_event_id = new_event_id
+        self._pending: "OrderedDict[str, _Pending]" = OrderedDict()
+        self._quiet_done: deque = deque(maxlen=_QUIET_KEEP)
+        self.responses: "OrderedDict[str, ResponseRecord]" = OrderedDict()
+        self._items_added: set[str] = set()
+        self._vad_items: set[str] = set()
+        self._out: list = []
+
+    # -------------------------------------------------------------- inputs: the application
+    def request(self, event: dict, *, quiet: bool = False) -> Send:
+        """Register an outgoing client event in the correlation map and return its :class:`Send`.
+
+        An ``event_id`` is added when missing. Events with a reply type (:data:`REPLY_TYPES`)
+        later produce exactly one :class:`Resolve` or :class:`Reject` for that id; ``quiet``
+        (``response.cancel``) swallows the cancel-race errors of :data:`QUIET_ERRORS`.
+        Raises :class:`~duplexkit.errors.DuplexConnectionError` once the session is over.
+        """
+        if self.closed:
+            raise DuplexConnectionError("the session is closed", code="session_closed")
+        ev = dict(event)
+        eid = ev.setdefault("event_id", self.new_event_id())
+        replies = REPLY_TYPES.get(str(ev.get("type")), ())
+        if replies or quiet:
+            self._pending[eid] = _Pending(replies, quiet)
+        return Send(ev)
+
+    def ack(self, response_id: str, played_ms: int, *, item_id: Optional[str] = None,
+            truncate: bool = False) -> Send:
+        """A ``playback.ack`` for ``response_id`` (cumulative ``played_ms``), recorded on its record.
+        Raises ValueError for a negative ``played_ms``."""
+        played_ms = int(played_ms)
+        if played_ms < 0:
+            raise ValueError(f"played_ms must be >= 0, got {played_ms}")
+        ev: dict[str, Any] = {"type": "playback.ack", "response_id": response_id, "played_ms": played_ms}
+        rec = self.responses.get(response_id)
+        item_id = item_id or (rec.item_id if rec is not None else None)
+        if item_id:
+            ev["item_id"] = item_id
+        if truncate:
+            ev["truncate"] = True
+        if rec is not None:
+            rec.acked_ms = max(rec.acked_ms, played_ms)
+            if truncate:
+                rec.heard_final = True
+        return self.request(ev)
+
+    def barge_in(self, reason: str = "barge_in") -> tuple[Optional[ResponseRecord], list]:
+        """Interrupt what the user hears now: the newest response that is generating or audible.
+
+        Sends ``response.cancel`` when it is still generating, flushes its unplayed audio (and any
+        older audible audio) and reports ``playback.ack{played_ms, truncate:true}``. Returns
+        ``(record or None, actions)``.
+        """
+        target = None
+        for rec in reversed(self.responses.values()):
+            if (rec.generating or rec.audible) and not rec.heard_final:
+                target = rec
+                break
+        if target is None:
+            return None, self._take()
+        self.barge_ins += 1
+        if target.generating:
+            self._out.append(self.request({"type": "response.cancel", "response_id": target.id}, quiet=True))
+        for rec in list(self.responses.values()):
+            if rec is target or (rec.audible and not rec.heard_final):
+                self._flush(rec, reason)
+        return target, self._take()
+
+    def local_speech_started(self) -> tuple[Optional[ResponseRecord], list]:
+        """The client's own VAD heard the user start speaking: barge in if anything is audible or
+        generating (see :meth:`barge_in`)."""
+        return self.barge_in("barge_in")
+
+    # -------------------------------------------------------------- inputs: the player
+    def playback_drained(self, response_id: str) -> list:
+        """The player played the last queued sample of ``response_id``. When the response is done
+        generating (and was not flushed), it was fully heard: report it now."""
+        rec = self.responses.get(response_id)
+        if rec is not None and not rec.generating:
+            self._heard(rec)
+        return self._take()
+
+    # -------------------------------------------------------------- inputs: the server
+    def receive(self, event: Union[dict, Any]) -> list:
+        """Handle one server event (a dict or a parsed model). Returns the actions. Never raises
+        for a well-formed or malformed event (unknown events are delivered as they are)."""
+        ev = parse_server_event(event) if isinstance(event, dict) else event
+        t = ev.type
+        if t == "conversation.item.added":
+            iid = getattr(getattr(ev, "item", None), "id", None)
+            if iid and iid in self._items_added:
+                return []  # created + added of one item (beta and GA names, §2.1): the second is dropped
+            if iid:
+                self._items_added.add(iid)
+        seq = getattr(ev, "server_event_seq", None)
+        if isinstance(seq, int):
+            self.last_server_event_seq = max(self.last_server_event_seq, seq)
+        ep = _epoch_of(ev)
+        if ep is not None and ep > self.epoch:
+            self.epoch = ep
+        handler = getattr(self, "_on_" + t.replace(".", "_"), None)
+        if isinstance(ev, UnknownServerEvent) and t not in ("session.created", "session.updated"):
+            handler = None  # a body that did not validate: delivered as it is, nothing else
+        rec = self._record_of(ev)
+        deliver = True
+        if handler is not None:
+            deliver = handler(ev, rec) is not False
+        if rec is not None and t != "response.created":
+            rec.events.append(ev.model_copy(update={"delta": f"<{rec.chunk_sizes[-1]} samples>"})
+                              if t == "response.output_audio.delta" and rec.chunk_sizes else ev)
+        self._resolve_reply(ev)
+        if deliver:
+            self._out.append(Deliver(ev))
+        if t == "session.closed":
+            self._end(None)
+        return self._take()
+
+    def close(self) -> list:
+        """The client ended the session itself (after ``session.close``, or releasing the
+        transport): requests still waiting are rejected, generating responses end, no error."""
+        self._end(None)
+        return self._take()
+
+    def connection_lost(self, error: BaseException) -> list:
+        """The transport died: every waiting request is rejected, generating responses end with
+        ``error``, and the session ends."""
+        self._end(error)
+        return self._take()
+
+    # -------------------------------------------------------------- queries
+    @property
+    def speaking(self) -> bool:
+        """True while audio of any response is audible (queued in the player, not flushed)."""
+        return any(r.audible for r in self.responses.values())
+
+    @property
+    def active_response(self) -> Optional[ResponseRecord]:
+        """The newest response still generating (None when none is)."""
+        for rec in reversed(self.responses.values()):
+            if rec.generating:
+                return rec
+        return None
+
+    @property
+    def pending_requests(self) -> list[str]:
+        """``event_id`` of every request still waiting for its reply, oldest first."""
+        return [eid for eid, p in self._pending.items() if p.replies]
+
+    @property
+    def input_format(self):
+        """The session's input format (:class:`~duplexkit.audio.InputFormat`) from the last
+        ``session.created``/``session.updated``; None before the first."""
+        return _input_format_of(self.session)
+
+    @property
+    def interrupt_on_speech(self) -> bool:
+        """True when the session's server VAD interrupts responses on speech (the default when
+        turn detection is on)."""
+        s = self.session or {}
+        td = ((s.get("audio") or {}).get("input") or {}).get("turn_detection", s.get("turn_detection"))
+        return isinstance(td, dict) and td.get("interrupt_response") is not False
+
+    # -------------------------------------------------------------- handlers (return False: not delivered)
+    def _on_session_created(self, ev, rec) -> None:
+        self.session = _session_dict(ev)
+        self.session_id = self.session.get("id") or self.session_id
+
+    _on_session_updated = _on_session_created
+
+    def _on_session_closed(self, ev, rec) -> None:
+        self.close_reason = ev.reason
+
+    def _on_error(self, ev, rec) -> Optional[bool]:
+        err = ev.error
+        eid = err.event_id
+        p = self._pending.get(eid) if eid else None
+        if p is None:
+            if eid and eid in self._quiet_done and err.code in QUIET_ERRORS:
+                return False
+            return None
+        del self._pending[eid]
+        if p.quiet:
+            self._quiet_done.append(eid)
+            if err.code in QUIET_ERRORS:
+                return False  # a cancel race (§7.3): nothing to report
+            return None
+        self._out.append(Reject(eid, DuplexError.from_event(ev.model_dump(mode="json"))))
+        return None
+
+    def _on_conversation_item_added(self, ev, rec) -> None:
+        item = ev.item
+        if rec is not None and item.role == "assistant" and rec.item_id is None:
+            rec.item_id = item.id
+
+    def _on_response_created(self, ev, rec) -> None:
+        rec = self.new_record(ev)
+        rec._player = self.player
+        self.responses[rec.id] = rec
+        self._forget_old()
+        self._out.append(ResponseStarted(rec))
+        if rec.trigger in (None, "client"):
+            self._resolve_first(("response.created",), rec)
+
+    def _on_response_output_item_added(self, ev, rec) -> None:
+        if rec is not None:
+            rec.item_id = rec.item_id or ev.item.id
+
+    def _on_response_output_audio_delta(self, ev, rec) -> None:
+        if rec is None or not rec.generating:
+            return
+        pcm = _decode_pcm16(ev.delta)
+        rec.item_id = rec.item_id or ev.item_id
+        rec.audio_samples += len(pcm)
+        rec.chunk_sizes.append(len(pcm))
+        if not rec.flushed:
+            self.player.enqueue(rec.id, pcm)
+        self._out.append(ResponseAudio(rec, pcm))
+
+    def _on_response_output_audio_transcript_delta(self, ev, rec) -> None:
+        if rec is not None and rec.generating:
+            rec.transcript += ev.delta
+
+    def _on_response_output_audio_transcript_done(self, ev, rec) -> None:
+        if rec is not None:
+            rec.transcript = ev.transcript
+
+    def _on_response_output_text_delta(self, ev, rec) -> None:
+        if rec is not None and rec.generating:
+            rec.text += ev.delta
+
+    def _on_response_output_text_done(self, ev, rec) -> None:
+        if rec is not None:
+            rec.text = ev.text
+
+    def _on_response_listen(self, ev, rec) -> None:
+        if rec is not None:
+            rec.decision = "listen"
+
+    def _on_response_done(self, ev, rec) -> None:
+        if rec is None or not rec.generating:
+            return
+        r = ev.response
+        rec.final = ev
+        rec.status = r.status or "completed"
+        sd = r.status_details
+        rec.status_details = sd.model_dump(mode="json", exclude_none=True) if sd is not None else None
+        rec.item_id = rec.item_id or next((it.id for it in (r.output or []) if it.id), None)
+        self._out.append(ResponseEnded(rec))
+        if rec.status == "cancelled":
+            self._flush(rec, "cancelled")
+        elif self.player.queued_samples(rec.id) == 0:
+            self._heard(rec)  # everything received has already played
+
+    def _on_output_audio_buffer_cleared(self, ev, rec) -> None:
+        if rec is not None:
+            self._flush(rec, "cleared")
+
+    def _on_input_audio_buffer_speech_started(self, ev, rec) -> None:
+        if ev.item_id:
+            self._vad_items.add(ev.item_id)
+        if self.interrupt_on_speech:
+            for r in list(self.responses.values()):
+                if r.audible and not r.heard_final:
+                    self._flush(r, "speech_started")
+
+    def _on_input_audio_buffer_speech_stopped(self, ev, rec) -> None:
+        if ev.item_id:
+            self._vad_items.add(ev.item_id)
+
+    # -------------------------------------------------------------- internals
+    def _record_of(self, ev) -> Optional[ResponseRecord]:
+        rid = getattr(ev, "response_id", None)
+        if rid is None:
+            r = getattr(ev, "response", None)
+            rid = getattr(r, "id", None) if r is not None else None
+        if rid:
+            return self.responses.get(rid)
+        if ev.type in ("conversation.item.added", "conversation.item.done"):
+            item = ev.item
+            if item.role == "assistant":
+                for rec in reversed(self.responses.values()):
+                    if rec.item_id == item.id:
+                        return rec
+                act = self.active_response
+                if ev.type == "conversation.item.added" and act is not None and act.item_id is None:
+                    return act
+        return None
+
+    def _resolve_reply(self, ev) -> None:
+        t = ev.type
+        if t == "response.created":
+            return  # resolved with its record in _on_response_created
+        if t == "input_audio_buffer.committed" and getattr(ev, "item_id", None) in self._vad_items:
+            return  # the server VAD's automatic commit, not our reply
+        value = self.session if t in ("session.created", "session.updated") else ev
+        self._resolve_first((t,), value)
+
+    def _resolve_first(self, types: tuple[str, ...], value: Any) -> None:
+        for eid, p in self._pending.items():
+            if any(t in p.replies for t in types):
+                del self._pending[eid]
+                self._out.append(Resolve(eid, value))
+                return
+
+    def _flush(self, rec: ResponseRecord, reason: str) -> None:
+        """Drop the unplayed audio of ``rec`` now and report where playback stopped (final)."""
+        if rec.flushed:
+            return
+        dropped = self.player.flush(rec.id)
+        rec.flushed = True
+        played = rec.played_ms
+        self._out.append(PlaybackFlushed(rec.id, played, dropped, reason))
+        if self.auto_ack and not rec.heard_final and rec.audio_samples:
+            self._out.append(self.ack(rec.id, played, truncate=True))
+        rec.heard_final = True
+
+    def _heard(self, rec: ResponseRecord) -> None:
+        """``rec`` is done and every sample of it has played: report it fully heard, now."""
+        if rec.heard_final or rec.flushed or not rec.audio_samples:
+            return
+        played = rec.played_ms
+        rec.heard_final = True
+        self._out.append(PlaybackHeard(rec.id, played))
+        if self.auto_ack and played > rec.acked_ms:
+            self._out.append(self.ack(rec.id, played))
+
+    def _end(self, error: Optional[BaseException]) -> None:
+        if self.closed and not self._pending and not any(r.generating for r in self.responses.values()):
+            return
+        self.closed = True
+        exc = error or DuplexConnectionError("the session closed", code="session_closed")
+        for eid, p in list(self._pending.items()):
+            if p.replies:
+                self._out.append(Reject(eid, exc))
+        self._pending.clear()
+        for rec in self.responses.values():
+            if rec.generating:
+                self._out.append(ResponseEnded(rec, error or DuplexConnectionError(
+                    f"the session closed before response {rec.id} ended", code="session_closed")))
+        self._out.append(SessionEnded(self.close_reason, error))
+
+    def _forget_old(self) -> None:
+        if len(self.responses) <= MAX_KEPT_RESPONSES:
+            return
+        old = [k for k, r in self.responses.items() if not r.generating and not r.audible]
+        for k in old[: len(self.responses) - MAX_KEPT_RESPONSES // 2]:
+            del self.responses[k]
+            forget = getattr(self.player, "forget", None)
+            if forget is not None:
+                forget(k)
+
+    def _take(self) -> list:
+        out, self._out = self._out, []
+        return out
+
+
+def new_event_id() -> str:
+    """A fresh client ``event_id``: ``cevt_`` + 16 hex digits."""
+    return "cevt_" + secrets.token_hex(8)
+
+
+def _epoch_of(ev) -> Optional[int]:
+    for src in (ev, getattr(ev, "metadata", None), getattr(ev, "response", None), getattr(ev, "session", None)):
+        v = getattr(src, "epoch", None) if src is not None else None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+_ENCODING_OF_TYPE = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw",
+                     "audio/pcma": "g711_alaw"}
+
+
+def _session_dict(ev) -> dict:
+    """The session object of a ``session.created``/``.updated`` as a JSON dict (also for a body
+    that did not validate: other servers send partial sessions)."""
+    if isinstance(ev, UnknownServerEvent):
+        sess = ev.raw.get("session")
+        return dict(sess) if isinstance(sess, dict) else {}
+    return ev.session.model_dump(mode="json")
+
+
+def _input_format_of(session: Optional[dict]):
+    """The :class:`~duplexkit.audio.InputFormat` a session dict declares (None when unknown).
+
+    Reads ``audio.input.format`` (``type``, ``rate``, the extra keys ``sample_rate_hz``,
+    ``encoding``, ``channels``), then the flat beta mirrors ``input_audio_format`` and
+    ``sample_rate_hz`` (docs/protocol.md §4.1, §6.1).
+    """
+    if not session:
+        return None
+    from duplexkit.audio import InputFormat
+
+    fmt = ((session.get("audio") or {}).get("input") or {}).get("format")
+    fmt = fmt if isinstance(fmt, dict) else {}
+    enc = fmt.get("encoding") or _ENCODING_OF_TYPE.get(str(fmt.get("type")))
+    if enc is None:
+        flat = session.get("input_audio_format")
+        enc = flat if flat in ("pcm16", "pcm_f32le", "g711_ulaw", "g711_alaw") else "pcm16"
+    rate = fmt.get("sample_rate_hz") or fmt.get("rate") or session.get("sample_rate_hz")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        rate = 8000 if enc.startswith("g711") else 24000
+    channels = fmt.get("channels", 1)
+    try:
+        return InputFormat(enc, rate, channels if isinstance(channels, int) else 1)
+    except Exception:  # a format this client cannot produce: declare nothing, send pcm16 16 kHz
+        return None
+
+
+def _decode_pcm16(b64: str) -> np.ndarray:
+    from duplexkit.audio import pcm16_to_float32
+
+    data = base64.b64decode(b64) if b64 else b""
+    if len(data) % 2:
+        data = data[:-1]
+    return pcm16_to_float32(data)
