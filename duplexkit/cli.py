@@ -570,22 +570,21 @@ async def _mic_async(args) -> int:
             async def show_events():
                 current = ""
                 async for ev in client.events():
-                    t = ev.get("type")
+                    t = ev.type
                     if t == "response.output_audio_transcript.delta" or t == "response.output_text.delta":
-                        current += ev.get("delta") or ""
+                        current += ev.delta or ""
                         if tty:
                             print(f"\rassistant: {current[-70:]}  [mic {20 * np.log10(level[0] + 1e-9):6.1f} dBFS]",
                                   end="", flush=True)
                     elif t == "response.done":
-                        r = ev.get("response") or {}
-                        line = f"assistant ({r.get('status')}): {current}"
+                        line = f"assistant ({ev.response.status}): {current}"
                         transcript_lines.append(line)
                         print(("\r" if tty else "") + line, flush=True)
                         current = ""
                     elif t == "input_audio_buffer.speech_started":
                         print(("\n" if tty and current else "") + "[you are speaking]", flush=True)
                     elif t == "error":
-                        print(f"[error] {ev.get('error')}", flush=True)
+                        print(f"[error] {ev.error.code}: {ev.error.message}", flush=True)
 
             async def collect_output():
                 async for h in client.responses():

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
-from duplexkit.clients import DuplexClient
+from duplexkit.clients import DuplexClient, response_id_of
 
 from duplexkit import ASSETS_DIR as ASSETS
 
@@ -47,7 +47,7 @@ async def main(args: argparse.Namespace) -> int:
     interruption, _ = read_wav(args.interrupt, 16_000)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    events: list[dict] = []
+    events: list = []
     async with DuplexClient(args.url, api_key=args.api_key, session={"turn_detection": None},
                             request_timeout_s=args.timeout) as client:
         await stream(client, question)
@@ -72,10 +72,10 @@ async def main(args: argparse.Namespace) -> int:
     late = False
     seen_done = False
     for ev in events:
-        rid = ev.get("response_id") or (ev.get("response") or {}).get("id")
+        rid = response_id_of(ev)
         if seen_done and rid == first.id:
             late = True
-        if ev.get("type") == "response.done" and rid == first.id:
+        if ev.type == "response.done" and rid == first.id:
             seen_done = True
     summary = {"responses": [], "late_events_of_cancelled_response": late,
                "cancelled_audio_samples_at_done": samples_at_done}

@@ -50,12 +50,12 @@ async def main(args: argparse.Namespace) -> int:
             response = await client.create_response()
             first = None
             async for ev in client.events():
-                t = ev.get("type")
+                t = ev.type
                 if t == "response.output_audio.delta" and first is None:
                     first = time.monotonic() - t_req
                 if t == "response.output_audio_transcript.delta":
-                    print(ev.get("delta", ""), end="", flush=True)
-                if t == "response.done" and (ev.get("response") or {}).get("id") == response.id:
+                    print(ev.delta, end="", flush=True)
+                if t == "response.done" and ev.response.id == response.id:
                     break
             print()
             await response.wait(args.timeout)

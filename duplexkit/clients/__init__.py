@@ -16,6 +16,7 @@ from .base import (
     ref_audio_data_url,
 )
 from .inline import InlineDuplexClient
+from .state import ClientState, ResponseRecord, response_id_of
 from .remote import DuplexClient, build_url
 
 __all__ = [
@@ -28,4 +29,7 @@ __all__ = [
     "DuplexTimeout",
     "ref_audio_data_url",
     "build_url",
+    "ClientState",
+    "ResponseRecord",
+    "response_id_of",
 ]

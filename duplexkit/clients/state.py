@@ -74,6 +74,7 @@ __all__ = [
     "Deliver",
     "SessionEnded",
     "REPLY_TYPES",
+    "response_id_of",
     "OUTPUT_RATE",
 ]
 
@@ -659,6 +660,15 @@ class ClientState:
     def _take(self) -> list:
         out, self._out = self._out, []
         return out
+
+
+def response_id_of(ev: Any) -> Optional[str]:
+    """The response a typed server event belongs to (``response_id`` or ``response.id``), or None."""
+    rid = getattr(ev, "response_id", None)
+    if rid is None:
+        r = getattr(ev, "response", None)
+        rid = getattr(r, "id", None) if r is not None else None
+    return rid
 
 
 def new_event_id() -> str:

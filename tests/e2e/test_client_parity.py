@@ -37,7 +37,7 @@ async def one_turn(client, audio: np.ndarray) -> dict:
                 break
     beats = {"response.listen", "session.heartbeat_ack"}
     return {
-        "types": [e["type"] for e in events if e["type"] not in beats],
+        "types": [e.type for e in events if e.type not in beats],
         "status": h.status, "status_details": h.status_details, "transcript": h.transcript,
         "chunks": h.chunk_sizes, "samples": h.audio_samples, "trigger": h.trigger, "epoch": h.epoch,
     }

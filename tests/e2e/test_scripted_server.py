@@ -16,6 +16,7 @@ import pytest
 import websockets
 
 from duplexkit.audio import read_wav
+from duplexkit.clients import response_id_of
 from duplexkit.clients import DuplexClient
 
 pytestmark = pytest.mark.e2e
@@ -59,12 +60,12 @@ async def test_commit_driven_turn(scripted_server, question_wav):
         h = await c.create_response()
         assert h.trigger == "client"
         final = await h.wait(20)
-        assert final["response"]["status"] == "completed"
+        assert final.response.status == "completed"
         assert h.chunk_sizes == [20160, 24000, 24000, 3840]
         assert h.audio_samples == 72000
         assert h.transcript == "Hello there, this is a scripted "
         # the envelope of PROTOCOL.md §5.3, in order, and gap-free sequence numbers
-        types = [e["type"] for e in h.events]
+        types = [e.type for e in h.events]
         assert types[:5] == ["response.created", "conversation.item.added", "response.output_item.added",
                              "response.content_part.added", "response.speak"]
         assert types[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
@@ -120,10 +121,10 @@ async def test_client_barge_in_then_answer(scripted_server, question_wav, interr
             except (asyncio.TimeoutError, StopAsyncIteration):
                 break
         for ev in evs:
-            rid = ev.get("response_id") or (ev.get("response") or {}).get("id")
+            rid = response_id_of(ev)
             if seen_done:
-                assert rid != first.id, ev["type"]
-            if ev["type"] == "response.done" and rid == first.id:
+                assert rid != first.id, ev.type
+            if ev.type == "response.done" and rid == first.id:
                 seen_done = True
         assert seen_done
 
@@ -291,9 +292,9 @@ async def test_heartbeat_from_client(scripted_server):
     async with DuplexClient(scripted_server.ws_url, heartbeat_s=0.2) as c:
         async with asyncio.timeout(5):
             async for ev in c.events():
-                if ev["type"] == "session.heartbeat_ack":
+                if ev.type == "session.heartbeat_ack":
                     break
-        assert ev["session_id"] == c.session_id
+        assert ev.session_id == c.session_id
 
 
 @pytest.mark.parametrize("kwargs, code", [

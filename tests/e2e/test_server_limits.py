@@ -136,7 +136,7 @@ async def test_client_is_closed_with_1001_right_after_shutdown():
         assert not c.closed and c.close_code is None
         srv.proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
-            types = [ev["type"] async for ev in c.events()]
+            types = [ev.type async for ev in c.events()]
         assert types[-1] == "session.closed"
         # marked closed as soon as session.closed was handled, before any close frame is read
         assert c.closed and c.close_reason == "shutdown" and c.close_code == 1001

@@ -49,7 +49,7 @@ async def _drain(c) -> list[dict]:
     out = []
     while True:
         try:
-            out.append(await asyncio.wait_for(c.events().get(), 0.2))
+            out.append((await asyncio.wait_for(c.events().get(), 0.2)).model_dump(mode="json"))
         except (asyncio.TimeoutError, StopAsyncIteration):
             return out
 
