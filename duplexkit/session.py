@@ -1412,6 +1412,13 @@ class Session:
         self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
 
     def _on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
+        """``playback.ack`` (PROTOCOL.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
+
+        * plain ack: ``committed_ms = max(committed_ms, heard)`` (never lowers);
+        * ``truncate: true``: ``committed_ms = heard`` and final, even below an earlier ack or what
+          ``commit_on_done`` committed at ``response.done``;
+        * after finalisation (a truncate ack or ``conversation.item.truncate``): ignored.
+        """
         it = self._responses.get(ev.response_id)
         if it is None:
             if self._resp is not None and self._resp.id == ev.response_id:
@@ -1426,10 +1433,15 @@ class Session:
                                     param="item_id", event_id=ev.event_id)
             return
         if it.final:
-            return
-        it.committed_ms = max(it.committed_ms, min(ev.played_ms, it.sent_ms))
+            return  # finalised by an earlier truncate: acks change nothing
+        heard = min(ev.played_ms, it.sent_ms)
         if ev.truncate:
+            # the client's final word on what was heard: it may cut back below what an earlier ack
+            # or commit_on_done's response.done committed (PROTOCOL.md §7.5, issue 10)
+            it.committed_ms = heard
             it.final = True
+        else:
+            it.committed_ms = max(it.committed_ms, heard)
 
     def _issued_response_ids(self) -> set:
         return self._issued
