@@ -30,7 +30,9 @@ Epochs (PROTOCOL.md §3) advance on every accepted cancel, barge-in, token cap a
 of an active response, each paired with a ``CancelEpoch`` command; engine outputs of an older epoch
 are dropped here, so no stale delta is ever emitted.
 
-Input: every append is decoded (``StreamDecoder``), resampled to 16 kHz (``StreamResampler``),
+Input: every append is decoded (``StreamDecoder``; declared interleaved channels are downmixed to
+mono), checked for its arrival rate against the declared rate (``ArrivalRateMonitor``: one
+non-fatal ``input_rate_mismatch`` error per declared format), resampled to 16 kHz (``StreamResampler``),
 watched by the server VAD (``StreamingVAD``) and cut into units (``UnitFramer``). While a response
 is active and input runs dry, :meth:`Session.tick` appends a silence unit once a unit's deadline
 (1 unit period + ``silence_slack_ms`` after the previous unit) has passed, so an answer never stalls.

@@ -259,7 +259,7 @@ class Capabilities(_Out):
 class SessionObject(_Out):
     """The effective session (PROTOCOL.md §5.1). Flat beta mirrors: ``modalities``,
     ``input_audio_format``, ``output_audio_format``, ``sample_rate_hz``, ``turn_detection``,
-    ``max_response_output_tokens``. ``instructions``, ``ref_audio`` and ``turn_detection`` are always
+    ``max_response_output_tokens``; ``channels`` (extension) only for multi-channel input. ``instructions``, ``ref_audio`` and ``turn_detection`` are always
     present (``null`` when unset)."""
 
     type: str = "realtime"
