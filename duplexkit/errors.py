@@ -58,7 +58,12 @@ __all__ = [
 
 
 class ErrorCode(str, Enum):
-    """Every error code of PROTOCOL.md §9 (values are the wire strings)."""
+    """Every error code of PROTOCOL.md §9 (values are the wire strings).
+
+    ``input_rate_mismatch`` (duplexkit extension, issue 10) is a warning, not a rejection: sent at
+    most once per declared input format when continuous input arrives far slower than its declared
+    rate (``duplexkit.audio.arrival``); the audio is still used and nothing else changes.
+    """
 
     INVALID_JSON = "invalid_json"
     UNKNOWN_EVENT = "unknown_event"
@@ -76,6 +81,7 @@ class ErrorCode(str, Enum):
     REF_AUDIO_UPDATE_UNSUPPORTED = "ref_audio_update_unsupported"
     SESSION_CAPACITY_EXHAUSTED = "session_capacity_exhausted"
     INPUT_BACKPRESSURE = "input_backpressure"
+    INPUT_RATE_MISMATCH = "input_rate_mismatch"
     UNAUTHORIZED = "unauthorized"
     SERVER_ERROR = "server_error"
 
@@ -98,6 +104,7 @@ ERROR_TYPES: dict[ErrorCode, str] = {
     ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED: "invalid_request_error",
     ErrorCode.SESSION_CAPACITY_EXHAUSTED: "rate_limit_error",
     ErrorCode.INPUT_BACKPRESSURE: "rate_limit_error",
+    ErrorCode.INPUT_RATE_MISMATCH: "invalid_request_error",
     ErrorCode.UNAUTHORIZED: "invalid_request_error",
     ErrorCode.SERVER_ERROR: "server_error",
 }

@@ -30,7 +30,9 @@ Epochs (PROTOCOL.md §3) advance on every accepted cancel, barge-in, token cap a
 of an active response, each paired with a ``CancelEpoch`` command; engine outputs of an older epoch
 are dropped here, so no stale delta is ever emitted.
 
-Input: every append is decoded (``StreamDecoder``), resampled to 16 kHz (``StreamResampler``),
+Input: every append is decoded (``StreamDecoder``; declared interleaved channels are downmixed to
+mono), checked for its arrival rate against the declared rate (``ArrivalRateMonitor``: one
+non-fatal ``input_rate_mismatch`` error per declared format), resampled to 16 kHz (``StreamResampler``),
 watched by the server VAD (``StreamingVAD``) and cut into units (``UnitFramer``). While a response
 is active and input runs dry, :meth:`Session.tick` appends a silence unit once a unit's deadline
 (1 unit period + ``silence_slack_ms`` after the previous unit) has passed, so an answer never stalls.
@@ -61,6 +63,7 @@ from duplexkit.audio import (
     float32_to_pcm16,
     read_wav,
 )
+from duplexkit.audio.arrival import ArrivalRateMonitor
 from duplexkit.engine.api import (
     INPUT_SAMPLE_RATE,
     OUTPUT_SAMPLE_RATE,
@@ -477,6 +480,7 @@ class Session:
         # input pipeline
         self._decoder = StreamDecoder(self.settings.input_format)
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(self.settings.input_format.rate)
         self._framer = UnitFramer()
         self._vad = None
         self._vad_base_samples = 0
@@ -680,6 +684,7 @@ class Session:
         if new.input_format != old.input_format:
             self._decoder = StreamDecoder(new.input_format)
             self._resampler = StreamResampler(new.input_format.rate, INPUT_SAMPLE_RATE)
+            self._arrival = ArrivalRateMonitor(new.input_format.rate)  # a new declaration: re-armed
         if new.turn_detection != old.turn_detection:
             self._make_vad()
         if first and not self._started:
@@ -708,7 +713,7 @@ class Session:
             if self._units_appended > 0:
                 raise err(ErrorCode.BAD_EVENT, "instructions can only change before the first unit is consumed", "instructions")
             s.instructions = p.instructions
-        if "input_format" in given or "input_sample_rate_hz" in given:
+        if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
             s.input_format = self._parse_input_format(p, err)
         if "output_format" in given:
             of = p.output_format
@@ -752,36 +757,62 @@ class Session:
         return s
 
     def _parse_input_format(self, p: SessionPatch, err) -> InputFormat:
-        f = p.input_format if p.input_format is not None else (
-            "pcm16" if "input_sample_rate_hz" in p.given else None
-        )
-        if f is None:
-            f = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw"}[
-                self.settings.input_format.encoding
-            ]
+        """The input format of a ``session.update`` (PROTOCOL.md §6.1; issue 10 for channels).
+
+        Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
+        ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
+        takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
+        a client may send the session object back unchanged. Channels: ``channels`` in the GA
+        object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
+        downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
+        without a channel count is mono, a channel count given alone keeps the current encoding
+        and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
+        """
+        cur = self.settings.input_format
+        flat_ch = p.input_channels if "input_channels" in p.given else None
+        if p.input_format is None and "input_sample_rate_hz" not in p.given:
+            # only a channel count: same encoding and rate
+            try:
+                return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
+            except AudioFormatError as e:
+                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
+        f = p.input_format if p.input_format is not None else "pcm16"
         explicit = p.input_sample_rate_hz
         duplex_default = self.cfg.limits.input_default_rate if self._duplex else 24000
+        bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
         try:
             if isinstance(f, str):
                 enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
                        "audio/pcm": "pcm16"}.get(f)
                 if enc is None:
-                    raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
+                    raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
                 if enc.startswith("g711"):
                     rate = 8000 if explicit is None else explicit
                 else:
                     rate = explicit if explicit is not None else duplex_default
-                return InputFormat(enc, rate)
+                return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
             t = f.get("type")
             enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
             if enc is None:
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
-            rate = f.get("rate", explicit if explicit is not None else (8000 if enc.startswith("g711") else 24000))
-            if isinstance(rate, bool) or not isinstance(rate, int):
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an integer input rate in Hz, got {rate!r}", "input_format")
-            return InputFormat(enc, rate)
+                raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
+            if enc == "pcm16" and f.get("encoding") is not None:
+                if f["encoding"] not in ("pcm16", "pcm_f32le"):
+                    raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
+                enc = f["encoding"]
+            rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
+            for v in rates:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
+            if len(set(rates)) > 1:
+                raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
+            rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+            ch = f.get("channels")
+            if ch is not None and flat_ch is not None and ch != flat_ch:
+                raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
+            ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
+            return InputFormat(enc, rate, ch)
         except AudioFormatError as e:
-            raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_format") from None
+            raise err(bad, str(e), "input_format") from None
 
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
         if td is None:
@@ -863,6 +894,28 @@ class Session:
     def _on_event_ack(self, ev: SessionEventAckEvent, now_ms: float) -> None:
         return
 
+    def _check_arrival(self, frames: int, now_ms: float, event_id: Optional[str]) -> None:
+        """Arrival-rate check of an accepted append of ``frames`` frames at the declared rate.
+
+        Continuous input that arrives far slower than its declared rate over >= 3 s of wall time
+        (``duplexkit.audio.arrival``: frames / (elapsed x rate) < 0.8) gets ONE non-fatal
+        ``error{input_rate_mismatch}`` per declared input format, echoing the append's
+        ``event_id``; the audio is still used. Faster-than-real-time input is never flagged.
+        """
+        w = self._arrival.observe(frames, now_ms)
+        if w is None:
+            return
+        fmt = self.settings.input_format
+        guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
+                 and w.likely_rate != w.declared_rate else "")
+        self._error(ProtocolError(
+            ErrorCode.INPUT_RATE_MISMATCH,
+            f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
+            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
+            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
+            f"at least in real time; the audio is still used (this warning is sent once)",
+            event_id=event_id))
+
     def _on_close(self, ev: SessionCloseEvent, now_ms: float) -> None:
         self._close(ev.reason or "client_close", 1000)
 
@@ -896,6 +949,7 @@ class Session:
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         self._push_real(self._resampler.process(x), now_ms)
+        self._check_arrival(x.size, now_ms, ev.event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
         """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after)."""
@@ -1412,6 +1466,13 @@ class Session:
         self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
 
     def _on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
+        """``playback.ack`` (PROTOCOL.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
+
+        * plain ack: ``committed_ms = max(committed_ms, heard)`` (never lowers);
+        * ``truncate: true``: ``committed_ms = heard`` and final, even below an earlier ack or what
+          ``commit_on_done`` committed at ``response.done``;
+        * after finalisation (a truncate ack or ``conversation.item.truncate``): ignored.
+        """
         it = self._responses.get(ev.response_id)
         if it is None:
             if self._resp is not None and self._resp.id == ev.response_id:
@@ -1426,10 +1487,15 @@ class Session:
                                     param="item_id", event_id=ev.event_id)
             return
         if it.final:
-            return
-        it.committed_ms = max(it.committed_ms, min(ev.played_ms, it.sent_ms))
+            return  # finalised by an earlier truncate: acks change nothing
+        heard = min(ev.played_ms, it.sent_ms)
         if ev.truncate:
+            # the client's final word on what was heard: it may cut back below what an earlier ack
+            # or commit_on_done's response.done committed (PROTOCOL.md §7.5, issue 10)
+            it.committed_ms = heard
             it.final = True
+        else:
+            it.committed_ms = max(it.committed_ms, heard)
 
     def _issued_response_ids(self) -> set:
         return self._issued
@@ -1465,6 +1531,8 @@ class Session:
             fobj, beta = AudioFormatObject(type="audio/pcmu"), "g711_ulaw"
         else:
             fobj, beta = AudioFormatObject(type="audio/pcma"), "g711_alaw"
+        channels = fmt.channels if fmt.channels != 1 else None  # echoed only for multi-channel input
+        fobj.channels = channels
         td = TurnDetectionObject(**s.turn_detection) if s.turn_detection is not None else None
         rv = s.ref_voice
         return SessionObject(
@@ -1481,6 +1549,7 @@ class Session:
             input_audio_format=beta,
             output_audio_format="pcm16",
             sample_rate_hz=fmt.rate,
+            channels=channels,
             turn_detection=td,
             temperature=s.temperature,
             max_output_tokens=s.max_output_tokens,

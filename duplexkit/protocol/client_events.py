@@ -104,7 +104,8 @@ class SessionPatch(_In):
 
     Attributes:
         output_modalities: subset of ``audio``/``text`` (validated by the Session).
-        input_format: GA object ``{type, rate}`` or beta string; ``input_sample_rate_hz`` the beta rate.
+        input_format: GA object ``{type, rate, channels?}`` or beta string; ``input_sample_rate_hz``
+            the beta rate; ``input_channels`` the flat ``channels`` (interleaved channels, downmixed).
         output_format: GA object or beta string.
         voice: a voice name (``{id}`` objects are unwrapped).
         turn_detection: ``None`` or the raw ``server_vad`` object.
@@ -120,6 +121,7 @@ class SessionPatch(_In):
     ref_audio: Optional[str] = None
     input_format: Optional[Union[str, Dict[str, Any]]] = None
     input_sample_rate_hz: Optional[int] = None
+    input_channels: Optional[int] = Field(default=None, strict=True)
     output_format: Optional[Union[str, Dict[str, Any]]] = None
     turn_detection: Optional[Dict[str, Any]] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -145,6 +147,7 @@ class SessionPatch(_In):
             "ref_audio": ("ref_audio", "extra_body.ref_audio"),
             "input_format": ("audio.input.format", "input_audio_format"),
             "input_sample_rate_hz": ("sample_rate_hz", "input_sample_rate_hz"),
+            "input_channels": ("channels", "input_audio_channels"),
             "output_format": ("audio.output.format", "output_audio_format"),
             "voice": ("audio.output.voice", "voice"),
             "turn_detection": ("audio.input.turn_detection", "turn_detection"),
@@ -176,7 +179,7 @@ class SessionPatch(_In):
         td = out.get("turn_detection", _MISSING)
         if td is not _MISSING and td is not None and not isinstance(td, dict):
             raise ValueError("turn_detection must be null or an object")
-        for k in ("force_listen_count", "input_sample_rate_hz", "seed"):
+        for k in ("force_listen_count", "input_sample_rate_hz", "input_channels", "seed"):
             if isinstance(out.get(k), bool):
                 raise ValueError(f"{k} must be an integer")
         out["given"] = list(src)

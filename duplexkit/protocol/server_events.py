@@ -202,12 +202,14 @@ class DeltaMetadata(_Out):
 class AudioFormatObject(_Out):
     """A GA audio format object. OpenAI types ``rate`` as 24000 only, so other rates and encodings
     ride in the extra keys ``sample_rate_hz`` and ``encoding`` (PROTOCOL.md §2) and ``rate`` is only
-    set when it is 24000."""
+    set when it is 24000. ``channels`` (extension) is set only for interleaved multi-channel input
+    (downmixed to mono by the server)."""
 
     type: str = "audio/pcm"
     rate: Optional[int] = None
     sample_rate_hz: Optional[int] = None
     encoding: Optional[str] = None
+    channels: Optional[int] = None
 
 
 class TurnDetectionObject(_Out):
@@ -257,7 +259,7 @@ class Capabilities(_Out):
 class SessionObject(_Out):
     """The effective session (PROTOCOL.md §5.1). Flat beta mirrors: ``modalities``,
     ``input_audio_format``, ``output_audio_format``, ``sample_rate_hz``, ``turn_detection``,
-    ``max_response_output_tokens``. ``instructions``, ``ref_audio`` and ``turn_detection`` are always
+    ``max_response_output_tokens``; ``channels`` (extension) only for multi-channel input. ``instructions``, ``ref_audio`` and ``turn_detection`` are always
     present (``null`` when unset)."""
 
     type: str = "realtime"
@@ -272,6 +274,7 @@ class SessionObject(_Out):
     input_audio_format: str
     output_audio_format: str
     sample_rate_hz: int
+    channels: Optional[int] = None
     turn_detection: Optional[TurnDetectionObject] = None
     temperature: float
     max_output_tokens: Union[int, str]

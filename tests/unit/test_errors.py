@@ -68,6 +68,7 @@ def test_error_code_table_matches_protocol_section_9():
         "unsupported_turn_detection", "input_audio_buffer_empty", "response_already_active", "response_not_active",
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
+        "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
     }
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert {c for c, t in ERROR_TYPES.items() if t == "rate_limit_error"} == {

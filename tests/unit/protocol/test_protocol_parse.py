@@ -25,7 +25,8 @@ def test_error_table_covers_protocol_section_9():
         "invalid_json", "unknown_event", "bad_event", "bad_audio", "event_too_large", "unsupported_audio_format",
         "unsupported_turn_detection", "input_audio_buffer_empty", "response_already_active", "response_not_active",
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
-        "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error"}
+        "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
+        "input_rate_mismatch"}  # duplexkit extension (a warning, issue 10)
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert ERROR_TYPES[ErrorCode.INPUT_BACKPRESSURE] == "rate_limit_error"
 
