@@ -521,6 +521,23 @@ async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _echo_config(choice: str):
+    """``--echo`` -> the client's ``echo=`` option: an ``EchoConfig``, or None for ``off``.
+
+    ``auto`` is ``aec`` when the AEC package (``duplexkit[echo]``) imports, else ``gate``.
+    Raises CliError for ``aec`` without the package.
+    """
+    if choice == "off":
+        return None
+    from duplexkit.audio.echo import EchoConfig, aec_available
+
+    if choice == "auto":
+        choice = "aec" if aec_available() else "gate"
+    elif choice == "aec" and not aec_available():
+        raise CliError("--echo aec needs the AEC package: pip install 'duplexkit[echo]' (or use --echo gate)")
+    return EchoConfig(mode=choice)
+
+
 async def _mic_async(args) -> int:
     import numpy as np
 
@@ -536,6 +553,9 @@ async def _mic_async(args) -> int:
                                      "silence_duration_ms": args.silence_ms}
     common = dict(session=session, player=player, barge_in=not args.no_barge_in, input_rate=16_000,
                   request_timeout_s=60.0)
+    echo = _echo_config(args.echo)
+    if echo is not None:  # the client's echo option (EchoConfig); "off" leaves the client as it was
+        common["echo"] = echo
     engine = None
     if args.url:
         client = DuplexClient(args.url, api_key=args.api_key, **common)
@@ -765,6 +785,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-vad-responses", dest="vad_responses", action="store_false",
                    help="do not ask for an answer after each utterance (let the model decide)")
     p.add_argument("--silence-ms", type=_int_range(0), default=500, help="silence that ends an utterance, ms (default 500)")
+    p.add_argument("--echo", choices=["off", "gate", "aec", "auto"], default="auto",
+                   help="echo control for speakers without headphones: 'gate' = barge-in needs speech well above "
+                        "the playback echo level; 'aec' = WebRTC echo cancellation (pip install 'duplexkit[echo]') "
+                        "plus the gate; 'auto' = aec when installed, else gate; 'off' = none (headphones). "
+                        "Default auto: a headset cannot be detected reliably, so echo control is always on "
+                        "unless you pass --echo off")
     p.add_argument("--instructions", default=None, help="system prompt")
     p.add_argument("--duration", type=_float_min(0, strict=True), default=None, help="stop after this many seconds (default: Ctrl+C)")
     p.add_argument("--save-output", default=None, help="also write everything the assistant said to this WAV")

@@ -1,9 +1,10 @@
-"""duplexkit.audio: codecs, resampling, WAV I/O, unit framing, VAD, playback buffer, devices.
+"""duplexkit.audio: codecs, resampling, WAV I/O, unit framing, VAD, echo control, playback buffer, devices.
 
 Core dependencies only (numpy, soxr, soundfile, webrtcvad); ``sounddevice`` is imported lazily by
 :class:`MicStream`, :class:`SpeakerStream` and :func:`list_devices` (install ``duplexkit[mic]``).
 The threaded parts (:mod:`.devices`, :mod:`.playback`) are imported on first attribute access
-(PEP 562), so the sans-I/O Session, which only needs the codecs, framer, resampler and VAD, does
+(PEP 562), and so is the echo control (:mod:`.echo`, whose ``"aec"`` mode imports ``livekit`` on use,
+``duplexkit[echo]``), so the sans-I/O Session, which only needs the codecs, framer, resampler and VAD, does
 not load them.
 """
 
@@ -55,6 +56,9 @@ __all__ = [
     "list_devices",
     "AudioBlock",
     "DeviceError",
+    "EchoConfig",
+    "EchoControl",
+    "EchoUnavailableError",
 ]
 
 #: lazily imported name -> submodule that defines it (threaded code)
@@ -67,6 +71,9 @@ _LAZY = {
     "PlaybackBuffer": ".playback",
     "Player": ".playback",
     "VirtualPlayer": ".playback",
+    "EchoConfig": ".echo",
+    "EchoControl": ".echo",
+    "EchoUnavailableError": ".echo",
 }
 
 

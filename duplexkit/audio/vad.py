@@ -32,6 +32,12 @@ voiced fraction to start   ``0.5 + 0.4 * threshold``                   0.7 (4 of
 energy floor               ``-60 + 20 * threshold`` dBFS               -50 dBFS
 =========================  ==========================================  ==========
 
+**Echo gate** (optional, speakers without headphones). ``StreamingVAD(cfg, echo=ctl)`` with an
+:class:`EchoGate` (duplexkit.audio.echo.EchoControl) adds a fifth condition: while the assistant's
+playback is audible, a frame counts as speech only if ``echo.gate_frame(frame)`` says its level is
+at least ``margin_db`` above the estimated echo level. The VAD must then be fed exactly the audio
+``EchoControl.capture`` returned, in order; ``gate_frame`` is called once for every frame.
+
 All times are integer ms from the start of the stream (``reset()`` restarts it), computed from
 sample counts: ``samples * 1000 // sample_rate``.
 """
@@ -41,11 +47,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional, Protocol
 
 import numpy as np
 
-__all__ = ["VadConfig", "VadEvent", "StreamingVAD", "FrameDecision", "MIN_PREROLL_MS"]
+__all__ = ["VadConfig", "VadEvent", "StreamingVAD", "FrameDecision", "EchoGate", "MIN_PREROLL_MS"]
 
 #: The effective pre-roll is at least this many ms (PROTOCOL.md §7.2).
 MIN_PREROLL_MS = 300
@@ -181,15 +187,35 @@ class FrameDecision:
         return self.webrtc and self.loud and not self.noise and not self.tone
 
 
+class EchoGate(Protocol):
+    """What the VAD asks of an echo control (implemented by ``duplexkit.audio.echo.EchoControl``).
+
+    ``gate_frame(frame)`` is called once per VAD frame (float32 [frame_samples]), in stream order;
+    it returns False when the frame is not well above the estimated playback echo level.
+    """
+
+    def gate_frame(self, frame: np.ndarray) -> bool: ...
+
+
 class StreamingVAD:
     """Streaming speech detector over float32 mono audio at ``cfg.sample_rate``.
 
     ``process`` takes chunks of any size (remainders are carried to the next call) and returns the
     events the chunk completed. Not thread-safe; use one per stream.
+
+    Args:
+        cfg: :class:`VadConfig` (default ``VadConfig()``).
+        echo: optional :class:`EchoGate` (an ``EchoControl`` at the same sample rate): while it
+            reports the frame below its echo margin, the frame is not speech (module docstring).
+            ``reset()`` does not reset it (the echo path outlives a VAD stream).
     """
 
-    def __init__(self, cfg: VadConfig | None = None) -> None:
+    def __init__(self, cfg: VadConfig | None = None, echo: Optional[EchoGate] = None) -> None:
         self.cfg = cfg or VadConfig()
+        self.echo = echo
+        rate = getattr(echo, "capture_rate", self.cfg.sample_rate)
+        if rate != self.cfg.sample_rate:
+            raise ValueError(f"echo control runs at {rate} Hz but the VAD at {self.cfg.sample_rate} Hz")
         try:
             import webrtcvad  # webrtcvad-wheels; imported here so the rest of duplexkit works without it
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -218,6 +244,7 @@ class StreamingVAD:
         self._last_speech_end = 0
         self._utt_start_ms = 0
         self.frames = 0
+        self.echo_rejected_frames = 0  # speech frames the echo gate turned down
 
     @property
     def speaking(self) -> bool:
@@ -328,6 +355,9 @@ class StreamingVAD:
         self._pos += cfg.frame_samples
         self.frames += 1
         speech = self.classify_frame(frame).speech
+        if self.echo is not None and not self.echo.gate_frame(frame) and speech:
+            speech = False
+            self.echo_rejected_frames += 1
         self._recent.append((start, speech))
         if not self._speaking:
             if not speech:

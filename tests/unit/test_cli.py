@@ -135,3 +135,29 @@ def test_demo_refused_url_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == cli.EXIT_CONNECTION and len(err) == 1 and err[0].startswith("error: cannot connect"), err
 
+
+
+# ---------------------------------------------------------------------------- mic --echo
+
+
+def test_mic_echo_flag_parses_with_auto_default():
+    p = cli.build_parser()
+    assert p.parse_args(["mic"]).echo == "auto"
+    for choice in ("off", "gate", "aec", "auto"):
+        assert p.parse_args(["mic", "--echo", choice]).echo == choice
+    with pytest.raises(SystemExit):
+        p.parse_args(["mic", "--echo", "loud"])
+
+
+def test_mic_echo_choice_resolves_to_a_client_option(monkeypatch):
+    from duplexkit.audio import echo as echo_mod
+
+    assert cli._echo_config("off") is None  # no echo= kwarg is passed to the client
+    assert cli._echo_config("gate").mode == "gate"
+    monkeypatch.setattr(echo_mod, "aec_available", lambda: False)
+    assert cli._echo_config("auto").mode == "gate"
+    with pytest.raises(cli.CliError, match=r"duplexkit\[echo\]"):
+        cli._echo_config("aec")
+    monkeypatch.setattr(echo_mod, "aec_available", lambda: True)
+    assert cli._echo_config("auto").mode == "aec"
+    assert cli._echo_config("aec").mode == "aec"
