@@ -250,7 +250,7 @@ function onEvent(ev) {
     case "session.created":
       dk.sessionId = ev.session.id;
       $("voiceInfo").textContent = ev.session.ref_audio
-        ? `reference voice ${(ev.session.ref_audio.duration_ms / 1000).toFixed(1)} s, sha256 ${ev.session.ref_audio.sha256.slice(0, 12)}…`
+        ? `reference voice ${(ev.session.ref_audio.duration_ms / 1000).toFixed(1)} s (sha256 ${ev.session.ref_audio.sha256.slice(0, 8)})`
         : "(server default voice)";
       note(`connected: ${ev.session.id} (${ev.session.model})`);
       setState("listening");

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
 from _serverproc import ServerProc  # noqa: E402,F401  (re-exported for the tests)
@@ -31,7 +32,6 @@ RATE = 16_000
 GAP_BEFORE_INTERRUPT_S = 2.5
 TAIL_SILENCE_S = 14.0
 
-# Every element the page needs to have a chromium at all; the tests skip with this reason otherwise.
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
