@@ -490,6 +490,7 @@ class Session:
         self._vad_item_committed = False
         self._make_vad()
         self._units_appended = 0
+        self.input_appends = 0  # accepted input_audio_buffer.append events (read-only counter)
         self._last_unit_ms = float(now_ms)
         self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
         self._inflight_samples = 0
@@ -522,6 +523,11 @@ class Session:
     @property
     def started(self) -> bool:
         return self._started
+
+    @property
+    def input_audio_ms(self) -> int:
+        """Real input audio received so far, in ms of 16 kHz audio (silence fed by ``tick`` excluded)."""
+        return self._real_samples * 1000 // INPUT_SAMPLE_RATE
 
     @property
     def active_response_id(self) -> Optional[str]:
@@ -949,6 +955,7 @@ class Session:
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         self._push_real(self._resampler.process(x), now_ms)
+        self.input_appends += 1
         self._check_arrival(x.size, now_ms, ev.event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Set up everything duplexkit needs on a fresh Debian/Ubuntu machine: system packages
-# (PortAudio, PulseAudio for headless audio tests, espeak-ng/sox for speech fixtures, libsndfile)
+# (PortAudio, PulseAudio for headless audio tests, espeak-ng/sox for speech fixtures, libsndfile,
+# Debian's chromium for the browser tests, which Playwright drives without downloading a browser)
 # and a virtual environment at .venv with duplexkit[all] installed in editable mode.
 #
 # Idempotent: re-running it only installs what is missing. Honours DUPLEXKIT_VENV (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libportaudio2 libsndfile1 pulseaudio pulseaudio-utils alsa-utils libasound2-plugins espeak-ng sox python3-venv)
+APT_PACKAGES=(libportaudio2 libsndfile1 pulseaudio pulseaudio-utils alsa-utils libasound2-plugins espeak-ng sox python3-venv chromium)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -153,6 +153,8 @@ class ServerState:
         self.load_error: Optional[BaseException] = None
         self.slots = SlotPool(settings.max_sessions)
         self.connections: set = set()
+        # counters of finished realtime sessions; open ones are added by :meth:`counters`
+        self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
         self.started_at = int(time.time())
         self._load_task: Optional[asyncio.Task] = None
@@ -186,6 +188,27 @@ class ServerState:
 
     def accepts_model(self, model: Optional[str]) -> bool:
         return model is None or model == "" or model in self.model_ids
+
+    # -- counters -------------------------------------------------------------------------------
+    def session_closed(self, session) -> None:
+        """Fold a finished realtime :class:`duplexkit.session.Session` into the totals."""
+        c = self._closed_counts
+        c["sessions_opened"] += 1
+        c["input_appends"] += session.input_appends
+        c["input_audio_ms"] += session.input_audio_ms
+
+    def counters(self) -> dict:
+        """Read-only totals since start (``/health``): ``sessions_open`` (realtime sessions now open),
+        ``sessions_opened`` (all accepted so far), ``input_appends`` (accepted
+        ``input_audio_buffer.append`` events) and ``input_audio_ms`` (input audio they carried, ms)."""
+        out = dict(self._closed_counts)
+        conns = list(self.connections)
+        out["sessions_open"] = len(conns)
+        out["sessions_opened"] += len(conns)
+        for conn in conns:
+            out["input_appends"] += conn.session.input_appends
+            out["input_audio_ms"] += conn.session.input_audio_ms
+        return out
 
     # -- auth ---------------------------------------------------------------------------------
     def check_key(self, key: Optional[str]) -> bool:
@@ -310,7 +333,8 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
                 "sessions_max": state.slots.size,
-                "random_weights": bool(getattr(state.engine, "random_weights", False))}
+                "random_weights": bool(getattr(state.engine, "random_weights", False)),
+                **state.counters()}
 
     @app.get("/v1/models")
     async def models(request: Request):

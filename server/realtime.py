@@ -105,6 +105,7 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             await conn.run()
         finally:
             state.connections.discard(conn)
+            state.session_closed(conn.session)
     finally:
         state.slots.release()
 

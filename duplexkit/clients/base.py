@@ -26,6 +26,7 @@ import asyncio
 import base64
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +127,11 @@ class ClientOptions:
             :class:`~duplexkit.audio.VirtualPlayer`, a speaker playing in real time.
         auto_ack: report playback truth automatically (``playback.ack``; docs/concepts.md).
         barge_in: local barge-in on the audio passed to ``send_audio`` (True, or a ``VadConfig``).
-        echo: echo control for speakers without headphones: None/"off", "gate", "aec", or a
-            :class:`~duplexkit.audio.echo.EchoConfig` (docs/concepts.md "Echo").
+        echo: echo control for speakers without headphones: None/"off", "gate", "aec", "auto"
+            (aec when ``duplexkit[echo]`` is installed, else gate) or an
+            :class:`~duplexkit.audio.EchoConfig` (docs/concepts.md "Echo"). The player's rendered
+            audio is the reference; the microphone audio is echo-cancelled (aec) before it is sent,
+            and local barge-in needs speech well above the echo level while the answer is audible.
         request_timeout_s: how long a call waits for its answer before :class:`DuplexTimeout`.
         max_buffered_events: ``events()`` keeps at most this many unread events (oldest dropped,
             counted in ``events_dropped``).
@@ -284,12 +288,12 @@ class BaseDuplexClient(abc.ABC):
                                      max_buffered_events=max_buffered_events)
         if self.options.input_rate < 8000 or self.options.input_rate > 48000:
             raise ValueError("input_rate must be within 8000..48000 Hz (docs/protocol.md §6.1)")
+        from duplexkit.audio import VirtualPlayer
+
         if player is None:
-            from duplexkit.audio import VirtualPlayer
             player = VirtualPlayer()
-            self._own_player = True
-        else:
-            self._own_player = False
+        # a VirtualPlayer plays while the session is open (started by connect, stopped by close)
+        self._own_player = isinstance(player, VirtualPlayer)
         self.player = player
         self.state = cs.ClientState(player, auto_ack=auto_ack, new_record=lambda ev: ResponseHandle(self, ev))
         self.close_code: Optional[int] = None
@@ -307,8 +311,9 @@ class BaseDuplexClient(abc.ABC):
         self._encoder = None
         self._capture_rate: Optional[int] = None
         self._vad = None
-        self._vad_resampler = None
+        self._capture_resampler = None
         self._echo = None
+        self._echo_lock = threading.Lock()
         self._pcm_carry = b""
         self._init_eid: Optional[str] = None
         self._init_error: Optional[BaseException] = None
@@ -479,9 +484,8 @@ class BaseDuplexClient(abc.ABC):
             x = pcm16_to_float32(data[:cut])
         if x.size == 0:
             return
-        x = self._capture(x, src_rate)
-        if self.options.barge_in:
-            await self._local_vad(x, src_rate)
+        if self.options.barge_in or self._echo_wanted():
+            x, src_rate = await self._listen(x, src_rate), 16_000
         payload = self._encode(x, src_rate)
         if payload:
             await self._send({"type": "input_audio_buffer.append", "audio": base64.b64encode(payload).decode("ascii")})
@@ -561,24 +565,55 @@ class BaseDuplexClient(abc.ABC):
         await self._send(dict(event))
 
     # ------------------------------------------------------------------ internals: input path
-    def _capture(self, x: np.ndarray, rate: int) -> np.ndarray:
-        """Echo control on the capture path (16 kHz processing; the result keeps ``rate``)."""
-        if self.options.echo in (None, False, "off"):
-            return x
+    def _echo_wanted(self) -> bool:
+        return self.options.echo not in (None, False, "off")
+
+    def _echo_control(self):
+        """The :class:`~duplexkit.audio.EchoControl` of this client (created on first use; its
+        reference signal is every block the player renders). Raises
+        :class:`~duplexkit.audio.EchoUnavailableError` for ``"aec"`` without the AEC package."""
         if self._echo is None:
-            from duplexkit.audio.echo import EchoConfig, EchoControl
+            from duplexkit.audio.echo import EchoConfig, EchoControl, aec_available
 
             cfg = self.options.echo
-            if isinstance(cfg, str):
+            if cfg is True or cfg == "auto":
+                cfg = EchoConfig(mode="aec" if aec_available() else "gate")
+            elif isinstance(cfg, str):
                 cfg = EchoConfig(mode=cfg)
-            elif cfg is True:
-                cfg = EchoConfig()
-            self._echo = EchoControl(cfg, capture_rate=rate, render_rate=getattr(self.player, "sample_rate",
-                                                                                   OUTPUT_RATE))
-            tap = getattr(self.player, "on_render", None)
-            if tap is not None:
-                tap(self._echo.render)
-        return self._echo.capture(x)
+            ctl = EchoControl(cfg, capture_rate=16_000, render_rate=getattr(self.player, "sample_rate", OUTPUT_RATE))
+            lock = self._echo_lock
+
+            def render(block: np.ndarray) -> None:  # the player's thread
+                with lock:
+                    ctl.render(block)
+
+            self.player.on_render(render)
+            self._echo = ctl
+        return self._echo
+
+    async def _listen(self, x: np.ndarray, rate: int) -> np.ndarray:
+        """The client's own listening path at 16 kHz: one streaming resampler, echo control
+        (``echo``), then the local VAD (``barge_in``) whose speech starts barge in. Returns the
+        16 kHz float32 audio to send (echo-cancelled in ``"aec"`` mode)."""
+        from duplexkit.audio import StreamingVAD, StreamResampler, VadConfig
+
+        if self._capture_rate != rate:
+            self._capture_rate = rate
+            self._capture_resampler = StreamResampler(rate, 16_000) if rate != 16_000 else None
+        x16 = self._capture_resampler.process(x) if self._capture_resampler is not None else x
+        echo = self._echo_control() if self._echo_wanted() else None
+        if echo is not None:
+            with self._echo_lock:
+                x16 = echo.capture(x16)
+        if self.options.barge_in:
+            if self._vad is None:
+                cfg = self.options.barge_in if isinstance(self.options.barge_in, VadConfig) else VadConfig()
+                self._vad = StreamingVAD(cfg, echo=echo) if echo is not None else StreamingVAD(cfg)
+            for vev in self._vad.process(x16):
+                if vev.kind == "speech_started":
+                    _, actions = self.state.local_speech_started()
+                    await self._apply_async(actions)
+        return x16
 
     def _encode(self, x: np.ndarray, rate: int) -> bytes:
         from duplexkit.audio import InputFormat, StreamEncoder
@@ -597,30 +632,6 @@ class BaseDuplexClient(abc.ABC):
             if tail:
                 await self._send({"type": "input_audio_buffer.append",
                                   "audio": base64.b64encode(tail).decode("ascii")})
-
-    async def _local_vad(self, x: np.ndarray, rate: int) -> None:
-        from duplexkit.audio import StreamingVAD, StreamResampler, VadConfig
-
-        if self._vad is None or self._capture_rate != rate:
-            cfg = self.options.barge_in if isinstance(self.options.barge_in, VadConfig) else VadConfig()
-            self._vad = self._make_vad(cfg)
-            self._capture_rate = rate
-            self._vad_resampler = StreamResampler(rate, 16_000) if rate != 16_000 else None
-        if self._vad_resampler is not None:
-            x = self._vad_resampler.process(x)
-        for vev in self._vad.process(x):
-            if vev.kind == "speech_started":
-                _, actions = self.state.local_speech_started()
-                await self._apply_async(actions)
-
-    def _make_vad(self, cfg):
-        from duplexkit.audio import StreamingVAD
-
-        if self._echo is not None:
-            from duplexkit.audio.echo import echo_aware_vad
-
-            return echo_aware_vad(cfg, self._echo)
-        return StreamingVAD(cfg)
 
     # ------------------------------------------------------------------ internals: sending/waiting
     async def _send(self, event: dict) -> None:

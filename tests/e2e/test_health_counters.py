@@ -1,0 +1,54 @@
+"""``/health`` counters (sessions_open, sessions_opened, input_appends, input_audio_ms) of a real
+``duplexkit serve scripted`` process, over a real WebSocket."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+
+pytestmark = pytest.mark.e2e
+
+KEYS = ("sessions_open", "sessions_opened", "input_appends", "input_audio_ms")
+
+
+def _counts(srv) -> tuple:
+    h = httpx.get(srv.url + "/health", timeout=10).json()
+    return tuple(h[k] for k in KEYS)
+
+
+def _append(ms: int) -> str:
+    pcm = np.zeros(16 * ms, np.int16).tobytes()  # 16 kHz pcm16
+    return json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+
+
+async def _recv_until(ws, type_: str) -> None:
+    while json.loads(await ws.recv())["type"] != type_:
+        pass
+
+
+async def test_health_counts_accepted_appends_and_sessions(scripted_server):
+    o, n, a, ms = _counts(scripted_server)
+    assert o == 0
+    async with websockets.connect(scripted_server.ws_url + "/v1/realtime?duplex=1") as ws:
+        await _recv_until(ws, "session.created")
+        for _ in range(3):
+            await ws.send(_append(100))
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "!!not base64"}))
+        await ws.send(json.dumps({"type": "session.heartbeat"}))
+        await _recv_until(ws, "session.heartbeat_ack")
+        # the rejected append (bad_audio) is not counted
+        assert _counts(scripted_server) == (1, n + 1, a + 3, ms + 300)
+        await ws.send(json.dumps({"type": "session.close"}))
+        await _recv_until(ws, "session.closed")
+    for _ in range(50):  # the server folds the session into its totals when the socket ends
+        if _counts(scripted_server)[0] == 0:
+            break
+        await asyncio.sleep(0.1)
+    # a closed session's counts stay in the totals
+    assert _counts(scripted_server) == (0, n + 1, a + 3, ms + 300)
