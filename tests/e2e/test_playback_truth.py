@@ -104,26 +104,42 @@ async def _settled(get_session, item_id: str, timeout: float = 5):
             await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize("generating", [True, False], ids=["server-cancels", "tail-after-done"])
 @pytest.mark.parametrize("profile", ["duplex", "compat"])
 @pytest.mark.parametrize("transport", ["inline", "remote"])
-async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile):
+async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, generating):
+    """``server-cancels``: the model turn is still open (like real weights mid-answer), so the
+    server answers the VAD barge-in with ``response.done{cancelled, turn_detected}``.
+    ``tail-after-done``: the server already finished the response; only the client can stop
+    the 8 s still queued, on the server's ``speech_started``."""
     player = VirtualPlayer(block_ms=BLOCK_MS)
-    async with _client(transport, profile, player) as (c, session):
+    async with _client(transport, profile, player, units=None if generating else 10) as (c, session):
         h = await _answer(c, 10)
         async with asyncio.timeout(20):
             while h.audio_ms < 9_000:  # the answer is (almost) all here long before it has played
                 await asyncio.sleep(0.01)
         assert h.played_ms < 1_500
+        assert h.generating is generating or not generating and h.status == "completed"
         speech = _speech("interrupt_16k.wav")
         onset = int(np.argmax(np.abs(speech) > 0.05))
-        # the user starts talking so that the server VAD confirms the barge-in at ~2 s of playback
-        await _played_at_least(h, 2_000 - 150)
-        await c.send_audio(speech[: onset + 16_000 * 3 // 10])  # onset + 300 ms: enough to confirm
-        await h.wait(10)
-        at_done = h.played_ms
-        assert h.status == "cancelled" and h.status_details["reason"] == "turn_detected"
+        # the user starts talking (20 ms chunks in real time) so that the server VAD confirms the
+        # barge-in (~100 ms after the speech onset) at ~2 s of playback
+        await _played_at_least(h, 2_000 - onset * 1000 // 16_000 - 100)
+        for i in range(0, onset + 16_000 // 2, 320):
+            await c.send_audio(speech[i:i + 320])
+            await asyncio.sleep(0.02)
+            if not h.audible:
+                break
+        if generating:
+            await h.wait(10)
+            assert h.status == "cancelled" and h.status_details["reason"] == "turn_detected"
+        else:
+            async with asyncio.timeout(10):
+                while h.audible:
+                    await asyncio.sleep(0.005)
+        at_end = h.played_ms
         await asyncio.sleep(0.3)
-        assert h.played_ms - at_done <= 100, "audio kept playing after response.done"
+        assert h.played_ms - at_end <= 100, "audio kept playing after the interruption"
         assert not h.audible and not c.speaking
         sent, committed = await _settled(session, h.item_id)
         assert sent >= 9_000
