@@ -256,6 +256,7 @@ def cmd_serve(args) -> int:
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
         max_sessions=args.max_sessions, max_event_bytes=args.max_event_bytes, idle_timeout_s=args.idle_timeout_s,
         ping_interval_s=args.ping_interval_s, max_pending_input_s=args.max_pending_input_s,
+        silence_slack_ms=args.silence_slack_ms,
         max_ref_audio_s=args.max_ref_audio_s, max_input_audio_s=args.max_input_audio_s,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         max_output_tokens=defaults.get("max_output_tokens", 1024), answer_policy=defaults.get("answer_policy"),
@@ -737,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest client event in bytes (default 16 MiB; frames over twice this close with 1009)")
     p.add_argument("--max-pending-input-s", type=_float_min(0, strict=True), default=10.0,
                    help="unconsumed input before input_backpressure, in s (default 10)")
+    p.add_argument("--silence-slack-ms", type=_int_range(0, 3_600_000), default=250,
+                   help="grace after a unit deadline before silence is fed to an active response, ms (default 250)")
     p.add_argument("--idle-timeout-s", type=_float_min(0, strict=True), default=300.0,
                    help="close sessions without client events after this many s (default 300)")
     p.add_argument("--ping-interval-s", type=_float_min(0, strict=True), default=20.0, help="WebSocket ping period in s (default 20)")

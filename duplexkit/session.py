@@ -14,7 +14,7 @@ event -> next phase | error code``. Phases:
 
 * ``idle`` — no response is active (the model listens; ``response.listen`` beats in duplex profile);
 * ``requested`` — a response was pre-created by ``response.create`` or a VAD ``create_response``
-  commit: ``response.created`` is out, a ``ForceSpeak`` was issued, the forced unit is pending;
+  commit: ``response.created`` is out, its forced unit (``AppendUnit.force_speak``) went out at once;
 * ``speaking`` — the envelope is open (item, output item, content part, ``response.speak``) and
   deltas flow;
 * ``closed`` — the session is closed; everything is ignored.
@@ -390,6 +390,7 @@ class _Settings:
     answer_policy: str
     playback_commit_policy: str
     seed: Optional[int] = None
+    early_unit_close: bool = True
 
     def copy(self) -> "_Settings":
         s = _Settings(**self.__dict__)
@@ -474,6 +475,7 @@ class Session:
             answer_policy=self.cfg.answer_policy or ("model" if duplex else "on_request"),
             playback_commit_policy="ack_only" if duplex else "commit_on_done",
             seed=self.cfg.seed,
+            early_unit_close=duplex,
         )
         self._seed_text: list[str] = []
         self._system_text: list[str] = []
@@ -482,6 +484,14 @@ class Session:
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
         self._arrival = ArrivalRateMonitor(self.settings.input_format.rate)
         self._framer = UnitFramer()
+        self._pad_debt = 0  # zero padding the model heard ahead of the input (early unit closes), samples
+        self._debt_hold: list = []  # real samples held while deciding what the padding stood in for
+        self._debt_hold_n = 0
+        self._debt_hold_start = 0  # real-sample index of the first held sample
+        self._debt_onset: Optional[int] = None  # real-sample index where speech (with pre-roll) starts
+        self._unit_hold: deque = deque()  # (Unit, end real-sample index) held for a barge-in fence
+        self._unit_hold_samples = 0
+        self._last_real_ms = float(now_ms)
         self._vad = None
         self._vad_base_samples = 0
         self._real_samples = 0  # real 16 kHz input samples seen (the VAD timeline)
@@ -636,6 +646,7 @@ class Session:
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
+        self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             self._feed_silence(now_ms)
 
@@ -742,6 +753,8 @@ class Session:
             s.seed = int(p.seed)
         if "playback_commit_policy" in given:
             s.playback_commit_policy = p.playback_commit_policy
+        if "early_unit_close" in given:
+            s.early_unit_close = bool(p.early_unit_close)
         # voice and reference audio (PROTOCOL.md §8)
         voice_changed = False
         if "voice" in given:
@@ -944,7 +957,7 @@ class Session:
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
-        pending = self._framer.pending_samples + self._inflight_samples
+        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
         limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
         if pending + incoming > limit:
             raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
@@ -959,33 +972,145 @@ class Session:
         self._check_arrival(x.size, now_ms, ev.event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
-        """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after)."""
+        """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after).
+
+        A barge-in's speech_started advances the epoch before any of this chunk (or a unit held
+        for the fence, :meth:`_frame`) is appended, so the interrupting audio from its onset minus
+        pre-roll on is tagged with the new epoch. After an early unit close the chunk may first go
+        through the padding account (:meth:`_settle_debt`).
+        """
         if x16.size == 0:
             return
         events = self._vad.process(x16) if self._vad is not None else []
+        start_real = self._real_samples
         self._real_samples += x16.size
+        self._last_real_ms = float(now_ms)
         stops = []
         for e in events:
             if e.kind == "speech_started":
+                onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
+                if self._debt_onset is None or onset < self._debt_onset:
+                    self._debt_onset = onset
                 self._on_speech_started(e)
+                self._release_units(now_ms)
             else:
                 stops.append(e)
         self._since_commit += x16.size
-        self._frame(self._framer.push(x16), now_ms, silence=False)
+        if self._resp is None and self._pad_debt > 0:
+            if self._debt_hold_n == 0:
+                self._debt_hold_start = start_real
+            self._debt_hold.append(x16)
+            self._debt_hold_n += x16.size
+            self._settle_debt(now_ms)
+        else:
+            self._settle_debt(now_ms, keep=True)
+            self._frame(self._framer.push(x16), now_ms, silence=False)
+        self._release_units(now_ms)
         for e in stops:
             self._on_speech_stopped(e, now_ms)
 
+    # --- early unit close: the padding account ------------------------------------------------
+
+    def _debt_guard(self) -> int:
+        """Held samples past the padding needed before a speech onset inside them is surely known:
+        the VAD's pre-roll + start confirmation + 2 frames (440 ms at defaults); without a VAD the
+        300 ms pre-roll + one 10 ms energy block."""
+        if self._vad is not None:
+            c = self._vad.cfg
+            return (c.preroll_ms + c.start_confirm_ms + 2 * c.frame_ms) * INPUT_SAMPLE_RATE // 1000
+        return (300 + 10) * INPUT_SAMPLE_RATE // 1000
+
+    def _energy_onset(self, held: np.ndarray) -> Optional[int]:
+        """Without a VAD: first 10 ms block of ``held`` at or above -50 dBFS RMS (the VAD's floor at
+        threshold 0.5), minus a 300 ms pre-roll, as a real-sample index; None when all is quieter."""
+        blk = INPUT_SAMPLE_RATE // 100
+        nb = held.size // blk
+        if nb == 0:
+            return None
+        e = np.sqrt(np.mean(np.square(held[: nb * blk].reshape(nb, blk), dtype=np.float64), axis=1))
+        hits = np.nonzero(e >= 10.0 ** (-50.0 / 20.0))[0]
+        if hits.size == 0:
+            return None
+        return self._debt_hold_start + int(hits[0]) * blk - 300 * INPUT_SAMPLE_RATE // 1000
+
+    def _settle_debt(self, now_ms: float, keep: bool = False) -> None:
+        """Decide what the held samples after an early unit close become (docs/concepts.md
+        "Early unit close"): the first ``_pad_debt`` of them are dropped (the model already heard
+        zeros in their place) unless speech starts earlier, in which case only the samples before
+        the speech's pre-roll are dropped and the rest of the debt is forgiven. ``keep``: a
+        response is active, so nothing is dropped (the debt stays owed) and the hold is framed."""
+        if self._debt_hold_n == 0:
+            if keep:
+                self._debt_onset = None
+            return
+        held = np.concatenate(self._debt_hold) if len(self._debt_hold) > 1 else self._debt_hold[0]
+        h0 = self._debt_hold_start
+        drop = 0
+        if not keep:
+            onset = self._debt_onset
+            if self._vad is None:
+                onset = self._energy_onset(held)
+            elif onset is None and self._vad.speaking:
+                onset = h0  # speech already under way: nothing here is silence
+            if onset is None and self._debt_hold_n < self._pad_debt + self._debt_guard():
+                return  # not decided yet: keep holding (the next unit needs these samples anyway)
+            if onset is None:
+                drop = self._pad_debt
+                self._pad_debt = 0
+            else:
+                drop = min(self._pad_debt, max(0, onset - h0))
+                self._pad_debt = 0  # speech: the rest of the padding is forgiven (audio shifts)
+        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
+        rest = held[drop:]
+        if rest.size:
+            self._frame(self._framer.push(rest), now_ms, silence=False)
+
+    # --- framing and the barge-in fence -----------------------------------------------------------
+
+    def _holding_units(self) -> bool:
+        """Units complete during a response wait for the VAD to look past them (barge-in fence)."""
+        td = self.settings.turn_detection or {}
+        return self._resp is not None and self._vad is not None and td.get("interrupt_response", True)
+
     def _frame(self, units: list, now_ms: float, silence: bool) -> None:
+        """Append units in order. While a response can be interrupted by the server VAD a unit is
+        held until the VAD has classified ``_debt_guard()`` samples past its end (440 ms at the
+        defaults), so a speech onset whose pre-roll reaches into it advances the epoch first and
+        the unit is tagged with the new epoch (issue 10 item 6)."""
+        end_real = self._real_samples
         for u in units:
+            if self._holding_units() or self._unit_hold:
+                self._unit_hold.append((u, end_real, silence))
+                self._unit_hold_samples += u.audio.shape[0]
+            else:
+                self._append_unit(u, now_ms, silence)
+        self._release_units(now_ms)
+
+    def _release_units(self, now_ms: float, force: bool = False) -> None:
+        """Append held units: all when ``force``, no response is active, or input stalled for
+        the guard time (no more audio can carry an onset); else those the VAD has looked past."""
+        if not self._unit_hold:
+            return
+        guard = self._debt_guard()
+        stalled = now_ms - self._last_real_ms >= guard * 1000 // INPUT_SAMPLE_RATE
+        everything = force or not self._holding_units() or stalled
+        vad_pos = self._vad_base_samples + self._vad.position_ms * INPUT_SAMPLE_RATE // 1000 if self._vad else 0
+        while self._unit_hold:
+            u, end_real, silence = self._unit_hold[0]
+            if not everything and vad_pos < end_real + guard:
+                break
+            self._unit_hold.popleft()
+            self._unit_hold_samples -= u.audio.shape[0]
             self._append_unit(u, now_ms, silence)
 
-    def _append_unit(self, u, now_ms: float, silence: bool) -> None:
+    def _append_unit(self, u, now_ms: float, silence: bool, force_speak: bool = False) -> None:
         self._units_appended += 1
         self._last_unit_ms = float(now_ms)
         self._inflight.append((u.index, u.audio.shape[0]))
         self._inflight_samples += u.audio.shape[0]
         self._cmd(AppendUnit(self.stream_id, self.epoch, unit_index=u.index, audio=u.audio,
-                             force_listen=self._force_listen_now(), is_silence=silence))
+                             force_listen=False if force_speak else self._force_listen_now(), is_silence=silence,
+                             force_speak=force_speak))
 
     def _force_listen_now(self) -> bool:
         if self._force_listen_left > 0:
@@ -1001,25 +1126,43 @@ class Session:
             self._inflight_samples -= self._inflight.popleft()[1]
 
     def _feed_silence(self, now_ms: float) -> None:
+        self._settle_debt(now_ms, keep=True)
+        if self._unit_hold:
+            self._release_units(now_ms, force=True)
+            return
         pending = self._framer.pending_samples
         need = self._framer.needed_samples - pending
         units = self._framer.push(np.zeros(need, np.float32))
         self._frame(units, now_ms, silence=pending == 0)
 
+    def _close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
+        """Early unit close: the partial unit (after anything held) goes out now, zero-padded to the
+        length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
+        ``force_speak``: this is a requested response's forced unit, made even from zeros only.
+        Returns the closed unit's index (None when nothing was pending and not forced)."""
+        self._settle_debt(now_ms, keep=True)
+        self._release_units(now_ms, force=True)
+        u = self._framer.flush(allow_empty=force_speak)
+        if u is None:
+            return None
+        self._pad_debt += u.padded_samples
+        self._append_unit(u, now_ms, silence=u.real_samples == 0, force_speak=force_speak)
+        return u.index
+
     def _flush_input(self, now_ms: float, drop_carry: bool = True) -> None:
-        """End the user turn's audio: resampler tail and the zero-padded partial unit.
+        """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
+        unit close, :meth:`_close_unit`).
 
         ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (PROTOCOL.md §6.1: on a
         client commit or clear). A server-VAD commit passes False: it happens at a point of the
         byte stream the client does not know, so its next append still completes that sample.
         """
+        self._settle_debt(now_ms, keep=True)
         tail = self._resampler.flush()
         if tail.size:
             self._since_commit += tail.size
             self._frame(self._framer.push(tail), now_ms, silence=False)
-        u = self._framer.flush()
-        if u is not None:
-            self._append_unit(u, now_ms, silence=False)
+        self._close_unit(now_ms)
         if drop_carry:
             self._decoder.reset()
 
@@ -1038,8 +1181,10 @@ class Session:
             return 0
         return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
-    def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True) -> str:
-        self._flush_input(now_ms, drop_carry)
+    def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
+                flush: bool = True) -> str:
+        if flush:
+            self._flush_input(now_ms, drop_carry)
         self._since_commit = 0
         uid = item_id or self._new_item_id()
         prev = self._last_item_id()
@@ -1052,6 +1197,7 @@ class Session:
 
     def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
         self._framer.clear()
+        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
@@ -1079,10 +1225,13 @@ class Session:
         self._emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
         if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             return
-        self._commit(now_ms, uid, drop_carry=False)
         td = self.settings.turn_detection or {}
-        if td.get("create_response") and self._resp is None:
-            self._create_response(None, "server_vad", None)
+        creates = bool(td.get("create_response")) and self._resp is None
+        # early unit close (docs/concepts.md): the creating commit closes the unit as the forced
+        # one; otherwise extra_body.early_unit_close decides whether the partial unit goes now
+        self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
+        if creates:
+            self._create_response(None, "server_vad", None, now_ms)
 
     # --- responses -----------------------------------------------------------------------------
 
@@ -1101,9 +1250,11 @@ class Session:
                 raise ProtocolError(ErrorCode.BAD_EVENT, _NO_VOCODER, param="response.output_modalities",
                                     event_id=ev.event_id)
         self._transition(TEvent.CREATE, ev.event_id)
-        self._create_response(params, "client", ev.event_id)
+        self._create_response(params, "client", ev.event_id, now_ms)
 
-    def _create_response(self, params, trigger: str, event_id: Optional[str]) -> None:
+    def _create_response(self, params, trigger: str, event_id: Optional[str], now_ms: float = 0) -> None:
+        """Pre-create a response and run its forced unit at once on the audio already buffered
+        (an early unit close with ``force_speak``; docs/concepts.md "Early unit close")."""
         self.phase = TRANSITIONS[self.phase][TEvent.CREATE]  # type: ignore[assignment]
         mods = list(self.settings.output_modalities)
         metadata = None
@@ -1118,9 +1269,9 @@ class Session:
             if params.ignored:
                 metadata = dict(metadata or {})
                 metadata["ignored_fields"] = ",".join(params.ignored)
-        self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=self._framer.next_index)
+        self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=None)
         self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
-        self._cmd(ForceSpeak(self.stream_id, self.epoch))
+        self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
 
     def _new_response(self, trigger, mods, metadata, cap, forced_unit) -> _Response:
         stream_audio = "audio" in self.settings.output_modalities
@@ -1568,6 +1719,7 @@ class Session:
                 "answer_policy": s.answer_policy,
                 "playback_commit_policy": s.playback_commit_policy,
                 "seed": s.seed,
+                "early_unit_close": s.early_unit_close,
             },
             capabilities=Capabilities(extension_events=EXTENSION_EVENTS if self._duplex else []),
         )

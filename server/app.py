@@ -48,6 +48,7 @@ class ServerSettings:
         idle_timeout_s: close a session with no client event for this long (PROTOCOL.md §1.5).
         ping_interval_s: WebSocket ping period in seconds (uvicorn ``ws_ping_interval``).
         max_pending_input_s: input backpressure threshold in seconds (PROTOCOL.md §6.1).
+        silence_slack_ms: grace after a unit deadline before silence is fed to an active response, ms.
         max_ref_audio_s: longest reference voice accepted in seconds (PROTOCOL.md §8).
         max_input_audio_s: longest chat-completions input audio in seconds (PROTOCOL.md §10.1).
         ref_audio_dir: allow-listed directory for reference-voice paths (None: paths refused).
@@ -71,6 +72,7 @@ class ServerSettings:
     idle_timeout_s: float = 300.0
     ping_interval_s: float = 20.0
     max_pending_input_s: float = 10.0
+    silence_slack_ms: int = 250
     max_ref_audio_s: float = 30.0
     max_input_audio_s: float = 60.0
     ref_audio_dir: Optional[Path] = None

@@ -123,7 +123,7 @@ def session_config(state, profile: str):
                                   answer_policy=s.answer_policy,
                                   ref_audio_loader=state.load_ref_audio_path if s.ref_audio_dir else None,
                                   audio_output_available=bool(getattr(state.engine, "supports_audio", True)),
-                                  limits=limits)
+                                  silence_slack_ms=getattr(s, "silence_slack_ms", 250), limits=limits)
     if s.max_output_tokens is not None:
         kwargs["max_output_tokens"] = s.max_output_tokens
     voices = getattr(state, "voices", None)

@@ -11,7 +11,8 @@ exactly the slices the reference feeds in parity case f:
 Separately it keeps the *consumed* bookkeeping used for millisecond accounting: unit 0 consumes
 ``[0, 16480)``, unit k consumes ``[16480 + (k-1)*16000, 16480 + k*16000)``.
 
-Zero padding only happens on an explicit :meth:`UnitFramer.flush` (trailing zeros).
+Zero padding only happens on an explicit :meth:`UnitFramer.flush` (trailing zeros). How the Session
+accounts that padding against the silence that follows (early unit close) is in docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -168,13 +169,14 @@ class UnitFramer:
         self._buf = buf[pos:].copy() if pos else buf
         return units
 
-    def flush(self) -> Unit | None:
+    def flush(self, allow_empty: bool = False) -> Unit | None:
         """Emit the pending samples as one unit, zero-padded at the end to full size.
 
-        Returns ``None`` when nothing is pending (no padding-only unit is ever made).
+        Returns ``None`` when nothing is pending, unless ``allow_empty``: then a unit of zeros only
+        (``padded_samples`` = its full length) is made, for a forced unit that must run now.
         """
         n = self.pending_samples
-        if n == 0:
+        if n == 0 and not allow_empty:
             return None
         need = self.needed_samples
         audio = np.zeros(need, np.float32)

@@ -138,6 +138,10 @@ class AppendUnit(EngineCommand):
         force_listen: the model must decide ``listen`` for this unit (answer policy
             ``on_request`` outside a requested response, or ``force_listen_count``).
         is_silence: True when the Session fed silence because input ran dry (§ "input running dry").
+        force_speak: the model must decide ``speak`` for this unit (the forced unit of a requested
+            response, MODEL.md §5.4: listen masked, boundary pass skipped, turn opened). Bound to the
+            unit, unlike the older :class:`ForceSpeak` command, so it cannot race queued units.
+            ``force_listen`` wins when both are set.
         frame: optional RGB uint8 [H, W, 3] image riding this unit (MODEL.md §3.3).
     """
 
@@ -146,6 +150,7 @@ class AppendUnit(EngineCommand):
     force_listen: bool = False
     is_silence: bool = False
     frame: Optional[np.ndarray] = None
+    force_speak: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ and assert exact outcomes. It is *not* a model: every e2e test must also run the
 Script (per stream)
 -------------------
 * Each :class:`~duplexkit.engine.api.AppendUnit` yields one :class:`~duplexkit.engine.api.Decision`.
-* ``listen`` when the unit is ``force_listen``; ``speak`` when a :class:`ForceSpeak` is pending, when
+* ``listen`` when the unit is ``force_listen``; ``speak`` when the unit is ``force_speak``, when a
+  :class:`ForceSpeak` is pending, when
   a model turn is open, or (model-native mode) after ``speak_after_units`` consecutive listening
   units; otherwise ``listen``.
 * A speaking unit emits ``Decision(speak)``, one :class:`TextDelta` (``text_for_unit(k)``,
@@ -215,7 +216,7 @@ class ScriptedStream:
         speak = False
         if cmd.force_listen:
             speak = False
-        elif self._force_speak or self._in_turn:
+        elif cmd.force_speak or self._force_speak or self._in_turn:
             speak = True
         elif s.speak_after_units is not None and self._listen_run >= s.speak_after_units:
             speak = True

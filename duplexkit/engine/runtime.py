@@ -679,6 +679,7 @@ class StageRuntime:
                 force_speak = st.force_speak_epoch is not None and st.force_speak_epoch == it.slot.epoch
                 if force_speak:
                     st.force_speak_epoch = None
+                force_speak = force_speak or bool(cmd.force_speak)
                 it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
                 items.append(ThinkerWork(handle=st.thinker_handle, audio=audio, force_listen=bool(cmd.force_listen),
                                          force_speak=force_speak, frame=cmd.frame, unit_index=cmd.unit_index))

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from .errors import ErrorCode, ProtocolError
 
@@ -130,6 +130,7 @@ class SessionPatch(_In):
     answer_policy: Optional[Literal["model", "on_request"]] = None
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     playback_commit_policy: Optional[Literal["ack_only", "commit_on_done"]] = None
+    early_unit_close: Optional[StrictBool] = None
     given: List[str] = Field(default_factory=list)
     sources: Dict[str, str] = Field(default_factory=dict)
     ignored: List[str] = Field(default_factory=list)
@@ -157,6 +158,7 @@ class SessionPatch(_In):
             "answer_policy": ("extra_body.answer_policy", "answer_policy"),
             "seed": ("extra_body.seed", "seed"),
             "playback_commit_policy": ("extra_body.playback_commit_policy", "playback_commit_policy"),
+            "early_unit_close": ("extra_body.early_unit_close", "early_unit_close"),
         }
         for key, paths in spellings.items():
             for p in paths:

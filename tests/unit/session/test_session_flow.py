@@ -43,7 +43,7 @@ def test_compat_profile_defaults():
     s = d.events[0]["session"]
     assert s["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
     assert s["audio"]["input"]["turn_detection"]["create_response"] is True
-    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done",
+    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done", "early_unit_close": False,
                                "seed": None}
     assert s["capabilities"]["extension_events"] == []
 
@@ -92,7 +92,11 @@ def test_commit_create_speak_full_envelope():
     new = d.send({"type": "response.create"})
     assert d.types(new) == ["response.created"]
     assert new[0]["response"]["trigger"] == "client" and new[0]["response"]["epoch"] == 0
-    assert any(isinstance(c, ForceSpeak) for c in new)
+    # the forced unit runs at once (issue 11): the commit closed the partial unit, so the forced
+    # unit is made of padding only and goes out in the same call
+    forced = [c for c in new if isinstance(c, AppendUnit)]
+    assert len(forced) == 1 and forced[0].force_speak and not forced[0].force_listen and not forced[0].audio.any()
+    assert not any(isinstance(c, ForceSpeak) for c in new)
     new = d.speak(["Hi ", "there."])
     assert d.types(new) == [
         "conversation.item.added", "response.output_item.added", "response.content_part.added", "response.speak",
@@ -322,12 +326,13 @@ def test_silence_feeding_never_stalls_an_answer():
     d.append(second(0.5))
     d.send({"type": "input_audio_buffer.commit"})
     n0 = len([c for c in d.cmds if isinstance(c, AppendUnit)])
-    d.send({"type": "response.create"})
+    forced = [c for c in d.send({"type": "response.create"}) if isinstance(c, AppendUnit)]
+    assert [(u.unit_index, u.force_speak, u.is_silence) for u in forced] == [(n0, True, True)]
     assert not [c for c in d.tick(500) if isinstance(c, AppendUnit)]  # deadline not yet passed
     new = d.tick(1000)
     units = [c for c in new if isinstance(c, AppendUnit)]
     assert len(units) == 1 and units[0].is_silence and units[0].audio.shape == (16000,) and not units[0].audio.any()
-    assert units[0].unit_index == n0
+    assert units[0].unit_index == n0 + 1 and not units[0].force_speak
     # real input takes precedence: a partial unit is completed with silence, marked not-silence
     d.append(second(0.3))
     new = d.tick(1300)

@@ -147,7 +147,9 @@ def run(steps: list[Step], **driver_kw) -> Driver:
     for i, st in enumerate(steps):
         new = st.do(d)
         got = [_summary(o) for o in new if isinstance(o, dict)]
-        cmds = [type(o).__name__ for o in new if not isinstance(o, dict) and not isinstance(o, AppendUnit)]
+        # plain AppendUnits are input plumbing; a requested response's forced unit is a command
+        cmds = ["AppendUnit(force_speak)" if isinstance(o, AppendUnit) else type(o).__name__ for o in new
+                if not isinstance(o, dict) and not (isinstance(o, AppendUnit) and not o.force_speak)]
         assert got == st.out, f"step {i} ({st.label}): events {got} != {st.out}"
         assert cmds == st.cmds, f"step {i} ({st.label}): commands {cmds} != {st.cmds}"
         if st.check is not None:
@@ -339,7 +341,7 @@ def _():
     return [
         silence(1000, out=[]),
         speech("interrupt_16k.wav", 0, (k - lead) * _CHUNK, chunk_ms=_CHUNK, out=[]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"], check=state_is("requested", 0)),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"], check=state_is("requested", 0)),
         speech("interrupt_16k.wav", (k - lead) * _CHUNK, k * _CHUNK, chunk_ms=_CHUNK,
                out=["input_audio_buffer.speech_started", "response.done:cancelled/turn_detected"],
                cmds=["CancelEpoch"], check=_barge_in_before_audio),
@@ -354,7 +356,7 @@ def _():
 def _():
     return [
         silence(1200, out=[]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         tick(50, out=[]),
         client({"type": "response.cancel"}, out=["response.done:cancelled/client_cancelled"], cmds=["CancelEpoch"],
                check=_barge_in_before_audio),
@@ -380,7 +382,7 @@ def _():
 def _():
     return [
         silence(1100, out=[]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         engine_speak(["One ", "two ", "three."], out=ENVELOPE_3[:-1] + ["response.done:completed"]),
         client({"type": "response.cancel", "response_id": resp_id(-1)}, out=["error:response_not_active"],
                check=state_is("idle", 0)),
@@ -408,7 +410,7 @@ def _():
 def _():
     return [
         silence(1100, out=[]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         client({"type": "response.create"}, out=["error:response_already_active"], check=state_is("requested", 0)),
         engine_speak(["One ", "two ", "three."], end=False, out=ENVELOPE_3[:4] + ENVELOPE_3[4:10]),
         client({"type": "response.create", "response": {"modalities": ["text"]}}, out=["error:response_already_active"],

@@ -1,0 +1,359 @@
+"""What the user feels: end-to-end latency of the real server over WebSockets (issue 11).
+
+Starts ``duplexkit serve <model>`` as a subprocess (or targets ``--url``), opens N sessions at once
+and streams the fixture speech into each in real time (100 ms appends, paced by the wall clock;
+silence between utterances, the mic is never off). Every session runs ``--rounds`` rounds of three
+scenarios and the script prints, per concurrency level, p50/p90 in ms of:
+
+* ``vad_eos``: end of the user's speech (the last 10 ms block of the fixture above -50 dBFS, at the
+  moment the client sent it) -> first ``response.output_audio.delta`` at the client, with the
+  server VAD committing and creating the response (``create_response: true``: the model-native
+  path with a forced decision; random weights never decide on their own);
+* ``create``: ``input_audio_buffer.commit`` + ``response.create`` sent -> first audio delta;
+* ``barge``: onset of the interrupting speech (sent while the answer plays) -> the cancelled
+  ``response.done`` at the client (after it no delta of that response can arrive); ``barge_last``
+  is the same onset -> the last audio delta of the interrupted response.
+
+Models: ``scripted`` (torch-free; ``--unit-delay-ms`` simulates engine compute per unit, so with 0
+every millisecond measured is session + server + socket overhead), ``tiny``, a checkpoint path, or
+``random-real`` / ``random-tiny`` (MiniCPM-o 4.5 with random weights at real / tiny size, built
+in-process like benchmarks/gpu_engine.py and served with create_app + uvicorn; ``--device``).
+
+Examples::
+
+    python benchmarks/e2e_latency.py --model scripted --sessions 1,16
+    python benchmarks/e2e_latency.py --model tiny --sessions 1,2 --rounds 2
+    python benchmarks/e2e_latency.py --model random-real --device cuda --sessions 1,8,16,32 --tokens 19
+    python benchmarks/e2e_latency.py --url ws://127.0.0.1:8000 --sessions 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from duplexkit.audio import read_wav  # noqa: E402
+
+FIX = REPO / "tests" / "fixtures" / "audio"
+SR = 16000
+CHUNK = 1600  # 100 ms appends
+FLOOR = 10 ** (-50 / 20)
+
+
+def _speech_edges(x: np.ndarray) -> tuple[int, int]:
+    """First and last sample of the 10 ms blocks at or above -50 dBFS (the VAD floor at 0.5)."""
+    nb = x.size // 160
+    e = np.sqrt(np.mean(np.square(x[: nb * 160].reshape(nb, 160), dtype=np.float64), axis=1))
+    hit = np.nonzero(e >= FLOOR)[0]
+    return int(hit[0]) * 160, (int(hit[-1]) + 1) * 160
+
+
+def _pcm(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+class Mic:
+    """Sends 100 ms appends paced in real time; silence unless an utterance is queued."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.queue: list[np.ndarray] = []
+        self.sent_at: dict[int, float] = {}  # utterance sample index (chunk end) -> send time
+        self._cur: np.ndarray | None = None
+        self._pos = 0
+        self.done = asyncio.Event()
+
+    def say(self, x: np.ndarray) -> asyncio.Event:
+        self._cur, self._pos, self.sent_at = x, 0, {}
+        self.done = asyncio.Event()
+        return self.done
+
+    def spoken_at(self, s: int) -> float:
+        """Wall time the sample ``s`` of the current utterance was 'spoken' (sent in real time)."""
+        end = (s // CHUNK + 1) * CHUNK
+        return self.sent_at[end] - (end - s) / SR
+
+    async def run(self) -> None:
+        t0 = time.perf_counter()
+        k = 0
+        while True:
+            if self._cur is not None:
+                x = self._cur[self._pos: self._pos + CHUNK]
+                self._pos += CHUNK
+                if x.size < CHUNK:
+                    x = np.concatenate([x, np.zeros(CHUNK - x.size, np.float32)])
+            else:
+                x = np.zeros(CHUNK, np.float32)
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                           "audio": base64.b64encode(_pcm(x)).decode()}))
+            if self._cur is not None:
+                self.sent_at[self._pos] = time.perf_counter()
+                if self._pos >= self._cur.size:
+                    self._cur = None
+                    self.done.set()
+            k += 1
+            await asyncio.sleep(max(0.0, t0 + k * CHUNK / SR - time.perf_counter()))
+
+
+class Inbox:
+    """Reads server events; ``wait(pred)`` returns (event, receive time) of the next match."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.waiters: list = []
+        self.errors: list = []
+
+    async def run(self) -> None:
+        async for raw in self.ws:
+            t = time.perf_counter()
+            ev = json.loads(raw)
+            ev["_t"] = t  # receive time
+            if ev["type"] == "error" and ev["error"].get("code") != "response_not_active":
+                self.errors.append(ev)
+            for w in list(self.waiters):
+                pred, fut = w
+                if not fut.done() and pred(ev):
+                    fut.set_result((ev, t))
+                    if w in self.waiters:
+                        self.waiters.remove(w)
+
+    def expect(self, pred) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append((pred, fut))
+        return fut
+
+
+def _is(t: str):
+    return lambda e: e["type"] == t
+
+
+async def _session(url: str, rounds: int, res: dict, question: np.ndarray, interrupt: np.ndarray,
+                   timeout: float) -> None:
+    import websockets
+
+    q_end = _speech_edges(question)[1]
+    i_on = _speech_edges(interrupt)[0]
+    async with websockets.connect(url + "/v1/realtime?duplex=1", max_size=None) as ws:
+        inbox = Inbox(ws)
+        rx = asyncio.create_task(inbox.run())
+        await asyncio.wait_for(inbox.expect(_is("session.created")), timeout)
+        mic = Mic(ws)
+        tx = asyncio.create_task(mic.run())
+
+        async def update(td) -> None:
+            f = inbox.expect(_is("session.updated"))
+            await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": td}}))
+            await asyncio.wait_for(f, timeout)
+
+        async def until_done(fut=None) -> dict:
+            ev, _ = await asyncio.wait_for(fut or inbox.expect(_is("response.done")), timeout)
+            return ev
+
+        try:
+            for _ in range(rounds):
+                # 1. explicit commit + response.create
+                await update(None)
+                await mic.say(question).wait()
+                first = inbox.expect(_is("response.output_audio.delta"))
+                done = inbox.expect(_is("response.done"))
+                t0 = time.perf_counter()
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                await ws.send(json.dumps({"type": "response.create"}))
+                _, t1 = await asyncio.wait_for(first, timeout)
+                res["create"].append((t1 - t0) * 1000)
+                await ws.send(json.dumps({"type": "response.cancel"}))
+                await until_done(done)
+                await asyncio.sleep(0.5)
+                # 2. server VAD: end of speech -> first audio
+                await update({"type": "server_vad", "create_response": True, "interrupt_response": True})
+                first = inbox.expect(_is("response.output_audio.delta"))
+                done = inbox.expect(_is("response.done"))
+                mic.say(question)
+                _, t1 = await asyncio.wait_for(first, timeout)
+                res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
+                # 3. barge-in over that answer: speech onset -> silence at the client
+                last = [t1]
+                rid = None
+
+                def mark(e):
+                    if e["type"] == "response.output_audio.delta" and (rid is None or e["response_id"] == rid):
+                        last[0] = time.perf_counter()
+                    return False
+
+                inbox.waiters.append((mark, asyncio.get_running_loop().create_future()))
+                mic.say(interrupt)
+                ev = await until_done(done)
+                inbox.waiters = [w for w in inbox.waiters if w[0] is not mark]
+                st = ev["response"]["status"]
+                if st == "cancelled" and (i_on // CHUNK + 1) * CHUNK in mic.sent_at:
+                    t_on = mic.spoken_at(i_on)
+                    res["barge"].append((ev["_t"] - t_on) * 1000)
+                    res["barge_last"].append((last[0] - t_on) * 1000)
+                else:
+                    res["barge_missed"].append(st)
+                await mic.done.wait()
+                # the interruption's own VAD turn creates a response: let it finish or cancel it
+                f = inbox.expect(_is("response.done"))
+                await asyncio.sleep(0.3)
+                await ws.send(json.dumps({"type": "response.cancel"}))
+                try:
+                    await asyncio.wait_for(f, 5)
+                except asyncio.TimeoutError:
+                    pass
+                await asyncio.sleep(0.5)
+        finally:
+            tx.cancel()
+            rx.cancel()
+        res["errors"] += inbox.errors
+
+
+def _pct(v: list, q: float) -> float:
+    return float(np.percentile(v, q)) if v else float("nan")
+
+
+async def run_level(url: str, n: int, rounds: int, timeout: float) -> dict:
+    question = read_wav(FIX / "question_16k.wav", SR)[0]
+    interrupt = read_wav(FIX / "interrupt_16k.wav", SR)[0]
+    res: dict = {"create": [], "vad_eos": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
+
+    async def one(k: int) -> None:
+        await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
+        await _session(url, rounds, res, question, interrupt, timeout)
+
+    await asyncio.gather(*[one(k) for k in range(n)])
+    return res
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_subprocess(a, max_sessions: int):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "duplexkit.cli", "serve", a.model, "--host", "127.0.0.1", "--port", str(port),
+           "--max-sessions", str(max_sessions + 2), "--log-level", "warning", "--answer-policy", "on_request"]
+    if a.model == "scripted":
+        cmd += ["--scripted", f"unit_delay_s={a.unit_delay_ms / 1000}", "--scripted", "units_per_turn=4"]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env)
+    import httpx
+
+    t_end = time.monotonic() + 600
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"ws://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.terminate()
+    raise SystemExit("server not ready")
+
+
+def _start_random(a, max_sessions: int):
+    """random-real / random-tiny: build the model in-process, serve with create_app + uvicorn."""
+    import torch
+    import uvicorn
+
+    from duplexkit.engine import DuplexEngine
+    from duplexkit.models.minicpmo45.random_init import build_random_model
+    from duplexkit_server import ServerSettings, create_app
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_engine import make_layout  # the same layout as the engine-only benchmark
+
+    size = a.model.split("-", 1)[1]
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
+                               kv_slots=max_sessions + 2, with_code2wav=True)
+    n_tok = int(a.tokens)
+    model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
+    if dev.type == "cuda":
+        every = list(range(1, max_sessions + 3))
+        model.thinker.warmup(every, 512)
+        model.talker.warmup(every, 512)
+        if hasattr(model.code2wav, "warmup"):
+            model.code2wav.warmup()
+    engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
+    app = create_app(engine, ServerSettings(max_sessions=max_sessions + 2, answer_policy="on_request",
+                                            max_output_tokens=200))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.1)
+    return server, f"ws://127.0.0.1:{port}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="scripted", help="scripted | tiny | <checkpoint dir> | random-real | random-tiny")
+    ap.add_argument("--url", default=None, help="target an existing server (ws://host:port) instead")
+    ap.add_argument("--sessions", default="1", help="comma list of concurrency levels (e.g. 1,8,16,32)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three scenarios per session")
+    ap.add_argument("--unit-delay-ms", type=float, default=0.0, help="scripted: simulated engine compute per unit")
+    ap.add_argument("--tokens", default="19", help="random-*: decided tokens per speaking unit")
+    ap.add_argument("--device", default="cuda", help="random-*: torch device")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    levels = [int(x) for x in a.sessions.split(",") if x.strip()]
+    server = None
+    url = a.url
+    if url is None:
+        if a.model.startswith("random-"):
+            server, url = _start_random(a, max(levels))
+        else:
+            server, url = _start_subprocess(a, max(levels))
+    rows = []
+    try:
+        for n in levels:
+            t = time.perf_counter()
+            r = asyncio.run(run_level(url, n, a.rounds, a.timeout))
+            rows.append((n, r))
+            print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
+                  f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, errors {len(r['errors'])}",
+                  flush=True)
+    finally:
+        if isinstance(server, subprocess.Popen):
+            server.terminate()
+            server.wait(30)
+        elif server is not None:
+            server.should_exit = True
+    hdr = f"{'sessions':>8} | {'create p50':>10} {'p90':>7} | {'vad_eos p50':>11} {'p90':>7} | {'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}"
+    print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time)")
+    print(hdr)
+    print("-" * len(hdr))
+    out = []
+    for n, r in rows:
+        print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
+              f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['barge'], 50):>9.0f} {_pct(r['barge'], 90):>7.0f} | "
+              f"{_pct(r['barge_last'], 50):>14.0f}")
+        out.append({"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "barge", "barge_last", "barge_missed")}})
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
