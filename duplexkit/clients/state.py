@@ -32,8 +32,8 @@ It owns:
   with its id, server-VAD ``speech_started``
   while audible and ``interrupt_response``
   on, :meth:`barge_in` / local VAD speech
-  response done and its audio all played       ``playback.ack{played_ms = all of it}`` *then*
-  (``on_drained``, or already drained at done)  (not at ``response.done``)
+  response done and its audio all played       ``playback.ack{played_ms = all of it, truncate:true}``
+  (``on_drained``, or already drained at done)  *then* (not at ``response.done``)
   ===========================================  ====================================================
 
   :meth:`barge_in` works on whatever is audible, including the tail of a response the server
@@ -629,8 +629,8 @@ class ClientState:
         played = rec.played_ms
         rec.heard_final = True
         self._out.append(PlaybackHeard(rec.id, played))
-        if self.auto_ack and played > rec.acked_ms:
-            self._out.append(self.ack(rec.id, played))
+        if self.auto_ack:
+            self._out.append(self.ack(rec.id, played, truncate=True))  # final: it has all played
 
     def _end(self, error: Optional[BaseException]) -> None:
         if self.closed and not self._pending and not any(r.generating for r in self.responses.values()):

@@ -176,14 +176,14 @@ SCENARIOS: dict[str, list[S]] = {
         S(srv(audio("r1", 1000))),
         S(srv(done("r1")), ["ended:r1"], check=queued("r1", 2000)),
         S(play(1500), [], check=lambda h: h.state.speaking is True),
-        S(play(600), ["heard:r1@2000", "send:ack(2000)"], check=lambda h: h.state.speaking is False),
+        S(play(600), ["heard:r1@2000", "send:ack(2000,truncate)"], check=lambda h: h.state.speaking is False),
         S(play(500), []),
     ],
     "already played out when done arrives (audio slower than real time): heard at done": [
         S(srv(created("r1")), ["started:r1"]),
         S(srv(audio("r1", 500))),
         S(play(700), []),  # drained while generating: not yet fully heard
-        S(srv(done("r1", "incomplete", "max_output_tokens")), ["ended:r1", "heard:r1@500", "send:ack(500)"]),
+        S(srv(done("r1", "incomplete", "max_output_tokens")), ["ended:r1", "heard:r1@500", "send:ack(500,truncate)"]),
     ],
     "server cancel (turn_detected) while playing: flush at once, report the heard position": [
         S(srv(created("r1")), ["started:r1"]),
@@ -286,7 +286,7 @@ SCENARIOS: dict[str, list[S]] = {
         S(srv({"type": "response.audio_transcript.delta", "response_id": "r1", "item_id": "item_r1",
                "delta": "hi"}), [], check=lambda h: h.state.responses["r1"].transcript == "hi"),
         S(srv(done("r1")), ["ended:r1"]),
-        S(play(1000), ["heard:r1@1000", "send:ack(1000)"]),
+        S(play(1000), ["heard:r1@1000", "send:ack(1000,truncate)"]),
     ],
     "auto_ack off: flushes still happen, no acks are sent": [
         S(lambda h: (setattr(h.state, "auto_ack", False), [])[1]),
@@ -414,7 +414,7 @@ class PlaybackTruth(RuleBasedStateMachine):
             assert pos == sorted(pos) and all(p <= played for p in pos)
             assert sum(1 for a in acks if a.get("truncate")) <= 1
             if any(a.get("truncate") for a in acks):
-                assert acks[-1].get("truncate") and rec.flushed
+                assert acks[-1].get("truncate") and rec.heard_final
             if rec.flushed:
                 assert self.h.player.queued_samples(rid) == 0
             if not rec.generating and rec.audio_samples and not rec.flushed and \
