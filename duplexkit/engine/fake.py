@@ -90,6 +90,8 @@ class ScriptConfig:
         unit_delay_s: simulated compute time per unit in seconds.
         fail_at_unit: unit index at which an ``EngineError`` is emitted instead of a decision.
         fail_fatal: whether that error is fatal (the Session then closes with 1011).
+        speech: optional float32 [n] at 24 kHz spoken instead of the tone (looped,
+            phase-continuous over the turn like the tone), e.g. a speech fixture for echo tests.
     """
 
     speak_after_units: Optional[int] = None
@@ -101,6 +103,7 @@ class ScriptConfig:
     unit_delay_s: float = 0.0
     fail_at_unit: Optional[int] = None
     fail_fatal: bool = False
+    speech: Optional[np.ndarray] = None
     chat_text: str = "This is a scripted chat reply."
     chat_tokens_per_word: int = 1
 
@@ -110,6 +113,14 @@ def tone(n: int, start: int = 0, hz: float = 440.0, amplitude: float = 0.2,
     """A sine tone: float32 [n] at ``rate`` Hz, phase-continuous from sample ``start``."""
     t = (np.arange(n, dtype=np.float64) + start) / rate
     return (amplitude * np.sin(2 * math.pi * hz * t)).astype(np.float32)
+
+
+def _voice(s: "ScriptConfig", n: int, start: int) -> np.ndarray:
+    """The scripted voice: ``speech`` (looped) when given, else the tone; float32 [n] at 24 kHz."""
+    if s.speech is None or len(s.speech) == 0:
+        return tone(n, start, s.tone_hz, s.tone_amplitude)
+    idx = (np.arange(n) + start) % len(s.speech)
+    return np.asarray(s.speech, np.float32)[idx]
 
 
 class ScriptedStream:
@@ -239,12 +250,12 @@ class ScriptedStream:
         end = s.units_per_turn is not None and k + 1 >= s.units_per_turn
         if self.config.output_audio:
             n = FIRST_CHUNK_SAMPLES if k == 0 else CHUNK_SAMPLES
-            self._emit(AudioChunk(sid, ep, ui, audio=tone(n, self._turn_samples, s.tone_hz, s.tone_amplitude),
+            self._emit(AudioChunk(sid, ep, ui, audio=_voice(s, n, self._turn_samples),
                                   text=text, final=False))
             self._turn_samples += n
             if end:
-                self._emit(AudioChunk(sid, ep, ui, audio=tone(TAIL_SAMPLES, self._turn_samples, s.tone_hz,
-                                                              s.tone_amplitude), text="", final=True))
+                self._emit(AudioChunk(sid, ep, ui, audio=_voice(s, TAIL_SAMPLES, self._turn_samples), text="",
+                                      final=True))
                 self._turn_samples += TAIL_SAMPLES
         self._turn_units += 1
         self._emit(UnitTimings(sid, ep, ui, timings=timings))
