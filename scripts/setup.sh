@@ -27,7 +27,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# torch and torchaudio must be a matching pair (MODEL.md §7.6); install them first so the
+# torch and torchaudio must be a matching pair (docs/model.md §7.6); install them first so the
 # resolver never pulls a mismatched torchaudio.
 if ! "$VENV/bin/python" -c "import torch, torchaudio; assert torch.__version__.startswith('2.9.1')" 2>/dev/null; then
   echo "[setup] installing torch 2.9.1 + torchaudio 2.9.1 (large download, once)"

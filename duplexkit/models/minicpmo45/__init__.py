@@ -1,4 +1,4 @@
-"""MiniCPM-o 4.5 rebuilt as Thinker -> Talker -> Code2Wav (MODEL.md).
+"""MiniCPM-o 4.5 rebuilt as Thinker -> Talker -> Code2Wav (docs/model.md).
 
 Public API (interfaces.md): :class:`MiniCPMOConfig`, :func:`load_tokenizer`, :class:`SpecialTokens`,
 :func:`load`, :class:`MiniCPMO45`, :class:`CheckpointError`, :func:`build_tiny_checkpoint`, and the
