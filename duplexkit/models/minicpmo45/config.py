@@ -1,6 +1,6 @@
 """Configuration of a MiniCPM-o 4.5 checkpoint, read from its own ``config.json``.
 
-The layout is the real one (docs/model.md §1.2, parity ``tiny_config_README.md``): Qwen3 LLM fields at
+The layout is the real one (docs/model.md §1.2, docs/model.md §9): Qwen3 LLM fields at
 the top level, plus ``vision_config`` (SigLIP), ``audio_config`` (Whisper encoder) and
 ``tts_config`` (talker). Unknown keys are kept in ``raw`` so nothing is lost.
 
@@ -73,7 +73,7 @@ class VisionConfig:
 
     @property
     def num_patches_per_side(self) -> int:
-        """Side of the position table grid (980/14 = 70; parity tiny_config_README)."""
+        """Side of the position table grid (980/14 = 70; docs/model.md §9)."""
         return self.image_size // self.patch_size
 
     def to_siglip_config(self):
@@ -196,7 +196,7 @@ class TTSConfig:
 
 @dataclass
 class MiniCPMOConfig:
-    """Top-level MiniCPM-o 4.5 config (``config.json``; parity ``tiny_config_README.md``).
+    """Top-level MiniCPM-o 4.5 config (``config.json``; docs/model.md §9).
 
     LLM fields mirror Qwen3. ``query_num`` must stay 64 and ``hidden_size`` must be a positive
     multiple of 128 (resampler heads = hidden/128); :meth:`validate` raises :class:`ConfigError`.
@@ -311,7 +311,7 @@ class MiniCPMOConfig:
         return dict(self.raw)
 
     def validate(self) -> None:
-        """Check the constraints of parity ``tiny_config_README.md``; raises :class:`ConfigError`."""
+        """Check the constraints of docs/model.md §9; raises :class:`ConfigError`."""
         if self.model_type != "minicpmo":
             raise ConfigError(f"model_type must be 'minicpmo', got {self.model_type!r}")
         if "version" not in self.raw and self.raw:

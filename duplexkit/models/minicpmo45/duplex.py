@@ -105,7 +105,7 @@ class DuplexPolicy:
 
 @dataclass
 class UnitInput:
-    """One duplex unit for one stream (interfaces.md).
+    """One duplex unit for one stream (docs/model.md).
 
     Attributes:
         stream: the :class:`~duplexkit.models.minicpmo45.thinker.ThinkerStream`.
@@ -125,7 +125,7 @@ class UnitInput:
 
 @dataclass
 class UnitResult:
-    """Outcome of one unit (interfaces.md).
+    """Outcome of one unit (docs/model.md).
 
     Attributes:
         decision: "listen" when the unit fed nothing but ``<|listen|>`` (incl. forced), else "speak".

@@ -3,7 +3,7 @@
 bucket with sampling on the GPU (no host sync inside the unit).
 
 :class:`FastTalker` wraps a :class:`~.talker.Talker` (weights shared) and exposes the same API
-(interfaces.md "Talker"): ``new_turn``, ``generate_units`` (batched: ``batched = True``),
+(docs/model.md, "Talker"): ``new_turn``, ``generate_units`` (batched: ``batched = True``),
 ``generate_offline`` (delegated to the wrapped talker, the chat path), ``device``, ``dtype``,
 ``config``. The duplex algorithm is the talker's (docs/model.md §6): prefill ``[cond..., audio_bos]``
 at ``text_start_pos``, then ``budget − 1`` (25) samples, each fed back (so the KV holds exactly the

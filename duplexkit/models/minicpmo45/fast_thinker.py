@@ -1,7 +1,7 @@
 """The batched thinker: static KV slots, one batched decode step per token for all streams,
 CUDA-graph-captured decode steps and sampling on the GPU (one host sync per decode step).
 
-:class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, interfaces.md) whose
+:class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, docs/model.md) whose
 ``step_units`` runs every stream of the batch together:
 
 1. **Prefill** (per unit): each stream's Whisper streaming encode (per stream, as the reference

@@ -74,7 +74,7 @@ def format_key_report(missing, unexpected, mismatched, limit: int = 40) -> str:
 
 @dataclass
 class MiniCPMO45:
-    """A loaded model (interfaces.md).
+    """A loaded model (docs/model.md).
 
     Attributes:
         config: :class:`MiniCPMOConfig`; tokenizer: the checkpoint's tokenizer; special:

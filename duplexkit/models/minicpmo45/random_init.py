@@ -40,7 +40,7 @@ __all__ = ["real_config_dict", "build_random_model", "REAL_TTS", "REAL_FLOW"]
 REAL_TTS = dict(llm_dim=4096, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
                 num_key_value_heads=12, num_hidden_layers=20, max_position_embeddings=4096,
                 num_audio_tokens=6562, num_text_tokens=152064, audio_bos_token_id=151687, text_eos_token_id=151692)
-"""Talker sizes and ids (docs/model.md §1.1, §6; tiny_config_README "real" column)."""
+"""Talker sizes and ids (docs/model.md §1.1, §6; real sizes)."""
 
 REAL_FLOW = dict(enc=6, up=4, dit=16, ffn=2048)
 """Flow geometry of the released token2wav (docs/model.md §7.2)."""

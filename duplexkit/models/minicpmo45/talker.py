@@ -80,7 +80,7 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class TalkerConfig:
-    """Talker dimensions and ids, read from the checkpoint's ``tts_config`` (tiny_config_README.md).
+    """Talker dimensions and ids, read from the checkpoint's ``tts_config`` (docs/model.md §9).
 
     Attributes:
         llm_dim: thinker hidden size (input of ``projector_semantic``); 4096 real.

@@ -161,7 +161,7 @@ class ChatThinkerResult:
 
 
 class Thinker:
-    """Runtime wrapper around :class:`ThinkerModules` (interfaces.md "Thinker")."""
+    """Runtime wrapper around :class:`ThinkerModules` (docs/model.md, "Components")."""
 
     def __init__(self, modules: ThinkerModules, config: MiniCPMOConfig, tokenizer, special: SpecialTokens, device="cpu", dtype=torch.float32):
         self.m = modules

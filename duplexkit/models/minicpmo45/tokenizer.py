@@ -2,7 +2,7 @@
 
 * ``tokenizer.json`` when present and non-empty; otherwise ``vocab.json`` + ``merges.txt`` plus
   the added tokens of ``tokenizer_config.json["added_tokens_decoder"]`` in id order
-  (parity ``tokenizer/README.md``). Never substitutes a stock Qwen tokenizer.
+  (docs/model.md §2). Never substitutes a stock Qwen tokenizer.
 * Every special token is resolved **by string** (:class:`SpecialTokens`); a string that maps to the
   unk id is rejected with :class:`TokenizerError`. No id is hard-coded.
 * ``bad_token_ids`` (duplex forbidden set) comes from ``tokenizer_config.json``.
