@@ -167,7 +167,7 @@ def _answer_after_question(pulse, url, tmp_path, question_wav, duration, extra=(
 
 def test_mic_answers_a_spoken_question(pulse, tmp_path, question_wav):
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=2") as srv:
-        data = _answer_after_question(pulse, srv.ws_url, tmp_path, question_wav, duration=25)
+        data = _answer_after_question(pulse, srv.ws_url, tmp_path, question_wav, duration=20)
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 48000  # 2 units of the scripted answer reached the speaker queue
     assert "[you are speaking]" in data["stdout"]
@@ -178,7 +178,7 @@ def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
     on the virtual speaker (an event, not a time guess), so a slow machine cannot make it land
     before the answer started."""
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=10") as srv:
-        run = MicRun(pulse, srv.ws_url, tmp_path, duration=40)
+        run = MicRun(pulse, srv.ws_url, tmp_path, duration=30)
         monitor = SpeakerMonitor(pulse)
         try:
             run.wait_line("ready", bound_s=120)
@@ -198,7 +198,7 @@ def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
 
 def test_mic_inline_engine(pulse, tmp_path, question_wav):
     """``duplexkit mic MODEL`` without --url runs the engine in-process (here the ScriptedEngine)."""
-    data = _answer_after_question(pulse, None, tmp_path, question_wav, duration=25,
+    data = _answer_after_question(pulse, None, tmp_path, question_wav, duration=20,
                                   extra=["scripted", "--answer-policy", "on_request"])
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 72000
