@@ -108,3 +108,24 @@ def test_the_scanner_flags_what_it_should(tmp_path, text, expected):
     f = ROOT / "docs" / "index.md"  # resolve relative to docs/, like a page would
     found = [m for m in MD_REF.findall(text) if not _resolves(m, f)] + OUTSIDE_REF.findall(text)
     assert found == expected
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation (including §) dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_doc_anchors_resolve():
+    """Every ``[x](page.md#anchor)`` / ``[x](#anchor)`` in README.md and docs/ names a heading of
+    that page (so "docs/protocol.md §7.5"-style links land on their section)."""
+    pages = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    heads = {p.resolve(): {_slug(m) for m in re.findall(r"(?m)^#+\s+(.*)$", p.read_text(encoding="utf-8"))}
+             for p in pages}
+    bad = []
+    for page in pages:
+        for lineno, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([^)\s]+)\)", line):
+                dest = (page.parent / target).resolve() if target else page.resolve()
+                if dest in heads and anchor not in heads[dest]:
+                    bad.append(f"{page.relative_to(ROOT)}:{lineno}: {target}#{anchor}")
+    assert not bad, "links to headings that do not exist:\n" + "\n".join(bad)
