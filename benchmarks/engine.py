@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # MODEL.md §7.5 (CPU); harmless on the GPU
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # docs/model.md §7.5 (CPU); harmless on the GPU
 
 import numpy as np  # noqa: E402
 

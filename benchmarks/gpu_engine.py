@@ -5,12 +5,12 @@
     # debug run on a CPU:
     python benchmarks/gpu_engine.py --size tiny --device cpu --streams 1,2 --units 3
 
-Builds MiniCPM-o 4.5 at real size (MODEL.md §1.1; ``duplexkit.models.minicpmo45.random_init``)
+Builds MiniCPM-o 4.5 at real size (docs/model.md §1.1; ``duplexkit.models.minicpmo45.random_init``)
 directly on the device, and drives :class:`duplexkit.engine.DuplexEngine` — the same runtime and
 stage code as every other engine user — with 1/4/8/16 concurrent duplex streams. Random weights
 decide nothing meaningful, so every stream opens its turn with ``ForceSpeak`` and the thinker's
 engine-wide policy option ``DuplexPolicy.min_unit_tokens = max_unit_tokens = N`` fixes the
-decided tokens of every speaking unit (N = 19 is the full 20-step budget, MODEL.md §5.3; N = 5 a
+decided tokens of every speaking unit (N = 19 is the full 20-step budget, docs/model.md §5.3; N = 5 a
 short unit). Units are fed in real time (one 1-s unit per second per stream).
 
 Printed per mode (``baseline`` = the reference-checked eager path: transformers DynamicCache,
@@ -89,7 +89,7 @@ def _bytes(params) -> int:
 
 
 def floors(model, bw: float) -> dict:
-    """Bandwidth floors in ms (MODEL.md §10 arithmetic, with this run's bandwidth)."""
+    """Bandwidth floors in ms (docs/model.md §10 arithmetic, with this run's bandwidth)."""
     th = model.thinker
     llm = th.m.llm
     emb = llm.model.embed_tokens.weight

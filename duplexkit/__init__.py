@@ -1,6 +1,6 @@
 """duplexkit: a realtime full-duplex voice-agent SDK for omni models (MiniCPM-o 4.5 first).
 
-Layers (DESIGN.md): ``duplexkit.audio`` (codecs, resampling, framing, VAD, playback, devices),
+Layers (docs/architecture.md): ``duplexkit.audio`` (codecs, resampling, framing, VAD, playback, devices),
 ``duplexkit.protocol`` (wire events), ``duplexkit.session`` (the sans-I/O Session),
 ``duplexkit.engine`` (three-stage runtime), ``duplexkit.models.minicpmo45`` (the model port),
 ``duplexkit.clients`` (InlineDuplexClient, DuplexClient).

@@ -28,12 +28,12 @@ __all__ = ["main", "build_parser", "load_engine", "TINY_MAX_OUTPUT_TOKENS"]
 
 TINY_MAX_OUTPUT_TOKENS = 40
 """Default per-response token cap with the ``tiny`` model: random weights never emit
-``<|turn_eos|>``; at up to 19 decoded tokens per unit (MODEL.md §5.3) this ends a response after
-2-3 units (PROTOCOL.md §4.1)."""
+``<|turn_eos|>``; at up to 19 decoded tokens per unit (docs/model.md §5.3) this ends a response after
+2-3 units (docs/protocol.md §4.1)."""
 
 MIN_TURN_SAMPLES = 1600
 """The shortest input ``demo`` sends, in 16 kHz samples: 100 ms, the least a commit accepts
-(``input_audio_buffer_empty`` below it, PROTOCOL.md §9)."""
+(``input_audio_buffer_empty`` below it, docs/protocol.md §9)."""
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_DEMO_WAV = ASSET_DIR / "question_16k.wav"

@@ -1,6 +1,6 @@
 """The asyncio shell that drives one :class:`duplexkit.session.Session` over an engine.
 
-The Session does no I/O (DESIGN.md, "The one idea"); something has to move its inputs and outputs.
+The Session does no I/O (docs/architecture.md, "The sans-I/O Session"); something has to move its inputs and outputs.
 Both the server's WebSocket handler and :class:`~duplexkit.clients.InlineDuplexClient` do exactly
 the same thing, so it lives here once:
 

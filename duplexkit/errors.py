@@ -1,7 +1,7 @@
-"""The one module of duplexkit's exception hierarchy and of the PROTOCOL.md §9 error codes.
+"""The one module of duplexkit's exception hierarchy and of the docs/protocol.md §9 error codes.
 
 Every exception duplexkit raises derives from :class:`DuplexkitError`, which carries a ``code``
-(a PROTOCOL.md §9 code string such as ``"bad_audio"``; a few client-side conditions that have no
+(a docs/protocol.md §9 code string such as ``"bad_audio"``; a few client-side conditions that have no
 wire code use their own names, e.g. ``"timeout"``) and a ``message`` that says what was expected.
 Classes keep their historical standard-library bases as well (``AudioFormatError`` is still a
 ``ValueError``, ``DuplexTimeout`` a ``TimeoutError``, ...), so ``except ValueError`` keeps working.
@@ -58,7 +58,7 @@ __all__ = [
 
 
 class ErrorCode(str, Enum):
-    """Every error code of PROTOCOL.md §9 (values are the wire strings).
+    """Every error code of docs/protocol.md §9 (values are the wire strings).
 
     ``input_rate_mismatch`` (duplexkit extension, issue 10) is a warning, not a rejection: sent at
     most once per declared input format when continuous input arrives far slower than its declared
@@ -86,7 +86,7 @@ class ErrorCode(str, Enum):
     SERVER_ERROR = "server_error"
 
 
-#: error code -> OpenAI error ``type`` (PROTOCOL.md §9, column "Type").
+#: error code -> OpenAI error ``type`` (docs/protocol.md §9, column "Type").
 ERROR_TYPES: dict[ErrorCode, str] = {
     ErrorCode.INVALID_JSON: "invalid_request_error",
     ErrorCode.UNKNOWN_EVENT: "invalid_request_error",
@@ -117,7 +117,7 @@ class DuplexkitError(Exception):
     """Base of every duplexkit exception.
 
     Attributes:
-        code: the PROTOCOL.md §9 error code (``str``; an :class:`ErrorCode` for protocol errors).
+        code: the docs/protocol.md §9 error code (``str``; an :class:`ErrorCode` for protocol errors).
             Subclasses without a more specific code use :attr:`default_code` (``"server_error"``).
         message: human-readable text saying what was expected and what was got.
     """
@@ -141,9 +141,9 @@ _AUDIO_CODES = ("bad_audio", "unsupported_audio_format")
 class AudioFormatError(DuplexkitError, ValueError):
     """Bad or unsupported audio input (``duplexkit.audio``).
 
-    ``code`` is the PROTOCOL.md §9 error code: ``"bad_audio"`` (undecodable content: bad base64,
+    ``code`` is the docs/protocol.md §9 error code: ``"bad_audio"`` (undecodable content: bad base64,
     non-finite floats, a zero-length append, a broken WAV) or ``"unsupported_audio_format"`` (a
-    format/rate/channel count duplexkit does not accept, PROTOCOL.md §6.1). ``str(err)`` is the
+    format/rate/channel count duplexkit does not accept, docs/protocol.md §6.1). ``str(err)`` is the
     message, which says what was expected.
 
     Raises:
@@ -166,7 +166,7 @@ class ProtocolError(DuplexkitError):
     """A rejected client event (or a malformed server event seen by a client).
 
     Every rejected client event produces exactly one ``error`` server event built from a
-    ProtocolError; the session stays alive (PROTOCOL.md §9 "Principle").
+    ProtocolError; the session stays alive (docs/protocol.md §9 "Principle").
 
     Attributes:
         code: the :class:`ErrorCode` (a ``str`` enum: ``err.code == "bad_audio"`` works).
@@ -174,7 +174,7 @@ class ProtocolError(DuplexkitError):
         param: dotted path of the offending field (e.g. ``session.audio.input.format``) or None.
         event_id: the offending client event's ``event_id`` (echoed as ``error.event_id``) or None.
     Raises:
-        ValueError: on construction with a code that is not in PROTOCOL.md §9.
+        ValueError: on construction with a code that is not in docs/protocol.md §9.
     """
 
     def __init__(
@@ -192,11 +192,11 @@ class ProtocolError(DuplexkitError):
 
     @property
     def type(self) -> str:
-        """The OpenAI error type of :attr:`code` (PROTOCOL.md §9)."""
+        """The OpenAI error type of :attr:`code` (docs/protocol.md §9)."""
         return ERROR_TYPES[self.code]
 
     def to_error_dict(self) -> dict:
-        """The ``error{type, code, message, param?, event_id?}`` object of PROTOCOL.md §5.3."""
+        """The ``error{type, code, message, param?, event_id?}`` object of docs/protocol.md §5.3."""
         d = {"type": self.type, "code": self.code.value, "message": self.message}
         if self.param is not None:
             d["param"] = self.param
@@ -223,7 +223,7 @@ class TransitionError(ProtocolError):
 class EngineInputError(DuplexkitError, ValueError):
     """An engine command with invalid content (wrong unit length, non-finite audio, unknown
     command, a command for another stream). Code ``server_error``: the Session never sends one,
-    so reaching it is an internal failure (PROTOCOL.md §9)."""
+    so reaching it is an internal failure (docs/protocol.md §9)."""
 
     def __init__(self, message: str, code: str = "server_error") -> None:
         super().__init__(message, code=code)
@@ -260,7 +260,7 @@ class DeviceError(DuplexkitError, RuntimeError):
 
 
 class ConformanceError(DuplexkitError, AssertionError):
-    """A PROTOCOL.md §12 invariant was violated by a server's event stream (the message names it
+    """A docs/protocol.md §12 invariant was violated by a server's event stream (the message names it
     and the event). Still an ``AssertionError``, so test runners report it as a failure."""
 
 
@@ -268,7 +268,7 @@ class ConformanceError(DuplexkitError, AssertionError):
 
 
 class DuplexError(DuplexkitError):
-    """A server ``error`` answering one of this client's events (PROTOCOL.md §9).
+    """A server ``error`` answering one of this client's events (docs/protocol.md §9).
 
     Attributes: ``code`` (§9 code), ``message``, ``param``, ``event_id`` (the client's), ``event`` (raw).
     """

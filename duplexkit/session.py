@@ -5,7 +5,7 @@ Inputs are *client events* (:meth:`Session.receive_client_event`), *engine outpu
 (:meth:`Session.tick`); outputs are collected in order and taken with :meth:`Session.drain`:
 JSON-ready server event dicts, engine commands (``OpenStream``, ``AppendUnit``, ``ForceSpeak``,
 ``CancelEpoch``, ``UpdateStream``, ``CloseStream``) and, last, a :class:`CloseConnection` when the
-socket must close. No sockets, asyncio, threads or torch (DESIGN.md "The one idea").
+socket must close. No sockets, asyncio, threads or torch (docs/architecture.md, "The sans-I/O Session").
 
 State machine
 -------------
@@ -26,7 +26,7 @@ VAD speech over a response), ``token_cap``, ``fail``, ``close``. An illegal pair
 :class:`~duplexkit.protocol.TransitionError` naming phase and event, which becomes one ``error``
 event (``response_already_active``, ``response_not_active``).
 
-Epochs (PROTOCOL.md §3) advance on every accepted cancel, barge-in, token cap and engine failure
+Epochs (docs/protocol.md §3) advance on every accepted cancel, barge-in, token cap and engine failure
 of an active response, each paired with a ``CancelEpoch`` command; engine outputs of an older epoch
 are dropped here, so no stale delta is ever emitted.
 
@@ -171,16 +171,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 UNIT_PERIOD_MS = 1000
-"""One duplex unit = 1 s of input (MODEL.md §3.1, PROTOCOL.md §5.1 ``chunk_period_ms``)."""
+"""One duplex unit = 1 s of input (docs/model.md §3.1, docs/protocol.md §5.1 ``chunk_period_ms``)."""
 
 MIN_COMMIT_SAMPLES = INPUT_SAMPLE_RATE // 10
 """100 ms at 16 kHz: a commit needs at least this much input since the last commit/clear (§4)."""
 
 REF_AUDIO_MIN_S = 0.5
-"""Shortest reference voice clip, seconds (PROTOCOL.md §8.2)."""
+"""Shortest reference voice clip, seconds (docs/protocol.md §8.2)."""
 
 REF_TRIM_SAMPLES = INPUT_SAMPLE_RATE // 10
-"""Reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (PROTOCOL.md §8.3)."""
+"""Reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (docs/protocol.md §8.3)."""
 
 EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "session.heartbeat_ack"]
 
@@ -192,7 +192,7 @@ EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "sess
 
 @dataclass
 class SessionLimits:
-    """Per-session limits (PROTOCOL.md §1.3, §1.5, §6.1, §8.2).
+    """Per-session limits (docs/protocol.md §1.3, §1.5, §6.1, §8.2).
 
     Attributes:
         max_event_bytes: largest accepted client event, bytes (``--max-event-bytes``, 16 MiB).
@@ -215,7 +215,7 @@ class SessionConfig:
 
     Attributes:
         profile: ``"duplex"`` (extension events, ``ack_only``, model-native answering) or
-            ``"compat"`` (OpenAI turn-based defaults, PROTOCOL.md §1.2).
+            ``"compat"`` (OpenAI turn-based defaults, docs/protocol.md §1.2).
         model_id: echoed as ``session.model``.
         default_instructions: the server's default system prompt (None = the model default).
         answer_policy: ``"model"`` | ``"on_request"`` | None (profile default, §4.1).
@@ -258,7 +258,7 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class CloseConnection:
-    """The socket must close with WebSocket ``code`` (PROTOCOL.md §1.5) after sending what precedes."""
+    """The socket must close with WebSocket ``code`` (docs/protocol.md §1.5) after sending what precedes."""
 
     code: int
     reason: str
@@ -423,7 +423,7 @@ _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
 
 class Session:
-    """One realtime session (PROTOCOL.md), as a pure state machine. See the module docstring.
+    """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
         cfg: server-side :class:`SessionConfig`.
@@ -591,14 +591,14 @@ class Session:
             if not self._started and first_update:
                 # a rejected first session.update (autostart=0): the error (echoing its event_id)
                 # comes BEFORE session.created, so a client's connect() can fail on it; the
-                # session then starts with the defaults (PROTOCOL.md §5.1)
+                # session then starts with the defaults (docs/protocol.md §5.1)
                 self._error(pe)
                 self.start(now_ms)
                 return
             if not self._started:
                 self.start(now_ms)
             self._error(pe)
-        except Exception as exc:  # a bug must not kill the connection (PROTOCOL.md §9)
+        except Exception as exc:  # a bug must not kill the connection (docs/protocol.md §9)
             log.exception("session %s: internal error on a client event", self.session_id)
             if not self._started:
                 self.start(now_ms)
@@ -606,7 +606,7 @@ class Session:
 
     def receive_binary_frame(self, now_ms: float = 0) -> None:
         """A binary WebSocket frame: answered with ``error{bad_event}`` and otherwise ignored
-        (PROTOCOL.md §1.3, §9). Never raises."""
+        (docs/protocol.md §1.3, §9). Never raises."""
         if self.closed:
             return
         self._last_client_ms = float(now_ms)
@@ -657,7 +657,7 @@ class Session:
         return it.sent_ms, it.committed_ms, it.final
 
     def history(self) -> list[dict]:
-        """The conversation history at playback truth (PROTOCOL.md §7.5): list of item dicts."""
+        """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
         return [self._item_model(it, truth=True).model_dump(mode="json", exclude_none=True) for it in self._items.values()]
 
     # ------------------------------------------------------------------------------ emit helpers
@@ -755,7 +755,7 @@ class Session:
             s.playback_commit_policy = p.playback_commit_policy
         if "early_unit_close" in given:
             s.early_unit_close = bool(p.early_unit_close)
-        # voice and reference audio (PROTOCOL.md §8)
+        # voice and reference audio (docs/protocol.md §8)
         voice_changed = False
         if "voice" in given:
             s.voice = p.voice
@@ -776,7 +776,7 @@ class Session:
         return s
 
     def _parse_input_format(self, p: SessionPatch, err) -> InputFormat:
-        """The input format of a ``session.update`` (PROTOCOL.md §6.1; issue 10 for channels).
+        """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
 
         Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
         ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
@@ -1153,7 +1153,7 @@ class Session:
         """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
         unit close, :meth:`_close_unit`).
 
-        ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (PROTOCOL.md §6.1: on a
+        ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (docs/protocol.md §6.1: on a
         client commit or clear). A server-VAD commit passes False: it happens at a point of the
         byte stream the client does not know, so its next append still completes that sample.
         """
@@ -1388,7 +1388,7 @@ class Session:
         ms = (r.samples + len(pcm) // 2) * 1000 // OUTPUT_SAMPLE_RATE
         if ms <= r.samples * 1000 // OUTPUT_SAMPLE_RATE:
             # less than 1 ms of new audio: hold it (and its text) for the next chunk so that
-            # audio_duration_ms increases strictly (PROTOCOL.md §12.12)
+            # audio_duration_ms increases strictly (docs/protocol.md §12.12)
             r.pending_pcm, r.pending_text = pcm, text
             return
         r.pending_pcm, r.pending_text = b"", ""
@@ -1624,7 +1624,7 @@ class Session:
         self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
 
     def _on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
-        """``playback.ack`` (PROTOCOL.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
+        """``playback.ack`` (docs/protocol.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
 
         * plain ack: ``committed_ms = max(committed_ms, heard)`` (never lowers);
         * ``truncate: true``: ``committed_ms = heard`` and final, even below an earlier ack or what
@@ -1649,7 +1649,7 @@ class Session:
         heard = min(ev.played_ms, it.sent_ms)
         if ev.truncate:
             # the client's final word on what was heard: it may cut back below what an earlier ack
-            # or commit_on_done's response.done committed (PROTOCOL.md §7.5, issue 10)
+            # or commit_on_done's response.done committed (docs/protocol.md §7.5, issue 10)
             it.committed_ms = heard
             it.final = True
         else:

@@ -3,7 +3,7 @@
     duplexkit serve tiny --port 8000
     python examples/barge_in_client.py --url ws://127.0.0.1:8000 --out-dir barge_in_out
 
-Flow (PROTOCOL.md §7.3, client-forced barge-in):
+Flow (docs/protocol.md §7.3, client-forced barge-in):
 1. stream the question, commit, ``response.create``;
 2. once ``--interrupt-after-ms`` of the answer has arrived, the client "hears" the user: it cancels
    the response, flushes its player and acknowledges what was played (``playback.ack{truncate}``);

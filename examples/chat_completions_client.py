@@ -1,4 +1,4 @@
-"""Chat completions client: text (and optional audio) in, text + 24 kHz WAV out (PROTOCOL.md §10).
+"""Chat completions client: text (and optional audio) in, text + 24 kHz WAV out (docs/protocol.md §10).
 
     duplexkit serve tiny --port 8000
     python examples/chat_completions_client.py --url http://127.0.0.1:8000 --text "Tell me a joke" --output joke.wav

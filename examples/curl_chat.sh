@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chat completions with curl: text in, text + a 24 kHz WAV out (PROTOCOL.md §10).
+# Chat completions with curl: text in, text + a 24 kHz WAV out (docs/protocol.md §10).
 #
 #   duplexkit serve tiny --port 8000
 #   examples/curl_chat.sh http://127.0.0.1:8000 "Tell me a joke" answer.wav

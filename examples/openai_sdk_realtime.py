@@ -5,7 +5,7 @@
     python examples/openai_sdk_realtime.py --url http://127.0.0.1:8000 --input question.wav --output answer.wav
 
 Only ``base_url`` / ``websocket_base_url`` point at duplexkit. The connection uses the compat
-profile (PROTOCOL.md §1.2, §11): 24 kHz pcm16 input, GA event names, turn-based answering. With
+profile (docs/protocol.md §1.2, §11): 24 kHz pcm16 input, GA event names, turn-based answering. With
 ``--vad`` the server VAD commits and answers on its own (no commit, no response.create).
 """
 

@@ -3,7 +3,7 @@
     duplexkit serve tiny --port 8000            # in another terminal (or a real checkpoint)
     python examples/realtime_wav_demo.py --url ws://127.0.0.1:8000 --input question.wav --output answer.wav
 
-The input is sent in 100 ms appends paced in real time (PROTOCOL.md §6.1), then committed, and an
+The input is sent in 100 ms appends paced in real time (docs/protocol.md §6.1), then committed, and an
 answer is requested with ``response.create``. The answer's 24 kHz audio is written to ``--output``
 and its transcript printed as it arrives. ``--inline tiny`` runs the model in-process instead.
 """

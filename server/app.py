@@ -1,4 +1,4 @@
-"""The bundled duplexkit server: a FastAPI app factory (PROTOCOL.md §1, §10).
+"""The bundled duplexkit server: a FastAPI app factory (docs/protocol.md §1, §10).
 
 Routes: ``/v1/realtime`` and ``/v1/duplex`` (WebSocket, :mod:`duplexkit_server.realtime`),
 ``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``
@@ -40,25 +40,25 @@ class ServerSettings:
 
     Attributes:
         model_id: the served id (default: the engine's ``model_id``).
-        aliases: other accepted ids, each listed by ``/v1/models`` (PROTOCOL.md §10.2).
-        api_keys: accepted keys; empty = auth off (PROTOCOL.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
+        aliases: other accepted ids, each listed by ``/v1/models`` (docs/protocol.md §10.2).
+        api_keys: accepted keys; empty = auth off (docs/protocol.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
         max_sessions: slot pool size shared by realtime sessions and chat requests.
-        max_event_bytes: largest client event accepted (PROTOCOL.md §1.3, default 16 MiB); the
+        max_event_bytes: largest client event accepted (docs/protocol.md §1.3, default 16 MiB); the
             transport limit (uvicorn ``ws_max_size``) is set to twice this.
-        idle_timeout_s: close a session with no client event for this long (PROTOCOL.md §1.5).
+        idle_timeout_s: close a session with no client event for this long (docs/protocol.md §1.5).
         ping_interval_s: WebSocket ping period in seconds (uvicorn ``ws_ping_interval``).
-        max_pending_input_s: input backpressure threshold in seconds (PROTOCOL.md §6.1).
+        max_pending_input_s: input backpressure threshold in seconds (docs/protocol.md §6.1).
         silence_slack_ms: grace after a unit deadline before silence is fed to an active response, ms.
-        max_ref_audio_s: longest reference voice accepted in seconds (PROTOCOL.md §8).
-        max_input_audio_s: longest chat-completions input audio in seconds (PROTOCOL.md §10.1).
+        max_ref_audio_s: longest reference voice accepted in seconds (docs/protocol.md §8).
+        max_input_audio_s: longest chat-completions input audio in seconds (docs/protocol.md §10.1).
         ref_audio_dir: allow-listed directory for reference-voice paths (None: paths refused).
-        max_output_tokens: the default per-response token cap, 1..8192 or ``"inf"`` (PROTOCOL.md §4.1).
+        max_output_tokens: the default per-response token cap, 1..8192 or ``"inf"`` (docs/protocol.md §4.1).
         answer_policy: default ``extra_body.answer_policy`` (None: the profile default);
             ``duplexkit serve tiny`` sets ``on_request`` because random weights never listen.
         default_input_rate: the duplex profile's bare-``pcm16`` rate in Hz.
         default_instructions: the default system prompt (None: the model default).
         default_voice: a WAV used as the default reference voice (None: the engine's own).
-        voices: voice name -> WAV path, selectable with ``session.voice`` (PROTOCOL.md §8.5).
+        voices: voice name -> WAV path, selectable with ``session.voice`` (docs/protocol.md §8.5).
         tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
         retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
         shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
@@ -115,7 +115,7 @@ class SlotPool:
 
 def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
                  param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
-    """An OpenAI error body ``{error{message, type, param, code}}`` (PROTOCOL.md §10.1)."""
+    """An OpenAI error body ``{error{message, type, param, code}}`` (docs/protocol.md §10.1)."""
     if type_ is None:
         type_ = {401: "invalid_request_error", 503: "rate_limit_error", 500: "server_error"}.get(
             status, "invalid_request_error")
@@ -124,7 +124,7 @@ def openai_error(status: int, message: str, code: str, *, type_: Optional[str] =
 
 
 def load_reference_voice(path, max_s: float = 30.0):
-    """A server-side voice file -> :class:`duplexkit.engine.api.ReferenceVoice` (PROTOCOL.md §8.3:
+    """A server-side voice file -> :class:`duplexkit.engine.api.ReferenceVoice` (docs/protocol.md §8.3:
     mono, 16 kHz, trimmed to whole 100 ms; 0.5 s to ``max_s`` long).
 
     Raises ``FileNotFoundError``; ``ValueError`` for a clip out of range or undecodable.
@@ -232,7 +232,7 @@ class ServerState:
 
     # -- reference voice ------------------------------------------------------------------------
     def load_ref_audio_path(self, path: str) -> bytes:
-        """The Session's ``ref_audio_loader``: bytes of an allow-listed local file (PROTOCOL.md §8.1).
+        """The Session's ``ref_audio_loader``: bytes of an allow-listed local file (docs/protocol.md §8.1).
 
         Raises ``PermissionError`` when no ``ref_audio_dir`` is configured or the real path lies
         outside it, ``FileNotFoundError`` when it does not exist.
@@ -266,7 +266,7 @@ class ServerState:
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown_sessions(self, reason: str = "shutdown") -> None:
-        """Send ``session.closed{reason}`` and close 1001 on every open session (PROTOCOL.md §1.5)."""
+        """Send ``session.closed{reason}`` and close 1001 on every open session (docs/protocol.md §1.5)."""
         self.shutting_down = True
         conns = list(self.connections)
         if not conns:
@@ -388,7 +388,7 @@ def _version() -> str:
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> int:
     """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
 
-    ``ws_max_size`` is twice ``max_event_bytes`` (PROTOCOL.md §1.3), pings every
+    ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
     ``ping_interval_s``. On SIGINT/SIGTERM every open session first gets
     ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
 

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` (PROTOCOL.md §10.1): turn-based text and speech.
+"""``POST /v1/chat/completions`` (docs/protocol.md §10.1): turn-based text and speech.
 
 Each request takes one slot from the same pool as realtime sessions (a full pool answers 503 with
 ``Retry-After``), converts the OpenAI request into a :class:`duplexkit.engine.api.ChatRequest` and
@@ -37,11 +37,11 @@ logger = logging.getLogger("duplexkit.server.chat")
 __all__ = ["handle", "parse_chat_request", "ChatRequestError"]
 
 INPUT_RATE = 16_000
-MIN_REF_AUDIO_S = 0.5  # PROTOCOL.md §8.2
+MIN_REF_AUDIO_S = 0.5  # docs/protocol.md §8.2
 
 
 class ChatRequestError(DuplexkitError, ValueError):
-    """A request the route answers with 400 ``invalid_request_error`` (PROTOCOL.md §10.1).
+    """A request the route answers with 400 ``invalid_request_error`` (docs/protocol.md §10.1).
 
     ``code`` is the OpenAI error code of the body: ``bad_request`` by default, or a §9 code
     (``bad_audio``, ``ref_audio_invalid``) or ``model_not_found`` where one applies.
@@ -94,7 +94,7 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
     if url.startswith("data:"):
         raw = _decode_data_url(url, param)
     elif scheme and scheme != "file":
-        # PROTOCOL.md §8.1: the server never fetches remote hosts (no SSRF, no hidden latency)
+        # docs/protocol.md §8.1: the server never fetches remote hosts (no SSRF, no hidden latency)
         raise ChatRequestError(f"image_url {scheme}:// URLs are never fetched by this server; {accepted}", param)
     elif state.settings.ref_audio_dir is None:
         raise ChatRequestError(f"image paths are disabled on this server; {accepted}", param)
@@ -113,7 +113,7 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
 
 
 def _ref_voice(audio: np.ndarray, max_s: float, param: str) -> ReferenceVoice:
-    n = (len(audio) // 1600) * 1600  # whole 100 ms (PROTOCOL.md §8.3)
+    n = (len(audio) // 1600) * 1600  # whole 100 ms (docs/protocol.md §8.3)
     if n < MIN_REF_AUDIO_S * INPUT_RATE or len(audio) > max_s * INPUT_RATE:
         raise ChatRequestError(f"reference voice must last {MIN_REF_AUDIO_S}-{max_s:g} s", param, "ref_audio_invalid")
     a = np.ascontiguousarray(audio[:n], dtype=np.float32)
@@ -124,7 +124,7 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     """Convert an OpenAI chat-completions body into a :class:`ChatRequest`.
 
     Returns ``(request, options)`` with options ``stream``, ``include_usage``, ``audio_format``,
-    ``model``. Raises :class:`ChatRequestError` for every 400 case of PROTOCOL.md §10.1.
+    ``model``. Raises :class:`ChatRequestError` for every 400 case of docs/protocol.md §10.1.
     """
     s = state.settings
     if not isinstance(body, dict):

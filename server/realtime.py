@@ -1,12 +1,12 @@
 """The realtime WebSocket shell: one :class:`duplexkit.session.Session` per connection.
 
-The shell only moves bytes (DESIGN.md, "sans-I/O session"): frames in ->
+The shell only moves bytes (docs/architecture.md, "The sans-I/O Session"): frames in ->
 ``Session.receive_client_event``; engine outputs -> ``Session.receive_engine_output``; a clock ->
 ``Session.tick``; and ``Session.drain()`` out -> server events sent as JSON text frames, engine
 commands forwarded with :func:`duplexkit.engine.api.apply_command` (``OpenStream`` opens the
 stream on the shared engine), and a final ``CloseConnection`` closes the socket with its code.
 
-Handshake checks (PROTOCOL.md §1): authentication (``Authorization: Bearer`` or the
+Handshake checks (docs/protocol.md §1): authentication (``Authorization: Bearer`` or the
 ``openai-insecure-api-key.<key>`` subprotocol; failure -> ``error{unauthorized}`` + 1008),
 the ``model`` query parameter (unknown -> ``error{bad_event, param:"model"}`` + 1008), session
 capacity (-> ``error{session_capacity_exhausted}`` + 1013).
@@ -188,7 +188,7 @@ class RealtimeConnection:
                     pass
 
     async def shutdown(self, reason: str = "shutdown") -> None:
-        """Server shutdown: ``session.closed{reason}`` then close 1001 (PROTOCOL.md §1.5)."""
+        """Server shutdown: ``session.closed{reason}`` then close 1001 (docs/protocol.md §1.5)."""
         if self._closed.is_set():
             return
         self._close_override = 1001
@@ -218,7 +218,7 @@ class RealtimeConnection:
                 if text is not None:
                     self.driver.client_event(text)
                 elif msg.get("bytes") is not None:
-                    # PROTOCOL.md §1.3: binary frames get bad_event and are ignored
+                    # docs/protocol.md §1.3: binary frames get bad_event and are ignored
                     self.session.receive_binary_frame(self.now_ms())
                     self.driver.flush()
         except (WebSocketDisconnect, RuntimeError):

@@ -1,6 +1,6 @@
 """Sample codecs: PCM16, float32 LE, G.711 mu-law / A-law, base64, and a streaming decoder.
 
-Input formats follow PROTOCOL.md §6.1:
+Input formats follow docs/protocol.md §6.1:
 
 =============  ==============  ================
 encoding       rates (Hz)      bytes per sample
@@ -45,14 +45,14 @@ __all__ = [
 
 Encoding = Literal["pcm16", "pcm_f32le", "g711_ulaw", "g711_alaw"]
 
-#: Bytes per (mono) sample for each input encoding (PROTOCOL.md §6.1).
+#: Bytes per (mono) sample for each input encoding (docs/protocol.md §6.1).
 BYTES_PER_SAMPLE: dict[str, int] = {"pcm16": 2, "pcm_f32le": 4, "g711_ulaw": 1, "g711_alaw": 1}
 ENCODINGS: tuple[str, ...] = tuple(BYTES_PER_SAMPLE)
 
-#: Accepted rate range for the PCM encodings, Hz (PROTOCOL.md §6.1).
+#: Accepted rate range for the PCM encodings, Hz (docs/protocol.md §6.1).
 PCM_RATE_MIN = 8000
 PCM_RATE_MAX = 48000
-#: G.711 is 8 kHz only (PROTOCOL.md §6.1).
+#: G.711 is 8 kHz only (docs/protocol.md §6.1).
 G711_RATE = 8000
 #: Most interleaved channels a StreamDecoder accepts (downmixed to mono).
 MAX_CHANNELS = 8
@@ -61,7 +61,7 @@ MAX_CHANNELS = 8
 
 
 def _check_finite(a: np.ndarray, what: str) -> None:
-    """AudioFormatError("bad_audio") unless every sample of float array ``a`` is finite (PROTOCOL.md §6.1)."""
+    """AudioFormatError("bad_audio") unless every sample of float array ``a`` is finite (docs/protocol.md §6.1)."""
     if a.size:
         bad = ~np.isfinite(a)
         if bad.any():
@@ -111,7 +111,7 @@ def f32le_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
 
     Returns float32 [len(data)//4], clipped to [-1, 1].
     Raises AudioFormatError("bad_audio") if the byte count is not a multiple of 4 or a value is
-    NaN/inf (PROTOCOL.md §6.1: non-finite floats are ``bad_audio``; out-of-range ones are clipped).
+    NaN/inf (docs/protocol.md §6.1: non-finite floats are ``bad_audio``; out-of-range ones are clipped).
     """
     mv = memoryview(data).cast("B")
     if len(mv) % 4:
@@ -239,7 +239,7 @@ def b64encode_audio(data: bytes | bytearray | memoryview) -> str:
 
 
 def b64decode_audio(s: str | bytes, *, allow_empty: bool = True, what: str = "audio") -> bytes:
-    """Decode standard base64 audio (PROTOCOL.md §6.1).
+    """Decode standard base64 audio (docs/protocol.md §6.1).
 
     Args:
         s: base64 text (RFC 4648 standard alphabet, with padding). Leading/trailing whitespace is
@@ -276,7 +276,7 @@ def b64decode_audio(s: str | bytes, *, allow_empty: bool = True, what: str = "au
 
 @dataclass(frozen=True)
 class InputFormat:
-    """An input audio format (PROTOCOL.md §6.1).
+    """An input audio format (docs/protocol.md §6.1).
 
     Attributes:
         encoding: ``"pcm16" | "pcm_f32le" | "g711_ulaw" | "g711_alaw"``.
@@ -362,7 +362,7 @@ class StreamDecoder:
 
     An incomplete trailing frame (1-3 bytes of a sample, or the partial samples of an interleaved
     multi-channel frame) is carried into the next :meth:`decode` call, never dropped or zero-padded
-    mid-stream (PROTOCOL.md §6.1 "Odd byte counts"); :meth:`reset` drops it (commit, clear or format
+    mid-stream (docs/protocol.md §6.1 "Odd byte counts"); :meth:`reset` drops it (commit, clear or format
     change). Interleaved multi-channel input is downmixed by averaging, never read as mono.
 
     Example::

@@ -277,7 +277,7 @@ class SpeakerStream(_PortAudioStream):
         source: a :class:`~duplexkit.audio.PlaybackBuffer` or any object with ``read(n) -> float32 [n]``
             (zero-filled when short); ``None`` creates a PlaybackBuffer at ``rate``. Each callback
             reads exactly the block's frame count, which advances the buffer's played-ms cursor.
-        rate: Hz (default 24 000, PROTOCOL.md §6.2 output rate).
+        rate: Hz (default 24 000, docs/protocol.md §6.2 output rate).
         block_ms: block size, ms (default 20).
         device: index, name substring or ``None`` (default output).
         channels: output channels (the mono signal is copied to each).

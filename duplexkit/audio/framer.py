@@ -1,4 +1,4 @@
-"""The unit framer: 16 kHz input audio -> model units (MODEL.md §3.1, parity case f).
+"""The unit framer: 16 kHz input audio -> model units (docs/model.md §3.1, parity case f).
 
 MiniCPM-o 4.5's streaming front-end reads a first window of 1035 ms (16 560 samples) but consumes
 16 480 of it (rounded down to whole 160-sample hops); the 80 unconsumed samples are prepended by the
@@ -23,13 +23,13 @@ import numpy as np
 
 __all__ = ["Unit", "UnitFramer", "UNIT_SAMPLES", "FIRST_WINDOW", "FIRST_CONSUME", "UNIT_RATE"]
 
-#: Samples a unit k >= 1 consumes at 16 kHz (1 s; MODEL.md §3.1).
+#: Samples a unit k >= 1 consumes at 16 kHz (1 s; docs/model.md §3.1).
 UNIT_SAMPLES = 16000
-#: Samples unit 0 reads (1035 ms; MODEL.md §3.1, parity case f).
+#: Samples unit 0 reads (1035 ms; docs/model.md §3.1, parity case f).
 FIRST_WINDOW = 16560
-#: Samples unit 0 consumes (16 480 = 103 hops of 160; MODEL.md §3.1, parity case f).
+#: Samples unit 0 consumes (16 480 = 103 hops of 160; docs/model.md §3.1, parity case f).
 FIRST_CONSUME = 16480
-#: The framer's input rate, Hz (MODEL.md §3.1: 16 kHz mono float32).
+#: The framer's input rate, Hz (docs/model.md §3.1: 16 kHz mono float32).
 UNIT_RATE = 16000
 
 
@@ -81,7 +81,7 @@ class UnitFramer:
     """Cuts a stream of 16 kHz float32 audio into model units.
 
     Args:
-        unit_samples: new samples per unit k >= 1 (default 16 000 = 1 s, MODEL.md §3.1).
+        unit_samples: new samples per unit k >= 1 (default 16 000 = 1 s, docs/model.md §3.1).
         first_window: samples unit 0 reads (default 16 560 = 1035 ms).
         first_consume: samples unit 0 consumes (default 16 480); must be <= first_window.
         sample_rate: Hz, only used for the ms bookkeeping (default 16 000).

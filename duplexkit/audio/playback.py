@@ -1,7 +1,7 @@
 """Client-side playback: the :class:`Player` protocol, per-response queues and playback clocks.
 
 A *player* is what the clients feed with the assistant's audio and ask what was actually heard
-(PROTOCOL.md §7.5 playback truth). Three implementations ship:
+(docs/protocol.md §7.5 playback truth). Three implementations ship:
 
 * :class:`PlaybackBuffer`: per-response queues read by any output loop; :meth:`PlaybackBuffer.read`
   hands the next block to the device and advances the played cursor of the response the samples
@@ -28,7 +28,7 @@ import numpy as np
 
 __all__ = ["Player", "PlaybackBuffer", "VirtualPlayer", "OUTPUT_RATE"]
 
-#: Output audio rate, Hz (PROTOCOL.md §6.2: always 24 kHz mono).
+#: Output audio rate, Hz (docs/protocol.md §6.2: always 24 kHz mono).
 OUTPUT_RATE = 24000
 
 
@@ -77,7 +77,7 @@ class PlaybackBuffer:
     Times are integer ms, floored: ``samples * 1000 // sample_rate``.
 
     Args:
-        sample_rate: Hz (24 000, PROTOCOL.md §6.2).
+        sample_rate: Hz (24 000, docs/protocol.md §6.2).
     """
 
     def __init__(self, sample_rate: int = OUTPUT_RATE) -> None:
@@ -226,7 +226,7 @@ class VirtualPlayer(PlaybackBuffer):
     their own ``clock``.
 
     Args:
-        sample_rate: Hz (default 24 000, PROTOCOL.md §6.2).
+        sample_rate: Hz (default 24 000, docs/protocol.md §6.2).
         block_ms: speaker block, ms (default 20: a flush is heard within one block).
         clock: seconds, monotonic (default :func:`time.monotonic`).
     """

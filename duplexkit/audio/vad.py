@@ -1,4 +1,4 @@
-"""Streaming voice activity detection for ``server_vad`` (PROTOCOL.md §7.2) on webrtcvad.
+"""Streaming voice activity detection for ``server_vad`` (docs/protocol.md §7.2) on webrtcvad.
 
 Per frame (10, 20 or 30 ms) a frame counts as *speech* only if all of these hold:
 
@@ -19,7 +19,7 @@ the first speech frame of that window, refined to the first 2 ms block above the
 offset is the end of the last speech frame (refined to the last 2 ms block above the floor).
 
 **Pre-roll.** The detector keeps at least the effective pre-roll ``max(prefix_padding_ms, 300)`` ms
-of audio before the onset (PROTOCOL.md §7.2); ``speech_started`` events carry
+of audio before the onset (docs/protocol.md §7.2); ``speech_started`` events carry
 ``audio_start_ms = max(0, onset_ms - pre-roll)`` and the audio from there on.
 
 **Mapping of ``threshold`` (0..1, the ``server_vad`` field) onto the detector** (higher = stricter):
@@ -53,7 +53,7 @@ import numpy as np
 
 __all__ = ["VadConfig", "VadEvent", "StreamingVAD", "FrameDecision", "EchoGate", "MIN_PREROLL_MS"]
 
-#: The effective pre-roll is at least this many ms (PROTOCOL.md §7.2).
+#: The effective pre-roll is at least this many ms (docs/protocol.md §7.2).
 MIN_PREROLL_MS = 300
 _WEBRTC_RATES = (8000, 16000, 32000, 48000)
 _REFINE_MS = 2  # onset/offset refinement block
@@ -61,7 +61,7 @@ _REFINE_MS = 2  # onset/offset refinement block
 
 @dataclass(frozen=True)
 class VadConfig:
-    """Server VAD settings; the first three are PROTOCOL.md §4.1 ``turn_detection`` fields.
+    """Server VAD settings; the first three are docs/protocol.md §4.1 ``turn_detection`` fields.
 
     Attributes:
         threshold: 0..1, mapped as in the module docstring (default 0.5).
@@ -123,7 +123,7 @@ class VadConfig:
 
     @property
     def preroll_ms(self) -> int:
-        """Effective pre-roll, ms = max(prefix_padding_ms, 300) (PROTOCOL.md §7.2)."""
+        """Effective pre-roll, ms = max(prefix_padding_ms, 300) (docs/protocol.md §7.2)."""
         return max(int(self.prefix_padding_ms), MIN_PREROLL_MS)
 
     @property
@@ -166,7 +166,7 @@ class VadEvent:
 
     @property
     def audio_end_ms(self) -> int:
-        """Alias of ``audio_ms`` (the PROTOCOL.md name for speech_stopped)."""
+        """Alias of ``audio_ms`` (the docs/protocol.md name for speech_stopped)."""
         return self.audio_ms
 
 

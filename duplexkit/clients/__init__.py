@@ -1,7 +1,7 @@
-"""duplexkit clients: one public API, two transports (DESIGN.md).
+"""duplexkit clients: one public API, two transports (docs/architecture.md).
 
 * :class:`InlineDuplexClient` — runs a :class:`duplexkit.session.Session` over an in-process engine.
-* :class:`DuplexClient` — talks to a server speaking PROTOCOL.md over a WebSocket.
+* :class:`DuplexClient` — talks to a server speaking docs/protocol.md over a WebSocket.
 
 Both are async context managers with ``send_audio``, ``commit``, ``create_response``, ``cancel``,
 ``ack_playback``, ``update``, ``events()`` / ``responses()`` and ``close()``.

@@ -82,13 +82,13 @@ async def wait_done(aw: Any, timeout: Optional[float]) -> bool:
 
 
 def ref_audio_data_url(ref: Union[str, Path, bytes, np.ndarray, tuple], rate: int = 16_000) -> str:
-    """A reference voice as a ``data:audio/wav;base64,…`` URL (PROTOCOL.md §8.1).
+    """A reference voice as a ``data:audio/wav;base64,…`` URL (docs/protocol.md §8.1).
 
     Args:
         ref: a WAV path, WAV file bytes, a float32 [n] array at ``rate`` Hz, an ``(array, rate)``
             tuple, or an existing data URL / ``file://`` / server-side path string. Strings that
             are not an existing local file are passed through unchanged (server-side allow-listed
-            paths, PROTOCOL.md §8.1).
+            paths, docs/protocol.md §8.1).
     Raises:
         duplexkit.audio.AudioFormatError: undecodable bytes or non-finite samples.
     """

@@ -1,4 +1,4 @@
-"""``InlineDuplexClient``: the server without the socket (DESIGN.md).
+"""``InlineDuplexClient``: the server without the socket (docs/architecture.md).
 
 It drives a :class:`duplexkit.session.Session` over an in-process
 :class:`~duplexkit.engine.api.Engine` with the same :class:`duplexkit.driver.SessionDriver` as the
@@ -27,7 +27,7 @@ class InlineDuplexClient(BaseDuplexClient):
         engine: any :class:`duplexkit.engine.api.Engine` (``DuplexEngine`` or ``ScriptedEngine``);
             it is shared, not closed by this client.
         profile: ``"duplex"`` (default; extension events, model-native answering) or ``"compat"``
-            (PROTOCOL.md §1.2).
+            (docs/protocol.md §1.2).
         config: a ready :class:`duplexkit.session.SessionConfig`; otherwise keyword arguments that
             name ``SessionConfig`` fields (``answer_policy``, ``max_output_tokens``,
             ``default_instructions``, ``limits``, ...) build one.
@@ -78,7 +78,7 @@ class InlineDuplexClient(BaseDuplexClient):
                                      on_close=self._on_close, tick_interval_s=self.tick_interval_s)
         self._driver.start()
         # autostart=0 semantics: the first session.update (sent by connect()) is applied before
-        # session.created (PROTOCOL.md §5.1).
+        # session.created (docs/protocol.md §5.1).
 
     async def _transmit(self, event: dict) -> None:
         d = self._driver

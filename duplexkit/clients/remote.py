@@ -1,6 +1,6 @@
-"""``DuplexClient``: the remote client over a Realtime WebSocket (PROTOCOL.md §1, §11).
+"""``DuplexClient``: the remote client over a Realtime WebSocket (docs/protocol.md §1, §11).
 
-It speaks to the bundled server and to any server following PROTOCOL.md, vLLM-Omni's included:
+It speaks to the bundled server and to any server following docs/protocol.md, vLLM-Omni's included:
 it connects with ``autostart=0`` and sends the full session first, maps beta event names to GA
 (:func:`duplexkit.protocol.parse_server_event`), sends ``session.heartbeat`` periodically, and when
 the server advertises ``capabilities.supports_session_resume`` it reconnects after a dropped

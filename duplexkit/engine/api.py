@@ -10,10 +10,10 @@ Units and tags
 --------------
 * Input audio is **16 kHz mono float32** in [-1, 1], in whole duplex *units* framed by the Session
   (``duplexkit.audio.UnitFramer``): unit 0 carries the first 1035 ms window (16 560 samples),
-  every later unit the next 16 000 new samples (MODEL.md §3.1, parity case f).
-* Output audio is **24 kHz mono float32** (MODEL.md §8); pcm16 conversion happens at the wire edge.
+  every later unit the next 16 000 new samples (docs/model.md §3.1, parity case f).
+* Output audio is **24 kHz mono float32** (docs/model.md §8); pcm16 conversion happens at the wire edge.
 * Every command and output carries ``stream_id`` and ``epoch``. The epoch is the interruption
-  fence of PROTOCOL.md §3: the engine drops queued work of older epochs, and the Session drops any
+  fence of docs/protocol.md §3: the engine drops queued work of older epochs, and the Session drops any
   output whose epoch is older than its current one, so stale audio can never be emitted.
 * Response and item ids belong to the Session; the engine only knows streams, epochs, units and
   model turns.
@@ -58,15 +58,15 @@ __all__ = [
 ]
 
 INPUT_SAMPLE_RATE = 16_000
-"""Model input rate in Hz (MODEL.md §3.1: Whisper features at 16 kHz)."""
+"""Model input rate in Hz (docs/model.md §3.1: Whisper features at 16 kHz)."""
 
 OUTPUT_SAMPLE_RATE = 24_000
-"""Model output rate in Hz (MODEL.md §7.2: HiFT, 960 samples per codec token at 25 Hz)."""
+"""Model output rate in Hz (docs/model.md §7.2: HiFT, 960 samples per codec token at 25 Hz)."""
 
 
 @dataclass(frozen=True)
 class ReferenceVoice:
-    """A reference voice clip (PROTOCOL.md §8), already validated and processed by the Session.
+    """A reference voice clip (docs/protocol.md §8), already validated and processed by the Session.
 
     Attributes:
         audio: float32 [N] mono at 16 kHz, trimmed to whole 100 ms (N % 1600 == 0).
@@ -86,16 +86,16 @@ class StreamConfig:
     """Per-stream model configuration. All fields have server-side defaults.
 
     Attributes:
-        instructions: system prompt text (MODEL.md §5.1; ``None`` = the model default,
+        instructions: system prompt text (docs/model.md §5.1; ``None`` = the model default,
             "Streaming Omni Conversation.").
         ref_voice: reference voice for both the LLM prefix and the vocoder prompt; ``None`` =
             the engine's default voice.
         output_audio: False for ``output_modalities == ["text"]``: talker and code2wav are skipped.
-        temperature: thinker sampling temperature (0.0 = greedy), PROTOCOL.md §4.1 range 0–2.
+        temperature: thinker sampling temperature (0.0 = greedy), docs/protocol.md §4.1 range 0–2.
         seed: optional RNG seed making sampling repeatable on the same hardware.
         force_listen_count: forced listen for the first N units after the stream starts and after
-            each assistant turn ends (PROTOCOL.md §4.1).
-        seed_text: optional user text seeding the session prefix (PROTOCOL.md §4.2).
+            each assistant turn ends (docs/protocol.md §4.1).
+        seed_text: optional user text seeding the session prefix (docs/protocol.md §4.2).
     """
 
     instructions: Optional[str] = None
@@ -139,10 +139,10 @@ class AppendUnit(EngineCommand):
             ``on_request`` outside a requested response, or ``force_listen_count``).
         is_silence: True when the Session fed silence because input ran dry (§ "input running dry").
         force_speak: the model must decide ``speak`` for this unit (the forced unit of a requested
-            response, MODEL.md §5.4: listen masked, boundary pass skipped, turn opened). Bound to the
+            response, docs/model.md §5.4: listen masked, boundary pass skipped, turn opened). Bound to the
             unit, unlike the older :class:`ForceSpeak` command, so it cannot race queued units.
             ``force_listen`` wins when both are set.
-        frame: optional RGB uint8 [H, W, 3] image riding this unit (MODEL.md §3.3).
+        frame: optional RGB uint8 [H, W, 3] image riding this unit (docs/model.md §3.3).
     """
 
     unit_index: int = 0
@@ -155,7 +155,7 @@ class AppendUnit(EngineCommand):
 
 @dataclass(frozen=True)
 class ForceSpeak(EngineCommand):
-    """``response.create``: the next decision must be ``speak`` (MODEL.md §5.4): the listen token is
+    """``response.create``: the next decision must be ``speak`` (docs/model.md §5.4): the listen token is
     masked at the next decision, the boundary pass is skipped and the turn is marked open."""
 
 
@@ -165,14 +165,14 @@ class CancelEpoch(EngineCommand):
 
     The engine drops the stream's queued work at every stage, discards in-flight results, ends the
     model's current turn (talker KV and code2wav caches reset) and keeps the thinker's context
-    consistent (the generated tokens stay in its KV, MODEL.md §5.2).
+    consistent (the generated tokens stay in its KV, docs/model.md §5.2).
     """
 
 
 @dataclass(frozen=True)
 class UpdateStream(EngineCommand):
     """Replace the stream configuration. A changed ``instructions`` / ``ref_voice`` after units
-    were consumed rebuilds the model context from the session prefix (PROTOCOL.md §8.6)."""
+    were consumed rebuilds the model context from the session prefix (docs/protocol.md §8.6)."""
 
     config: StreamConfig = field(default_factory=StreamConfig)
 
@@ -210,7 +210,7 @@ class TextDelta(EngineOutput):
     """Text the thinker decided to say in this unit (already detokenized, may be empty).
 
     Attributes:
-        text: the unit's spoken text (the tokens after the unit's first decided token, MODEL.md §5.3).
+        text: the unit's spoken text (the tokens after the unit's first decided token, docs/model.md §5.3).
         n_tokens: number of LLM tokens this delta accounts for (counted against the token cap).
     """
 
@@ -225,7 +225,7 @@ class AudioChunk(EngineOutput):
     Attributes:
         audio: float32 [N] mono at 24 kHz. N is 20 160 for the first chunk of a turn made from a
             full 25-code block, 24 000 for later full blocks, variable for the final flush
-            (MODEL.md §7.3).
+            (docs/model.md §7.3).
         text: the transcript text spoken in this chunk (append-only; may be empty).
         final: True for the terminal flush of a model turn.
     """
@@ -261,7 +261,7 @@ class EngineError(EngineOutput):
     """A failure confined to one stream.
 
     Attributes:
-        code: a PROTOCOL.md §9 error code (normally ``server_error``).
+        code: a docs/protocol.md §9 error code (normally ``server_error``).
         message: human-readable text.
         fatal: True when the stream cannot continue (the Session then closes with 1011).
     """

@@ -30,16 +30,16 @@ from .stages import StageModel, VocoderWork
 __all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_code_budget",
            "CHAT_CODES_BASE", "CHAT_CODES_PER_TEXT_TOKEN"]
 
-_CHUNK = 25  # new codes per vocoder call (MODEL.md §7.1)
+_CHUNK = 25  # new codes per vocoder call (docs/model.md §7.1)
 
 CHAT_CODES_BASE = 50
 """Codec tokens every turn-based audio reply may use whatever its length: 2 s (25 codes = 1 s,
-MODEL.md §7.1). See :func:`chat_code_budget`."""
+docs/model.md §7.1). See :func:`chat_code_budget`."""
 
 CHAT_CODES_PER_TEXT_TOKEN = 25
 """Codec tokens allowed per reply text token: 1 s of speech per token. Real speech runs at about
 2.5-4 text tokens per second, so this is more than 2x any real speech rate and never cuts a real
-model's answer. It is 2.5x more generous than vLLM-Omni's ``text_len * 10`` cap, which MODEL.md §11
+model's answer. It is 2.5x more generous than vLLM-Omni's ``text_len * 10`` cap, which docs/model.md §11
 reports truncating speech. It exists because a talker that never samples EOS (random weights:
 ``tiny``) would otherwise run to ``chat_max_codes`` (82 s of noise for a 64-token reply)."""
 
@@ -50,7 +50,7 @@ def chat_code_budget(n_text_tokens: int, chat_max_codes: int) -> int:
 
     Args:
         n_text_tokens: text tokens of the reply (the thinker's completion tokens), >= 0.
-        chat_max_codes: the engine's absolute cap (default 2048, MODEL.md §6).
+        chat_max_codes: the engine's absolute cap (default 2048, docs/model.md §6).
     Returns:
         The cap in codec tokens, >= 1.
     """
@@ -86,7 +86,7 @@ def _torch_dtype(name: str):
 
 
 class DuplexEngine:
-    """Many duplex streams over one MiniCPM-o 4.5 model (DESIGN.md "The engine").
+    """Many duplex streams over one MiniCPM-o 4.5 model (docs/architecture.md, "The runtime").
 
     Args:
         model: a loaded ``duplexkit.models.minicpmo45.MiniCPMO45``, or any
@@ -97,7 +97,7 @@ class DuplexEngine:
             (:meth:`from_pretrained`).
         model_id: the id reported to clients (default ``"minicpm-o-4.5"``).
         chat_max_codes: cap on codec tokens of one turn-based audio reply (default 2048, the
-            reference offline cap, MODEL.md §6; 25 codes = 1 s). Also settable as an attribute.
+            reference offline cap, docs/model.md §6; 25 codes = 1 s). Also settable as an attribute.
             Each reply is further bounded by its text length: at most ``CHAT_CODES_BASE +
             CHAT_CODES_PER_TEXT_TOKEN * completion_tokens`` codes (2 s + 1 s per text token, see
             :func:`chat_code_budget`), so a talker that never samples EOS (random weights) stops
@@ -232,9 +232,9 @@ class DuplexEngine:
 
     async def generate_stream(self, request: ChatRequest) -> AsyncIterator[ChatDelta]:
         """Turn-based generation, streamed: text deltas as the thinker generates them, then (with
-        ``output_audio``) float32 24 kHz audio deltas, one per vocoder chunk (MODEL.md §7.3: about
+        ``output_audio``) float32 24 kHz audio deltas, one per vocoder chunk (docs/model.md §7.3: about
         0.84 s first, then 1 s). The audio needs the whole reply text first (the offline talker is
-        conditioned on the finished span, MODEL.md §6). Use :meth:`generate` for usage counts and
+        conditioned on the finished span, docs/model.md §6). Use :meth:`generate` for usage counts and
         the finish reason."""
         async for item in self._generate_iter(request):
             if isinstance(item, ChatDelta):

@@ -13,7 +13,7 @@ Script (per stream)
   units; otherwise ``listen``.
 * A speaking unit emits ``Decision(speak)``, one :class:`TextDelta` (``text_for_unit(k)``,
   ``tokens_per_unit`` tokens) and, when ``config.output_audio`` is true, one :class:`AudioChunk`
-  of a sine tone with the real vocoder sizes (MODEL.md §7.3, PROTOCOL.md §6.2): 20 160 samples on
+  of a sine tone with the real vocoder sizes (docs/model.md §7.3, docs/protocol.md §6.2): 20 160 samples on
   the first unit of a turn, 24 000 on later units. After ``units_per_turn`` speaking units the turn
   ends: a final flush chunk of 3 840 samples (the held-back cross-fade tail, ``final=True``) and
   :class:`TurnEnd` ``turn_eos``. The turn's total audio is therefore exactly
@@ -63,9 +63,9 @@ __all__ = ["ScriptedEngine", "ScriptedStream", "ScriptConfig", "FIRST_CHUNK_SAMP
            "CHUNK_SAMPLES", "TAIL_SAMPLES"]
 
 FIRST_CHUNK_SAMPLES = 20_160
-"""First vocoder chunk of a turn: 840 ms at 24 kHz, 3 840 samples of cross-fade held back (MODEL.md §7.3)."""
+"""First vocoder chunk of a turn: 840 ms at 24 kHz, 3 840 samples of cross-fade held back (docs/model.md §7.3)."""
 CHUNK_SAMPLES = 24_000
-"""Every later full 25-code chunk: 1 s at 24 kHz (MODEL.md §7.3)."""
+"""Every later full 25-code chunk: 1 s at 24 kHz (docs/model.md §7.3)."""
 TAIL_SAMPLES = CHUNK_SAMPLES - FIRST_CHUNK_SAMPLES
 """The held-back tail flushed by the final chunk of a turn (3 840 samples, 160 ms)."""
 

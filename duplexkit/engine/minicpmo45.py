@@ -3,8 +3,8 @@
 Maps the runtime's batch-shaped stage calls onto ``duplexkit.models.minicpmo45``:
 
 * thinker  -> ``model.thinker.new_stream`` / ``step_units`` / ``end_turn`` / ``close``
-* talker   -> ``model.talker.new_turn`` / ``generate_units`` (duplex budget 26 -> <= 25 codes, MODEL.md §6)
-* code2wav -> ``model.code2wav.new_stream`` / ``push`` / ``reset_turn`` / ``close`` (MODEL.md §7)
+* talker   -> ``model.talker.new_turn`` / ``generate_units`` (duplex budget 26 -> <= 25 codes, docs/model.md §6)
+* code2wav -> ``model.code2wav.new_stream`` / ``push`` / ``reset_turn`` / ``close`` (docs/model.md §7)
 * chat     -> ``model.thinker.chat`` then ``model.talker.generate_offline`` then one vocoder stream.
 
 Per-item isolation: while a model component processes a batch by looping over its items (it
@@ -28,9 +28,9 @@ from .stages import TalkerOut, ThinkerOut, VocoderOut
 __all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
 
 TALKER_TEMPERATURE = 0.8
-"""Talker sampling temperature of the reference duplex path (MODEL.md §6 "Sampling")."""
+"""Talker sampling temperature of the reference duplex path (docs/model.md §6 "Sampling")."""
 CODES_PER_CHUNK = 25
-"""New codes per vocoder chunk (MODEL.md §7.1)."""
+"""New codes per vocoder chunk (docs/model.md §7.1)."""
 
 
 @dataclass
@@ -72,7 +72,7 @@ class MiniCPMO45Stages:
     Args:
         model: the loaded model (``.thinker``, ``.talker``, ``.code2wav`` or None).
         model_id: reported id (default ``"minicpm-o-4.5"``).
-        talker_temperature: talker sampling temperature (default 0.8, MODEL.md §6).
+        talker_temperature: talker sampling temperature (default 0.8, docs/model.md §6).
     """
 
     def __init__(self, model: Any, *, model_id: str = "minicpm-o-4.5",
@@ -93,7 +93,7 @@ class MiniCPMO45Stages:
 
     def thinker_update(self, handle: Any, old: StreamConfig, new: StreamConfig) -> Any:
         """A changed session prefix (instructions, reference voice, seed text) or seed rebuilds the
-        context from the new prefix (PROTOCOL.md §8.6); a changed temperature or
+        context from the new prefix (docs/protocol.md §8.6); a changed temperature or
         force_listen_count only updates the stream's policy."""
         if _prefix_key(old) != _prefix_key(new) or old.seed != new.seed:
             fresh = self.thinker_open(new)
@@ -241,7 +241,7 @@ class MiniCPMO45Stages:
 
     def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:
         """Codes for the whole spoken span (talker stage thread): int64 [n <= max_codes]
-        (reference offline cap 2048, MODEL.md §6)."""
+        (reference offline cap 2048, docs/model.md §6)."""
         token_ids, hidden = talker_input
         if token_ids is None or len(token_ids) == 0:
             return np.zeros(0, np.int64)

@@ -33,10 +33,10 @@ Epochs and cancellation
   and unsent outputs of older epochs are discarded;
 * work already running in a stage completes, and its results are discarded;
 * the model turn is ended on every stage, in order after any in-flight step: ``thinker_end_turn``
-  (generated tokens stay in the KV, MODEL.md §5.2), the talker turn is dropped, the vocoder
+  (generated tokens stay in the KV, docs/model.md §5.2), the talker turn is dropped, the vocoder
   ``reset_turn``\\ s;
 * queued **input units are kept** and re-tagged with E: they carry the user's (barge-in) speech,
-  which PROTOCOL.md §7.2 feeds to the model in the new epoch;
+  which docs/protocol.md §7.2 feeds to the model in the new epoch;
 * no ``TurnEnd`` is emitted for the cancelled turn (the Session ends its response itself).
 
 Failures
@@ -92,7 +92,7 @@ __all__ = ["EngineInputError", "StageRuntime", "RuntimeStream", "FIRST_UNIT_SAMP
 log = logging.getLogger("duplexkit.engine")
 
 FIRST_UNIT_SAMPLES = 16_560
-"""Samples of unit 0 at 16 kHz (MODEL.md §3.1, parity case f: the first 1035 ms window)."""
+"""Samples of unit 0 at 16 kHz (docs/model.md §3.1, parity case f: the first 1035 ms window)."""
 UNIT_SAMPLES = 16_000
 """Samples of every later unit at 16 kHz (1 s)."""
 
@@ -334,7 +334,7 @@ class StageRuntime:
         if audio.ndim != 1 or audio.shape[0] != want:
             raise EngineInputError(
                 f"unit {cmd.unit_index}: audio must be float32 [{want}] at 16 kHz "
-                f"(MODEL.md §3.1), got shape {tuple(audio.shape)}"
+                f"(docs/model.md §3.1), got shape {tuple(audio.shape)}"
             )
         if not np.isfinite(audio).all():
             raise EngineInputError(f"unit {cmd.unit_index}: audio has non-finite samples")
@@ -382,7 +382,7 @@ class StageRuntime:
         st.pending_text = ""
         for it in st.q["thinker"]:
             if it.kind == "unit":
-                it.slot.epoch = epoch  # input is never discarded (PROTOCOL.md §7.2)
+                it.slot.epoch = epoch  # input is never discarded (docs/protocol.md §7.2)
         st.q["thinker"].appendleft(_Item("end_turn"))
         for s in ("talker", "code2wav"):
             kept = deque()
@@ -418,7 +418,7 @@ class StageRuntime:
         self._cond.notify_all()
 
     def _fail_turn(self, st: _Stream, stage: str, exc: BaseException, slot: "_Slot") -> None:
-        """A talker or vocoder failure for one unit: the stream survives (PROTOCOL.md §9: the
+        """A talker or vocoder failure for one unit: the stream survives (docs/protocol.md §9: the
         response ends ``failed``, the session continues). The unit gets a non-fatal ``EngineError``
         in order with its other outputs, the stage's turn state is dropped (the next speaking unit
         opens a fresh talker turn / vocoder carry), and the Session's ``CancelEpoch`` that follows

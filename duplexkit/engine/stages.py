@@ -45,7 +45,7 @@ class ThinkerWork:
     Attributes:
         handle: the stream's thinker state (from :meth:`StageModel.thinker_open`).
         audio: float32 [16560] (unit 0) or [16000], 16 kHz mono.
-        force_listen / force_speak: MODEL.md §5.3 / §5.4.
+        force_listen / force_speak: docs/model.md §5.3 / §5.4.
         frame: optional uint8 RGB [H, W, 3].
         unit_index: the stream's unit counter (for messages).
     """
@@ -92,7 +92,7 @@ class TalkerWork:
 
 @dataclass
 class TalkerOut:
-    """Codec tokens of one unit: int64 [<=25] (MODEL.md §6), and the talker's step count."""
+    """Codec tokens of one unit: int64 [<=25] (docs/model.md §6), and the talker's step count."""
 
     codes: np.ndarray
     steps: int = 0
@@ -109,7 +109,7 @@ class VocoderWork:
 
 @dataclass
 class VocoderOut:
-    """float32 24 kHz audio produced by the push (may be empty, MODEL.md §7.1)."""
+    """float32 24 kHz audio produced by the push (may be empty, docs/model.md §7.1)."""
 
     audio: np.ndarray
 

@@ -1,4 +1,4 @@
-"""duplexkit.protocol: pydantic v2 models of every wire event of PROTOCOL.md.
+"""duplexkit.protocol: pydantic v2 models of every wire event of docs/protocol.md.
 
 * :func:`parse_client_event` — tolerant inbound parsing of client events (GA + beta spellings,
   aliases, extra fields ignored) raising :class:`ProtocolError` with a §9 :class:`ErrorCode`.

@@ -1,6 +1,6 @@
-"""Client -> server events (PROTOCOL.md §4): tolerant inbound parsing.
+"""Client -> server events (docs/protocol.md §4): tolerant inbound parsing.
 
-* GA and beta field spellings are both accepted (PROTOCOL.md §2.2) and normalised into one model;
+* GA and beta field spellings are both accepted (docs/protocol.md §2.2) and normalised into one model;
   giving both spellings of one concept with different values is ``bad_event``.
 * Event aliases of §2.3 are mapped to their canonical type (``audio.playback_ack`` ->
   ``playback.ack``, ``close`` -> ``session.close``).
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 MAX_CLIENT_EVENT_ID = 128
-MAX_INSTRUCTIONS_CHARS = 16_384  # PROTOCOL.md §4.1
+MAX_INSTRUCTIONS_CHARS = 16_384  # docs/protocol.md §4.1
 
 _MISSING = object()
 
@@ -67,7 +67,7 @@ class _InEvent(_In):
 # session.update
 # ------------------------------------------------------------------------------------------------
 
-#: Fields accepted with no effect (PROTOCOL.md §4.1, last row).
+#: Fields accepted with no effect (docs/protocol.md §4.1, last row).
 IGNORED_SESSION_FIELDS = (
     "tools",
     "tool_choice",
@@ -97,7 +97,7 @@ def _pick(d: dict, path: str, out: dict, key: str, sources: dict) -> None:
 
 
 class SessionPatch(_In):
-    """A normalised ``session.update`` body (PROTOCOL.md §4.1 / §2.2).
+    """A normalised ``session.update`` body (docs/protocol.md §4.1 / §2.2).
 
     Only concepts the client gave are set (see :attr:`given`); ``None`` values of
     ``turn_detection`` are meaningful (model-native mode) and distinguished by :attr:`given`.
@@ -220,7 +220,7 @@ class InputAudioBufferClearEvent(_InEvent):
 
 
 class ResponseParams(_In):
-    """``response.create{response}`` (PROTOCOL.md §4). ``instructions``/``tools`` are ignored."""
+    """``response.create{response}`` (docs/protocol.md §4). ``instructions``/``tools`` are ignored."""
 
     output_modalities: Optional[List[str]] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -272,7 +272,7 @@ class ContentPartParam(_In):
 
 
 class ItemParam(_In):
-    """An item of ``conversation.item.create`` (PROTOCOL.md §4.2); the Session decides what it accepts."""
+    """An item of ``conversation.item.create`` (docs/protocol.md §4.2); the Session decides what it accepts."""
 
     id: Optional[str] = None
     type: str = "message"
@@ -358,7 +358,7 @@ CLIENT_EVENT_MODELS: dict[str, type[_InEvent]] = {
     for m in ClientEvent.__args__  # type: ignore[attr-defined]
 }
 
-#: alias -> canonical type (PROTOCOL.md §2.3)
+#: alias -> canonical type (docs/protocol.md §2.3)
 CLIENT_EVENT_ALIASES: dict[str, str] = {
     "audio.playback_ack": "playback.ack",
     "close": "session.close",
@@ -391,7 +391,7 @@ def parse_client_event(
 
     Args:
         raw: a text frame (``str``), its UTF-8 ``bytes``, or an already decoded ``dict``.
-        max_event_bytes: size limit in bytes of a str/bytes frame (PROTOCOL.md §1.3); None = no limit.
+        max_event_bytes: size limit in bytes of a str/bytes frame (docs/protocol.md §1.3); None = no limit.
     Returns:
         the typed event model (aliases normalised to their canonical ``type``).
     Raises:

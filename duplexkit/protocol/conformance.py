@@ -1,4 +1,4 @@
-"""An incremental checker of the server-event invariants of PROTOCOL.md §12.
+"""An incremental checker of the server-event invariants of docs/protocol.md §12.
 
 Feed every server event dict a session (or server) emits, in order, to
 :meth:`EventStreamChecker.feed`; it raises :class:`ConformanceError` at the first violation of:
@@ -35,7 +35,7 @@ _DELTA_TYPES = {
     "response.output_text.delta",
 }
 
-# envelope step of each event type (PROTOCOL.md §5.3); deltas are step 6
+# envelope step of each event type (docs/protocol.md §5.3); deltas are step 6
 _STEP = {
     "response.created": 1,
     "conversation.item.added": 2,

@@ -1,7 +1,7 @@
-"""The PROTOCOL.md §9 error table and the typed protocol error (re-exported from :mod:`duplexkit.errors`).
+"""The docs/protocol.md §9 error table and the typed protocol error (re-exported from :mod:`duplexkit.errors`).
 
 Every rejected client event produces exactly one ``error`` server event built from a
-:class:`ProtocolError`; the session stays alive (PROTOCOL.md §9 "Principle"). The definitions live
+:class:`ProtocolError`; the session stays alive (docs/protocol.md §9 "Principle"). The definitions live
 in :mod:`duplexkit.errors`, the one module of duplexkit's exception hierarchy.
 """
 

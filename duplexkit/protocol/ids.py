@@ -1,4 +1,4 @@
-"""Identifiers of PROTOCOL.md §3: ``sess_<24 hex>``, ``event_<hex>``, ``resp_<hex>``, ``item_<hex>``.
+"""Identifiers of docs/protocol.md §3: ``sess_<24 hex>``, ``event_<hex>``, ``resp_<hex>``, ``item_<hex>``.
 
 An :class:`IdFactory` makes ids unique within its session (a random 48-bit prefix plus a counter),
 never reused, and cheap (no syscall per id).
@@ -13,7 +13,7 @@ __all__ = ["new_session_id", "IdFactory"]
 
 
 def new_session_id() -> str:
-    """A fresh ``sess_<24 hex>`` session id (96 random bits; PROTOCOL.md §3)."""
+    """A fresh ``sess_<24 hex>`` session id (96 random bits; docs/protocol.md §3)."""
     return "sess_" + secrets.token_hex(12)
 
 

@@ -1,14 +1,14 @@
-"""Server -> client events (PROTOCOL.md §5): strict outbound models, tolerant client-side parsing.
+"""Server -> client events (docs/protocol.md §5): strict outbound models, tolerant client-side parsing.
 
 Outbound: the Session builds every event from these models and serialises it with
 :meth:`ServerEvent.to_wire` (= ``model_dump(mode="json", exclude_none=True)`` after checking that no
-undeclared key slipped in, recursively). Only OpenAI GA names are emitted (PROTOCOL.md §2).
+undeclared key slipped in, recursively). Only OpenAI GA names are emitted (docs/protocol.md §2).
 duplexkit additions (``epoch``, ``trigger``, ``audio_duration_ms``, ``committed_ms`` on response
 objects, ``metadata{…}`` on deltas and extension events) are declared fields here and ride as
 *extra keys* next to the fields OpenAI types (checked against ``openai.types.realtime`` by
 ``tests/conformance``).
 
-Inbound (clients): :func:`parse_server_event` accepts GA and beta/vLLM-Omni names (PROTOCOL.md
+Inbound (clients): :func:`parse_server_event` accepts GA and beta/vLLM-Omni names (docs/protocol.md
 §2.1), keeps unknown keys (``model_extra``) and unknown enum values as plain strings, and surfaces
 unknown event types as :class:`UnknownServerEvent` instead of raising.
 """
@@ -163,7 +163,7 @@ class Usage(_Out):
 
 
 class ResponseObject(_Out):
-    """``response`` of ``response.created``/``.done`` (PROTOCOL.md §5.3). ``epoch``, ``trigger``,
+    """``response`` of ``response.created``/``.done`` (docs/protocol.md §5.3). ``epoch``, ``trigger``,
     ``audio_duration_ms`` and ``committed_ms`` are duplexkit extra keys; ``metadata`` is the
     client's string map."""
 
@@ -201,7 +201,7 @@ class DeltaMetadata(_Out):
 
 class AudioFormatObject(_Out):
     """A GA audio format object. OpenAI types ``rate`` as 24000 only, so other rates and encodings
-    ride in the extra keys ``sample_rate_hz`` and ``encoding`` (PROTOCOL.md §2) and ``rate`` is only
+    ride in the extra keys ``sample_rate_hz`` and ``encoding`` (docs/protocol.md §2) and ``rate`` is only
     set when it is 24000. ``channels`` (extension) is set only for interleaved multi-channel input
     (downmixed to mono by the server)."""
 
@@ -257,7 +257,7 @@ class Capabilities(_Out):
 
 
 class SessionObject(_Out):
-    """The effective session (PROTOCOL.md §5.1). Flat beta mirrors: ``modalities``,
+    """The effective session (docs/protocol.md §5.1). Flat beta mirrors: ``modalities``,
     ``input_audio_format``, ``output_audio_format``, ``sample_rate_hz``, ``turn_detection``,
     ``max_response_output_tokens``; ``channels`` (extension) only for multi-channel input. ``instructions``, ``ref_audio`` and ``turn_detection`` are always
     present (``null`` when unset)."""
@@ -299,7 +299,7 @@ class SessionObject(_Out):
 
 
 class ServerEvent(_Out):
-    """Base of every server event: ``type``, ``event_id``, ``server_event_seq`` (PROTOCOL.md §5)."""
+    """Base of every server event: ``type``, ``event_id``, ``server_event_seq`` (docs/protocol.md §5)."""
 
     type: str
     event_id: str = ""
@@ -529,7 +529,7 @@ _ALL = [
 #: GA event type -> model
 SERVER_EVENT_MODELS: dict[str, type[ServerEvent]] = {m.model_fields["type"].default: m for m in _ALL}
 
-#: beta / vLLM-Omni name -> GA name (PROTOCOL.md §2.1)
+#: beta / vLLM-Omni name -> GA name (docs/protocol.md §2.1)
 BETA_EVENT_ALIASES: dict[str, str] = {
     "response.audio.delta": "response.output_audio.delta",
     "response.audio.done": "response.output_audio.done",
@@ -545,7 +545,7 @@ EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.heartbeat_ack", "r
 
 
 def parse_server_event(raw: Union[str, bytes, bytearray, dict]) -> Union[ServerEvent, UnknownServerEvent]:
-    """Parse one server event on the client side (PROTOCOL.md §2, "Inbound to clients").
+    """Parse one server event on the client side (docs/protocol.md §2, "Inbound to clients").
 
     GA and beta names are accepted; the returned model's ``type`` is the GA name and
     ``raw_type`` the name as received (so a client can ignore a ``conversation.item.created``

@@ -2,7 +2,7 @@
 
 Shared by ``tests/conformance/test_openai_sdk_realtime.py`` (ScriptedEngine server) and
 ``tests/e2e/test_tiny_e2e.py`` (the real tiny engine). Every received event is also validated
-against ``openai.types.realtime.RealtimeServerEvent`` (the conformance oracle, PROTOCOL.md §2),
+against ``openai.types.realtime.RealtimeServerEvent`` (the conformance oracle, docs/protocol.md §2),
 except duplexkit extension events, which the SDK surfaces untyped.
 """
 

@@ -1,5 +1,5 @@
 """The unmodified OpenAI Python SDK realtime client against a real ``duplexkit serve scripted``
-process (compat profile, PROTOCOL.md §11): a commit-driven turn and a server_vad turn, every event
+process (compat profile, docs/protocol.md §11): a commit-driven turn and a server_vad turn, every event
 validated against ``openai.types.realtime``."""
 
 from __future__ import annotations

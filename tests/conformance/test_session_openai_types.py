@@ -1,6 +1,6 @@
 """Conformance: every server event the Session emits validates against the openai SDK's typed
 Realtime server events (``openai.types.realtime.RealtimeServerEvent``), except the duplex extension
-events of PROTOCOL.md, which validate against their own models (duplexkit.protocol)."""
+events of docs/protocol.md, which validate against their own models (duplexkit.protocol)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_every_emitted_event_validates(profile):
             assert not isinstance(parsed, UnknownServerEvent), ev
             continue
         if ev["type"] == "output_audio_buffer.cleared" and "response_id" not in ev:
-            # PROTOCOL.md §2.3: with nothing active the answer carries no response_id (OpenAI types it
+            # docs/protocol.md §2.3: with nothing active the answer carries no response_id (OpenAI types it
             # as required); everything else of the event validates.
             ADAPTER.validate_python({**ev, "response_id": ""})
             continue

@@ -1,5 +1,5 @@
-"""InlineDuplexClient and DuplexClient give the same result for the same input (DESIGN.md: "the inline
-client is the server without the socket"): same event types, statuses, transcripts and audio
+"""InlineDuplexClient and DuplexClient give the same result for the same input (the inline
+client is the server without the socket, docs/clients.md): same event types, statuses, transcripts and audio
 sample counts (timings aside). With the ScriptedEngine, and with the real tiny engine twice: greedy
 (``temperature: 0``) and sampled at the default temperature with a fixed ``extra_body.seed``."""
 

@@ -1,6 +1,10 @@
 """``duplexkit mic`` run headless against a virtual audio device: a private PulseAudio server whose
 "microphone" is the monitor of a null sink we play fixture WAVs into, and whose speaker is another
-null sink. The mic command runs as a real subprocess connected to a real server."""
+null sink. The mic command runs as a real subprocess connected to a real server.
+
+Robust on a loaded machine: nothing is scheduled by wall-clock guesses. Each step waits for an event
+(the command printing "ready", its recording stream existing, the answer's audio reaching the
+virtual speaker) with generous bounds; ``--duration`` only caps the whole run."""
 
 from __future__ import annotations
 
@@ -8,7 +12,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 from _serverproc import REPO, ServerProc
@@ -28,40 +36,161 @@ def pulse():
         pytest.fail(f"virtual audio device unavailable: {exc}")
 
 
-def run_mic(pulse, url, tmp_path: Path, plays: list[tuple[Path, float]], duration: float,
-            extra: list[str] = ()) -> dict:
-    summary = tmp_path / "summary.json"
-    out_wav = tmp_path / "heard.wav"
-    env = {**os.environ, **pulse.env, "PYTHONUNBUFFERED": "1"}
-    target = ["--url", url] if url else []
-    cmd = [sys.executable, "-m", "duplexkit.cli", "mic", *target, "--duration", str(duration),
-           "--summary", str(summary), "--save-output", str(out_wav), *extra]
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    players = [pulse.play(wav, delay_s=delay) for wav, delay in plays]
-    out, _ = proc.communicate(timeout=duration + 60)
-    for p in players:
-        p.wait(30)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
-    assert summary.exists(), text
-    data = json.loads(summary.read_text())
-    data["stdout"] = text
-    data["heard_wav"] = out_wav
-    return data
+class MicRun:
+    """A ``duplexkit mic`` subprocess whose output is read live, so a test can wait for what it
+    prints instead of guessing how long start-up takes on a busy machine.
+
+    ``duration`` is only an upper bound for the whole run (the command has no other way to stop and
+    still write its summary); every step inside it waits on an event with a generous bound.
+    """
+
+    def __init__(self, pulse, url, tmp_path: Path, duration: float, extra: list[str] = ()) -> None:
+        self.pulse = pulse
+        self.summary = tmp_path / "summary.json"
+        self.out_wav = tmp_path / "heard.wav"
+        self.duration = duration
+        env = {**os.environ, **pulse.env, "PYTHONUNBUFFERED": "1"}
+        target = ["--url", url] if url else []
+        cmd = [sys.executable, "-m", "duplexkit.cli", "mic", *target, "--duration", str(duration),
+               "--summary", str(self.summary), "--save-output", str(self.out_wav), *extra]
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.players: list[subprocess.Popen] = []
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            with self._cond:
+                self.lines.append(raw.decode(errors="replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(self.lines)
+
+    def wait_line(self, needle: str, bound_s: float) -> None:
+        """Wait until the command prints a line containing ``needle`` (fails after ``bound_s``)."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: any(needle in ln for ln in self.lines) or self.proc.poll() is not None,
+                                     timeout=bound_s)
+            found = any(needle in ln for ln in self.lines)
+        assert ok and found, f"mic never printed {needle!r}:\n{self.text()}"
+
+    def wait_capturing(self, bound_s: float) -> None:
+        """Wait until the command's microphone stream records from the virtual mic (a pulse
+        source-output exists), so nothing played into the mic is lost to a slow device start."""
+        env = {**os.environ, **self.pulse.env}
+        for _ in range(int(bound_s / 0.1)):
+            r = subprocess.run(["pactl", "list", "short", "source-outputs"], env=env, capture_output=True, text=True)
+            if r.stdout.strip():
+                return
+            assert self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+        pytest.fail(f"the mic stream never started recording:\n{self.text()}")
+
+    def play(self, wav: Path) -> None:
+        self.players.append(self.pulse.play(wav))
+
+    def finish(self) -> dict:
+        out_bound = self.duration + 120
+        self.proc.wait(out_bound)
+        self._reader.join(30)
+        for p in self.players:
+            p.wait(30)
+        text = self.text()
+        assert self.proc.returncode == 0, text
+        assert self.summary.exists(), text
+        data = json.loads(self.summary.read_text())
+        data["stdout"] = text
+        data["heard_wav"] = self.out_wav
+        return data
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        for p in self.players:
+            if p.poll() is None:
+                p.kill()
+
+
+class SpeakerMonitor:
+    """Records the virtual speaker's monitor (``parec``) and reports when the assistant's audio
+    is actually playing: at least ``min_ms`` of consecutive 50 ms blocks above ``rms`` (the
+    scripted answer is a 0.2-amplitude sine, RMS ~0.14; silence is 0)."""
+
+    RATE = 16000
+
+    def __init__(self, pulse, rms: float = 0.05, min_ms: int = 200) -> None:
+        self.proc = subprocess.Popen(
+            ["parec", f"--device={pulse.speaker}.monitor", "--raw", "--format=s16le", f"--rate={self.RATE}",
+             "--channels=1", "--latency-msec=50"],
+            env={**os.environ, **pulse.env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.playing = threading.Event()
+        self._need = max(1, min_ms // 50)
+        self._rms = rms
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        block = self.RATE // 20 * 2  # 50 ms of s16le
+        run = 0
+        while True:
+            buf = self.proc.stdout.read(block)
+            if not buf or len(buf) < block:
+                return
+            x = np.frombuffer(buf, dtype="<i2").astype(np.float32) / 32768.0
+            run = run + 1 if float(np.sqrt(np.mean(x * x))) > self._rms else 0
+            if run >= self._need:
+                self.playing.set()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def _answer_after_question(pulse, url, tmp_path, question_wav, duration, extra=()) -> dict:
+    """Start ``mic``; once it is ready and recording, play the question; collect the summary."""
+    run = MicRun(pulse, url, tmp_path, duration, list(extra))
+    try:
+        run.wait_line("ready", bound_s=120)
+        run.wait_capturing(bound_s=60)
+        run.play(question_wav)
+        return run.finish()
+    finally:
+        run.kill()
 
 
 def test_mic_answers_a_spoken_question(pulse, tmp_path, question_wav):
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=2") as srv:
-        data = run_mic(pulse, srv.ws_url, tmp_path, [(question_wav, 1.0)], duration=12)
+        data = _answer_after_question(pulse, srv.ws_url, tmp_path, question_wav, duration=20)
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 48000  # 2 units of the scripted answer reached the speaker queue
     assert "[you are speaking]" in data["stdout"]
 
 
 def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
+    """The user talks over the answer: the interruption is played only once the answer is heard
+    on the virtual speaker (an event, not a time guess), so a slow machine cannot make it land
+    before the answer started."""
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=10") as srv:
-        # the question ends at ~4.5 s; the answer starts ~1 s later; the user talks over it at 7.5 s
-        data = run_mic(pulse, srv.ws_url, tmp_path, [(question_wav, 1.0), (interrupt_wav, 7.5)], duration=16)
+        run = MicRun(pulse, srv.ws_url, tmp_path, duration=30)
+        monitor = SpeakerMonitor(pulse)
+        try:
+            run.wait_line("ready", bound_s=120)
+            run.wait_capturing(bound_s=60)
+            run.play(question_wav)
+            # the question lasts ~3.5 s and the 10-unit answer ~10 s: wait for the answer's audio
+            assert monitor.playing.wait(25), f"the answer was never heard on the speaker:\n{run.text()}"
+            run.play(interrupt_wav)
+            data = run.finish()
+        finally:
+            monitor.close()
+            run.kill()
     statuses = [r.split("(")[1].split(")")[0] for r in data["responses"]]
     assert statuses and statuses[0] == "cancelled", data["stdout"]
     assert data["barge_ins"] >= 1
@@ -69,7 +198,7 @@ def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
 
 def test_mic_inline_engine(pulse, tmp_path, question_wav):
     """``duplexkit mic MODEL`` without --url runs the engine in-process (here the ScriptedEngine)."""
-    data = run_mic(pulse, None, tmp_path, [(question_wav, 1.0)], duration=12,
-                   extra=["scripted", "--answer-policy", "on_request"])
+    data = _answer_after_question(pulse, None, tmp_path, question_wav, duration=20,
+                                  extra=["scripted", "--answer-policy", "on_request"])
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 72000

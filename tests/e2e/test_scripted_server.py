@@ -64,7 +64,7 @@ async def test_commit_driven_turn(scripted_server, question_wav):
         assert h.chunk_sizes == [20160, 24000, 24000, 3840]
         assert h.audio_samples == 72000
         assert h.transcript == "Hello there, this is a scripted "
-        # the envelope of PROTOCOL.md §5.3, in order, and gap-free sequence numbers
+        # the envelope of docs/protocol.md §5.3, in order, and gap-free sequence numbers
         types = [e.type for e in h.events]
         assert types[:5] == ["response.created", "conversation.item.added", "response.output_item.added",
                              "response.content_part.added", "response.speak"]
@@ -92,7 +92,7 @@ async def test_sequence_numbers_and_heartbeat(scripted_server):
 
 
 async def test_client_barge_in_then_answer(scripted_server, question_wav, interrupt_wav):
-    """Client-forced barge-in (PROTOCOL.md §7.3): cancel mid-answer, then a new question is answered."""
+    """Client-forced barge-in (docs/protocol.md §7.3): cancel mid-answer, then a new question is answered."""
     async with DuplexClient(scripted_server.ws_url) as c:
         await _send_wav(c, _speech(question_wav))
         await c.commit()
@@ -130,7 +130,7 @@ async def test_client_barge_in_then_answer(scripted_server, question_wav, interr
 
 
 async def test_server_vad_turn_and_barge_in(scripted_server, question_wav, interrupt_wav):
-    """Server VAD (PROTOCOL.md §7.2): speech + silence commits and answers; speech over the answer
+    """Server VAD (docs/protocol.md §7.2): speech + silence commits and answers; speech over the answer
     cancels it with ``turn_detected``; the interruption is then answered."""
     session = {"turn_detection": {"type": "server_vad", "create_response": True, "interrupt_response": True}}
     async with DuplexClient(scripted_server.ws_url, session=session) as c:
@@ -303,7 +303,7 @@ async def test_heartbeat_from_client(scripted_server):
     ({"session": {"turn_detection": {"type": "semantic_vad"}}}, "unsupported_turn_detection"),
 ])
 async def test_connect_raises_when_the_initial_update_is_rejected(scripted_server, fixtures_audio, kwargs, code):
-    """PROTOCOL.md §5.1: the error echoing the first update comes before session.created, and
+    """docs/protocol.md §5.1: the error echoing the first update comes before session.created, and
     connect() raises it (the session is then closed; no close() is needed)."""
     from duplexkit.clients import DuplexError
 

@@ -1,4 +1,4 @@
-"""Transport rules of PROTOCOL.md §1 against real ``duplexkit serve scripted`` processes: auth,
+"""Transport rules of docs/protocol.md §1 against real ``duplexkit serve scripted`` processes: auth,
 capacity (1013 / 503 + Retry-After), frame size (event_too_large vs 1009), idle timeout and
 graceful shutdown (session.closed{shutdown} + 1001)."""
 

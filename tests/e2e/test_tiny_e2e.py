@@ -71,7 +71,7 @@ async def test_realtime_turn(tiny_server, question_wav):
     ms = [e["metadata"]["audio_duration_ms"] for e in deltas]
     assert ms == sorted(set(ms)) and ms[-1] == h.audio_samples * 1000 // 24000
     tr = [e for e in evs if e["type"] == "response.output_audio_transcript.delta" and e["response_id"] == h.id]
-    assert len(tr) == len(deltas)  # one transcript delta per audio delta (PROTOCOL.md §5.3)
+    assert len(tr) == len(deltas)  # one transcript delta per audio delta (docs/protocol.md §5.3)
 
 
 async def test_barge_in(tiny_server, question_wav, interrupt_wav):

@@ -61,14 +61,14 @@ async def test_chat_audio_is_bounded_by_the_reply_length(reply_tokens, chat_max_
         await engine.aclose()
     budget = min(chat_max_codes, 50 + 25 * reply_tokens)
     assert stages.max_codes_seen == [budget]
-    # every code became audio (about 960 samples per code, MODEL.md §7.1), and no more
+    # every code became audio (about 960 samples per code, docs/model.md §7.1), and no more
     assert (budget - 1) * 960 <= res.audio.size <= budget * 960 + 3840
     assert res.audio.size / 24_000 <= 2 + reply_tokens + 0.2  # 2 s + 1 s per text token (+ flush)
 
 
 @pytest.mark.engine
 async def test_tiny_chat_audio_is_bounded_by_the_reply_length():
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # MODEL.md §7.5
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # docs/model.md §7.5
     pytest.importorskip("torch")
     pytest.importorskip("stepaudio2")
     engine = DuplexEngine.from_pretrained("tiny", layout="cpu", progress=False)

@@ -1,7 +1,7 @@
 """DuplexEngine on the tiny random-weight checkpoint (CPU), fed the real speech fixtures.
 
 ONE engine for the whole test process (a session fixture): each Code2Wav flow costs ~2.24 GB
-(MODEL.md §7.5). Assertions are in units and epochs, never wall-clock. The tiny model has random
+(docs/model.md §7.5). Assertions are in units and epochs, never wall-clock. The tiny model has random
 weights, so turns are started with ForceSpeak and ended by cancel (it rarely emits <|turn_eos|>).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # MODEL.md §7.5: before stepaudio2 is imported
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # docs/model.md §7.5: before stepaudio2 is imported
 pytest.importorskip("torch")
 pytest.importorskip("stepaudio2")
 
@@ -131,7 +131,7 @@ async def test_four_streams_no_crosstalk_and_same_as_alone(engine):
         assert decisions[0].decision == "speak" and decisions[0].turn_start
         chunks = [o for o in outs if isinstance(o, AudioChunk)]
         sizes = [len(c.audio) for c in chunks if not c.final]
-        assert sizes and sizes[0] == 20160 and all(x == 24000 for x in sizes[1:])  # MODEL.md §7.3
+        assert sizes and sizes[0] == 20160 and all(x == 24000 for x in sizes[1:])  # docs/model.md §7.3
         assert all(c.audio.dtype == np.float32 and np.isfinite(c.audio).all() for c in chunks)
         # the audio carries the transcript of the units it voices, append-only and in order
         spoken = "".join(o.text for o in outs if isinstance(o, TextDelta))
@@ -199,7 +199,7 @@ async def test_fault_in_one_stream_leaves_the_others_working(engine):
             s.submit(AppendUnit(sid, 0, unit_index=i, audio=u[i]))
     outs_a = await collect(a, units_done(2))
     errs = [o for o in outs_a if isinstance(o, EngineError)]
-    # a talker failure costs the turn, not the stream (PROTOCOL.md §9)
+    # a talker failure costs the turn, not the stream (docs/protocol.md §9)
     assert len(errs) == 1 and not errs[0].fatal and errs[0].code == "server_error" and "talker" in errs[0].message
     outs_b = await collect(b, units_done(2))
     assert not any(isinstance(o, EngineError) for o in outs_b)
@@ -318,6 +318,6 @@ async def test_generate_audio_prompt(short_replies):
     req = ChatRequest(messages=[ChatMessage("user", [audio])], output_audio=True, max_tokens=8, seed=1,
                       ref_voice=voice("ref_voice_16k.wav"))
     res = await engine.generate(req)
-    assert res.text and res.prompt_tokens > 30  # 3.5 s of audio = ~35 audio embeddings (MODEL.md §3.1)
+    assert res.text and res.prompt_tokens > 30  # 3.5 s of audio = ~35 audio embeddings (docs/model.md §3.1)
     assert res.audio is not None and res.audio.size > 0 and np.isfinite(res.audio).all()
-    assert res.audio.size <= (100 + 3) * 960 + 3840  # the code cap holds (MODEL.md §7.1 flush sizes)
+    assert res.audio.size <= (100 + 3) * 960 + 3840  # the code cap holds (docs/model.md §7.1 flush sizes)

@@ -3,7 +3,7 @@
 Thinker: speaks when forced (ForceSpeak) or while its turn is open; a turn lasts ``turn_units``
 speaking units and the last one ends it (like ``<|turn_eos|>``). Text of a unit: ``"{tag}{n} "``
 (tag = the stream's instructions). Talker: 25 codes per unit whose value encodes the tag.
-Code2Wav: the real chunk sizes (MODEL.md §7.3: 20160 samples first, 24000 later, the rest on the
+Code2Wav: the real chunk sizes (docs/model.md §7.3: 20160 samples first, 24000 later, the rest on the
 last push); sample values encode the reference voice, so cross-talk is visible.
 """
 

@@ -1,4 +1,4 @@
-"""Code2Wav streaming wrapper tests on the tiny random-weight asset set (MODEL.md §7).
+"""Code2Wav streaming wrapper tests on the tiny random-weight asset set (docs/model.md §7).
 
 One flow is built per test process (session fixture); its cache buffers are sized to use, so the flow
 costs tens of MB instead of the package's fixed 2.24 GB.

@@ -81,7 +81,7 @@ def test_chat_template_flags_and_omni_join(tiny_model):
 def test_audio_embed_count_arithmetic():
     assert audio_embed_count(32000) == 20
     assert audio_embed_count(16000) == 10
-    assert audio_embed_count(1280) == 0  # under ~80 ms: nothing (MODEL.md §3.1)
+    assert audio_embed_count(1280) == 0  # under ~80 ms: nothing (docs/model.md §3.1)
     assert audio_embed_count(1440) == 1
     assert audio_embed_count(16000 + 800) == 10  # floor, not rounding
     assert audio_embed_count(0) == 0

@@ -1,6 +1,6 @@
 """Coverage of the model-port issue's remaining items (tiny checkpoint, no ../shared needed):
 
-* long sessions: the thinker's sliding window (reference "basic" window, MODEL.md §10/§11) and the
+* long sessions: the thinker's sliding window (reference "basic" window, docs/model.md §10/§11) and the
   talker's 4096-position window reset inside a long turn, with Code2Wav continuing across seams;
 * real speech WAVs through the streaming and offline audio paths (10 embeddings per second);
 * talker chunks of 25 codes below 6561, Code2Wav chunk sizes and continuity across seams;
@@ -41,7 +41,7 @@ def _wav(name: str) -> np.ndarray:
 
 
 def _units(audio: np.ndarray) -> list:
-    """Split 16 kHz audio into duplex units: 16 560 samples, then 16 000 each (MODEL.md §3.1)."""
+    """Split 16 kHz audio into duplex units: 16 560 samples, then 16 000 each (docs/model.md §3.1)."""
     out = [audio[:16560]]
     for s in range(16560, len(audio) - 16000 + 1, 16000):
         out.append(audio[s:s + 16000])
@@ -206,7 +206,7 @@ def test_window_that_never_fills_changes_nothing(tiny_model, speech_units):
 
 
 def test_whisper_stream_cache_resets_every_30_units(tiny_model, speech_units):
-    """The Whisper streaming KV restarts before passing 1500 positions (50 per unit; MODEL.md §3.1)."""
+    """The Whisper streaming KV restarts before passing 1500 positions (50 per unit; docs/model.md §3.1)."""
     th = tiny_model.thinker
     st = th.new_stream()
     units = speech_units[:32]
@@ -266,7 +266,7 @@ def c2w(tmp_path_factory):
 def _seam_energy_ratios(chunks: list) -> list:
     """RMS of the 3840-sample cross-fade region that opens each later chunk over the RMS of the
     3840 samples before the seam: about 1 when the held tail and the new chunk overlap-add
-    coherently; a dropped tail or a missing fade gives about 0.6 or 2 (MODEL.md §7.3)."""
+    coherently; a dropped tail or a missing fade gives about 0.6 or 2 (docs/model.md §7.3)."""
     from duplexkit.models.minicpmo45.code2wav import HOLDBACK_SAMPLES as n
 
     x = np.concatenate(chunks)

@@ -1,4 +1,4 @@
-"""Talker tests: parity case e (../shared/parity) and the duplex decode contract (MODEL.md §6)."""
+"""Talker tests: parity case e (../shared/parity) and the duplex decode contract (docs/model.md §6)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_duplex_unit_returns_25_codes_and_state_persists(tk_unit):
     c2 = talker.generate_units([TalkerInput(turn, ids[:2], h[:2], generator=g)])[0]
     assert c2.shape == (25,)
     assert turn.text_start_pos == 32 + 3 + 25
-    # empty unit: [audio_bos] alone keeps speech going (MODEL.md §6)
+    # empty unit: [audio_bos] alone keeps speech going (docs/model.md §6)
     c3 = talker.generate_units([TalkerInput(turn, np.zeros(0, np.int64), np.zeros((0, talker.config.llm_dim), np.float32),
                                             generator=g)])[0]
     assert c3.shape == (25,)

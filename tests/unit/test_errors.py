@@ -1,6 +1,6 @@
-"""duplexkit.errors: one exception hierarchy, PROTOCOL.md §9 codes, messages that say what was expected.
+"""duplexkit.errors: one exception hierarchy, docs/protocol.md §9 codes, messages that say what was expected.
 
-Covers the input-handling rules of PROTOCOL.md §6.1/§9: an odd trailing byte is carried and
+Covers the input-handling rules of docs/protocol.md §6.1/§9: an odd trailing byte is carried and
 out-of-range floats are clipped (neither is an error); NaN/inf, non-base64 data, zero-length
 appends, wrong or unknown formats and rates raise typed errors carrying their §9 ``code``.
 """

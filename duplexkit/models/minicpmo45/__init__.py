@@ -1,6 +1,6 @@
-"""MiniCPM-o 4.5 rebuilt as Thinker -> Talker -> Code2Wav (MODEL.md).
+"""MiniCPM-o 4.5 rebuilt as Thinker -> Talker -> Code2Wav (docs/model.md).
 
-Public API (interfaces.md): :class:`MiniCPMOConfig`, :func:`load_tokenizer`, :class:`SpecialTokens`,
+Public API (docs/model.md): :class:`MiniCPMOConfig`, :func:`load_tokenizer`, :class:`SpecialTokens`,
 :func:`load`, :class:`MiniCPMO45`, :class:`CheckpointError`, :func:`build_tiny_checkpoint`, and the
 duplex types :class:`UnitInput`, :class:`UnitResult`, :class:`DuplexPolicy`. Torch-dependent names
 are imported lazily, so ``import duplexkit.models.minicpmo45`` stays light.

@@ -2,14 +2,14 @@
 plus the audio projector (``audio_projection_layer.*``) and 5× average pooling.
 
 Built from transformers' ``WhisperEncoder`` (same module tree and state-dict keys); only the
-forward passes are ours (MODEL.md §3.1, parity README case b and "Whisper streaming"):
+forward passes are ours (docs/model.md §3.1, parity README case b and "Whisper streaming"):
 
 * offline: conv1 → GELU → conv2 (stride 2) → GELU → + ``embed_positions[0:T]`` → layers with a
   1-second block-causal mask (frame i sees j < (i//50+1)·50) → final LayerNorm;
 * streaming: the unit's mel block alone through the convs, drop the first output frame (units ≥ 1)
   and the last one (→ 50 frames), positions continue from the cached count, every layer attends
   to its cached keys/values plus the block without a mask; the cache is dropped when it would pass
-  ``max_source_positions`` (1500 = 30 s; MODEL.md §3.1, vO #7457).
+  ``max_source_positions`` (1500 = 30 s; docs/model.md §3.1, vO #7457).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ __all__ = ["AudioEncoder", "AudioProjector", "WhisperStreamCache"]
 
 
 class AudioProjector(nn.Module):
-    """``linear1`` (d_model→hidden) → ReLU → ``linear2`` (hidden→hidden) (MODEL.md §1.1)."""
+    """``linear1`` (d_model→hidden) → ReLU → ``linear2`` (hidden→hidden) (docs/model.md §1.1)."""
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()

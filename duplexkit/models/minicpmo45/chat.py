@@ -1,4 +1,4 @@
-"""Turn-based (chat) prompts and generation on the thinker (MODEL.md §4, parity cases a and d).
+"""Turn-based (chat) prompts and generation on the thinker (docs/model.md §4, parity cases a and d).
 
 Prompt building:
 
@@ -11,7 +11,7 @@ Prompt building:
 * images become ``<image_id>k</image_id><image>`` + 64 ``<unk>`` + ``</image>`` (one 448 px slice),
   audio ``<|audio_start|>`` + n ``<unk>`` + ``<|audio_end|>`` with n from the offline encoder; the
   ``<unk>`` rows of the input embeddings are replaced by the image / audio embeddings;
-* user text is encoded so that special-token strings inside it stay plain text (MODEL.md §2),
+* user text is encoded so that special-token strings inside it stay plain text (docs/model.md §2),
   while the template's own special tokens become their ids.
 """
 
@@ -239,7 +239,7 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
                   max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
                   top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
                   on_token: Optional[Callable[[int], None]] = None):
-    """Generate one assistant reply (MODEL.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
+    """Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
 
     ``temperature`` 0 = greedy. The repetition penalty is the usual sign-aware one over prompt and
     generated ids. ``on_token(id)`` is called for each generated id (not for the final eos).

@@ -1,11 +1,11 @@
-"""MiniCPM-o 4.5 Code2Wav: streaming S3 codes -> 24 kHz waveform (MODEL.md §7).
+"""MiniCPM-o 4.5 Code2Wav: streaming S3 codes -> 24 kHz waveform (docs/model.md §7).
 
 A device-agnostic streaming wrapper over the ``stepaudio2-minicpmo`` 0.1.1 model classes
 (``CausalMaskedDiffWithXvec`` + ``UpsampleConformerEncoderV2`` + ``CausalConditionalCFM`` + ``DiT`` and
 ``HiFTGenerator``). The package's ``Token2wav`` is not used (it hard-codes CUDA and single-stream state);
 this module re-implements its streaming call sequence with per-stream state:
 
-* **Chunk contract** (MODEL.md §7.1): each synthesis call takes 3 carried + 25 new codes; the flow
+* **Chunk contract** (docs/model.md §7.1): each synthesis call takes 3 carried + 25 new codes; the flow
   renders the first 25 and uses the last 3 as lookahead, which open the next call. A turn's first carry
   is 3 x silence code 4218. :meth:`Code2Wav.push` buffers codes and synthesises whenever 25 new codes are
   pending, or on ``last=True``. ``push(..., flush=True)`` also renders a partial block early (the
@@ -99,22 +99,22 @@ __all__ = [
 SAMPLE_RATE = 24_000
 #: prompt-audio sample rate of the S3 tokenizer / CAM++ branch (Hz)
 PROMPT_RATE = 16_000
-#: silence code: pad and first carry (MODEL.md §2)
+#: silence code: pad and first carry (docs/model.md §2)
 SILENCE_CODE = 4218
 #: valid S3 codes are 0..NUM_CODES-1; 6561 (EOS) and anything else is refused
 NUM_CODES = 6561
-#: 25 Hz codes -> 50 Hz mel (x2) -> HiFT 480 samples/frame: 960 samples per code (MODEL.md §7.2)
+#: 25 Hz codes -> 50 Hz mel (x2) -> HiFT 480 samples/frame: 960 samples per code (docs/model.md §7.2)
 SAMPLES_PER_CODE = 960
-#: new codes per non-final synthesis call (MODEL.md §7.1)
+#: new codes per non-final synthesis call (docs/model.md §7.1)
 CHUNK_CODES = 25
-#: pre-lookahead / carry codes (MODEL.md §7.1)
+#: pre-lookahead / carry codes (docs/model.md §7.1)
 LOOKAHEAD_CODES = 3
-#: HiFT cache: 8 mel frames -> 3840 source/speech samples withheld and cross-faded (MODEL.md §7.3)
+#: HiFT cache: 8 mel frames -> 3840 source/speech samples withheld and cross-faded (docs/model.md §7.3)
 MEL_CACHE_FRAMES = 8
 HOLDBACK_SAMPLES = MEL_CACHE_FRAMES * 480
 #: flow caches keep prompt frames + this many (Token2wav 0.1.1)
 FLOW_CACHE_TAIL_FRAMES = 100
-#: files of the 5-file layout (MODEL.md §1.2)
+#: files of the 5-file layout (docs/model.md §1.2)
 FILES_5 = ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "hift.pt")
 ONNX_FILES = FILES_5[:2]
 MODEL_FILES = FILES_5[2:]
@@ -137,7 +137,7 @@ class Code2WavInputError(Code2WavError, ValueError):
 
 class ChunkBelowLookaheadError(Code2WavInputError):
     """A non-final synthesis call was asked for with fewer than 4 new codes (more than the 3-code
-    lookahead are needed; MODEL.md §7.1, vO #7633)."""
+    lookahead are needed; docs/model.md §7.1, vO #7633)."""
 
     code = "chunk_below_lookahead_window"
 
@@ -166,7 +166,7 @@ def detect_token2wav_layout(folder: Union[str, Path]) -> str:
 
     Raises:
         Code2WavLayoutError: the 7-file minicpmo-utils 1.0.7 layout (its ``hift.pt`` is a CosyVoice3
-            vocoder, MODEL.md §1.2), or missing files.
+            vocoder, docs/model.md §1.2), or missing files.
     """
     d = Path(folder)
     present = {f for f in FILES_5 + FILES_7_MARKERS + (TINY_MARKER,) if (d / f).exists()}
@@ -200,7 +200,7 @@ def _torch():
 
 def _cpu_disable_dynamo(device) -> None:
     """On CPU set ``TORCHDYNAMO_DISABLE=1`` (unless the caller chose) before stepaudio2 is imported:
-    retracing of compiled paths dominates there (MODEL.md §7.5). GPU processes are left alone."""
+    retracing of compiled paths dominates there (docs/model.md §7.5). GPU processes are left alone."""
     if getattr(device, "type", str(device)) == "cpu":
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -290,7 +290,7 @@ def _build_hift(sd: dict, device, dtype):
 # ----------------------------------------------------------------------------- prompt features
 @dataclass(frozen=True)
 class PromptFeatures:
-    """Reference-voice prompt features of the flow (MODEL.md §7.4).
+    """Reference-voice prompt features of the flow (docs/model.md §7.4).
 
     Attributes:
         tokens: int32 [1, P] S3 prompt tokens (25 Hz).
@@ -361,7 +361,7 @@ class StandinPromptEncoder:
 
 
 class OnnxPromptEncoder:
-    """The released prompt encoders (MODEL.md §7.4): the S3 tokenizer v2 (``speech_tokenizer_v2_25hz.onnx``,
+    """The released prompt encoders (docs/model.md §7.4): the S3 tokenizer v2 (``speech_tokenizer_v2_25hz.onnx``,
     converted to torch by ``s3tokenizer``; 128-bin log-mel at 16 kHz, 25 tokens/s) and CAM++
     (``campplus.onnx`` through onnxruntime on CPU: 80-bin Kaldi fbank at 16 kHz, dither 0, mean-normalised
     over time -> 192-d x-vector).
@@ -473,7 +473,7 @@ class Code2Wav:
         self.pre_lookahead = int(flow.pre_lookahead_len)
         if self.pre_lookahead != LOOKAHEAD_CODES or self.up_rate != 2:
             raise Code2WavLayoutError(f"flow pre_lookahead_len={self.pre_lookahead}, up_rate={self.up_rate}; "
-                                      "expected 3 and 2 (MODEL.md §7.2)")
+                                      "expected 3 and 2 (docs/model.md §7.2)")
         dec = flow.decoder
         est = dec.estimator
         self._depth = len(est.blocks)
@@ -719,7 +719,7 @@ class Code2Wav:
     def _finish(self, stream: Code2WavStream, mel, cache: dict, tokens: np.ndarray, last: bool) -> np.ndarray:
         """Everything after the flow for one stream: flow-cache trim (prompt + last 100 frames, as
         Token2wav 0.1.1), HiFT with its mel/source cache, the 3840-sample holdback and Hamming
-        cross-fade, the 3-code carry (MODEL.md §7.3). Returns float32 24 kHz audio."""
+        cross-fade, the 3-code carry (docs/model.md §7.3). Returns float32 24 kHz audio."""
         torch = self.torch
         pf = stream.prompt
         with torch.inference_mode():
@@ -776,7 +776,7 @@ def _check_codes(codes: Any) -> np.ndarray:
     if bad.size:
         raise Code2WavInputError(
             f"codes must be S3 codes 0..{NUM_CODES - 1}; got {sorted(set(bad.tolist()))[:5]} (EOS 6561 and "
-            "audio_bos are never passed to Code2Wav, MODEL.md §7.1)")
+            "audio_bos are never passed to Code2Wav, docs/model.md §7.1)")
     return a.astype(np.int64)
 
 
@@ -844,7 +844,7 @@ def write_tiny_token2wav(assets_dir: Union[str, Path], seed: int = 0, *, dit_dep
             ``token2wav`` folder itself (a path whose name is ``token2wav``).
         seed: weight seed (deterministic output for a given seed).
 
-    The streaming geometry stays the released one (512 wide, 8 heads x 64; MODEL.md §7.5, §9); only depth,
+    The streaming geometry stays the released one (512 wide, 8 heads x 64; docs/model.md §7.5, §9); only depth,
     FFN width and the HiFT widths shrink (about 15 M parameters). No ONNX prompt encoders are written:
     :class:`Code2Wav` uses the documented stand-in prompt features for such a folder.
 

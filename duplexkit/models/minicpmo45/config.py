@@ -1,6 +1,6 @@
 """Configuration of a MiniCPM-o 4.5 checkpoint, read from its own ``config.json``.
 
-The layout is the real one (MODEL.md §1.2, parity ``tiny_config_README.md``): Qwen3 LLM fields at
+The layout is the real one (docs/model.md §1.2, docs/model.md §9): Qwen3 LLM fields at
 the top level, plus ``vision_config`` (SigLIP), ``audio_config`` (Whisper encoder) and
 ``tts_config`` (talker). Unknown keys are kept in ``raw`` so nothing is lost.
 
@@ -31,7 +31,7 @@ class ConfigError(DuplexkitError, ValueError):
 
 
 SUPPORTED_VERSIONS = ("4.5",)
-"""``config.json`` ``version`` values this port reads (MODEL.md §1.2: ``version "4.5"``)."""
+"""``config.json`` ``version`` values this port reads (docs/model.md §1.2: ``version "4.5"``)."""
 
 
 def _get(d: dict, key: str, default: Any) -> Any:
@@ -41,7 +41,7 @@ def _get(d: dict, key: str, default: Any) -> Any:
 
 @dataclass
 class VisionConfig:
-    """SigLIP NaViT vision tower (``vision_config``; MODEL.md §1.1)."""
+    """SigLIP NaViT vision tower (``vision_config``; docs/model.md §1.1)."""
 
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -73,7 +73,7 @@ class VisionConfig:
 
     @property
     def num_patches_per_side(self) -> int:
-        """Side of the position table grid (980/14 = 70; parity tiny_config_README)."""
+        """Side of the position table grid (980/14 = 70; docs/model.md §9)."""
         return self.image_size // self.patch_size
 
     def to_siglip_config(self):
@@ -95,7 +95,7 @@ class VisionConfig:
 
 @dataclass
 class AudioConfig:
-    """Whisper encoder (``audio_config``; MODEL.md §1.1). Decoder fields are ignored."""
+    """Whisper encoder (``audio_config``; docs/model.md §1.1). Decoder fields are ignored."""
 
     d_model: int = 1024
     encoder_layers: int = 24
@@ -148,7 +148,7 @@ class AudioConfig:
 
 @dataclass
 class TTSConfig:
-    """Talker (``tts_config``; MODEL.md §1.1, §6). Talker ids come from here, not the tokenizer."""
+    """Talker (``tts_config``; docs/model.md §1.1, §6). Talker ids come from here, not the tokenizer."""
 
     llm_dim: int = 4096
     hidden_size: int = 768
@@ -196,7 +196,7 @@ class TTSConfig:
 
 @dataclass
 class MiniCPMOConfig:
-    """Top-level MiniCPM-o 4.5 config (``config.json``; parity ``tiny_config_README.md``).
+    """Top-level MiniCPM-o 4.5 config (``config.json``; docs/model.md §9).
 
     LLM fields mirror Qwen3. ``query_num`` must stay 64 and ``hidden_size`` must be a positive
     multiple of 128 (resampler heads = hidden/128); :meth:`validate` raises :class:`ConfigError`.
@@ -247,7 +247,7 @@ class MiniCPMOConfig:
         heads = int(_get(d, "num_attention_heads", 32))
         hidden = int(_get(d, "hidden_size", 4096))
         if "drop_vision_last_layer" not in d:
-            # The reference class default is True (MODEL.md §1.1); the key count check in the
+            # The reference class default is True (docs/model.md §1.1); the key count check in the
             # loader catches a mismatch either way.
             drop = True
         else:
@@ -311,15 +311,15 @@ class MiniCPMOConfig:
         return dict(self.raw)
 
     def validate(self) -> None:
-        """Check the constraints of parity ``tiny_config_README.md``; raises :class:`ConfigError`."""
+        """Check the constraints of docs/model.md §9; raises :class:`ConfigError`."""
         if self.model_type != "minicpmo":
             raise ConfigError(f"model_type must be 'minicpmo', got {self.model_type!r}")
         if "version" not in self.raw and self.raw:
             raise ConfigError("config.json has no 'version'; MiniCPM-o 4.5 checkpoints carry \"version\": \"4.5\" "
-                              "(MODEL.md §1.2) and older releases such as 2.6 are not supported")
+                              "(docs/model.md §1.2) and older releases such as 2.6 are not supported")
         if self.version.strip() not in SUPPORTED_VERSIONS:
             raise ConfigError(f"unsupported MiniCPM-o version {self.version!r}: duplexkit's minicpmo45 port reads "
-                              f"version 4.5 checkpoints only (MODEL.md §1.2); 2.6 and other releases differ in "
+                              f"version 4.5 checkpoints only (docs/model.md §1.2); 2.6 and other releases differ in "
                               "architecture and token ids")
         if self.hidden_size < 128 or self.hidden_size % 128:
             raise ConfigError(f"hidden_size must be a positive multiple of 128 (resampler heads = hidden/128), got {self.hidden_size}")
@@ -343,7 +343,7 @@ class MiniCPMOConfig:
 
     @property
     def vision_layers_used(self) -> int:
-        """SigLIP layers built (one fewer when ``drop_vision_last_layer``; MODEL.md §1.1)."""
+        """SigLIP layers built (one fewer when ``drop_vision_last_layer``; docs/model.md §1.1)."""
         n = self.vision_config.num_hidden_layers
         return n - 1 if self.drop_vision_last_layer else n
 
@@ -352,7 +352,7 @@ class MiniCPMOConfig:
         return self.hidden_size // 128
 
     def to_qwen3_config(self):
-        """A ``transformers.Qwen3Config`` for the ``llm.`` module (MODEL.md §1.1)."""
+        """A ``transformers.Qwen3Config`` for the ``llm.`` module (docs/model.md §1.1)."""
         from transformers import Qwen3Config
 
         kw = dict(

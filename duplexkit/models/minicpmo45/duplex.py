@@ -1,10 +1,10 @@
-"""The duplex unit policy of MiniCPM-o 4.5 (MODEL.md §5, parity README "Greedy decision rule" and
+"""The duplex unit policy of MiniCPM-o 4.5 (docs/model.md §5, parity README "Greedy decision rule" and
 "Unit loop").
 
 One unit: ``[pending terminator, </unit>] <unit> [<image> 64 emb </image>] 10 audio emb`` →
 decisions → ``[tokens…]`` → terminator → ``</unit>``. The terminator and ``</unit>`` of a unit are
 fed into the KV at the start of the next unit's prefill (one forward instead of two); positions and
-attention are identical to feeding them at the end of the unit (MODEL.md §5.2).
+attention are identical to feeding them at the end of the unit (docs/model.md §5.2).
 
 Decision at each step j = 0..budget−1 (budget 20):
 
@@ -21,7 +21,7 @@ Decision at each step j = 0..budget−1 (budget 20):
 5. ``<|listen|>`` while the turn is open becomes ``<|tts_bos|>``; terminators (listen, chunk_eos,
    chunk_tts_eos) end the unit; ``<|turn_eos|>`` is fed, recorded and ends the turn; any other
    token opens it. Tokens after the first decided one are recorded with their final-norm hidden
-   state at their own input position (the talker condition, MODEL.md §6).
+   state at their own input position (the talker condition, docs/model.md §6).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ __all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "sample_logits
 
 @dataclass
 class DuplexPolicy:
-    """Per-stream decoding settings of the duplex loop (MODEL.md §5.3; defaults = reference).
+    """Per-stream decoding settings of the duplex loop (docs/model.md §5.3; defaults = reference).
 
     Attributes:
         temperature: 0.0 = greedy (argmax), else sampling temperature (reference 0.7).
@@ -62,7 +62,7 @@ class DuplexPolicy:
             (duplexkit option, default None = only the ``budget`` cut). Together with
             ``min_unit_tokens`` it fixes the token count of speaking units (load tests).
         window_high / window_low: the thinker's sliding context window (the reference "basic"
-            window, MODEL.md §10/§11; default 4000 → 3500 tokens; ``None`` = off). Before a unit's
+            window, docs/model.md §10/§11; default 4000 → 3500 tokens; ``None`` = off). Before a unit's
             prefill, when the cache plus that unit's largest possible size would pass
             ``window_high`` positions, the oldest whole units after the session prefix are dropped
             until at most ``window_low`` positions remain (see :meth:`Thinker.slide_window`).
@@ -105,15 +105,15 @@ class DuplexPolicy:
 
 @dataclass
 class UnitInput:
-    """One duplex unit for one stream (interfaces.md).
+    """One duplex unit for one stream (docs/model.md).
 
     Attributes:
         stream: the :class:`~duplexkit.models.minicpmo45.thinker.ThinkerStream`.
         audio: float32 [16560] (unit 0; shorter is left-padded) or [16000], 16 kHz mono.
         force_listen: decide ``listen`` for this unit.
         force_speak: mask ``listen`` and skip the boundary pass at this unit's first decision, and
-            open the turn (MODEL.md §5.4).
-        frame: optional RGB uint8 [H, W, 3] riding this unit (MODEL.md §3.3).
+            open the turn (docs/model.md §5.4).
+        frame: optional RGB uint8 [H, W, 3] riding this unit (docs/model.md §3.3).
     """
 
     stream: "ThinkerStream"
@@ -125,7 +125,7 @@ class UnitInput:
 
 @dataclass
 class UnitResult:
-    """Outcome of one unit (interfaces.md).
+    """Outcome of one unit (docs/model.md).
 
     Attributes:
         decision: "listen" when the unit fed nothing but ``<|listen|>`` (incl. forced), else "speak".

@@ -1,7 +1,7 @@
 """Batched Code2Wav: one flow call (encoder + 10-step Euler loop over the DiT) for several streams.
 
 :class:`BatchedCode2Wav` is a :class:`~.code2wav.Code2Wav` (same streams, chunk contract, holdback,
-carry and turn resets, MODEL.md §7) with ``batched = True`` and :meth:`push_batch`, which the
+carry and turn resets, docs/model.md §7) with ``batched = True`` and :meth:`push_batch`, which the
 engine's code2wav stage calls with all its streams at once. Synthesis calls whose flow caches have
 the same shapes (streams in step: same prompt length, same position in the turn, same chunk size)
 run as ONE flow call: the conformer encoder on a batch of B, then our own Euler loop (the

@@ -15,7 +15,7 @@ Shared by the fast thinker (:mod:`.fast_thinker`) and the fast talker (:mod:`.fa
 * positions beyond a row's valid length may hold garbage (padding writes): they are never
   attended, because a row only attends ``j <= pos`` and every later write overwrites them.
 
-Numbers (MODEL.md §10): thinker KV = 36 layers x 8 heads x 128 x 2 x 2 B = 144 KiB per position
+Numbers (docs/model.md §10): thinker KV = 36 layers x 8 heads x 128 x 2 x 2 B = 144 KiB per position
 in bf16, so 8192 positions x 16 slots = 19.3 GB; talker KV = 20 x 12 x 64 x 2 x 2 B = 60 KiB per
 position (4096 positions = 252 MB per slot).
 """
@@ -53,7 +53,7 @@ def bucket(n: int, sizes: Sequence[int]) -> int:
 
 
 def pin_sdpa_backend() -> None:
-    """Disable PyTorch's cuDNN SDPA backend (MODEL.md §10: on torch 2.11 + cuDNN 9.19 it spends
+    """Disable PyTorch's cuDNN SDPA backend (docs/model.md §10: on torch 2.11 + cuDNN 9.19 it spends
     ~2 ms of CPU per call on every new KV length); flash / memory-efficient / math stay enabled.
     Process-wide; a no-op without CUDA."""
     if torch.cuda.is_available() and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):

@@ -3,9 +3,9 @@
 bucket with sampling on the GPU (no host sync inside the unit).
 
 :class:`FastTalker` wraps a :class:`~.talker.Talker` (weights shared) and exposes the same API
-(interfaces.md "Talker"): ``new_turn``, ``generate_units`` (batched: ``batched = True``),
+(docs/model.md, "Talker"): ``new_turn``, ``generate_units`` (batched: ``batched = True``),
 ``generate_offline`` (delegated to the wrapped talker, the chat path), ``device``, ``dtype``,
-``config``. The duplex algorithm is the talker's (MODEL.md §6): prefill ``[cond..., audio_bos]``
+``config``. The duplex algorithm is the talker's (docs/model.md §6): prefill ``[cond..., audio_bos]``
 at ``text_start_pos``, then ``budget − 1`` (25) samples, each fed back (so the KV holds exactly the
 returned codes), EOS masked for ``min_new_tokens`` steps (26 mid-turn, 0 on a turn's first and
 last unit), temperature 0.8 and the sign-aware repetition penalty 1.05 over the call's last 16
@@ -321,7 +321,7 @@ class FastTalker:
             code = torch.where(greedy, torch.argmax(lg, dim=-1), torch.argmax(x + gumbel[:, s], dim=-1))
             codes.append(code)
             window = torch.cat([window[:, 1:], code[:, None]], dim=1)
-            # every returned code is fed, so the KV holds exactly the returned codes (MODEL.md §6;
+            # every returned code is fed, so the KV holds exactly the returned codes (docs/model.md §6;
             # the budget's last sample is never drawn)
             xe = self.talker.code_embed(code)[:, None]
             h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]

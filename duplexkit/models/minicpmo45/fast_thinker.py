@@ -1,7 +1,7 @@
 """The batched thinker: static KV slots, one batched decode step per token for all streams,
 CUDA-graph-captured decode steps and sampling on the GPU (one host sync per decode step).
 
-:class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, interfaces.md) whose
+:class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, docs/model.md) whose
 ``step_units`` runs every stream of the batch together:
 
 1. **Prefill** (per unit): each stream's Whisper streaming encode (per stream, as the reference
@@ -19,7 +19,7 @@ sampling the distribution is the same but the random stream differs (GPU generat
 The stream prefix (``new_stream``) is prefilled by the same batched forward.
 
 KV capacity: ``max_len`` positions per stream (default 8192, about 10 minutes of audio-only
-duplex at ≥ 780 positions/min, MODEL.md §10); a unit that would not fit fails that stream with
+duplex at ≥ 780 positions/min, docs/model.md §10); a unit that would not fit fails that stream with
 :class:`~.fast_kv.ContextFullError` (the reference context window policy is not implemented).
 """
 

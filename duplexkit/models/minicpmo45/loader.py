@@ -1,4 +1,4 @@
-"""Load a MiniCPM-o 4.5 checkpoint directory into duplexkit's own modules (MODEL.md §1.2).
+"""Load a MiniCPM-o 4.5 checkpoint directory into duplexkit's own modules (docs/model.md §1.2).
 
 * weights: ``model.safetensors.index.json`` (keys routed via ``weight_map``) or a single
   ``model.safetensors``;
@@ -6,7 +6,7 @@
   tensors (:class:`CheckpointError`); ``tts.model.embed_tokens.*`` and ``tts.projector_spk.*`` are
   accepted and ignored; the ``vpm.encoder.layers.N`` count must match ``drop_vision_last_layer``;
 * ``assets/token2wav``: the 5-file layout is accepted, the 7-file minicpmo-utils 1.0.7 layout
-  (``hift_original.pt`` / ``config.yaml``) is rejected (MODEL.md §1.2 "The 7-file trap");
+  (``hift_original.pt`` / ``config.yaml``) is rejected (docs/model.md §1.2 "The 7-file trap");
 * dtype float32 / bfloat16 / float16; one device per stage (thinker / talker / code2wav).
 """
 
@@ -35,7 +35,7 @@ RANDOM_WEIGHTS_MARKER = "duplexkit_random_weights.json"
 """File written by :func:`build_tiny_checkpoint`; its presence sets ``MiniCPMO45.random_weights``."""
 
 IGNORED_KEY_PREFIXES = ("tts.model.embed_tokens.", "tts.projector_spk.")
-"""Present in the checkpoint but unused (MODEL.md §1.1)."""
+"""Present in the checkpoint but unused (docs/model.md §1.1)."""
 
 TOKEN2WAV_FILES_5 = ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "hift.pt")
 TOKEN2WAV_MARKERS_7 = ("hift_original.pt", "config.yaml")
@@ -74,7 +74,7 @@ def format_key_report(missing, unexpected, mismatched, limit: int = 40) -> str:
 
 @dataclass
 class MiniCPMO45:
-    """A loaded model (interfaces.md).
+    """A loaded model (docs/model.md).
 
     Attributes:
         config: :class:`MiniCPMOConfig`; tokenizer: the checkpoint's tokenizer; special:
@@ -198,7 +198,7 @@ def check_token2wav_layout(model_dir: Path) -> Optional[Path]:
     """Return ``assets/token2wav`` if present (5-file layout); None if absent.
 
     Raises:
-        CheckpointError: the 7-file minicpmo-utils 1.0.7 layout (MODEL.md §1.2).
+        CheckpointError: the 7-file minicpmo-utils 1.0.7 layout (docs/model.md §1.2).
     """
     d = model_dir / "assets" / "token2wav"
     if not d.is_dir():
@@ -265,7 +265,7 @@ def load(
         path: directory with config.json, tokenizer files and safetensors.
         dtype: parameter dtype (float32, bfloat16, float16), one for all stages or per stage
             ``{"thinker": .., "talker": ..}`` (missing stages use float32). Code2Wav always runs in
-            float32 (its flow/HiFT scratch caches are float32, MODEL.md §7.5).
+            float32 (its flow/HiFT scratch caches are float32, docs/model.md §7.5).
         devices: one device for all stages, or {"thinker": .., "talker": .., "code2wav": ..}.
         with_code2wav: build Code2Wav when ``assets/token2wav`` exists.
         progress: print short progress lines.
@@ -311,7 +311,7 @@ def load(
     expected = {k: tuple(v.shape) for k, v in mods.state_dict().items()}
     if cfg.init_tts:
         expected.update(_talker_expected(cfg))
-    # vision layer count (MODEL.md §1.1, §11)
+    # vision layer count (docs/model.md §1.1, §11)
     if cfg.init_vision:
         pat = re.compile(r"^vpm\.encoder\.layers\.(\d+)\.")
         n_ckpt = len({m.group(1) for k in shapes if (m := pat.match(k))})

@@ -1,6 +1,6 @@
 """Input processing for MiniCPM-o 4.5: Whisper log-mel features and image pixels.
 
-Audio (MODEL.md §3.1, parity README case b and "Streaming audio front-end"):
+Audio (docs/model.md §3.1, parity README case b and "Streaming audio front-end"):
 
 * :func:`log_mel_offline` — the chat()/prepare() path: zero-pad to 30 s, dynamic ``max − 8``
   floor over the whole padded spectrogram, keep ``ceil(samples/160)`` frames.
@@ -9,7 +9,7 @@ Audio (MODEL.md §3.1, parity README case b and "Streaming audio front-end"):
   unit k yields frames ``[max(0, 100k−2), 100k+102)``.
 * :func:`audio_embed_count` — ``n = ceil(samples/160)``, ``m = (n−1)//2+1``, ``out = (m−5)//5+1``.
 
-Images (MODEL.md §3.2, parity case c): :func:`image_to_pixels` resizes to the 448 px slice,
+Images (docs/model.md §3.2, parity case c): :func:`image_to_pixels` resizes to the 448 px slice,
 normalises with mean = std = 0.5 and returns CHW float32 plus the patch grid.
 
 Everything here is numpy (float64 STFT) except the returned arrays, which are float32.
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 SAMPLE_RATE = 16_000
-"""Model input rate in Hz (MODEL.md §3.1)."""
+"""Model input rate in Hz (docs/model.md §3.1)."""
 N_FFT = 400
 HOP = 160
 N_MELS = 80
@@ -54,7 +54,7 @@ FIRST_UNIT_CONSUME = 16_480
 UNIT_SAMPLES = 16_000
 """Samples of every later unit (1 s)."""
 _STREAM_FLOOR_SAMPLES = 5 * SAMPLE_RATE  # dynamic floor from 5 s of buffer on (parity README)
-_STREAM_MAX_SAMPLES = 30 * SAMPLE_RATE  # mel window slides by 10 s at 30 s (MODEL.md §3.1)
+_STREAM_MAX_SAMPLES = 30 * SAMPLE_RATE  # mel window slides by 10 s at 30 s (docs/model.md §3.1)
 _STREAM_SLIDE_SAMPLES = 10 * SAMPLE_RATE
 
 
@@ -136,7 +136,7 @@ def log_mel_offline(audio: np.ndarray) -> np.ndarray:
 
 
 def audio_embed_count(samples: int, pool_step: int = 5) -> int:
-    """Embeddings the offline encoder yields for ``samples`` 16 kHz samples (MODEL.md §3.1, §11).
+    """Embeddings the offline encoder yields for ``samples`` 16 kHz samples (docs/model.md §3.1, §11).
 
     ``n = ceil(samples/160)``, ``m = (n−1)//2+1``, ``out = (m−pool)//pool+1``; under about
     80 ms this is 0.
@@ -174,7 +174,7 @@ class StreamingMel:
         if k == 0:
             if a.size > FIRST_UNIT_WINDOW:
                 raise AudioInputError(f"unit 0 takes at most {FIRST_UNIT_WINDOW} samples, got {a.size}")
-            if a.size < FIRST_UNIT_WINDOW:  # session start: left-pad with zeros (MODEL.md §3.1)
+            if a.size < FIRST_UNIT_WINDOW:  # session start: left-pad with zeros (docs/model.md §3.1)
                 a = np.concatenate([np.zeros(FIRST_UNIT_WINDOW - a.size), a])
         else:
             if a.size > UNIT_SAMPLES:
@@ -226,7 +226,7 @@ def _best_size(w: int, h: int, scale: int = 448, patch: int = 14) -> Tuple[int, 
 
 
 def image_to_pixels(image, scale: int = 448, patch: int = 14) -> Tuple[np.ndarray, Tuple[int, int]]:
-    """One image (a single slice, ``max_slice_nums = 1``) -> normalised pixels (MODEL.md §3.2).
+    """One image (a single slice, ``max_slice_nums = 1``) -> normalised pixels (docs/model.md §3.2).
 
     Args:
         image: RGB uint8 ndarray [H, W, 3] or a PIL image.

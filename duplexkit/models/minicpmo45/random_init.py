@@ -3,13 +3,13 @@
 For load tests and benchmarks where no checkpoint is available (``benchmarks/gpu_engine.py``):
 every module is constructed on the ``meta`` device, cast to the target dtype there, then
 materialised with ``to_empty`` on the target device and filled with random values in place, so
-the ~18.7 GB of bf16 weights (MODEL.md §1.1) never exist as a CPU copy.
+the ~18.7 GB of bf16 weights (docs/model.md §1.1) never exist as a CPU copy.
 
-* sizes: :func:`real_config_dict` — MODEL.md §1.1 (Qwen3 8.19 B: vocab 151,748, hidden 4096, 36
+* sizes: :func:`real_config_dict` — docs/model.md §1.1 (Qwen3 8.19 B: vocab 151,748, hidden 4096, 36
   layers, 32 q / 8 KV heads, head_dim 128, FFN 12,288; SigLIP 27 layers; Whisper-medium encoder;
   talker Llama 768 x 20 layers, 12 heads, FFN 3072, emb_text 152,064 rows, audio_bos 151687 /
   text_eos 151692 from ``tts_config``);
-* token2wav: the released flow geometry (MODEL.md §7.2: conformer 6 + 4 up-blocks 512 wide, FFN
+* token2wav: the released flow geometry (docs/model.md §7.2: conformer 6 + 4 up-blocks 512 wide, FFN
   2048, DiT depth 16, 8 x 64 heads, hidden 512, 10 Euler steps) and HiFT at the package's default
   widths (base 512, F0 predictor 512), with the stand-in prompt features of the tiny layout
   (no ONNX encoders, :class:`~.code2wav.StandinPromptEncoder`);
@@ -40,14 +40,14 @@ __all__ = ["real_config_dict", "build_random_model", "REAL_TTS", "REAL_FLOW"]
 REAL_TTS = dict(llm_dim=4096, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
                 num_key_value_heads=12, num_hidden_layers=20, max_position_embeddings=4096,
                 num_audio_tokens=6562, num_text_tokens=152064, audio_bos_token_id=151687, text_eos_token_id=151692)
-"""Talker sizes and ids (MODEL.md §1.1, §6; tiny_config_README "real" column)."""
+"""Talker sizes and ids (docs/model.md §1.1, §6; real sizes)."""
 
 REAL_FLOW = dict(enc=6, up=4, dit=16, ffn=2048)
-"""Flow geometry of the released token2wav (MODEL.md §7.2)."""
+"""Flow geometry of the released token2wav (docs/model.md §7.2)."""
 
 
 def real_config_dict(vocab_size: int = 151748, eos_ids=(151645, 151643), pad_id: int = 151643) -> dict:
-    """config.json of the real model (MODEL.md §1.1) in the layout :class:`MiniCPMOConfig` reads."""
+    """config.json of the real model (docs/model.md §1.1) in the layout :class:`MiniCPMOConfig` reads."""
     from .tiny import tiny_config_dict
 
     d = tiny_config_dict(vocab_size, list(eos_ids), pad_id, REAL_TTS["audio_bos_token_id"], REAL_TTS["text_eos_token_id"])
@@ -146,7 +146,7 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
-        size: ``"real"`` (MODEL.md §1.1) or ``"tiny"`` (MODEL.md §9 sizes).
+        size: ``"real"`` (docs/model.md §1.1) or ``"tiny"`` (docs/model.md §9 sizes).
         dtype: thinker / talker dtype (Code2Wav stays float32, the layouts' choice).
         fast: use the batched fast paths (:class:`~.fast_thinker.FastThinker`,
             :class:`~.fast_talker.FastTalker`, :class:`~.fast_code2wav.BatchedCode2Wav`); default: on CUDA.

@@ -1,9 +1,9 @@
-"""MiniCPM-o 4.5 Talker: text/hidden condition -> S3 codec tokens (MODEL.md §6).
+"""MiniCPM-o 4.5 Talker: text/hidden condition -> S3 codec tokens (docs/model.md §6).
 
 The talker is a Llama backbone (``tts.model.*``, built with :class:`transformers.LlamaModel`) driven
 only through ``inputs_embeds``:
 
-* **Condition** (``condition_type hidden_text_merge``, MODEL.md §6):
+* **Condition** (``condition_type hidden_text_merge``, docs/model.md §6):
   ``cond_t = emb_text(t) + L2normalize(projector_semantic(h_t))`` with ``eps = 1e-12``, where ``h_t``
   is the thinker's final-norm hidden state at the position where ``t`` is the *input* token.
 * **Prefill tail**: duplex units / simplex chunks feed ``[cond..., emb_text(audio_bos)]``; the offline
@@ -14,7 +14,7 @@ only through ``inputs_embeds``:
 * **Duplex budget**: 26 steps per unit; the last sample is dropped and never fed, so a full unit returns
   25 codes and the KV cache holds exactly the returned codes. ``min_new_tokens`` is 26 mid-turn (EOS
   6561 masked) and 0 on a turn's first and last unit.
-* **Sampling default** (the reference duplex path, MODEL.md §6): temperature 0.8 and a sign-aware
+* **Sampling default** (the reference duplex path, docs/model.md §6): temperature 0.8 and a sign-aware
   repetition penalty 1.05 (``penalty ** count``) over the last 16 codes of the *current call*, sampling
   the full distribution. ``top_k`` / ``top_p`` / ``min_p`` are options; ``greedy`` takes the argmax of the
   raw logits (no penalty), as parity case e does.
@@ -58,11 +58,11 @@ __all__ = [
     "SILENCE_CODE",
 ]
 
-#: Talker steps per duplex unit; the last sample is dropped, so 25 codes come back (MODEL.md §6).
+#: Talker steps per duplex unit; the last sample is dropped, so 25 codes come back (docs/model.md §6).
 DUPLEX_BUDGET = 26
-#: Codec EOS id (6561 S3 codes 0..6560, then EOS; MODEL.md §2 "Codec ids").
+#: Codec EOS id (6561 S3 codes 0..6560, then EOS; docs/model.md §2 "Codec ids").
 CODEC_EOS = 6561
-#: Silence code used to pad / prefix Code2Wav streams (MODEL.md §2).
+#: Silence code used to pad / prefix Code2Wav streams (docs/model.md §2).
 SILENCE_CODE = 4218
 #: L2 normalisation epsilon of the projected hidden state (parity README case e).
 _L2_EPS = 1e-12
@@ -80,7 +80,7 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class TalkerConfig:
-    """Talker dimensions and ids, read from the checkpoint's ``tts_config`` (tiny_config_README.md).
+    """Talker dimensions and ids, read from the checkpoint's ``tts_config`` (docs/model.md §9).
 
     Attributes:
         llm_dim: thinker hidden size (input of ``projector_semantic``); 4096 real.
@@ -116,7 +116,7 @@ class TalkerConfig:
 
         Raises:
             TalkerError: a required key is missing, the ids are absent (the class defaults 21132/21133
-                are stale, MODEL.md §2), or an unsupported variant is configured.
+                are stale, docs/model.md §2), or an unsupported variant is configured.
         """
         required = ["llm_dim", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                     "audio_bos_token_id", "text_eos_token_id"]
@@ -183,7 +183,7 @@ class TalkerConfig:
 
 @dataclass(frozen=True)
 class TalkerSampling:
-    """Codec-token sampling parameters (MODEL.md §6 "Sampling").
+    """Codec-token sampling parameters (docs/model.md §6 "Sampling").
 
     Default = the reference duplex ``generate_chunk`` path: temperature 0.8, repetition penalty 1.05
     over the last 16 codes of the current call (sign-aware, ``penalty ** count``), full distribution.
@@ -226,7 +226,7 @@ GREEDY = TalkerSampling(greedy=True)
 
 @dataclass
 class TalkerTurn:
-    """Per-stream talker state for one model turn (MODEL.md §6 "State").
+    """Per-stream talker state for one model turn (docs/model.md §6 "State").
 
     Attributes:
         cache: the Llama KV cache (``None`` until the first unit).
@@ -257,12 +257,12 @@ class TalkerInput:
     Attributes:
         turn: the stream's :class:`TalkerTurn`.
         token_ids: int [L] spoken LLM token ids of the unit (may be empty: ``[audio_bos]`` alone is fed).
-        hidden: float [L, llm_dim] final-norm thinker hidden states, input-position aligned (MODEL.md §8).
+        hidden: float [L, llm_dim] final-norm thinker hidden states, input-position aligned (docs/model.md §8).
         turn_start / turn_end: first / last unit of the turn (``min_new_tokens`` 0 instead of 26; the turn
             state is reset after a ``turn_end`` unit).
         temperature: sampling temperature (default 0.8); ``<= 0`` selects greedy decoding.
         generator: optional ``torch.Generator`` on the talker's device for reproducible sampling.
-        budget: talker steps (26 -> at most 25 codes; MODEL.md §6).
+        budget: talker steps (26 -> at most 25 codes; docs/model.md §6).
         min_new_tokens: override of the 26/0 rule (None = the rule).
         sampling: full sampling override (None = :class:`TalkerSampling` with ``temperature``).
     """
@@ -312,7 +312,7 @@ def _cache_from(data: list):
 
 
 class Talker(nn.Module):
-    """MiniCPM-o 4.5 talker (``tts.`` keys, MODEL.md §1.1 and §6).
+    """MiniCPM-o 4.5 talker (``tts.`` keys, docs/model.md §1.1 and §6).
 
     Submodules (state-dict keys without the ``tts.`` prefix):
         ``emb_text`` Embedding [num_text_tokens, hidden]; ``model`` LlamaModel; ``projector_semantic``
@@ -325,7 +325,7 @@ class Talker(nn.Module):
     #: raises TalkerError for the call before any turn state changes)
     batched = True
 
-    #: state-dict keys present in the checkpoint that the talker accepts and ignores (MODEL.md §1.1)
+    #: state-dict keys present in the checkpoint that the talker accepts and ignores (docs/model.md §1.1)
     IGNORED_PREFIXES = ("model.embed_tokens.", "projector_spk.")
 
     def __init__(self, config: TalkerConfig, *, attn_implementation: str = "sdpa"):
@@ -367,7 +367,7 @@ class Talker(nn.Module):
         Raises:
             TalkerError: missing keys, unexpected ``tts.`` keys, or shape mismatches (strict on every key
                 the talker uses; ``tts.model.embed_tokens`` and ``tts.projector_spk.*`` are accepted and
-                ignored, MODEL.md §1.1).
+                ignored, docs/model.md §1.1).
         """
         cfg = tts_config if isinstance(tts_config, TalkerConfig) else TalkerConfig.from_tts_config(tts_config)
         with meta_device():
@@ -452,7 +452,7 @@ class Talker(nn.Module):
         return self.emb_text(ids) + proj
 
     def prefill_embeds(self, token_ids: Any, hidden: Any, *, offline: bool = False) -> torch.Tensor:
-        """The prefill sequence: ``[cond..., (text_eos,) audio_bos]`` [L+1 (+1), hidden] (MODEL.md §6)."""
+        """The prefill sequence: ``[cond..., (text_eos,) audio_bos]`` [L+1 (+1), hidden] (docs/model.md §6)."""
         cond = self.condition(token_ids, hidden)
         tail_ids = [self.config.text_eos_token_id, self.config.audio_bos_token_id] if offline \
             else [self.config.audio_bos_token_id]
@@ -514,7 +514,7 @@ class Talker(nn.Module):
 
     @torch.no_grad()
     def generate_units(self, items: Sequence[TalkerInput]) -> list[np.ndarray]:
-        """Generate the codes of one speaking unit for each item (MODEL.md §6, duplex path).
+        """Generate the codes of one speaking unit for each item (docs/model.md §6, duplex path).
 
         Every item is validated first; then each item's condition is prefilled into its own KV cache and
         the decode steps of all items run as one batch (caches left-padded to a common length with an

@@ -1,7 +1,7 @@
 """The MiniCPM-o 4.5 thinker: Qwen3 LLM + Whisper (``apm``) + SigLIP (``vpm``) + resampler + audio
 projector, with per-stream KV caches for the duplex loop and a turn-based ``chat()``.
 
-State-dict prefixes (MODEL.md §1.1): ``llm.`` (transformers ``Qwen3ForCausalLM``), ``apm.``
+State-dict prefixes (docs/model.md §1.1): ``llm.`` (transformers ``Qwen3ForCausalLM``), ``apm.``
 (transformers ``WhisperEncoder`` tree), ``vpm.``, ``resampler.``, ``audio_projection_layer.``.
 
 Hidden states are always the LLM's final-norm last-layer output (what ``lm_head`` consumes).
@@ -11,7 +11,7 @@ Stream state (:class:`ThinkerStream`) holds the LLM KV (a transformers ``Dynamic
 cache can replace it), the Whisper streaming cache, the streaming mel buffer, the turn state, the
 repetition history and the pending ``terminator, </unit>`` ids fed at the next prefill.
 
-Long sessions (MODEL.md §10/§11): before each unit's prefill the reference "basic" sliding window
+Long sessions (docs/model.md §10/§11): before each unit's prefill the reference "basic" sliding window
 (``DuplexPolicy.window_high`` / ``window_low``, default 4000 → 3500) drops the oldest whole units
 after the session prefix and re-rotates the kept keys so positions stay contiguous
 (:meth:`Thinker.slide_window`; the sliding window edits ``DynamicCache`` layers directly). The
@@ -39,7 +39,7 @@ from .vision import Resampler, VisionTower
 __all__ = ["ThinkerModules", "Thinker", "ThinkerStream", "DEFAULT_INSTRUCTIONS", "rerotate_keys"]
 
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
-"""Default duplex system text (MODEL.md §5.1)."""
+"""Default duplex system text (docs/model.md §5.1)."""
 
 _stream_ids = itertools.count()
 
@@ -59,7 +59,7 @@ _CACHE_KW = _cache_kw()
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Move RoPE-rotated keys by ``delta`` positions (the sliding window, MODEL.md §10/§11).
+    """Move RoPE-rotated keys by ``delta`` positions (the sliding window, docs/model.md §10/§11).
 
     RoPE rotates each pair ``(i, i + D/2)`` by ``pos · inv_freq[i]`` (transformers' ``rotate_half``
     layout), so a key at position p becomes the key at p + delta by one more rotation of
@@ -146,7 +146,7 @@ class ChatThinkerResult:
         text: decoded reply (special tokens skipped).
         token_ids: int64 [N] generated ids (without the final eos).
         tts_token_ids: int64 [L] ids strictly inside the last ``<|tts_bos|>``…``<|tts_eos|>``
-            (or ``<|im_end|>``/end) span (MODEL.md §4).
+            (or ``<|im_end|>``/end) span (docs/model.md §4).
         tts_hidden: float32 [L, H] final-norm hidden states at those tokens' input positions.
         finish_reason: "stop" (eos) or "length".
         prompt_tokens: prompt length in tokens.
@@ -161,7 +161,7 @@ class ChatThinkerResult:
 
 
 class Thinker:
-    """Runtime wrapper around :class:`ThinkerModules` (interfaces.md "Thinker")."""
+    """Runtime wrapper around :class:`ThinkerModules` (docs/model.md, "Components")."""
 
     def __init__(self, modules: ThinkerModules, config: MiniCPMOConfig, tokenizer, special: SpecialTokens, device="cpu", dtype=torch.float32):
         self.m = modules
@@ -230,7 +230,7 @@ class Thinker:
     def audio_embeds_offline(self, audio: np.ndarray, block_mask: bool = True) -> torch.Tensor:
         """Offline audio embeddings (chat()/prepare(); parity case b). float32 16 kHz [N] -> [n, H].
 
-        Audio longer than 30 s is encoded in 30 s pieces (MODEL.md §3.1) and concatenated; n is
+        Audio longer than 30 s is encoded in 30 s pieces (docs/model.md §3.1) and concatenated; n is
         the sum of :func:`audio_embed_count` over the pieces (0 for under ~80 ms).
         """
         if self.audio is None:
@@ -302,7 +302,7 @@ class Thinker:
         force_listen_count: int = 0,
         policy: Optional[DuplexPolicy] = None,
     ) -> ThinkerStream:
-        """Open a duplex stream and prefill the session prefix (MODEL.md §5.1).
+        """Open a duplex stream and prefill the session prefix (docs/model.md §5.1).
 
         Prefix: ``<|im_start|>system\\n{instructions}\\n<|audio_start|>`` + ref-audio embeddings
         (offline path, 10/s) + ``<|audio_end|><|im_end|>``; without ``ref_audio``:
@@ -380,7 +380,7 @@ class Thinker:
 
     # ------------------------------------------------------------------------------ sliding window
     def window_plan(self, st: ThinkerStream, upcoming: int) -> Optional[Tuple[int, int, bool]]:
-        """Plan the sliding window (reference "basic" window, MODEL.md §10/§11) before a unit.
+        """Plan the sliding window (reference "basic" window, docs/model.md §10/§11) before a unit.
 
         Args:
             upcoming: the largest number of KV positions the next unit can add besides the pending
@@ -484,7 +484,7 @@ class Thinker:
     # ------------------------------------------------------------------------------ chat
     def chat(self, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False, max_tokens: int = 512,
              temperature: float = 0.7, seed: Optional[int] = None, **kw) -> ChatThinkerResult:
-        """Turn-based generation (MODEL.md §4); see :func:`duplexkit.models.minicpmo45.chat.chat_generate`."""
+        """Turn-based generation (docs/model.md §4); see :func:`duplexkit.models.minicpmo45.chat.chat_generate`."""
         from .chat import chat_generate
 
         return chat_generate(self, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,

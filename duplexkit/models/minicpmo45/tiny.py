@@ -2,11 +2,11 @@
 
 :func:`build_tiny_checkpoint` writes, in a few seconds on a CPU:
 
-* ``config.json`` — the real layout (MODEL.md §9 constraints: hidden 128 = 1 resampler head,
+* ``config.json`` — the real layout (docs/model.md §9 constraints: hidden 128 = 1 resampler head,
   ``query_num`` 64, ``encoder_ffn_dim = 4·d_model``, 80 mels, talker ``llm_dim`` = hidden);
 * its **own** tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``):
   a small byte-level BPE trained with the ``tokenizers`` library on the English text bundled below,
-  plus every special-token string of MODEL.md §2 and ``<unk>``; ids therefore differ from the real
+  plus every special-token string of docs/model.md §2 and ``<unk>``; ids therefore differ from the real
   tokenizer, which is fine because duplexkit resolves special tokens by string;
 * ``model.safetensors`` — random weights for every key the loader expects (incl. the ignored
   ``tts.model.embed_tokens`` / ``tts.projector_spk.*``), ``generation_config.json``,
@@ -39,7 +39,7 @@ __all__ = ["TINY_VERSION", "build_tiny_checkpoint", "tiny_checkpoint", "tiny_con
 TINY_VERSION = "1"
 """Bumped whenever the builder's output changes (part of the cache directory name)."""
 
-# Special strings in id order after the BPE vocabulary. MODEL.md §2 lists them; the reserved ones
+# Special strings in id order after the BPE vocabulary. docs/model.md §2 lists them; the reserved ones
 # keep the talker's audio_bos/text_eos rows (<focus>, </perception>) meaningful like the real model.
 _ADDED_SPECIAL = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -151,7 +151,7 @@ def _write_tokenizer(out: Path) -> Dict[str, int]:
 
 
 def tiny_config_dict(vocab_size: int, eos_ids: List[int], pad_id: int, audio_bos: int, text_eos: int) -> dict:
-    """config.json of the tiny model (real layout; sizes per MODEL.md §9)."""
+    """config.json of the tiny model (real layout; sizes per docs/model.md §9)."""
     num_text = ((vocab_size + 127) // 128) * 128
     return {
         "architectures": ["MiniCPMO"],

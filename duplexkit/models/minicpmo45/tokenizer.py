@@ -1,8 +1,8 @@
-"""Tokenizer of a MiniCPM-o 4.5 checkpoint, built from the checkpoint's own files (MODEL.md §2).
+"""Tokenizer of a MiniCPM-o 4.5 checkpoint, built from the checkpoint's own files (docs/model.md §2).
 
 * ``tokenizer.json`` when present and non-empty; otherwise ``vocab.json`` + ``merges.txt`` plus
   the added tokens of ``tokenizer_config.json["added_tokens_decoder"]`` in id order
-  (parity ``tokenizer/README.md``). Never substitutes a stock Qwen tokenizer.
+  (docs/model.md §2). Never substitutes a stock Qwen tokenizer.
 * Every special token is resolved **by string** (:class:`SpecialTokens`); a string that maps to the
   unk id is rejected with :class:`TokenizerError`. No id is hard-coded.
 * ``bad_token_ids`` (duplex forbidden set) comes from ``tokenizer_config.json``.
@@ -31,7 +31,7 @@ class TokenizerError(DuplexkitError, ValueError):
     """Tokenizer files missing/broken, or a required special token is absent (maps to unk)."""
 
 
-# field name -> token string (MODEL.md §2)
+# field name -> token string (docs/model.md §2)
 SPECIAL_TOKEN_STRINGS: Dict[str, str] = {
     "endoftext": "<|endoftext|>",
     "im_start": "<|im_start|>",
@@ -63,7 +63,7 @@ SPECIAL_TOKEN_STRINGS: Dict[str, str] = {
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """Ids of the special tokens, resolved by string from a tokenizer (MODEL.md §2)."""
+    """Ids of the special tokens, resolved by string from a tokenizer (docs/model.md §2)."""
 
     endoftext: int
     im_start: int
@@ -113,7 +113,7 @@ class SpecialTokens:
 
     @property
     def terminators(self) -> frozenset:
-        """Unit terminators (MODEL.md §5.3 step 7): listen, chunk_eos, chunk_tts_eos."""
+        """Unit terminators (docs/model.md §5.3 step 7): listen, chunk_eos, chunk_tts_eos."""
         return frozenset((self.listen, self.chunk_eos, self.chunk_tts_eos))
 
     @property
@@ -198,7 +198,7 @@ _SPECIAL_CACHE: Dict[int, re.Pattern] = {}
 
 
 def encode_text(tokenizer, text: str) -> List[int]:
-    """Encode user text so that added-token strings (e.g. ``<unit>``) stay plain text (MODEL.md §2)."""
+    """Encode user text so that added-token strings (e.g. ``<unit>``) stay plain text (docs/model.md §2)."""
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 

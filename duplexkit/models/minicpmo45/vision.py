@@ -1,6 +1,6 @@
 """SigLIP NaViT vision tower (``vpm.*``) and the perceiver resampler (``resampler.*``).
 
-MODEL.md §1.1, §3.2 and parity README case c:
+docs/model.md §1.1, §3.2 and parity README case c:
 
 * patches: a stride-14 ``Conv2d`` (``embeddings.patch_embedding``), row-major;
 * positions: bucketised fractional coordinates of the (h, w) patch grid onto the 70×70
@@ -93,7 +93,7 @@ class VisionTower(nn.Module):
 
 class Resampler(nn.Module):
     """Perceiver resampler: 64 queries over the patch features (keys ``query``, ``kv_proj``, ``attn``,
-    ``ln_q``, ``ln_kv``, ``ln_post``, ``proj``; MODEL.md §1.1)."""
+    ``ln_q``, ``ln_kv``, ``ln_post``, ``proj``; docs/model.md §1.1)."""
 
     def __init__(self, num_queries: int, embed_dim: int, kv_dim: int) -> None:
         super().__init__()

@@ -24,7 +24,7 @@ def test_parity_case_f_slices():
         np.testing.assert_array_equal(u.audio, x[a:b])
         assert u.audio.dtype == np.float32
         assert u.padded_samples == 0
-    # consumed bookkeeping: 16480 then 16000 each (MODEL.md §3.1)
+    # consumed bookkeeping: 16480 then 16000 each (docs/model.md §3.1)
     assert [(u.consumed_start, u.consumed_samples) for u in units] == [
         (0, 16480), (16480, 16000), (32480, 16000), (48480, 16000)
     ]

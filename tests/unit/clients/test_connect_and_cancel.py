@@ -1,4 +1,4 @@
-"""connect() fails on a rejected initial session.update (PROTOCOL.md §5.1), and a cancelled call
+"""connect() fails on a rejected initial session.update (docs/protocol.md §5.1), and a cancelled call
 never keeps running when its reply lands in the same loop iteration."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 
 
 def short_ref() -> tuple[np.ndarray, int]:
-    """0.3 s of the reference voice fixture: under the 0.5 s minimum (PROTOCOL.md §8)."""
+    """0.3 s of the reference voice fixture: under the 0.5 s minimum (docs/protocol.md §8)."""
     audio, sr = read_wav(FIXTURES / "ref_voice_16k.wav", 16_000)
     return audio[: int(0.3 * sr)], sr
 

@@ -1,5 +1,5 @@
 """DuplexClient against scripted in-test WebSocket servers (real sockets on loopback):
-beta/vLLM-Omni event names (PROTOCOL.md §12.24), session resume, and never hanging."""
+beta/vLLM-Omni event names (docs/protocol.md §12.24), session resume, and never hanging."""
 
 from __future__ import annotations
 

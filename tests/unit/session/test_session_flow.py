@@ -1,4 +1,4 @@
-"""Session scenario tests (PROTOCOL.md §4–§9, §12 items that apply to the Session)."""
+"""Session scenario tests (docs/protocol.md §4–§9, §12 items that apply to the Session)."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def test_channels_alone_keep_encoding_and_rate_and_mono_is_the_default():
     {"type": "audio/pcmu"},
 ])
 def test_the_echoed_format_object_round_trips(fmt):
-    # a client may send the server's own echo back (PROTOCOL.md §4.1): the keys the server writes
+    # a client may send the server's own echo back (docs/protocol.md §4.1): the keys the server writes
     # (sample_rate_hz, encoding, channels) are read back as the same format, never as 24 kHz pcm16 mono
     d = Driver()
     d.send({"type": "session.update", "session": {"audio": {"input": {"format": fmt}}}})

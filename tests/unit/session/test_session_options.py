@@ -1,4 +1,4 @@
-"""PROTOCOL.md §7.2: if the VAD cannot load, the default turn detection becomes null and an
+"""docs/protocol.md §7.2: if the VAD cannot load, the default turn detection becomes null and an
 explicit ``server_vad`` gets ``unsupported_turn_detection`` (the session stays usable)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Property tests: random interleavings of client events, engine outputs, VAD-triggering speech and
-clock ticks; every emitted event stream must satisfy PROTOCOL.md §12 (checked incrementally by
+clock ticks; every emitted event stream must satisfy docs/protocol.md §12 (checked incrementally by
 duplexkit.protocol.conformance.EventStreamChecker inside the driver)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Session scenarios as tables of (events in -> events out) (PROTOCOL.md §3, §4, §7, §9).
+"""Session scenarios as tables of (events in -> events out) (docs/protocol.md §3, §4, §7, §9).
 
 Each scenario is a list of steps; each step feeds the Session one input (a client event, scripted
 engine outputs, a clock tick, or real speech from tests/fixtures/audio appended in chunks) and
@@ -7,7 +7,7 @@ lists what must come out of that step: the server events in order (``error:<code
 ``AppendUnit``. Every event stream is also checked by the §12 EventStreamChecker (in the Driver).
 
 The last test checks that importing the Session pulls in no asyncio, socket, threading or torch
-of its own (DESIGN.md "The one idea": the Session is sans-I/O).
+of its own (docs/architecture.md, "The sans-I/O Session": the Session is sans-I/O).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def _history_unchanged(d: Driver, new: list) -> None:
 def _odd_bytes_carried(d: Driver, new: list) -> None:
     # every append decoded to exactly the samples of the whole byte stream: nothing rejected, no byte
     # lost. The server-VAD commit after the first question fell inside the stream; the odd byte
-    # carried at that point was kept (PROTOCOL.md §6.1 drops it only on a client commit or clear),
+    # carried at that point was kept (docs/protocol.md §6.1 drops it only on a client commit or clear),
     # so the second question, appended after it, is still read on sample boundaries.
     from duplexkit.audio.codecs import pcm16_to_float32
 
