@@ -1,8 +1,8 @@
-// duplexkit browser client: one realtime session over a WebSocket (PROTOCOL.md).
+// duplexkit browser client: one realtime session over a WebSocket (docs/protocol.md).
 //
 // Plain JavaScript, no build step. The parts, top to bottom:
 //   Player   gapless 24 kHz playback scheduled on an AudioContext; its clock (currentTime minus
-//            the output latency) says how much of each response was heard (PROTOCOL.md §7.4-7.5).
+//            the output latency) says how much of each response was heard (docs/protocol.md §7.4-7.5).
 //   Mic      getUserMedia (echoCancellation, noiseSuppression) -> AudioWorklet -> 20 ms frames of
 //            16 kHz pcm16; 5 frames make one 100 ms input_audio_buffer.append (§6.1).
 //   Barge    local energy detector: speech over the answer cancels it, flushes the player and

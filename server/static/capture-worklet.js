@@ -1,4 +1,4 @@
-// duplexkit capture worklet: microphone -> 20 ms frames of 16 kHz mono pcm16 (PROTOCOL.md §6.1).
+// duplexkit capture worklet: microphone -> 20 ms frames of 16 kHz mono pcm16 (docs/protocol.md §6.1).
 //
 // Runs on the audio rendering thread. The page normally creates its capture AudioContext at
 // 16 000 Hz, so the browser's own resampler does the rate conversion and `ratio` is 1. When the
