@@ -56,7 +56,7 @@ async def test_commit_driven_turn(scripted_server, question_wav):
         assert c.session["extra_body"]["answer_policy"] == "on_request"
         await _send_wav(c, _speech(question_wav))
         committed = await c.commit()
-        assert committed["type"] == "input_audio_buffer.committed"
+        assert committed.type == "input_audio_buffer.committed"
         h = await c.create_response()
         assert h.trigger == "client"
         final = await h.wait(20)

@@ -102,7 +102,7 @@ def interrupted(profile: str, cancel: str, report: str) -> list[Step]:
     on_done = SENT_MS if profile == "compat" else 0  # commit_on_done vs ack_only
     return [
         client(FORMAT_16K, out=["session.updated"]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         speak_answer(profile, end=False),
         CANCELS[cancel](on_done),
         Step(lambda d: [], [], check=playback_is(on_done, False, "".join(WORDS[: on_done // 1000])),
@@ -130,7 +130,7 @@ def test_fully_heard_answer_covers_all_of_it(profile, truncate):
     on_done = SENT_MS if profile == "compat" else 0
     run([
         client(FORMAT_16K, out=["session.updated"]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         speak_answer(profile, end=True),
         Step(lambda d: [], [], check=playback_is(on_done, False, "".join(WORDS[: on_done // 1000])),
              label="at response.done"),
@@ -146,7 +146,7 @@ def test_plain_ack_only_raises(profile):
     on_done = SENT_MS if profile == "compat" else 0
     run([
         client(FORMAT_16K, out=["session.updated"]),
-        client({"type": "response.create"}, out=["response.created"], cmds=["ForceSpeak"]),
+        client({"type": "response.create"}, out=["response.created"], cmds=["AppendUnit(force_speak)"]),
         speak_answer(profile, end=False),
         client({"type": "playback.ack", "response_id": resp_id(-1), "played_ms": 3000}, out=[],
                check=playback_is(3000, False, "w0 w1 w2 ")),
