@@ -57,6 +57,9 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError
+
+from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reject, Resolve, ResponseAudio,
+                      ResponseEnded, ResponseStarted, SessionEnded, Send)
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
 
 __all__ = [
@@ -102,99 +105,6 @@ MAX_KEPT_RESPONSES = 256
 """Finished responses kept for lookup; older finished ones are forgotten (player bookkeeping too)."""
 
 _QUIET_KEEP = 256
-
-
-# ------------------------------------------------------------------------------------------------
-# actions
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    """Transmit this client event (a JSON-ready dict with an ``event_id``)."""
-
-    event: dict
-
-
-@dataclass(frozen=True)
-class Resolve:
-    """The request sent with ``event_id`` succeeded; ``value`` is its answer (a typed event, the
-    :class:`~duplexkit.protocol.SessionObject`, or the :class:`ResponseRecord` of a create)."""
-
-    event_id: str
-    value: Any
-
-
-@dataclass(frozen=True)
-class Reject:
-    """The request sent with ``event_id`` failed with ``error``."""
-
-    event_id: str
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class ResponseStarted:
-    """A ``response.created`` (model-, client- or VAD-triggered) opened ``response``."""
-
-    response: "ResponseRecord"
-
-
-@dataclass(frozen=True)
-class ResponseAudio:
-    """Decoded audio of ``response``: float32 [n] at 24 kHz (also queued on the player unless
-    the response was flushed)."""
-
-    response: "ResponseRecord"
-    pcm: np.ndarray
-
-
-@dataclass(frozen=True)
-class ResponseEnded:
-    """``response`` stopped generating (``response.done``, or ``error`` set when the session ended
-    first)."""
-
-    response: "ResponseRecord"
-    error: Optional[BaseException] = None
-
-
-@dataclass(frozen=True)
-class PlaybackFlushed:
-    """The player's unplayed audio of ``response_id`` was dropped at ``played_ms``; ``reason``:
-    ``barge_in`` (API or local VAD), ``cancelled`` (response.done), ``cleared``
-    (output_audio_buffer.cleared) or ``speech_started`` (server VAD)."""
-
-    response_id: str
-    played_ms: int
-    dropped_samples: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class PlaybackHeard:
-    """Every sample of ``response_id`` has played (reported to the server now)."""
-
-    response_id: str
-    played_ms: int
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Hand ``event`` (a typed server event) to ``events()``."""
-
-    event: Any
-
-
-@dataclass(frozen=True)
-class SessionEnded:
-    """The session is over: ``reason`` from ``session.closed``, or ``error`` on transport loss."""
-
-    reason: Optional[str]
-    error: Optional[BaseException] = None
-
-
-Action = Union[Send, Resolve, Reject, ResponseStarted, ResponseAudio, ResponseEnded, PlaybackFlushed,
-               PlaybackHeard, Deliver, SessionEnded]
 
 
 # ------------------------------------------------------------------------------------------------
