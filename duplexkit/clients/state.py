@@ -323,7 +323,9 @@ class ClientState:
         deliver = True
         if handler is not None:
             deliver = handler(ev, rec) is not False
-        if rec is not None and t != "response.created":
+        if t == "response.created" and handler is not None:
+            rec = self.responses.get(getattr(ev.response, "id", None) or "")
+        if rec is not None:
             rec.events.append(ev.model_copy(update={"delta": f"<{rec.chunk_sizes[-1]} samples>"})
                               if t == "response.output_audio.delta" and rec.chunk_sizes else ev)
         self._resolve_reply(ev)

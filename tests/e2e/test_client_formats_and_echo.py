@@ -114,21 +114,27 @@ async def _talk(delay_ms: int, user_at_s: float | None):
         t0 = time.monotonic()
         user_pos = None
         k = 0
+        sent = 0
         while time.monotonic() - t0 < 11.0:
             t = time.monotonic() - t0
+            # the microphone runs on the same wall clock as the (virtual) speaker: on a busy machine
+            # a late loop turn sends the samples that are due, it does not slow the room's clock
+            n = max(160, int(t * 16_000) - sent)
+            sent += n
             u = None
             if user_at_s is not None and t >= user_at_s:
                 user_pos = 0 if user_pos is None else user_pos
-                u = user[user_pos:user_pos + 320]
-                u = np.pad(u, (0, 320 - u.size))
-                if stats["onset_at"] is None and user_pos + 320 > onset:
+                u = user[user_pos:user_pos + n]
+                u = np.pad(u, (0, n - u.size))
+                if stats["onset_at"] is None and user_pos + n > onset:
                     stats["onset_at"] = time.monotonic()
-                user_pos += 320
-            await c.send_audio(room.mic(320, u))
+                user_pos += n
+            await c.send_audio(room.mic(n, u))
             await asyncio.sleep(0)
             if h.flushed and stats["barge_at"] is None:  # by local VAD or by the server VAD's cancel
                 stats["barge_at"] = time.monotonic()
-            if user_at_s is not None and stats["barge_at"] is not None and user_pos > onset + 8000:
+                stats["barge_t"] = round(time.monotonic() - t0, 3)
+            if user_pos is not None and stats["barge_at"] is not None and user_pos > onset + 8000:
                 break
             k += 1
             await asyncio.sleep(max(0.0, t0 + k * 0.02 - time.monotonic()))  # real-time pacing
@@ -154,7 +160,8 @@ async def test_own_voice_through_the_speakers_neither_barges_in_nor_starts_a_tur
 async def test_the_user_over_the_answer_still_barges_in_within_300_ms(delay_ms):
     c, h, events, stats = await _talk(delay_ms, user_at_s=4.0)
     assert stats["barge_at"] is not None, "no barge-in"
+    assert stats["onset_at"] is not None, f"interrupted before the user spoke: {stats}, {c.barge_ins} barge-ins"
     latency = stats["barge_at"] - stats["onset_at"]
-    assert 0 <= latency <= 0.3, latency
+    assert 0 <= latency <= 0.3, (latency, stats)
     assert not h.audible and h.heard_final
     assert c.barge_ins + len([e for e in events if e.type == "input_audio_buffer.speech_started"]) >= 1
