@@ -140,21 +140,20 @@ def test_mic_with_no_matching_device_explains_and_lists(tmp_path):
     err = r.stderr
     assert err.startswith("error: no input device matching --input-device 'no-such-microphone-xyz'")
     assert "PortAudio sees" in err and "Fix: on a headless machine" in err and "--url" in err
-    assert "speak" not in err and "Error querying device" not in err
+    assert "ready; speak" not in err and "Error querying device" not in err
 
 
-def test_mic_with_no_device_at_all(tmp_path):
-    # an empty ALSA configuration hides every ALSA device from PortAudio
-    conf = tmp_path / "asound.conf"
-    conf.write_text("")
-    env = {"ALSA_CONFIG_PATH": str(conf), "PULSE_SERVER": "unix:/nonexistent", "JACK_NO_START_SERVER": "1"}
+def test_mic_with_no_device_at_all():
+    # a headless machine (CI, containers): PortAudio lists nothing without an audio server
+    env = {"PULSE_SERVER": "unix:/nonexistent"}
     probe = run(PY, "-c", "from duplexkit.audio import list_devices; print(len(list_devices()))", env=env)
     if probe.returncode != 0 or probe.stdout.strip() != "0":
-        pytest.skip(f"PortAudio still lists devices here: {probe.stdout} {probe.stderr[-200:]}")
+        pytest.skip(f"this machine has audio devices ({probe.stdout.strip()} listed)")
     r = light("mic", env=env)
     assert r.returncode == cli.EXIT_DEVICE, r.stdout + r.stderr
     assert r.stderr.startswith("error: no audio input device, no audio output device.")
     assert "PortAudio sees no audio device at all." in r.stderr and "Fix:" in r.stderr
+    assert "HEAVY" not in r.stdout and "ready; speak" not in r.stderr
 
 
 def test_keyboard_interrupt_is_130(monkeypatch, capsys):
@@ -243,7 +242,7 @@ def test_cli_chat_prints_the_server_error(scripted_server, tmp_path):
     # the CLI checks a local WAV itself; a server-side refusal (an unknown model) arrives as its text
     r = run(PY, "-m", "duplexkit.cli", "chat", "--url", scripted_server.url, "-t", "hi", "--served-model", "nope")
     assert r.returncode == cli.EXIT_FAILURE, r.stdout + r.stderr
-    assert one_error_line(r).startswith("error: the server answered HTTP 404: model_not_found")
+    assert one_error_line(r).startswith("error: the server answered HTTP 400: model_not_found")
 
 
 def test_realtime_example_prints_the_server_error(scripted_server, tmp_path):

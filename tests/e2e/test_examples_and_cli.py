@@ -150,8 +150,8 @@ def test_cli_serve_rejects_a_missing_checkpoint(tmp_path):
 
 
 def test_cli_serve_exits_when_the_engine_fails_to_load():
-    # a scripted option that does not exist: loading fails inside the server, which stops with 1
+    # a scripted option that does not exist: loading fails inside the server, which stops with 4
     r = run(PY, "-m", "duplexkit.cli", "serve", "scripted", "--port", "0", "--scripted", "no_such_option=1")
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 4, r.stdout + r.stderr
     assert "error: engine failed to load: unknown ScriptConfig field 'no_such_option'" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
