@@ -46,14 +46,34 @@ def _eprint(*a: Any) -> None:
 DEBUG_ENV = "DUPLEXKIT_DEBUG"
 """Set to 1 to let errors show their full traceback instead of one ``error: …`` line."""
 
+EXIT_OK = 0
+"""Success (``demo``: the answer ended ``completed`` or ``incomplete``)."""
 EXIT_FAILURE = 1
-"""The run failed: the answer ended ``cancelled``/``failed``, a timeout, a server-side error, or the
-engine failed to load in ``serve`` (docs/server.md)."""
-EXIT_BAD_INPUT = 2
-"""Bad arguments or input: a missing or invalid checkpoint directory, an unreadable or too short
-WAV, an unknown layout (docs/server.md: a missing checkpoint exits 2; argparse usage errors too)."""
+"""The run failed: the answer ended ``cancelled``/``failed``, a timeout, a server-side error, an
+unexpected exception."""
+EXIT_USAGE = 2
+"""Bad arguments or input, refused before anything heavy runs: an option out of range, a missing or
+invalid checkpoint directory (no/bad ``config.json``, no weight files), an unknown or invalid
+``--layout``, a GPU layout on a machine without a visible GPU, an unreadable WAV, input under 100 ms."""
+EXIT_BAD_INPUT = EXIT_USAGE  # the older name
 EXIT_CONNECTION = 3
-"""The server could not be reached or refused the connection (refused, unauthorized, capacity)."""
+"""Network: a client cannot reach the server or is refused (connection refused, unauthorized, no
+free session slot); ``serve`` cannot listen on ``--host``/``--port`` (port in use, address not
+available)."""
+EXIT_LOAD = 4
+"""The model or engine failed to load after the pre-load checks passed (``CheckpointError``, out of
+memory, a missing package such as torch)."""
+EXIT_DEVICE = 5
+"""``mic``: no usable audio device (none found, the named one missing, or it cannot be opened)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl+C (SIGINT) stopped a command that ends by itself (``demo``, ``chat``, ``bench``). For the
+commands that run until stopped (``serve``, ``mic`` without ``--duration``) Ctrl+C / SIGTERM is the
+normal way to end them: they shut down cleanly and exit 0."""
+
+EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURE: "run failed", EXIT_USAGE: "usage or invalid input",
+              EXIT_CONNECTION: "network (connect / listen)", EXIT_LOAD: "model load failed",
+              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted"}
+"""The one exit-status table every subcommand uses (docs/cli.md)."""
 
 
 def _debug() -> bool:
@@ -104,9 +124,12 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     """The message and exit status for an exception that ends a command (see EXIT_*)."""
     from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
                                   DuplexTimeout, LayoutError)
+    from duplexkit.preflight import PreflightError
 
     if isinstance(exc, CliError):
         return str(exc), exc.exit_status
+    if isinstance(exc, PreflightError):
+        return str(exc), EXIT_USAGE
     if isinstance(exc, FileNotFoundError):
         return str(exc), EXIT_BAD_INPUT
     if isinstance(exc, DuplexTimeout):
@@ -125,7 +148,7 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, LayoutError):
         return f"bad layout: {exc}", EXIT_BAD_INPUT
     if isinstance(exc, DeviceError):
-        return f"audio device error: {exc}", EXIT_BAD_INPUT
+        return f"audio device error: {exc}", EXIT_DEVICE
     chat_mod = sys.modules.get("duplexkit_server.chat")
     if chat_mod is not None and isinstance(exc, getattr(chat_mod, "ChatRequestError", ())):
         return f"bad chat request: {exc}", EXIT_BAD_INPUT
@@ -168,58 +191,108 @@ def _parse_scripted(pairs: list[str]) -> dict:
 
 
 def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
-                progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None):
+                progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
+                checked: bool = False):
     """Load the engine named by ``model`` (a checkpoint path, ``tiny`` or ``scripted``).
 
-    Raises ``FileNotFoundError`` for a missing checkpoint directory; loader errors propagate.
+    Runs the pre-load checks first (unless ``checked``: the caller already ran them).
+
+    Raises:
+        PreflightError / LayoutError (exit 2) from the checks; :class:`CliError` with
+        :data:`EXIT_LOAD` when loading itself fails (the message keeps the loader's text).
     """
+    if not checked:
+        _check_model_arg(model, layout)
     if model == "scripted":
         from duplexkit.engine.fake import ScriptedEngine
 
-        return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
-    _check_model_arg(model, layout)
+        try:
+            return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
+        except (TypeError, ValueError) as exc:
+            raise CliError(f"engine failed to load: {exc}", EXIT_LOAD) from exc
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if progress:
         _eprint(f"loading {'the tiny random-weight model' if model == 'tiny' else model} "
                 f"(layout {layout or 'auto'}) ...")
-    from duplexkit.engine import DuplexEngine
-
-    kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
-    if model_id:
-        kwargs["model_id"] = model_id
     t0 = time.monotonic()
-    engine = DuplexEngine.from_pretrained(model, **kwargs)
+    try:
+        from duplexkit.engine import DuplexEngine
+
+        kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
+        if model_id:
+            kwargs["model_id"] = model_id
+        engine = DuplexEngine.from_pretrained(model, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        from duplexkit.errors import LayoutError
+
+        if isinstance(exc, LayoutError):  # e.g. torch sees fewer GPUs than the driver: still a usage error
+            raise
+        raise CliError(f"engine failed to load: {type(exc).__name__}: {exc}", EXIT_LOAD) from exc
     if progress:
         _eprint(f"model ready in {time.monotonic() - t0:.1f} s")
     return engine
 
 
 def _check_model_arg(model: str, layout: Optional[str]) -> None:
-    """Cheap checks before anything heavy loads (and before ``serve`` binds its port).
+    """Cheap checks before anything heavy loads and before ``serve`` binds its port
+    (:func:`duplexkit.preflight.check_model`: directory, ``config.json``, weight files, layout and
+    its CUDA devices). No torch, no server import.
 
-    Raises ``FileNotFoundError`` for a missing checkpoint directory, :class:`CliError` (status 2)
-    for a directory without ``config.json``, :class:`duplexkit.errors.LayoutError` for an unknown
-    or invalid ``--layout``.
+    Raises:
+        PreflightError, LayoutError, LayoutNotSupportedError: all reported with exit status 2.
     """
-    if model not in ("tiny", "scripted"):
-        path = Path(model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint directory not found: {model} (or use 'tiny' / 'scripted')")
-        if not (path / "config.json").is_file():
-            raise CliError(f"{model} is not a MiniCPM-o 4.5 checkpoint directory: it has no config.json "
-                           "(or use 'tiny' / 'scripted')", EXIT_BAD_INPUT)
-    if layout is not None and model != "scripted":
-        from duplexkit.engine.layout import load_layout
+    from duplexkit.preflight import check_model
 
-        load_layout(layout)
+    check_model(model, layout)
 
 
 def _random_weights_notice(engine) -> None:
+    from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE
+
     if getattr(engine, "random_weights", False):
-        _eprint("NOTE: this model has RANDOM weights (the 'tiny' test checkpoint): the text is gibberish and "
-                "the speech is noise. Pass a real MiniCPM-o 4.5 checkpoint directory for real answers.")
+        _eprint(RANDOM_WEIGHTS_NOTICE)
     if not getattr(engine, "supports_audio", True):
         _eprint("NOTE: the checkpoint has no assets/token2wav (no vocoder): answers are text only.")
+
+
+def _remote_notice(url: str) -> bool:
+    """Print the random-weights notice when the server at ``url`` reports ``random_weights`` in
+    ``/health``. Returns whether it did."""
+    from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+
+    if remote_random_weights(url):
+        _eprint(RANDOM_WEIGHTS_NOTICE.replace("this model has", "the server's model has"))
+        return True
+    return False
+
+
+def _bind(host: str, port: int):
+    """Bind the listening socket before the banner and before the engine loads, so a port in use is
+    one error line (exit :data:`EXIT_CONNECTION`) and nothing else. Returns the bound socket."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})", EXIT_CONNECTION) from exc
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: allows TIME_WAIT, not a live listener
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        import errno
+
+        why = {errno.EADDRINUSE: "the port is already in use (another server? stop it or pass --port N)",
+               errno.EADDRNOTAVAIL: "this machine has no such address (check --host)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges; pass --port N)"}
+        raise CliError(f"cannot listen on {host}:{port}: {why.get(exc.errno, exc.strerror or exc)}",
+                       EXIT_CONNECTION) from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def _session_defaults(args, engine_name: str) -> dict:
@@ -244,11 +317,12 @@ def _session_defaults(args, engine_name: str) -> dict:
 
 
 def cmd_serve(args) -> int:
+    _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    sock = _bind(args.host, args.port)
     import logging
 
     from duplexkit_server import ServerSettings, create_app, serve
 
-    _check_model_arg(args.model, getattr(args, "layout", None))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     defaults = _session_defaults(args, args.model)
@@ -266,15 +340,28 @@ def cmd_serve(args) -> int:
     scripted = _parse_scripted(args.scripted)
 
     def loader():
-        engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                             scripted=scripted)
+        try:
+            engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
+                                 scripted=scripted, checked=True)
+        except CliError as exc:  # the server prints "error: engine failed to load: <message>"
+            prefix = "engine failed to load: "
+            raise type(exc)(str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc),
+                            exc.exit_status) from exc.__cause__
         _random_weights_notice(engine)
         return engine
 
     app = create_app(engine_loader=loader, settings=settings)
-    _eprint(f"duplexkit serving {args.model} on http://{args.host}:{args.port} "
-            f"(realtime: ws://{args.host}:{args.port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: /v1/realtime, auth {'on' if settings.api_keys else 'off'})")
-    return serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    port = sock.getsockname()[1]
+    _eprint(f"duplexkit serving {args.model} on http://{args.host}:{port} "
+            f"(realtime: ws://{args.host}:{port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: "
+            f"/v1/realtime; auth {'on' if settings.api_keys else 'off'})")
+    rc = serve(app, host=args.host, port=port, log_level=args.log_level, sockets=[sock])
+    err = app.state.duplexkit.load_error
+    if err is not None:
+        from duplexkit.errors import LayoutError
+
+        return EXIT_USAGE if isinstance(err, LayoutError) else EXIT_LOAD
+    return rc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +394,29 @@ async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0,
             "t_first_audio": handle.first_audio_at, "t_done": handle.done_at}
 
 
+def _demo_timing_rows(r: dict, h, load_s: Optional[float], audio_s: float) -> list[tuple[str, str]]:
+    """The demo's timing rows, each labelled with what it measures (wall-clock seconds).
+
+    ``load_s`` is None with ``--url`` (the server loaded the model; no row). The last row is the
+    wall-clock real-time factor of the answer: (create -> done) / seconds of answer audio; under 1
+    means the answer was produced faster than it plays. It includes network and queueing time, not
+    only model compute.
+    """
+    rows = []
+    if load_s is not None:
+        rows.append(("model load", f"{load_s:8.2f} s"))
+    rows.append(("send input (wall)", f"{r['t_audio_end'] - r['t_start']:8.2f} s"))
+    rows.append(("commit -> response.created", f"{(h.created_at - r['t_create']):8.2f} s"))
+    if r["t_first_audio"]:
+        rows.append(("TTFP (create -> first audio)", f"{r['t_first_audio'] - r['t_create']:8.2f} s"))
+    done_s = (r["t_done"] - r["t_create"]) if r["t_done"] else float("nan")
+    rows.append(("create -> response.done", f"{done_s:8.2f} s"))
+    if audio_s > 0:
+        rows.append(("answer audio", f"{audio_s:8.2f} s"))
+        rows.append(("wall RTF (create -> done / audio)", f"{done_s / audio_s:8.2f}"))
+    return rows
+
+
 def _timing_table(rows: list[tuple[str, str]]) -> str:
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
@@ -326,17 +436,18 @@ async def _demo_async(args) -> int:
     if args.instructions:
         session["instructions"] = args.instructions
     engine = None
-    t_load = time.monotonic()
+    load_s = None
     if args.url:
+        random_weights = _remote_notice(args.url)
         client = DuplexClient(args.url, api_key=args.api_key, session=session, request_timeout_s=args.timeout)
-        random_weights = None
     else:
+        t_load = time.monotonic()
         engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
+        load_s = time.monotonic() - t_load
         random_weights = bool(getattr(engine, "random_weights", False))
         _random_weights_notice(engine)
         opts = _session_defaults(args, args.model)
         client = InlineDuplexClient(engine, session=session, request_timeout_s=args.timeout, **opts)
-    load_s = time.monotonic() - t_load
     try:
         async with client:
             r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout)
@@ -352,17 +463,8 @@ async def _demo_async(args) -> int:
     print(f"transcript: {h.transcript or h.text!r}")
     if args.output:
         print(f"audio:      {args.output} ({len(out) / 24000:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
-    compute = (r["t_done"] - r["t_create"]) if r["t_done"] else float("nan")
-    rows = [("load", f"{load_s:8.2f} s"),
-            ("send input", f"{r['t_audio_end'] - r['t_start']:8.2f} s"),
-            ("commit -> created", f"{(h.created_at - r['t_create']):8.2f} s")]
-    if r["t_first_audio"]:
-        rows.append(("TTFP (create -> first audio)", f"{r['t_first_audio'] - r['t_create']:8.2f} s"))
-    rows.append(("create -> done", f"{compute:8.2f} s"))
-    if len(out):
-        rows.append(("RTF (compute / audio)", f"{compute / (len(out) / 24000):8.2f}"))
-    print("timings:")
-    print(_timing_table(rows))
+    print("timings (wall clock on this machine):")
+    print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / 24_000)))
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
     return 0 if h.status in ("completed", "incomplete") else 1
@@ -394,10 +496,11 @@ def _chat_body(args) -> dict:
         content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
     if not content:
         raise CliError("chat needs --text and/or --audio", EXIT_BAD_INPUT)
-    body: dict[str, Any] = {"model": args.served_model or "default", "messages": [{"role": "user", "content": content}],
-                            "max_tokens": args.max_tokens, "stream": bool(args.stream)}
-    if args.served_model is None:
-        body.pop("model")
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "stream": bool(args.stream)}
+    if args.served_model is not None:
+        body["model"] = args.served_model
+    if args.max_tokens is not None:  # else the server's default, which respects its cap (tiny: 40)
+        body["max_tokens"] = args.max_tokens
     if not args.no_audio:
         body["modalities"] = ["text", "audio"]
         body["audio"] = {"format": "wav"}
@@ -422,6 +525,8 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
 
 
 def cmd_chat(args) -> int:
+    if not args.url:
+        _check_model_arg(args.model, args.layout)  # before importing the server modules or torch
     body = _chat_body(args)
     if args.url:
         import httpx
@@ -431,6 +536,7 @@ def cmd_chat(args) -> int:
             url = url.replace("ws://", "http://").replace("wss://", "https://")
             url = url.split("/v1/")[0] + "/v1/chat/completions"
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        _remote_notice(url)
         try:
             text, wavs = _chat_http(url, body, headers, args)
         except httpx.ConnectError as exc:
@@ -505,10 +611,13 @@ async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
     from duplexkit_server.app import ServerSettings, ServerState
     from duplexkit_server.chat import parse_chat_request
 
-    engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
+    engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
     _random_weights_notice(engine)
     try:
-        state = ServerState(ServerSettings(), engine)
+        # the same per-response cap as `serve MODEL` (tiny: TINY_MAX_OUTPUT_TOKENS), so a request
+        # without --max-tokens gets the server's default
+        cap = _session_defaults(args, args.model).get("max_output_tokens", 1024)
+        state = ServerState(ServerSettings(max_output_tokens=cap), engine)
         req, _ = parse_chat_request(body, state)
         res = await engine.generate(req)
     finally:
@@ -539,8 +648,56 @@ def _echo_config(choice: str):
     return EchoConfig(mode=choice)
 
 
+MIC_DEVICE_HELP = ("Fix: on a headless machine or in a container, start a PulseAudio server with virtual devices "
+                   "(docs/troubleshooting.md, 'Audio devices'); or run `duplexkit mic --url ws://SERVER:PORT` on a "
+                   "machine that has a microphone and speakers; or pick devices with --input-device / "
+                   "--output-device (an index or a name substring from the list above).")
+
+
+def _describe_devices(devices: list[dict]) -> str:
+    if not devices:
+        return "PortAudio sees no audio device at all."
+    lines = ["PortAudio sees:"]
+    for d in devices:
+        mark = (" (default input)" if d["is_default_input"] else "") + (" (default output)" if d["is_default_output"] else "")
+        lines.append(f"  [{d['index']}] {d['name']} ({d['hostapi']}, {d['max_input_channels']} in / "
+                     f"{d['max_output_channels']} out){mark}")
+    return "\n".join(lines)
+
+
+def _check_audio_devices(input_spec: Optional[str], output_spec: Optional[str]) -> None:
+    """Before loading anything: is there an input and an output device (the named ones, or defaults)?
+
+    Raises:
+        CliError(EXIT_DEVICE) naming what is missing, the fix, and every device PortAudio lists;
+        DeviceError (also exit 5) when sounddevice/PortAudio itself is missing.
+    """
+    from duplexkit.audio import list_devices
+
+    devices = list_devices()
+    problems = []
+    for kind, spec, chan in (("input", input_spec, "max_input_channels"), ("output", output_spec, "max_output_channels")):
+        usable = [d for d in devices if d[chan] > 0]
+        if spec is None:
+            if not any(d[f"is_default_{kind}"] for d in usable):
+                problems.append(f"no default audio {kind} device" if usable else f"no audio {kind} device")
+        elif spec.strip().isdigit():
+            if not any(d["index"] == int(spec) for d in usable):
+                problems.append(f"--{kind}-device {spec} is not an {kind} device")
+        elif not any(spec.lower() in d["name"].lower() for d in usable):
+            problems.append(f"no {kind} device matching --{kind}-device {spec!r}")
+    if problems:
+        raise CliError(f"{', '.join(problems)}.\n{_describe_devices(devices)}\n{MIC_DEVICE_HELP}", EXIT_DEVICE)
+
+
 async def _mic_async(args) -> int:
+    import signal
+
     import numpy as np
+
+    if not args.url:
+        _check_model_arg(args.model, args.layout)  # before the device query and before loading the model
+    _check_audio_devices(args.input_device, args.output_device)
 
     from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream
     from duplexkit.clients import DuplexClient, InlineDuplexClient
@@ -559,16 +716,22 @@ async def _mic_async(args) -> int:
         common["echo"] = echo
     engine = None
     if args.url:
+        _remote_notice(args.url)
         client = DuplexClient(args.url, api_key=args.api_key, **common)
-    else:
-        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
+    else:  # Ctrl+C while loading interrupts (status 130)
+        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
         _random_weights_notice(engine)
         client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
-
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here Ctrl+C / SIGTERM end the conversation (exit 0)
+        loop.add_signal_handler(sig, stop.set)
+    ready = [False]
+
     mic_q: asyncio.Queue = asyncio.Queue()
     out_audio: list = []
     transcript_lines: list[str] = []
+    heard = [0]
     tty = sys.stdout.isatty()
     level = [0.0]
 
@@ -577,10 +740,8 @@ async def _mic_async(args) -> int:
 
     speaker = SpeakerStream(player, rate=24_000, device=_device(args.output_device))
     mic = MicStream(rate=16_000, block_ms=args.block_ms, device=_device(args.input_device), on_block=on_block)
-    t_end = time.monotonic() + args.duration if args.duration else None
     try:
         async with client:
-            _eprint(f"session {client.session_id} ready; speak (Ctrl+C to quit)")
 
             async def pump_mic():
                 while True:
@@ -603,6 +764,7 @@ async def _mic_async(args) -> int:
                         print(("\r" if tty else "") + line, flush=True)
                         current = ""
                     elif t == "input_audio_buffer.speech_started":
+                        heard[0] += 1
                         print(("\n" if tty and current else "") + "[you are speaking]", flush=True)
                     elif t == "error":
                         print(f"[error] {ev.error.code}: {ev.error.message}", flush=True)
@@ -621,30 +783,48 @@ async def _mic_async(args) -> int:
             mic.start()
             tasks = [asyncio.ensure_future(pump_mic()), asyncio.ensure_future(show_events()),
                      asyncio.ensure_future(collect_output())]
+            # "ready" only once the model is loaded, the session is open and the microphone records:
+            # audio played from now on is heard. --duration counts from here.
+            _eprint(f"session {client.session_id} ready; speak (Ctrl+C to quit)")
+            ready[0] = True
+            t_end = time.monotonic() + args.duration if args.duration else None
             try:
-                while t_end is None or time.monotonic() < t_end:
-                    await asyncio.sleep(0.1)
+                while not stop.is_set() and (t_end is None or time.monotonic() < t_end):
+                    try:
+                        await asyncio.wait_for(stop.wait(), 0.1)
+                    except asyncio.TimeoutError:
+                        pass
                     if any(t.done() for t in tasks):
                         break
             finally:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-    except KeyboardInterrupt:
-        pass
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         mic.stop()
         speaker.stop()
         if engine is not None:
             await engine.aclose()
+        if ready[0]:
+            _mic_outputs(args, out_audio, transcript_lines, client, heard[0])
+    return 0
+
+
+def _mic_outputs(args, out_audio: list, transcript_lines: list, client, heard: int) -> None:
+    """Write ``--save-output`` and ``--summary`` (also after Ctrl+C) and a closing line on stderr."""
+    import numpy as np
+
     if args.save_output and out_audio:
         from duplexkit.audio import write_wav
         write_wav(args.save_output, np.concatenate(out_audio), 24_000)
     if args.summary:
         Path(args.summary).write_text(json.dumps({
             "responses": transcript_lines, "output_samples": int(sum(len(a) for a in out_audio)),
-            "barge_ins": client.barge_ins}, indent=2))
-    return 0
+            "speech_started": heard, "barge_ins": getattr(client, "barge_ins", 0)}, indent=2))
+    _eprint(f"mic: heard speech {heard} time(s), {len(transcript_lines)} response(s)"
+            + ("" if heard else " (nothing heard: check the input device and its level, see --input-device)"))
 
 
 def _device(spec: Optional[str]):
@@ -655,11 +835,9 @@ def _device(spec: Optional[str]):
 
 
 def cmd_mic(args) -> int:
-    try:
-        return asyncio.run(_mic_async(args))
-    except KeyboardInterrupt:
-        return 0
-    # DeviceError -> status 2, DuplexConnectionError -> 3: reported by main() (_error_line)
+    # Ctrl+C / SIGTERM end the conversation with status 0 (signal handlers in _mic_async); DeviceError
+    # and device checks -> 5, a server that cannot be reached -> 3: reported by main() (_error_line)
+    return asyncio.run(_mic_async(args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,8 +855,7 @@ def cmd_bench(args) -> int:
         return 0
     path = root / f"{args.name}.py"
     if not path.is_file():
-        _eprint(f"unknown benchmark {args.name!r}; available: {', '.join(scripts) or 'none'}")
-        return 2
+        raise CliError(f"unknown benchmark {args.name!r}; available: {', '.join(scripts) or 'none'}", EXIT_USAGE)
     sys.argv = [str(path), *args.rest]
     runpy.run_path(str(path), run_name="__main__")
     return 0
@@ -800,7 +977,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", default=None, help="write a JSON summary (responses, barge-ins) here at exit")
     p.set_defaults(func=cmd_mic)
 
-    p = sub.add_parser("chat", help="one /v1/chat/completions call (text and/or audio in, text + WAV out)")
+    p = sub.add_parser("chat", help="one /v1/chat/completions call (text and/or audio in, text + WAV out)",
+                       description="Send one chat-completions request (text and/or a WAV) and print the answer; "
+                                   "the spoken answer is saved as a 24 kHz WAV. Runs the model in-process, or "
+                                   "talks to a running server with --url. Default: the tiny random-weight model.")
     _add_model_args(p, session=False)
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed sent with the request (repeatable answers on the same hardware; default: none)")
@@ -811,7 +991,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default="chat_output.wav", help="where to save the spoken answer (24 kHz WAV)")
     p.add_argument("--no-audio", action="store_true", help="text answer only")
     p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
-    p.add_argument("--max-tokens", type=_int_range(1, 8192), default=64, help="max answer tokens, 1..8192 (default 64)")
+    p.add_argument("--max-tokens", type=_int_range(1, 8192), default=None,
+                   help="max answer tokens, 1..8192 (default: not sent; the server's default applies, which keeps "
+                        f"its --max-output-tokens cap: {TINY_MAX_OUTPUT_TOKENS} for tiny, else up to 256)")
     p.add_argument("--served-model", default=None, help="model id to send (default: the server's)")
     p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0, help="HTTP timeout in s (default 600)")
     p.set_defaults(func=cmd_chat)
@@ -834,11 +1016,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        _eprint("interrupted")
+        return EXIT_INTERRUPTED
     except SystemExit:
         raise
     except Exception as exc:

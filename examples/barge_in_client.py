@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
-from duplexkit.clients import DuplexClient, response_id_of
+from duplexkit.clients import DuplexClient, DuplexError, response_id_of
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 
 from duplexkit import ASSETS_DIR as ASSETS
 
@@ -48,6 +49,8 @@ async def main(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     events: list = []
+    if remote_random_weights(args.url):  # the server's /health says so
+        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
     async with DuplexClient(args.url, api_key=args.api_key, session={"turn_detection": None},
                             request_timeout_s=args.timeout) as client:
         await stream(client, question)
@@ -116,4 +119,8 @@ if __name__ == "__main__":
     p.add_argument("--interrupt-after-ms", type=int, default=500, help="interrupt once this much answer arrived")
     p.add_argument("--out-dir", default="barge_in_out", help="where to write WAVs and summary.json")
     p.add_argument("--timeout", type=float, default=600.0)
-    sys.exit(asyncio.run(main(p.parse_args())))
+    try:
+        sys.exit(asyncio.run(main(p.parse_args())))
+    except DuplexError as exc:  # the server's (or the connection's) error, without a traceback
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        sys.exit(1)

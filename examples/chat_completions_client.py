@@ -20,6 +20,24 @@ import httpx
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+
+
+class ServerError(Exception):
+    """A non-200 answer; the message is the server's own error text."""
+
+
+def check(r: httpx.Response) -> None:
+    """Raise :class:`ServerError` with the server's ``error.message`` for a non-200 response."""
+    if r.status_code == 200:
+        return
+    r.read()
+    try:
+        err = r.json()["error"]
+        text = f"{err.get('code') or err.get('type')}: {err.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        text = r.text.strip()[:500]
+    raise ServerError(f"HTTP {r.status_code}: {text}")
 
 
 def build_body(args: argparse.Namespace) -> dict:
@@ -31,7 +49,9 @@ def build_body(args: argparse.Namespace) -> dict:
             content.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(f.read()).decode(),
                                                                    "format": "wav"}})
     body = {"messages": [{"role": "user", "content": content}], "modalities": ["text", "audio"],
-            "audio": {"format": "wav"}, "max_tokens": args.max_tokens, "stream": args.stream}
+            "audio": {"format": "wav"}, "stream": args.stream}
+    if args.max_tokens is not None:  # else the server's default, which keeps its cap (tiny: 40 tokens)
+        body["max_tokens"] = args.max_tokens
     if args.stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -41,11 +61,13 @@ def main(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     body = build_body(args)
+    if remote_random_weights(args.url):  # the server's /health says so
+        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
     wavs: list[bytes] = []
     text = ""
     if not args.stream:
         r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
-        r.raise_for_status()
+        check(r)
         data = r.json()
         for choice in data["choices"]:
             msg = choice["message"]
@@ -57,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         print("usage:", json.dumps(data.get("usage")))
     else:
         with httpx.stream("POST", url, json=body, headers=headers, timeout=args.timeout) as r:
-            r.raise_for_status()
+            check(r)
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -88,7 +110,14 @@ if __name__ == "__main__":
     p.add_argument("--text", default="Hello! Who are you?")
     p.add_argument("--audio", default=None, help="a WAV question (optional)")
     p.add_argument("--stream", action="store_true")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="answer token limit (default: the server's)")
     p.add_argument("--output", default="chat_answer.wav")
     p.add_argument("--timeout", type=float, default=600.0)
-    sys.exit(main(p.parse_args()))
+    try:
+        sys.exit(main(p.parse_args()))
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except httpx.HTTPError as exc:  # cannot connect, timeout
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(3)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import float32_to_pcm16, pcm16_to_float32, read_wav, write_wav
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 from duplexkit import ASSETS_DIR
 
 DEFAULT_WAV = ASSETS_DIR / "question_16k.wav"
@@ -35,6 +36,9 @@ async def main(args: argparse.Namespace) -> int:
     if args.vad:
         audio = np.concatenate([audio, np.zeros(36_000, np.float32)])  # 1.5 s of silence ends the turn
     out: list[bytes] = []
+    if remote_random_weights(args.url):  # duplexkit's /health says so (not part of the OpenAI API)
+        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
+    failed = False
     async with client.realtime.connect(model=args.model) as conn:
         ev = await conn.recv()
         print("connected:", ev.type, ev.session.id if hasattr(ev, "session") else "")
@@ -52,14 +56,15 @@ async def main(args: argparse.Namespace) -> int:
             elif ev.type == "response.output_audio_transcript.delta":
                 print(ev.delta, end="", flush=True)
             elif ev.type == "error":
-                print("\nerror:", ev.error.message)
+                print(f"\nerror: {ev.error.code}: {ev.error.message}", file=sys.stderr)
             elif ev.type == "response.done":
                 print(f"\nresponse {ev.response.id}: {ev.response.status}")
+                failed = ev.response.status in ("cancelled", "failed")
                 break
     pcm = pcm16_to_float32(b"".join(out))
     write_wav(args.output, pcm, 24_000)
     print(f"audio: {args.output} ({len(pcm) / 24000:.2f} s)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

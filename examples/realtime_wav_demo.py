@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
-from duplexkit.clients import DuplexClient, InlineDuplexClient
+from duplexkit.clients import DuplexClient, DuplexError, InlineDuplexClient
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 from duplexkit import ASSETS_DIR
 
 DEFAULT_WAV = ASSETS_DIR / "question_16k.wav"
@@ -35,6 +36,8 @@ async def main(args: argparse.Namespace) -> int:
         client = InlineDuplexClient(engine, answer_policy="on_request" if args.inline == "tiny" else None,
                                     max_output_tokens=40 if args.inline == "tiny" else 1024)
     else:
+        if remote_random_weights(args.url):  # the server's /health says so
+            print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
         client = DuplexClient(args.url, api_key=args.api_key)
     try:
         async with client:
@@ -78,4 +81,8 @@ if __name__ == "__main__":
     p.add_argument("--output", default="answer.wav", help="output WAV (24 kHz)")
     p.add_argument("--no-realtime", dest="realtime", action="store_false", help="send the input as fast as possible")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
-    sys.exit(asyncio.run(main(p.parse_args())))
+    try:
+        sys.exit(asyncio.run(main(p.parse_args())))
+    except DuplexError as exc:  # the server's (or the connection's) error, without a traceback
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        sys.exit(1)

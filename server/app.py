@@ -385,12 +385,16 @@ def _version() -> str:
         return "0"
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> int:
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+          sockets: Optional[list] = None) -> int:
     """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
 
     ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
     ``ping_interval_s``. On SIGINT/SIGTERM every open session first gets
     ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
+
+    ``sockets``: already bound listening sockets (``duplexkit serve`` binds before loading, so a
+    port in use fails at once); ``host``/``port`` then only name them in logs.
 
     Returns 0 after a clean stop, 1 when the engine failed to load (the server then stops itself).
     """
@@ -424,7 +428,7 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     state.on_load_error = _stop_on_load_error
     prev_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
     finally:

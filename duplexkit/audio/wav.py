@@ -41,7 +41,12 @@ def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
     try:
         data, sr = sf.read(src, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise AudioFormatError("bad_audio", f"expected an audio file libsndfile can read (WAV, FLAC, OGG, ...), got: {exc}") from exc
+        # libsndfile's own reason ("Format not recognised"), without soundfile's "Error opening
+        # <_io.BytesIO object at 0x...>:" prefix for in-memory sources
+        why = getattr(exc, "error_string", None) or str(exc)
+        where = f"{src}: " if isinstance(src, str) else ""
+        raise AudioFormatError("bad_audio", f"expected an audio file libsndfile can read (WAV, FLAC, OGG, ...), "
+                                            f"got: {where}{why}") from exc
     if data.size and not np.isfinite(data).all():
         raise AudioFormatError("bad_audio", "expected finite samples in the audio file, got NaN or inf")
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]

@@ -271,14 +271,17 @@ class ScriptedEngine:
         script: a :class:`ScriptConfig`; keyword arguments override its fields
             (e.g. ``ScriptedEngine(speak_after_units=2, units_per_turn=3)``).
         model_id: the served model id (default ``"scripted"``).
-
-    ``random_weights`` is False: the script does decide to listen and to end turns.
+        random_weights: what the engine reports as ``random_weights`` (``/health``, the CLI notices);
+            default False: the script does decide to listen and to end turns. True lets clients'
+            random-weights notices be tested without torch (``serve scripted --scripted random_weights=true``).
     """
 
     random_weights = False
     supports_audio = True  # set False to act like a checkpoint without a vocoder
 
-    def __init__(self, script: Optional[ScriptConfig] = None, *, model_id: str = "scripted", **overrides) -> None:
+    def __init__(self, script: Optional[ScriptConfig] = None, *, model_id: str = "scripted",
+                 random_weights: bool = False, **overrides) -> None:
+        self.random_weights = bool(random_weights)
         self.script = script or ScriptConfig()
         for key, value in overrides.items():
             if not hasattr(self.script, key):

@@ -202,3 +202,28 @@ def test_mic_inline_engine(pulse, tmp_path, question_wav):
                                   extra=["scripted", "--answer-policy", "on_request"])
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 72000
+
+
+def test_mic_ctrl_c_writes_the_summary(pulse, tmp_path, question_wav):
+    """Ctrl+C (SIGINT) ends the conversation normally: status 0, --summary and --save-output written,
+    a closing line. The test stops the command on an event (the answer done), not after --duration."""
+    import signal
+
+    with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=2") as srv:
+        run = MicRun(pulse, srv.ws_url, tmp_path, duration=3600)
+        try:
+            run.wait_line("ready", bound_s=120)
+            run.wait_capturing(bound_s=60)
+            run.play(question_wav)
+            run.wait_line("(completed)", bound_s=120)
+            run.proc.send_signal(signal.SIGINT)
+            run.proc.wait(60)
+            run._reader.join(30)
+        finally:
+            run.kill()
+    text = run.text()
+    assert run.proc.returncode == 0, text
+    data = json.loads(run.summary.read_text())
+    assert any("(completed)" in r for r in data["responses"]) and data["speech_started"] >= 1, data
+    assert data["output_samples"] == 48000 and run.out_wav.exists()
+    assert "mic: heard speech" in text and "Traceback" not in text
