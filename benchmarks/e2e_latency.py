@@ -117,6 +117,7 @@ class Inbox:
         self.ws = ws
         self.waiters: list = []
         self.errors: list = []
+        self.created: dict = {}  # response id -> (receive time, response metadata)
 
     async def run(self) -> None:
         async for raw in self.ws:
@@ -125,6 +126,8 @@ class Inbox:
             ev["_t"] = t  # receive time
             if ev["type"] == "error" and ev["error"].get("code") != "response_not_active":
                 self.errors.append(ev)
+            if ev["type"] == "response.created":
+                self.created[ev["response"]["id"]] = (t, ev["response"].get("metadata") or {})
             for w in list(self.waiters):
                 pred, fut = w
                 if not fut.done() and pred(ev):
@@ -140,6 +143,16 @@ class Inbox:
 
 def _is(t: str):
     return lambda e: e["type"] == t
+
+
+def _delta_of(inbox: Inbox, match):
+    """First audio delta of a response whose ``response.created`` satisfies ``match(t, metadata)``
+    (a late delta of an earlier response never counts)."""
+    def pred(e) -> bool:
+        if e["type"] != "response.output_audio.delta" or e["response_id"] not in inbox.created:
+            return False
+        return match(*inbox.created[e["response_id"]])
+    return pred
 
 
 async def _session(url: str, rounds: int, res: dict, question: np.ndarray, interrupt: np.ndarray,
@@ -169,11 +182,12 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 # 1. explicit commit + response.create
                 await update(None)
                 await mic.say(question).wait()
-                first = inbox.expect(_is("response.output_audio.delta"))
+                tag = f"bench-{time.perf_counter_ns()}"
+                first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                 done = inbox.expect(_is("response.done"))
                 t0 = time.perf_counter()
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-                await ws.send(json.dumps({"type": "response.create"}))
+                await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
                 _, t1 = await asyncio.wait_for(first, timeout)
                 res["create"].append((t1 - t0) * 1000)
                 await ws.send(json.dumps({"type": "response.cancel"}))
@@ -182,9 +196,15 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 # 2. server VAD: end of speech -> first audio
                 await update({"type": "server_vad", "create_response": True, "interrupt_response": True,
                               "silence_duration_ms": silence_ms})
-                first = inbox.expect(_is("response.output_audio.delta"))
+                q_chunk = (q_end - 1) // CHUNK * CHUNK + CHUNK  # the append that carries the end of speech
+
+                def after_eos(t, md):
+                    return q_chunk in mic.sent_at and t >= mic.sent_at[q_chunk]
+
+                first = inbox.expect(_delta_of(inbox, after_eos))
                 done = inbox.expect(_is("response.done"))
-                stopped = inbox.expect(_is("input_audio_buffer.speech_stopped"))
+                stopped = inbox.expect(lambda e: e["type"] == "input_audio_buffer.speech_stopped"
+                                       and q_chunk in mic.sent_at)
                 mic.say(question)
                 _, t1 = await asyncio.wait_for(first, timeout)
                 res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
@@ -211,14 +231,20 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 else:
                     res["barge_missed"].append(st)
                 await mic.done.wait()
-                # the interruption's own VAD turn creates a response: let it finish or cancel it
-                f = inbox.expect(_is("response.done"))
-                await asyncio.sleep(0.3)
-                await ws.send(json.dumps({"type": "response.cancel"}))
-                try:
-                    await asyncio.wait_for(f, 5)
-                except asyncio.TimeoutError:
-                    pass
+                # the interruption's own VAD turn creates a response: wait for it and cancel it
+                for _w in range(2):
+                    c = inbox.expect(_is("response.created"))
+                    f = inbox.expect(_is("response.done"))
+                    try:
+                        await asyncio.wait_for(c, 3)
+                    except asyncio.TimeoutError:
+                        break
+                    await asyncio.sleep(0.3)
+                    await ws.send(json.dumps({"type": "response.cancel"}))
+                    try:
+                        await asyncio.wait_for(f, 5)
+                    except asyncio.TimeoutError:
+                        pass
                 await asyncio.sleep(0.5)
         finally:
             tx.cancel()
@@ -372,6 +398,25 @@ def trace_summary(records: list) -> dict:
     return out
 
 
+def print_table(rows: list) -> None:
+    """The p50/p90 table (and the latency trace's p50s where collected)."""
+    hdr = (f"{'sessions':>8} | {'create p50':>10} {'p90':>7} | {'vad_eos p50':>11} {'p90':>7} | {'vad_stop p50':>12} | "
+           f"{'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n, r in rows:
+        print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
+              f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['vad_stop'], 50):>12.0f} | {_pct(r['barge'], 50):>9.0f} "
+              f"{_pct(r['barge'], 90):>7.0f} | {_pct(r['barge_last'], 50):>14.0f}")
+    if any(r["trace"] for _, r in rows):
+        print("\nlatency trace, p50 ms (server side; request = response.create / VAD speech_stopped at the Session):")
+        print(f"{'sessions':>8} {'trigger':>10} {'n':>3} " + " ".join(f"{k.replace('engine.', ''):>17}" for k in TRACE_KEYS))
+        for n, r in rows:
+            for trig, row in (r["trace"] or {}).items():
+                print(f"{n:>8} {trig:>10} {row['n']:>3} " + " ".join(f"{row[k]:>17.0f}" for k in TRACE_KEYS))
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="scripted", help="scripted | tiny | <checkpoint dir> | random-real | random-tiny")
@@ -409,6 +454,7 @@ def main(argv=None) -> int:
             r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms))
             r["trace"] = trace_summary(tracer.records) if tracer is not None else None
             rows.append((n, r))
+            print_table([(n, r)])
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
                   f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, errors {len(r['errors'])}",
                   flush=True)
@@ -418,25 +464,11 @@ def main(argv=None) -> int:
             server.wait(30)
         elif server is not None:
             server.should_exit = True
-    hdr = (f"{'sessions':>8} | {'create p50':>10} {'p90':>7} | {'vad_eos p50':>11} {'p90':>7} | {'vad_stop p50':>12} | "
-           f"{'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}")
     print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time; "
           f"VAD silence_duration_ms {a.silence_ms})")
-    print(hdr)
-    print("-" * len(hdr))
-    out = []
-    for n, r in rows:
-        print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
-              f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['vad_stop'], 50):>12.0f} | {_pct(r['barge'], 50):>9.0f} "
-              f"{_pct(r['barge'], 90):>7.0f} | {_pct(r['barge_last'], 50):>14.0f}")
-        out.append({"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "vad_stop", "barge", "barge_last",
-                                                         "barge_missed", "trace")}})
-    if any(r["trace"] for _, r in rows):
-        print("\nlatency trace, p50 ms (server side; request = response.create / VAD speech_stopped at the Session):")
-        print(f"{'sessions':>8} {'trigger':>10} {'n':>3} " + " ".join(f"{k.replace('engine.', ''):>17}" for k in TRACE_KEYS))
-        for n, r in rows:
-            for trig, row in (r["trace"] or {}).items():
-                print(f"{n:>8} {trig:>10} {row['n']:>3} " + " ".join(f"{row[k]:>17.0f}" for k in TRACE_KEYS))
+    print_table(rows)
+    out = [{"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "vad_stop", "barge", "barge_last",
+                                                 "barge_missed", "trace")}} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
     return 0
