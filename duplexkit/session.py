@@ -521,7 +521,6 @@ class Session:
         self._stream_open = False
         self.timings: dict = {}
         self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
-        self._close_deferred = False  # a client commit's early unit close waits (_run_deferred_close)
 
     # -------------------------------------------------------------------------------- public API
 
@@ -682,7 +681,6 @@ class Session:
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
-        self._run_deferred_close(now_ms)
         self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             self._feed_silence(now_ms)
@@ -726,8 +724,6 @@ class Session:
 
     def _dispatch(self, ev: Any, now_ms: float) -> None:
         handler = self._HANDLERS[type(ev)]
-        if self._close_deferred and not isinstance(ev, ResponseCreateEvent):
-            self._run_deferred_close(now_ms)
         handler(self, ev, now_ms)
 
     # --- session -----------------------------------------------------------------------------
@@ -1179,7 +1175,6 @@ class Session:
         length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
         ``force_speak``: this is a requested response's forced unit, made even from zeros only.
         Returns the closed unit's index (None when nothing was pending and not forced)."""
-        self._close_deferred = False  # a deferred commit close becomes this close
         self._settle_debt(now_ms, keep=True)
         self._release_units(now_ms, force=True)
         u = self._framer.flush(allow_empty=force_speak)
@@ -1202,22 +1197,9 @@ class Session:
         if tail.size:
             self._since_commit += tail.size
             self._frame(self._framer.push(tail), now_ms, silence=False)
-        if drop_carry:  # a client commit: its close waits for a response.create that may follow
-            self._close_deferred = True
-        else:
-            self._close_unit(now_ms)
+        self._close_unit(now_ms)
         if drop_carry:
             self._decoder.reset()
-
-    def _run_deferred_close(self, now_ms: float) -> None:
-        """A client commit's early unit close, deferred (docs/concepts.md "Early unit close"): the
-        commit's partial unit goes out on the next client event that is not ``response.create`` or
-        on the next tick (<= ``tick_interval_s``, 50 ms in the shipped drivers); a
-        ``response.create`` before then makes that same partial unit the forced unit, so
-        commit + create cost the engine one unit, not a listen unit and an all-zero forced one."""
-        if self._close_deferred:
-            self._close_deferred = False
-            self._close_unit(now_ms)
 
     def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
         if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
@@ -1249,7 +1231,6 @@ class Session:
         return uid
 
     def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
-        self._close_deferred = False
         self._framer.clear()
         self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
         self._decoder.reset()
