@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import base64
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -116,6 +117,7 @@ class Inbox:
         self.ws = ws
         self.waiters: list = []
         self.errors: list = []
+        self.created: dict = {}  # response id -> (receive time, response metadata)
 
     async def run(self) -> None:
         async for raw in self.ws:
@@ -124,6 +126,8 @@ class Inbox:
             ev["_t"] = t  # receive time
             if ev["type"] == "error" and ev["error"].get("code") != "response_not_active":
                 self.errors.append(ev)
+            if ev["type"] == "response.created":
+                self.created[ev["response"]["id"]] = (t, ev["response"].get("metadata") or {})
             for w in list(self.waiters):
                 pred, fut = w
                 if not fut.done() and pred(ev):
@@ -141,8 +145,18 @@ def _is(t: str):
     return lambda e: e["type"] == t
 
 
+def _delta_of(inbox: Inbox, match):
+    """First audio delta of a response whose ``response.created`` satisfies ``match(t, metadata)``
+    (a late delta of an earlier response never counts)."""
+    def pred(e) -> bool:
+        if e["type"] != "response.output_audio.delta" or e["response_id"] not in inbox.created:
+            return False
+        return match(*inbox.created[e["response_id"]])
+    return pred
+
+
 async def _session(url: str, rounds: int, res: dict, question: np.ndarray, interrupt: np.ndarray,
-                   timeout: float) -> None:
+                   timeout: float, silence_ms: int = 500) -> None:
     import websockets
 
     q_end = _speech_edges(question)[1]
@@ -168,23 +182,34 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 # 1. explicit commit + response.create
                 await update(None)
                 await mic.say(question).wait()
-                first = inbox.expect(_is("response.output_audio.delta"))
+                tag = f"bench-{time.perf_counter_ns()}"
+                first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                 done = inbox.expect(_is("response.done"))
                 t0 = time.perf_counter()
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-                await ws.send(json.dumps({"type": "response.create"}))
+                await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
                 _, t1 = await asyncio.wait_for(first, timeout)
                 res["create"].append((t1 - t0) * 1000)
                 await ws.send(json.dumps({"type": "response.cancel"}))
                 await until_done(done)
                 await asyncio.sleep(0.5)
                 # 2. server VAD: end of speech -> first audio
-                await update({"type": "server_vad", "create_response": True, "interrupt_response": True})
-                first = inbox.expect(_is("response.output_audio.delta"))
+                await update({"type": "server_vad", "create_response": True, "interrupt_response": True,
+                              "silence_duration_ms": silence_ms})
+                q_chunk = (q_end - 1) // CHUNK * CHUNK + CHUNK  # the append that carries the end of speech
+
+                def after_eos(t, md):
+                    return q_chunk in mic.sent_at and t >= mic.sent_at[q_chunk]
+
+                first = inbox.expect(_delta_of(inbox, after_eos))
                 done = inbox.expect(_is("response.done"))
+                stopped = inbox.expect(lambda e: e["type"] == "input_audio_buffer.speech_stopped"
+                                       and q_chunk in mic.sent_at)
                 mic.say(question)
                 _, t1 = await asyncio.wait_for(first, timeout)
                 res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
+                if stopped.done():
+                    res["vad_stop"].append((t1 - stopped.result()[1]) * 1000)
                 # 3. barge-in over that answer: speech onset -> silence at the client
                 last = [t1]
                 rid = None
@@ -206,14 +231,20 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 else:
                     res["barge_missed"].append(st)
                 await mic.done.wait()
-                # the interruption's own VAD turn creates a response: let it finish or cancel it
-                f = inbox.expect(_is("response.done"))
-                await asyncio.sleep(0.3)
-                await ws.send(json.dumps({"type": "response.cancel"}))
-                try:
-                    await asyncio.wait_for(f, 5)
-                except asyncio.TimeoutError:
-                    pass
+                # the interruption's own VAD turn creates a response: wait for it and cancel it
+                for _w in range(2):
+                    c = inbox.expect(_is("response.created"))
+                    f = inbox.expect(_is("response.done"))
+                    try:
+                        await asyncio.wait_for(c, 3)
+                    except asyncio.TimeoutError:
+                        break
+                    await asyncio.sleep(0.3)
+                    await ws.send(json.dumps({"type": "response.cancel"}))
+                    try:
+                        await asyncio.wait_for(f, 5)
+                    except asyncio.TimeoutError:
+                        pass
                 await asyncio.sleep(0.5)
         finally:
             tx.cancel()
@@ -225,14 +256,14 @@ def _pct(v: list, q: float) -> float:
     return float(np.percentile(v, q)) if v else float("nan")
 
 
-async def run_level(url: str, n: int, rounds: int, timeout: float) -> dict:
+async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: int = 500) -> dict:
     question = read_wav(FIX / "question_16k.wav", SR)[0]
     interrupt = read_wav(FIX / "interrupt_16k.wav", SR)[0]
-    res: dict = {"create": [], "vad_eos": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
+    res: dict = {"create": [], "vad_eos": [], "vad_stop": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
 
     async def one(k: int) -> None:
         await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
-        await _session(url, rounds, res, question, interrupt, timeout)
+        await _session(url, rounds, res, question, interrupt, timeout, silence_ms)
 
     await asyncio.gather(*[one(k) for k in range(n)])
     return res
@@ -268,14 +299,37 @@ def _start_subprocess(a, max_sessions: int):
     raise SystemExit("server not ready")
 
 
+def _serve_inprocess(engine, max_sessions: int):
+    """Serve ``engine`` with create_app + uvicorn on a thread of this process."""
+    import uvicorn
+
+    from duplexkit_server import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(max_sessions=max_sessions + 2, answer_policy="on_request",
+                                            max_output_tokens=200))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.1)
+    return server, f"ws://127.0.0.1:{port}"
+
+
+def _start_local(a, max_sessions: int):
+    """scripted / tiny in this process (``--trace``): the same engine ``duplexkit serve`` loads."""
+    from duplexkit.cli import load_engine
+
+    scripted = {"unit_delay_s": a.unit_delay_ms / 1000, "units_per_turn": 4} if a.model == "scripted" else None
+    return _serve_inprocess(load_engine(a.model, progress=False, scripted=scripted), max_sessions)
+
+
 def _start_random(a, max_sessions: int):
     """random-real / random-tiny: build the model in-process, serve with create_app + uvicorn."""
     import torch
-    import uvicorn
 
     from duplexkit.engine import DuplexEngine
     from duplexkit.models.minicpmo45.random_init import build_random_model
-    from duplexkit_server import ServerSettings, create_app
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_engine import make_layout  # the same layout as the engine-only benchmark
@@ -294,15 +348,73 @@ def _start_random(a, max_sessions: int):
         if hasattr(model.code2wav, "warmup"):
             model.code2wav.warmup()
     engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
-    app = create_app(engine, ServerSettings(max_sessions=max_sessions + 2, answer_policy="on_request",
-                                            max_output_tokens=200))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.1)
-    return server, f"ws://127.0.0.1:{port}"
+    return _serve_inprocess(engine, max_sessions)
+
+
+class TraceCollector(logging.Handler):
+    """Collects the server's latency trace (the ``duplexkit.latency`` logger at DEBUG: one JSON
+    record per response, docs/benchmarks.md "Latency trace")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append(json.loads(record.getMessage()))
+        except ValueError:
+            pass
+
+    def install(self) -> "TraceCollector":
+        lg = logging.getLogger("duplexkit.latency")
+        lg.setLevel(logging.DEBUG)
+        lg.addHandler(self)
+        lg.propagate = False
+        return self
+
+
+TRACE_KEYS = ("units_ahead", "decision", "first_audio", "engine.thinker_queue_ms", "engine.thinker_ms",
+              "engine.talker_queue_ms", "engine.talker_ms", "engine.code2wav_queue_ms", "engine.code2wav_ms",
+              "engine.first_audio_ms")
+
+
+def trace_summary(records: list) -> dict:
+    """Per trigger (client = response.create, server_vad), the p50 of: units queued ahead of the
+    forced unit, request -> forced unit's decision / first audio at the Session, and the forced
+    unit's engine timings (stage queue waits, stage times, submit -> first audio chunk), ms."""
+    out: dict = {}
+    for trig in ("client", "server_vad"):
+        rs = [r for r in records if r.get("trigger") == trig and "first_audio_ms" in r]
+        row = {"n": len(rs)}
+        for k in TRACE_KEYS:
+            if k.startswith("engine."):
+                v = [r["engine"][k[7:]] for r in rs if k[7:] in r.get("engine", {})]
+            elif k == "units_ahead":
+                v = [r[k] for r in rs]
+            else:
+                v = [r[k + "_ms"] - r["request_ms"] for r in rs if k + "_ms" in r]
+            row[k] = _pct(v, 50)
+        out[trig] = row
+    return out
+
+
+def print_table(rows: list) -> None:
+    """The p50/p90 table (and the latency trace's p50s where collected)."""
+    hdr = (f"{'sessions':>8} | {'create p50':>10} {'p90':>7} | {'vad_eos p50':>11} {'p90':>7} | {'vad_stop p50':>12} | "
+           f"{'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n, r in rows:
+        print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
+              f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['vad_stop'], 50):>12.0f} | {_pct(r['barge'], 50):>9.0f} "
+              f"{_pct(r['barge'], 90):>7.0f} | {_pct(r['barge_last'], 50):>14.0f}")
+    if any(r["trace"] for _, r in rows):
+        print("\nlatency trace, p50 ms (server side; request = response.create / VAD speech_stopped at the Session):")
+        print(f"{'sessions':>8} {'trigger':>10} {'n':>3} " + " ".join(f"{k.replace('engine.', ''):>17}" for k in TRACE_KEYS))
+        for n, r in rows:
+            for trig, row in (r["trace"] or {}).items():
+                print(f"{n:>8} {trig:>10} {row['n']:>3} " + " ".join(f"{row[k]:>17.0f}" for k in TRACE_KEYS))
+    sys.stdout.flush()
 
 
 def main(argv=None) -> int:
@@ -316,6 +428,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="random-*: torch device")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--trace", action="store_true",
+                    help="serve in this process and print the server's latency trace per level "
+                         "(the duplexkit.latency logger; scripted/tiny/random-*)")
+    ap.add_argument("--silence-ms", type=int, default=500,
+                    help="server VAD silence_duration_ms for the vad_eos scenario (the OpenAI default is 500)")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.sessions.split(",") if x.strip()]
     server = None
@@ -323,14 +440,21 @@ def main(argv=None) -> int:
     if url is None:
         if a.model.startswith("random-"):
             server, url = _start_random(a, max(levels))
+        elif a.trace:
+            server, url = _start_local(a, max(levels))
         else:
             server, url = _start_subprocess(a, max(levels))
     rows = []
+    tracer = TraceCollector().install() if (a.trace or a.model.startswith("random-")) and a.url is None else None
     try:
         for n in levels:
             t = time.perf_counter()
-            r = asyncio.run(run_level(url, n, a.rounds, a.timeout))
+            if tracer is not None:
+                tracer.records = []
+            r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms))
+            r["trace"] = trace_summary(tracer.records) if tracer is not None else None
             rows.append((n, r))
+            print_table([(n, r)])
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
                   f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, errors {len(r['errors'])}",
                   flush=True)
@@ -340,16 +464,11 @@ def main(argv=None) -> int:
             server.wait(30)
         elif server is not None:
             server.should_exit = True
-    hdr = f"{'sessions':>8} | {'create p50':>10} {'p90':>7} | {'vad_eos p50':>11} {'p90':>7} | {'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}"
-    print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time)")
-    print(hdr)
-    print("-" * len(hdr))
-    out = []
-    for n, r in rows:
-        print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
-              f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['barge'], 50):>9.0f} {_pct(r['barge'], 90):>7.0f} | "
-              f"{_pct(r['barge_last'], 50):>14.0f}")
-        out.append({"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "barge", "barge_last", "barge_missed")}})
+    print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time; "
+          f"VAD silence_duration_ms {a.silence_ms})")
+    print_table(rows)
+    out = [{"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "vad_stop", "barge", "barge_last",
+                                                 "barge_missed", "trace")}} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
     return 0

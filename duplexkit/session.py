@@ -43,6 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import logging
 import re
 from collections import OrderedDict, deque
@@ -169,6 +170,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+trace_log = logging.getLogger("duplexkit.latency")
+"""Latency trace (debug option, docs/benchmarks.md "Latency trace"): at DEBUG level the Session logs
+one JSON line per finished response with its request -> forced unit -> decision -> first audio
+stamps (Session clock, ms) and the forced unit's engine ``UnitTimings``."""
 
 UNIT_PERIOD_MS = 1000
 """One duplex unit = 1 s of input (docs/model.md §3.1, docs/protocol.md §5.1 ``chunk_period_ms``)."""
@@ -373,6 +378,7 @@ class _Response:
     tokens: int = 0
     pending_pcm: bytes = b""  # < 1 ms of audio held for the next chunk
     pending_text: str = ""
+    trace: Optional[dict] = None  # latency trace stamps (trace_log at DEBUG only)
 
 
 @dataclass
@@ -514,6 +520,7 @@ class Session:
         self._audio_started = False
         self._stream_open = False
         self.timings: dict = {}
+        self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
 
     # -------------------------------------------------------------------------------- public API
 
@@ -624,8 +631,12 @@ class Session:
         if isinstance(out, EngineError) and out.fatal:
             self._engine_fatal(out)
             return
+        if self._trace_wait is not None and isinstance(out, UnitTimings):
+            self._trace_engine(self._trace_wait, out)
         if out.epoch != self.epoch:
             return
+        if self._resp is not None and self._resp.trace is not None:
+            self._trace_output(self._resp, out, now_ms)
         if isinstance(out, Decision):
             self._on_decision(out)
         elif isinstance(out, TextDelta):
@@ -638,6 +649,30 @@ class Session:
             self._engine_failed(out)
         elif isinstance(out, UnitTimings):
             self.timings = dict(out.timings)
+
+    # latency trace (debug option: the ``duplexkit.latency`` logger at DEBUG)
+    def _trace_output(self, r: _Response, out: EngineOutput, now_ms: float) -> None:
+        t = r.trace
+        if isinstance(out, Decision) and r.forced_unit is not None and out.unit_index >= r.forced_unit:
+            t.setdefault("decision_ms", float(now_ms))
+            t.setdefault("decision_unit", out.unit_index)
+        elif isinstance(out, AudioChunk) and out.audio.size:
+            t.setdefault("first_audio_ms", float(now_ms))
+            t.setdefault("first_audio_unit", out.unit_index)
+        elif isinstance(out, UnitTimings):
+            self._trace_engine(r, out)
+
+    def _trace_engine(self, r: _Response, out: UnitTimings) -> None:
+        if out.unit_index == r.forced_unit and "engine" not in r.trace:
+            r.trace["engine"] = dict(out.timings)
+            if r is self._trace_wait:
+                self._trace_emit(r)
+
+    def _trace_emit(self, r: _Response) -> None:
+        if r is self._trace_wait:
+            self._trace_wait = None
+        rec = {"session": self.session_id, "response": r.id, "trigger": r.trigger, "forced_unit": r.forced_unit, **r.trace}
+        trace_log.debug("%s", json.dumps(rec))
 
     def tick(self, now_ms: float) -> None:
         """Advance the clock: idle timeout, and silence feeding while a response is active."""
@@ -1271,6 +1306,8 @@ class Session:
                 metadata["ignored_fields"] = ",".join(params.ignored)
         self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=None)
         self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+        if trace_log.isEnabledFor(logging.DEBUG):
+            self._resp.trace = {"request_ms": float(now_ms), "units_ahead": len(self._inflight) + len(self._unit_hold)}
         self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
 
     def _new_response(self, trigger, mods, metadata, cap, forced_unit) -> _Response:
@@ -1461,6 +1498,13 @@ class Session:
                 it.committed_ms = max(it.committed_ms, it.sent_ms)
             output = [model]
         self._emit(ResponseDone(response=self._response_model(r, status, details, output)))
+        if r.trace is not None:
+            r.trace["status"] = status
+            if self._trace_wait is not None:
+                self._trace_emit(self._trace_wait)
+            self._trace_wait = r
+            if "engine" in r.trace or r.forced_unit is None or status == "cancelled":
+                self._trace_emit(r)
         self._resp = None
         if to_idle and self.phase != Phase.CLOSED:
             self.phase = Phase.IDLE

@@ -643,12 +643,15 @@ class StageRuntime:
                     results[i] = exc
         return results, t0, time.perf_counter()
 
-    def _mark_queue_wait(self, work: list) -> None:
-        """Add the time each item waited in its stage queue to its unit's ``queue_ms``."""
+    def _mark_queue_wait(self, work: list, stage: str) -> None:
+        """Add the time each item waited in its stage queue to its unit's ``queue_ms`` (and to
+        ``<stage>_queue_ms``)."""
         with self._cond:
             now = time.perf_counter()
             for _st, it in work:
-                it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
+                w = (now - it.t_enqueue) * 1000.0
+                it.slot.timings["queue_ms"] += w
+                it.slot.timings[f"{stage}_queue_ms"] = round(w, 3)
 
     def _current_results(self, stage: str, work: list, results: list, on_error: Callable) -> Any:
         """(Caller holds the lock.) Yield ``(stream, item, result)`` for the results that still
@@ -681,6 +684,7 @@ class StageRuntime:
                     st.force_speak_epoch = None
                 force_speak = force_speak or bool(cmd.force_speak)
                 it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
+                it.slot.timings["thinker_queue_ms"] = _ms(it.t_enqueue, now)
                 items.append(ThinkerWork(handle=st.thinker_handle, audio=audio, force_listen=bool(cmd.force_listen),
                                          force_speak=force_speak, frame=cmd.frame, unit_index=cmd.unit_index))
         results, t0, t1 = self._run_batch("thinker", self.model.thinker_step, work, items)
@@ -729,7 +733,7 @@ class StageRuntime:
                 pre[i] = exc
             items.append(TalkerWork(turn=st.talker_turn, talker_input=res.talker_input, turn_start=turn_start,
                                     turn_end=bool(res.end_of_turn)))
-        self._mark_queue_wait(work)
+        self._mark_queue_wait(work, "talker")
         results, t0, t1 = self._run_batch("talker", m.talker_step, work, items, pre)
         for (st, it), res in zip(work, results):
             if it.payload.end_of_turn and not isinstance(res, BaseException) and st.talker_turn is not None:
@@ -757,7 +761,7 @@ class StageRuntime:
                     pre[i] = exc
             codes, last, _text = it.payload
             items.append(VocoderWork(handle=st.c2w_handle, codes=np.asarray(codes, dtype=np.int64), last=last))
-        self._mark_queue_wait(work)
+        self._mark_queue_wait(work, "code2wav")
         results, t0, t1 = self._run_batch("code2wav", m.code2wav_step, work, items, pre)
         with self._cond:
             for st, it, res in self._current_results("code2wav", work, results, self._fail_turn):
@@ -767,6 +771,8 @@ class StageRuntime:
                 st.pending_text += text
                 slot.timings["code2wav_ms"] = _ms(t0, t1)
                 slot.timings["code2wav_batch"] = len(work)
+                if audio.size and "first_audio_ms" not in slot.timings:
+                    slot.timings["first_audio_ms"] = _ms(slot.t_submit, time.perf_counter())
                 if audio.size or last:
                     self._emit(st, slot, AudioChunk(st.id, slot.epoch, slot.unit_index, audio=audio,
                                                     text=st.pending_text, final=last))
