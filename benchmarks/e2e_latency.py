@@ -118,6 +118,7 @@ class Inbox:
         self.waiters: list = []
         self.errors: list = []
         self.created: dict = {}  # response id -> (receive time, response metadata)
+        self.active: set = set()  # responses created and not yet done
 
     async def run(self) -> None:
         async for raw in self.ws:
@@ -128,6 +129,9 @@ class Inbox:
                 self.errors.append(ev)
             if ev["type"] == "response.created":
                 self.created[ev["response"]["id"]] = (t, ev["response"].get("metadata") or {})
+                self.active.add(ev["response"]["id"])
+            elif ev["type"] == "response.done":
+                self.active.discard(ev["response"]["id"])
             for w in list(self.waiters):
                 pred, fut = w
                 if not fut.done() and pred(ev):
@@ -181,6 +185,10 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
             for _ in range(rounds):
                 # 1. explicit commit + response.create
                 await update(None)
+                while inbox.active:  # a response the model or the VAD started in the last round
+                    done = inbox.expect(_is("response.done"))
+                    await ws.send(json.dumps({"type": "response.cancel"}))
+                    await until_done(done)
                 await mic.say(question).wait()
                 tag = f"bench-{time.perf_counter_ns()}"
                 first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
@@ -188,7 +196,11 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 t0 = time.perf_counter()
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
                 await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
-                _, t1 = await asyncio.wait_for(first, timeout)
+                try:
+                    _, t1 = await asyncio.wait_for(first, timeout)
+                except asyncio.TimeoutError:
+                    raise SystemExit(f"no audio of the requested response within {timeout} s; server errors: "
+                                     f"{[e['error'] for e in inbox.errors]}") from None
                 res["create"].append((t1 - t0) * 1000)
                 await ws.send(json.dumps({"type": "response.cancel"}))
                 await until_done(done)
@@ -263,7 +275,11 @@ async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: i
 
     async def one(k: int) -> None:
         await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
-        await _session(url, rounds, res, question, interrupt, timeout, silence_ms)
+        try:
+            await _session(url, rounds, res, question, interrupt, timeout, silence_ms)
+        except (asyncio.TimeoutError, SystemExit) as exc:  # one stuck session does not end the level
+            res["timeouts"] = res.get("timeouts", 0) + 1
+            res["errors"].append({"session": k, "timeout": str(exc)[:300]})
 
     await asyncio.gather(*[one(k) for k in range(n)])
     return res
@@ -433,6 +449,9 @@ def main(argv=None) -> int:
                          "(the duplexkit.latency logger; scripted/tiny/random-*)")
     ap.add_argument("--silence-ms", type=int, default=500,
                     help="server VAD silence_duration_ms for the vad_eos scenario (the OpenAI default is 500)")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds of one session run first and reported apart as the cold start (the first "
+                         "response of a fresh process pays one-time lazy initialisation), not in the levels")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.sessions.split(",") if x.strip()]
     server = None
@@ -447,6 +466,10 @@ def main(argv=None) -> int:
     rows = []
     tracer = TraceCollector().install() if (a.trace or a.model.startswith("random-")) and a.url is None else None
     try:
+        if a.warmup_rounds > 0:
+            w = asyncio.run(run_level(url, 1, a.warmup_rounds, a.timeout, a.silence_ms))
+            print(f"cold start (first {a.warmup_rounds} round(s) of the process, not counted): create "
+                  f"{[round(x) for x in w['create']]} ms, vad_eos {[round(x) for x in w['vad_eos']]} ms", flush=True)
         for n in levels:
             t = time.perf_counter()
             if tracer is not None:
