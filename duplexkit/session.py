@@ -1706,6 +1706,17 @@ class Session:
           ``commit_on_done`` committed at ``response.done``;
         * after finalisation (a truncate ack or ``conversation.item.truncate``): ignored.
         """
+        if ev.response_id is None:
+            iid = ev.item_id or ""
+            rid = iid[len("item_"):] if iid.startswith("item_resp_") else None
+            if rid is None and iid:
+                rid = next((r for r, item in self._responses.items() if item.id == iid), None)
+            if rid is None and not iid and self._responses:
+                rid = next(reversed(self._responses))  # the latest response that sent audio
+            if rid is None:
+                raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, "playback.ack without response_id names no audio item "
+                                    "of this session", param="response_id", event_id=ev.event_id)
+            ev = ev.model_copy(update={"response_id": rid})
         it = self._responses.get(ev.response_id)
         if it is None:
             if self._resp is not None and self._resp.id == ev.response_id:

@@ -322,7 +322,9 @@ class PlaybackAckEvent(_InEvent):
     """``playback.ack`` (ext, alias ``audio.playback_ack``): cumulative ``played_ms`` within the response."""
 
     type: Literal["playback.ack"] = "playback.ack"
-    response_id: str
+    response_id: Optional[str] = None
+    """None: taken from an ``item_id`` of the form ``"item_" + response_id`` (vLLM-Omni's naming),
+    else the latest response that sent audio (vLLM-Omni's ``ack_playback(played_ms)``)."""
     item_id: Optional[str] = None
     played_ms: int = Field(ge=0, strict=True)
     truncate: bool = False

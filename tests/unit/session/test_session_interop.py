@@ -94,3 +94,15 @@ def test_invalid_field_names_the_field_and_applies_nothing():
     assert e["code"] == "unsupported_turn_detection"
     assert e["param"] == "session.audio.input.turn_detection.threshold"
     assert d.s.settings == before
+
+
+def test_playback_ack_without_response_id_uses_item_id_or_latest_response():
+    d = Driver()
+    r = _spoken(d)
+    rid, iid = r["id"], r["output"][0]["id"]
+    assert not d.of("error", d.send({"type": "playback.ack", "item_id": "item_" + rid, "played_ms": 300}))
+    assert d.s.item_playback(iid)[1] == 300
+    assert not d.of("error", d.send({"type": "playback.ack", "played_ms": 600}))  # vLLM-Omni's ack_playback(ms)
+    assert d.s.item_playback(iid)[1] == 600
+    new = d.send({"type": "playback.ack", "item_id": "item_nope", "played_ms": 900})
+    assert [e["error"]["code"] for e in d.of("error", new)] == ["item_not_found"]
