@@ -11,7 +11,8 @@ Dialects:
   ``conversation.item.added`` becomes ``conversation.item.created`` and ``conversation.item.done``
   (no beta counterpart) is not sent; ``session.created``/``session.updated`` also carry the beta
   session fields (``modalities``, ``input_audio_format``, ``output_audio_format``,
-  ``turn_detection``, ``voice``), so they validate as ``openai.types.beta.realtime`` events.
+  ``turn_detection``, ``voice``) and, when the client connected with an OpenAI model id (mapped),
+  that id as ``model``, so they validate as ``openai.types.beta.realtime`` events.
 * ``both`` — every event as built, and after each of the six renamed ``response.*`` events a copy
   under its beta name with the SAME ``event_id`` and ``server_event_seq`` (a client that drops
   replayed sequence numbers, like vLLM-Omni's ``DuplexClient``, ignores the copy; one that reads only
@@ -83,8 +84,10 @@ def dialect_of_first_update(frame: Any) -> Optional[str]:
     return "ga"
 
 
-def _beta_session(session: dict) -> dict:
+def _beta_session(session: dict, model: Optional[str]) -> dict:
     out = dict(session)
+    if model:
+        out["model"] = model
     audio = session.get("audio") or {}
     inp, outp = audio.get("input") or {}, audio.get("output") or {}
     out.setdefault("modalities", session.get("output_modalities"))
@@ -98,8 +101,27 @@ def _beta_session(session: dict) -> dict:
     return out
 
 
-def translate(event: dict, dialect: str) -> list[dict]:
-    """The frames to send for one GA server event in ``dialect`` (zero, one or two dicts)."""
+_BETA_PART_TYPES = {"output_audio": "audio", "output_text": "text"}
+
+
+def _beta_parts(value: Any) -> Any:
+    """GA content-part types -> beta ones (``output_audio`` -> ``audio``, ``output_text`` -> ``text``)."""
+    if isinstance(value, list):
+        return [_beta_parts(v) for v in value]
+    if isinstance(value, dict):
+        out = {k: _beta_parts(v) for k, v in value.items()}
+        if out.get("type") in _BETA_PART_TYPES:
+            out["type"] = _BETA_PART_TYPES[out["type"]]
+        return out
+    return value
+
+
+def translate(event: dict, dialect: str, *, beta_model: Optional[str] = None) -> list[dict]:
+    """The frames to send for one GA server event in ``dialect`` (zero, one or two dicts).
+
+    ``beta_model``: the OpenAI model id the client connected with (mapped to the served model);
+    the beta session object echoes it as ``model``, because the beta types only allow OpenAI ids there.
+    """
     if dialect == "ga":
         return [event]
     t = event.get("type")
@@ -109,9 +131,12 @@ def translate(event: dict, dialect: str) -> list[dict]:
     # beta
     if t in _BETA_DROPPED:
         return []
-    beta = GA_TO_BETA.get(t) or _BETA_ONLY_RENAMES.get(t)
-    if beta:
-        return [{**event, "type": beta}]
     if t in ("session.created", "session.updated") and isinstance(event.get("session"), dict):
-        return [{**event, "session": _beta_session(event["session"])}]
-    return [event]
+        return [{**event, "session": _beta_session(event["session"], beta_model)}]
+    out = {**event, "type": GA_TO_BETA.get(t) or _BETA_ONLY_RENAMES.get(t) or t}
+    for key in ("item", "part", "response"):
+        if isinstance(out.get(key), dict):
+            out[key] = _beta_parts(out[key])
+    if out["type"] == "conversation.item.created":
+        out.setdefault("previous_item_id", None)
+    return [out]

@@ -108,6 +108,8 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     try:
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
                                   dialect=dialect)
+        if model and model not in state.model_ids:
+            conn.requested_model = model  # an OpenAI id served by this model (ServerState.resolve_model)
         state.connections.add(conn)
         try:
             await ws.accept(subprotocol=subprotocol)
@@ -159,6 +161,7 @@ class RealtimeConnection:
         self.autostart = autostart
         #: "ga", "beta", "both", or None until the first client event decides (server/dialect.py)
         self.dialect = dialect
+        self.requested_model: Optional[str] = None
         self.session = Session(session_config(state, profile), now_ms=0)
         self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
                                     tick_interval_s=state.settings.tick_interval_s)
@@ -210,7 +213,7 @@ class RealtimeConnection:
     # -- the socket side ------------------------------------------------------------------------
     async def _send(self, event: dict) -> None:
         try:
-            for frame in translate(event, self.dialect or "ga"):
+            for frame in translate(event, self.dialect or "ga", beta_model=self.requested_model):
                 await self.ws.send_text(json.dumps(frame, separators=(",", ":")))
         except (WebSocketDisconnect, RuntimeError, ConnectionError):
             self._ended.set()
