@@ -20,8 +20,8 @@ Dialects:
 
 The rule (:func:`pick_dialect`, :func:`dialect_of_first_update`): ``?dialect=ga|beta|both`` wins;
 else the header ``OpenAI-Beta: realtime=v1`` (sent by the OpenAI SDK's beta client) means ``beta``;
-else the first ``session.update`` decides: beta-shaped (no ``session.type`` and a beta-only key such
-as ``modalities`` or ``input_audio_format``, which is what vLLM-Omni's clients send) gives ``both``,
+else the first ``session.update`` decides: beta-shaped (no ``session.type`` and one of ``modalities``,
+``input_audio_format``, ``output_audio_format``, which vLLM-Omni's clients send) gives ``both``,
 anything else ``ga``. Events sent before that first update are GA.
 """
 
@@ -45,9 +45,9 @@ GA_TO_BETA = {
 }
 _BETA_ONLY_RENAMES = {"conversation.item.added": "conversation.item.created"}
 _BETA_DROPPED = frozenset({"conversation.item.done"})
-#: top-level session keys that only the beta shape uses
-_BETA_SESSION_KEYS = ("modalities", "input_audio_format", "output_audio_format", "turn_detection",
-                      "input_audio_transcription", "max_response_output_tokens")
+#: top-level session keys that mark a beta-shaped session.update (what beta clients and vLLM-Omni's
+#: send; a flat ``turn_detection`` alone does not count: GA-minded scripts use it as a shorthand)
+_BETA_SESSION_KEYS = ("modalities", "input_audio_format", "output_audio_format")
 
 
 def pick_dialect(query_value: Optional[str], openai_beta_header: Optional[str]) -> Optional[str]:
