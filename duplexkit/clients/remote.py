@@ -24,7 +24,7 @@ logger = logging.getLogger("duplexkit.clients.remote")
 
 __all__ = ["DuplexClient", "build_url"]
 
-_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted"}
+_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
 
 
 def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None, autostart: bool = False) -> str:
@@ -217,7 +217,7 @@ class DuplexClient(BaseDuplexClient):
         if t == "error" and not self._got_created:
             err = data.get("error") or {}
             code = err.get("code")
-            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") == "model"
+            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") in ("model", "dialect")
                                             and not err.get("event_id")):
                 self._handshake_error = data
         seq = data.get("server_event_seq")

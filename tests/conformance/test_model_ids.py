@@ -66,3 +66,12 @@ async def test_refused_model_is_model_not_found_listing_served_ids(refusing_serv
     r = httpx.post(refusing_server.url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_duplexkit_client_raises_model_not_found(refusing_server):
+    from duplexkit.clients import DuplexClient, DuplexConnectionError
+
+    with pytest.raises(DuplexConnectionError) as ei:
+        async with DuplexClient(refusing_server.ws_url, model="gpt-realtime"):
+            pytest.fail("connected with a refused model")
+    assert ei.value.code == "model_not_found" and "openbmb/MiniCPM-o-4_5" in str(ei.value)
