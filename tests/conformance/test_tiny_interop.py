@@ -60,3 +60,20 @@ async def test_tiny_agents_sdk_turn(tiny_server):
     s = await voice_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav", timeout=600)
     assert not s["errors"], s["errors"]
     assert s["audio"] and all(len(a) > 0 for a in s["audio"].values())
+
+
+def test_tiny_chat_openai_sdk_and_vllm_omni_style(tiny_server):
+    import base64
+
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
+
+    c = OpenAI(api_key="sk-unused", base_url=tiny_server.url + "/v1").chat.completions.create(
+        model="gpt-4o-audio-preview", modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+        max_tokens=8, messages=[{"role": "user", "content": "Hello"}])
+    ChatCompletion.model_validate(c.model_dump())
+    assert len(c.choices) == 1 and len(base64.b64decode(c.choices[0].message.audio.data)) > 0
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=600, json={
+        "model": "openbmb/MiniCPM-o-4_5", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1] and choices[1]["message"]["audio"]["data"]
