@@ -140,8 +140,10 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
         if body.get(unsupported) not in (None, False, []):
             raise ChatRequestError(f"{unsupported} is not supported", unsupported)
-    # absent: what vLLM-Omni means for MiniCPM-o (its output modalities, text and audio); docs/server.md
-    modalities = body.get("modalities") or ["text", "audio"]
+    # absent: what vLLM-Omni means for MiniCPM-o, the model's output modalities (text and audio;
+    # text alone for a checkpoint without a vocoder); docs/server.md
+    has_vocoder = bool(getattr(state.engine, "supports_audio", True))
+    modalities = body.get("modalities") or (["text", "audio"] if has_vocoder else ["text"])
     if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
         raise ChatRequestError("modalities must be a subset of ['text', 'audio']", "modalities")
     output_audio = "audio" in modalities
