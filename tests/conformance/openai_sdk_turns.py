@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from duplexkit.audio import float32_to_pcm16, read_wav
 
-EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "response.speak", "response.listen"}
+EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "session.warning", "response.speak", "response.listen"}
 
 
 def _adapter():
