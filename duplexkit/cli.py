@@ -328,6 +328,7 @@ def cmd_serve(args) -> int:
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
+        openai_model_ids=args.openai_model_ids,
         max_sessions=args.max_sessions, max_event_bytes=args.max_event_bytes, idle_timeout_s=args.idle_timeout_s,
         ping_interval_s=args.ping_interval_s, max_pending_input_s=args.max_pending_input_s,
         silence_slack_ms=args.silence_slack_ms,
@@ -929,6 +930,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="register a named voice selectable with session.voice (repeatable)")
     p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the engine's)")
     p.add_argument("--alias", action="append", default=None, help="another accepted model id (repeatable)")
+    p.add_argument("--openai-model-ids", default="map", choices=["map", "refuse"],
+                   help="gpt-realtime*/gpt-4o* model ids: serve them with this model, logged (map, default) "
+                        "or refuse them with model_not_found")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="thinker dtype override (default: the layout's)")
     p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",

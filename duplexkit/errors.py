@@ -83,6 +83,7 @@ class ErrorCode(str, Enum):
     INPUT_BACKPRESSURE = "input_backpressure"
     INPUT_RATE_MISMATCH = "input_rate_mismatch"
     UNAUTHORIZED = "unauthorized"
+    MODEL_NOT_FOUND = "model_not_found"
     SERVER_ERROR = "server_error"
 
 
@@ -106,6 +107,7 @@ ERROR_TYPES: dict[ErrorCode, str] = {
     ErrorCode.INPUT_BACKPRESSURE: "rate_limit_error",
     ErrorCode.INPUT_RATE_MISMATCH: "invalid_request_error",
     ErrorCode.UNAUTHORIZED: "invalid_request_error",
+    ErrorCode.MODEL_NOT_FOUND: "invalid_request_error",
     ErrorCode.SERVER_ERROR: "server_error",
 }
 

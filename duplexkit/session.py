@@ -141,6 +141,7 @@ from duplexkit.protocol import (
     SessionCreated,
     SessionEventAckEvent,
     SessionHeartbeatAck,
+    SessionWarning,
     SessionHeartbeatEvent,
     SessionObject,
     SessionPatch,
@@ -405,6 +406,10 @@ class _Settings:
         return s
 
 
+#: OpenAI semantic_vad eagerness -> server VAD silence_duration_ms (ms). Our choice: OpenAI documents
+#: only the order (high answers soonest, low waits longest; auto = medium), not durations.
+SEMANTIC_VAD_SILENCE_MS = {"high": 300, "medium": 500, "auto": 500, "low": 1000}
+
 _NO_VOCODER = ("this server has no vocoder (its checkpoint lacks assets/token2wav), so it answers in text only: "
                "expected output_modalities ['text']")
 
@@ -516,6 +521,8 @@ class Session:
         self._used_ids: set = set()
         self._responses: dict[str, _Item] = {}  # response id -> assistant item (responses that opened one)
         self._issued: set = set()  # every response id this session issued
+        self._warned: set = set()  # params that already got a session.warning
+        self._update_warnings: list = []
         self._resp: Optional[_Response] = None
         self._audio_started = False
         self._stream_open = False
@@ -729,7 +736,9 @@ class Session:
     # --- session -----------------------------------------------------------------------------
 
     def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
+        self._update_warnings = []
         new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
+        warnings, self._update_warnings = self._update_warnings, []
         old = self.settings
         old_stream = self._stream_config()
         self.settings = new
@@ -741,8 +750,12 @@ class Session:
             self._make_vad()
         if first and not self._started:
             self.start(now_ms)
+            for w in warnings:
+                self._warn(*w)
             return
         self._emit(SessionUpdated(session=self._session_object()))
+        for w in warnings:
+            self._warn(*w)
         cfg = self._stream_config()
         if self._stream_open and _config_key(cfg) != _config_key(old_stream):
             self._cmd(UpdateStream(self.stream_id, self.epoch, config=cfg))
@@ -751,8 +764,12 @@ class Session:
         s = self.settings.copy()
         given = set(p.given)
 
-        def err(code: ErrorCode, msg: str, concept: str) -> ProtocolError:
-            return ProtocolError(code, msg, param="session." + p.sources.get(concept, concept), event_id=event_id)
+        def err(code: ErrorCode, msg: str, concept: str, field: Optional[str] = None) -> ProtocolError:
+            param = "session." + p.sources.get(concept, concept) + ("." + field if field else "")
+            return ProtocolError(code, msg, param=param, event_id=event_id)
+
+        def warn(code: str, msg: str, concept: str) -> None:
+            self._update_warnings.append((code, msg, "session." + p.sources.get(concept, concept)))
 
         if "output_modalities" in given:
             mods = p.output_modalities or []
@@ -790,6 +807,7 @@ class Session:
             s.playback_commit_policy = p.playback_commit_policy
         if "early_unit_close" in given:
             s.early_unit_close = bool(p.early_unit_close)
+        self._apply_vllm_omni_fields(p, s, given, err, warn)
         # voice and reference audio (docs/protocol.md §8)
         voice_changed = False
         if "voice" in given:
@@ -868,13 +886,63 @@ class Session:
         except AudioFormatError as e:
             raise err(bad, str(e), "input_format") from None
 
+    def _apply_vllm_omni_fields(self, p: SessionPatch, s: "_Settings", given: set, err, warn) -> None:
+        """vLLM-Omni's session fields (docs/server.md, "Interop"): honoured where this server has
+        the behaviour, otherwise a ``session.warning`` (never silently dropped).
+
+        * ``extra_body.auto_response``: true -> ``answer_policy: model``, false -> ``on_request``
+          (an explicit ``answer_policy`` wins);
+        * ``overlap_policy``: ``listen_only`` -> the VAD does not interrupt (``interrupt_response:
+          false``; with ``turn_detection: null`` overlap is the model's anyway); ``barge_in`` ->
+          ``interrupt_response: true`` (needs server VAD); other values -> warning;
+        * ``extra_body.native_duplex`` / ``minicpmo45_native_duplex``: true is what this server
+          always does; false -> warning;
+        * ``audio.output.sample_rate_hz``: must be 24000 (``unsupported_audio_format`` otherwise).
+        """
+        if "auto_response" in given and "answer_policy" not in given:
+            s.answer_policy = "model" if p.auto_response else "on_request"
+        if "overlap_policy" in given:
+            pol = p.overlap_policy
+            if pol == "listen_only":
+                if s.turn_detection is not None:
+                    s.turn_detection["interrupt_response"] = False
+            elif pol in ("barge_in", "interrupt") and s.turn_detection is not None:
+                s.turn_detection["interrupt_response"] = True
+            else:
+                warn("unsupported_overlap_policy", f"overlap_policy {pol!r} is not honoured: this server supports "
+                     "'listen_only' and, with server VAD, 'barge_in'; overlap is left to the model", "overlap_policy")
+        if "native_duplex" in given and p.native_duplex is False:
+            warn("native_duplex_always_on", "this server always runs MiniCPM-o's model-native duplex loop; "
+                 "native_duplex: false is not honoured", "native_duplex")
+        if "output_sample_rate_hz" in given and p.output_sample_rate_hz != OUTPUT_SAMPLE_RATE:
+            raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+                      f"output is fixed at {OUTPUT_SAMPLE_RATE} Hz, got {p.output_sample_rate_hz}", "output_sample_rate_hz")
+
+    def _warn(self, code: str, message: str, param: str, event_id: Optional[str] = None) -> None:
+        """Emit ``session.warning`` once per ``param`` per session."""
+        if param in self._warned:
+            return
+        self._warned.add(param)
+        self._emit(SessionWarning(code=code, message=message, param=param))
+
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
         if td is None:
             return None
         code = ErrorCode.UNSUPPORTED_TURN_DETECTION
         t = td.get("type", "server_vad")
+        if t == "semantic_vad":
+            # OpenAI's semantic_vad: served by the server VAD, its eagerness translated to a
+            # silence duration (SEMANTIC_VAD_SILENCE_MS, docs/protocol.md §4.1)
+            eager = td.get("eagerness") or "auto"
+            if eager not in SEMANTIC_VAD_SILENCE_MS:
+                raise err(code, f"turn_detection.eagerness must be one of {sorted(SEMANTIC_VAD_SILENCE_MS)}, "
+                          f"got {eager!r}", "turn_detection", "eagerness")
+            td = {"type": "server_vad", "silence_duration_ms": SEMANTIC_VAD_SILENCE_MS[eager],
+                  **{k: td[k] for k in ("interrupt_response", "create_response") if k in td}}
+            t = "server_vad"
         if t != "server_vad":
-            raise err(code, f"turn_detection type {t!r} is not supported (server_vad or null)", "turn_detection")
+            raise err(code, f"turn_detection type {t!r} is not supported (server_vad, semantic_vad or null)",
+                      "turn_detection", "type")
         if self._vad_cls is None:
             raise err(code, "server VAD is not available on this server", "turn_detection")
         out = {
@@ -891,12 +959,12 @@ class Session:
             if td.get(k) is not None:
                 v = td[k]
                 if not num(v) or (integer and float(v) != int(v)) or not (lo <= v <= hi):
-                    raise err(code, f"turn_detection.{k} must be in {lo}..{hi}, got {v!r}", "turn_detection")
+                    raise err(code, f"turn_detection.{k} must be in {lo}..{hi}, got {v!r}", "turn_detection", k)
                 out[k] = int(v) if integer else float(v)
         for k in ("interrupt_response", "create_response"):
             if td.get(k) is not None:
                 if not isinstance(td[k], bool):
-                    raise err(code, f"turn_detection.{k} must be a boolean", "turn_detection")
+                    raise err(code, f"turn_detection.{k} must be a boolean", "turn_detection", k)
                 out[k] = td[k]
         return out
 
@@ -1005,6 +1073,13 @@ class Session:
         self._push_real(self._resampler.process(x), now_ms)
         self.input_appends += 1
         self._check_arrival(x.size, now_ms, ev.event_id)
+        if ev.video_frames:
+            self._warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
+                       "(this warning is sent once)", "video_frames", ev.event_id)
+        if ev.sample_rate_hz is not None and ev.sample_rate_hz != fmt.rate:
+            self._warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
+                       f"input rate {fmt.rate} Hz; the audio is read at {fmt.rate} Hz (declare the rate with "
+                       "session.update; this warning is sent once)", "sample_rate_hz", ev.event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
         """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after).
@@ -1675,6 +1750,17 @@ class Session:
           ``commit_on_done`` committed at ``response.done``;
         * after finalisation (a truncate ack or ``conversation.item.truncate``): ignored.
         """
+        if ev.response_id is None:
+            iid = ev.item_id or ""
+            rid = iid[len("item_"):] if iid.startswith("item_resp_") else None
+            if rid is None and iid:
+                rid = next((r for r, item in self._responses.items() if item.id == iid), None)
+            if rid is None and not iid and self._responses:
+                rid = next(reversed(self._responses))  # the latest response that sent audio
+            if rid is None:
+                raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, "playback.ack without response_id names no audio item "
+                                    "of this session", param="response_id", event_id=ev.event_id)
+            ev = ev.model_copy(update={"response_id": rid})
         it = self._responses.get(ev.response_id)
         if it is None:
             if self._resp is not None and self._resp.id == ev.response_id:
@@ -1683,7 +1769,8 @@ class Session:
                 return
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"response {ev.response_id!r} was never issued by this session",
                                 param="response_id", event_id=ev.event_id)
-        if ev.item_id is not None and ev.item_id != it.id:
+        # vLLM-Omni's clients name the assistant item "item_" + response_id (their server's convention)
+        if ev.item_id is not None and ev.item_id != it.id and ev.item_id != "item_" + ev.response_id:
             if ev.item_id not in self._used_ids:
                 raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} was never issued by this session",
                                     param="item_id", event_id=ev.event_id)

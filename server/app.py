@@ -31,6 +31,12 @@ logger = logging.getLogger("duplexkit.server")
 
 __all__ = ["ServerSettings", "ServerState", "SlotPool", "create_app", "serve", "openai_error"]
 
+#: The Hugging Face repo id of MiniCPM-o 4.5: the default model of vLLM-Omni's MiniCPM-o clients,
+#: served by every engine (they all speak for this model) and listed by ``/v1/models``.
+HF_REPO_ID = "openbmb/MiniCPM-o-4_5"
+#: Prefixes of OpenAI model ids mapped to the served model (ServerSettings.openai_model_ids).
+OPENAI_MODEL_PREFIXES = ("gpt-realtime", "gpt-4o")
+
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 
@@ -41,6 +47,9 @@ class ServerSettings:
     Attributes:
         model_id: the served id (default: the engine's ``model_id``).
         aliases: other accepted ids, each listed by ``/v1/models`` (docs/protocol.md §10.2).
+        openai_model_ids: what a request naming an OpenAI model (``gpt-realtime*``, ``gpt-4o*``)
+            gets: ``"map"`` (default) serves it with this model and logs the mapping once per id;
+            ``"refuse"`` answers ``model_not_found`` listing the served ids (docs/server.md, "Model ids").
         api_keys: accepted keys; empty = auth off (docs/protocol.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
         max_sessions: slot pool size shared by realtime sessions and chat requests.
         max_event_bytes: largest client event accepted (docs/protocol.md §1.3, default 16 MiB); the
@@ -66,6 +75,7 @@ class ServerSettings:
 
     model_id: Optional[str] = None
     aliases: list[str] = field(default_factory=list)
+    openai_model_ids: str = "map"
     api_keys: list[str] = field(default_factory=list)
     max_sessions: int = 8
     max_event_bytes: int = 16 * 1024 * 1024
@@ -158,6 +168,7 @@ class ServerState:
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
+        self._mapped_models: set[str] = set()
         self.started_at = int(time.time())
         self._load_task: Optional[asyncio.Task] = None
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
@@ -180,7 +191,7 @@ class ServerState:
     @property
     def model_ids(self) -> list[str]:
         ids = [self.model_id]
-        for a in self.settings.aliases:
+        for a in [*self.settings.aliases, HF_REPO_ID]:
             if a not in ids:
                 ids.append(a)
         engine_id = getattr(self.engine, "model_id", None)
@@ -189,7 +200,31 @@ class ServerState:
         return ids
 
     def accepts_model(self, model: Optional[str]) -> bool:
-        return model is None or model == "" or model in self.model_ids
+        """Whether a request's ``model`` is served (see :meth:`resolve_model`)."""
+        return self.resolve_model(model) is not None
+
+    def resolve_model(self, model: Optional[str]) -> Optional[str]:
+        """The served id a request's ``model`` maps to, or None when it is refused.
+
+        Served: no model, any of :attr:`model_ids` (the served id, the Hugging Face repo id
+        ``openbmb/MiniCPM-o-4_5``, ``--alias`` ids, the engine's id). An OpenAI model id
+        (``gpt-realtime*``, ``gpt-4o*``: what unmodified OpenAI clients send) maps to the served id
+        when ``settings.openai_model_ids == "map"``, logged once per id; anything else is refused.
+        """
+        if model is None or model == "" or model in self.model_ids:
+            return self.model_id
+        if self.settings.openai_model_ids == "map" and model.startswith(OPENAI_MODEL_PREFIXES):
+            if model not in self._mapped_models:
+                self._mapped_models.add(model)
+                logger.info("model %r is an OpenAI model id: served by %r", model, self.model_id)
+            return self.model_id
+        return None
+
+    def unknown_model_message(self, model: Optional[str]) -> str:
+        """The ``model_not_found`` message: names the refused id and lists the served ones."""
+        hint = ("; OpenAI model ids are refused by this server (--openai-model-ids refuse)"
+                if isinstance(model, str) and model.startswith(OPENAI_MODEL_PREFIXES) else "")
+        return f"model {model!r} is not served; served ids: {', '.join(self.model_ids)}{hint}"
 
     # -- counters -------------------------------------------------------------------------------
     def session_closed(self, session) -> None:

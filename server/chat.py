@@ -4,11 +4,14 @@ Each request takes one slot from the same pool as realtime sessions (a full pool
 ``Retry-After``), converts the OpenAI request into a :class:`duplexkit.engine.api.ChatRequest` and
 runs :meth:`Engine.generate` (or :meth:`Engine.generate_stream` with ``stream:true``).
 
-Non-stream: choice 0 carries the text, choice 1 (only when audio was requested) carries
-``message.audio{id, data: base64 24 kHz mono PCM16 WAV, transcript, expires_at}``.
-Stream: SSE ``chat.completion.chunk`` events with a top-level ``modality`` (``"text"`` at index 0,
-``"audio"`` at index 1 with base64 WAV or raw PCM16 per ``audio.format``), ``finish_reason`` on each
-choice's last chunk, an optional usage chunk, then ``data: [DONE]``.
+Two response shapes (docs/server.md, "Chat completions"): a request with OpenAI's ``audio`` object
+(``{voice, format}``: it names a ``voice``) gets **OpenAI's shape**: one choice, ``message.audio{id, data, transcript,
+expires_at}`` with ``content: null`` (stream: ``delta.audio{id, transcript | data}``). Any other
+request gets **vLLM-Omni's shape**: choice 0 carries the text, choice 1 (only with audio) carries
+``message.audio``; the stream has a top-level ``modality`` (``"text"`` at index 0, ``"audio"`` at
+index 1 with the audio in ``delta.content``). Audio is 24 kHz mono in ``audio.format`` (wav default,
+pcm16, flac, mp3, opus). ``modalities`` absent means text and audio (vLLM-Omni's meaning for
+MiniCPM-o). Streams end with ``finish_reason`` chunks, an optional usage chunk, ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -137,7 +140,10 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
         if body.get(unsupported) not in (None, False, []):
             raise ChatRequestError(f"{unsupported} is not supported", unsupported)
-    modalities = body.get("modalities") or ["text"]
+    # absent: what vLLM-Omni means for MiniCPM-o, the model's output modalities (text and audio;
+    # text alone for a checkpoint without a vocoder); docs/server.md
+    has_vocoder = bool(getattr(state.engine, "supports_audio", True))
+    modalities = body.get("modalities") or (["text", "audio"] if has_vocoder else ["text"])
     if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
         raise ChatRequestError("modalities must be a subset of ['text', 'audio']", "modalities")
     output_audio = "audio" in modalities
@@ -148,8 +154,8 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     if not isinstance(audio_opts, dict):
         raise ChatRequestError("audio must be an object", "audio")
     audio_format = audio_opts.get("format", "wav")
-    if audio_format not in ("wav", "pcm16"):
-        raise ChatRequestError("audio.format must be 'wav' or 'pcm16'", "audio.format")
+    if audio_format not in AUDIO_FORMATS:
+        raise ChatRequestError(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}", "audio.format")
     kw = body.get("chat_template_kwargs") or {}
     if not isinstance(kw, dict):
         raise ChatRequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -253,19 +259,36 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
                       temperature=float(temperature), seed=seed, use_tts_template=use_tts_template,
                       enable_thinking=enable_thinking, ref_voice=ref_voice)
     return req, {"stream": stream, "include_usage": bool(isinstance(so, dict) and so.get("include_usage")),
-                 "audio_format": audio_format, "model": model or state.model_id}
+                 "audio_format": audio_format, "model": model or state.model_id,
+                 # OpenAI's audio param has both voice and format (both required there)
+                 "openai_audio": isinstance(body.get("audio"), dict) and "voice" in body["audio"]}
 
 
-def _wav_b64(audio: np.ndarray) -> str:
-    from duplexkit.audio import wav_bytes
+#: ``audio.format`` values -> (soundfile format, subtype); ``pcm16`` is raw little-endian PCM16.
+#: OpenAI's list is wav, mp3, flac, opus, pcm16, aac; libsndfile (soundfile) writes all but aac.
+_SF_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"),
+               "opus": ("OGG", "OPUS")}
+AUDIO_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus")
 
-    return base64.b64encode(wav_bytes(np.asarray(audio, np.float32), OUTPUT_SAMPLE_RATE)).decode("ascii")
 
+def encode_audio_b64(audio: np.ndarray, fmt: str) -> str:
+    """Base64 of ``audio`` (float32 [n], 24 kHz mono) in ``fmt`` (one of :data:`AUDIO_FORMATS`):
+    a whole file for wav/flac/mp3/opus, raw little-endian PCM16 for pcm16."""
+    x = np.asarray(audio, np.float32)
+    if fmt == "pcm16":
+        from duplexkit.audio import float32_to_pcm16
 
-def _pcm16_b64(audio: np.ndarray) -> str:
-    from duplexkit.audio import float32_to_pcm16
+        return base64.b64encode(float32_to_pcm16(x)).decode("ascii")
+    if fmt == "wav":
+        from duplexkit.audio import wav_bytes
 
-    return base64.b64encode(float32_to_pcm16(np.asarray(audio, np.float32))).decode("ascii")
+        return base64.b64encode(wav_bytes(x, OUTPUT_SAMPLE_RATE)).decode("ascii")
+    import soundfile as sf
+
+    container, subtype = _SF_FORMATS[fmt]
+    buf = io.BytesIO()
+    sf.write(buf, np.clip(x, -1.0, 1.0), OUTPUT_SAMPLE_RATE, format=container, subtype=subtype)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 async def handle(state, request: Request):
@@ -302,13 +325,22 @@ async def handle(state, request: Request):
             return openai_error(500, f"generation failed: {exc}", "server_error")
         finally:
             release_slot()
-        choices: list[dict] = [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                                "finish_reason": result.finish_reason}]
-        if req.output_audio and result.audio is not None:
-            choices.append({"index": 1, "finish_reason": result.finish_reason, "message": {
-                "role": "assistant", "content": None,
-                "audio": {"id": "audio_" + secrets.token_hex(12), "data": _wav_b64(result.audio),
-                          "transcript": result.text, "expires_at": created + 3600}}})
+        has_audio = req.output_audio and result.audio is not None
+        audio_obj = {"id": "audio_" + secrets.token_hex(12), "transcript": result.text, "expires_at": created + 3600,
+                     "data": encode_audio_b64(result.audio, opts["audio_format"]) if has_audio else None}
+        if opts["openai_audio"]:
+            # OpenAI's shape: one choice; with audio, content is null and the text is the transcript
+            msg: dict[str, Any] = {"role": "assistant", "content": None if has_audio else result.text}
+            if has_audio:
+                msg["audio"] = audio_obj
+            choices: list[dict] = [{"index": 0, "message": msg, "finish_reason": result.finish_reason}]
+        else:
+            # vLLM-Omni's shape: choice 0 text, choice 1 audio
+            choices = [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                        "finish_reason": result.finish_reason}]
+            if has_audio:
+                choices.append({"index": 1, "finish_reason": result.finish_reason,
+                                "message": {"role": "assistant", "content": None, "audio": audio_obj}})
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": opts["model"],
             "choices": choices,
@@ -328,21 +360,39 @@ async def handle(state, request: Request):
         n_text = 0
         finish = "stop"
         usage: Optional[dict] = None
+        openai_audio = opts["openai_audio"] and req.output_audio
+        audio_id = "audio_" + secrets.token_hex(12)
         try:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "text")
+            if openai_audio:
+                # OpenAI's shape: choice 0 only; text as delta.audio.transcript, audio as delta.audio.data
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "audio": {
+                    "id": audio_id, "expires_at": created + 3600}}, "finish_reason": None}])
+            else:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "text")
             async for d in state.engine.generate_stream(req):
                 if d.text:
                     n_text += 1
-                    yield chunk([{"index": 0, "delta": {"content": d.text}, "finish_reason": None}], "text")
+                    if openai_audio:
+                        yield chunk([{"index": 0, "delta": {"audio": {"id": audio_id, "transcript": d.text}},
+                                      "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": 0, "delta": {"content": d.text}, "finish_reason": None}], "text")
                 if req.output_audio and d.audio is not None and len(d.audio):
-                    data = _wav_b64(d.audio) if opts["audio_format"] == "wav" else _pcm16_b64(d.audio)
-                    yield chunk([{"index": 1, "delta": {"role": "assistant", "content": data},
-                                  "finish_reason": None}], "audio")
+                    data = encode_audio_b64(d.audio, opts["audio_format"])
+                    if openai_audio:
+                        yield chunk([{"index": 0, "delta": {"audio": {"id": audio_id, "data": data}},
+                                      "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": 1, "delta": {"role": "assistant", "content": data},
+                                      "finish_reason": None}], "audio")
                 finish = getattr(d, "finish_reason", None) or finish
                 usage = getattr(d, "usage", None) or usage
-            yield chunk([{"index": 0, "delta": {}, "finish_reason": finish}], "text")
-            if req.output_audio:
-                yield chunk([{"index": 1, "delta": {}, "finish_reason": finish}], "audio")
+            if openai_audio:
+                yield chunk([{"index": 0, "delta": {}, "finish_reason": finish}])
+            else:
+                yield chunk([{"index": 0, "delta": {}, "finish_reason": finish}], "text")
+                if req.output_audio:
+                    yield chunk([{"index": 1, "delta": {}, "finish_reason": finish}], "audio")
             if opts["include_usage"]:
                 if usage is None:
                     usage = {"prompt_tokens": 0, "completion_tokens": n_text, "total_tokens": n_text}

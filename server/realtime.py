@@ -8,7 +8,8 @@ stream on the shared engine), and a final ``CloseConnection`` closes the socket 
 
 Handshake checks (docs/protocol.md §1): authentication (``Authorization: Bearer`` or the
 ``openai-insecure-api-key.<key>`` subprotocol; failure -> ``error{unauthorized}`` + 1008),
-the ``model`` query parameter (unknown -> ``error{bad_event, param:"model"}`` + 1008), session
+the ``model`` query parameter (refused -> ``error{model_not_found, param:"model"}`` listing the
+served ids + 1008; OpenAI ids are mapped, see ``ServerState.resolve_model``), session
 capacity (-> ``error{session_capacity_exhausted}`` + 1013).
 """
 
@@ -22,6 +23,8 @@ import time
 from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from .dialect import dialect_of_first_update, pick_dialect, translate
 
 
 logger = logging.getLogger("duplexkit.server.realtime")
@@ -88,17 +91,25 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
         await _reject(ws, subprotocol, _handshake_error(
             "session_capacity_exhausted", "the server is loading or shutting down; retry later"), 1013)
         return
+    try:
+        dialect = pick_dialect(q.get("dialect"), ws.headers.get("openai-beta"))
+    except ValueError as exc:
+        await _reject(ws, subprotocol, _handshake_error("bad_event", str(exc), "dialect"), 1008)
+        return
     model = q.get("model")
     if not state.accepts_model(model):
-        await _reject(ws, subprotocol, _handshake_error(
-            "bad_event", f"unknown model {model!r}; served: {', '.join(state.model_ids)}", "model"), 1008)
+        await _reject(ws, subprotocol, _handshake_error("model_not_found", state.unknown_model_message(model), "model"),
+                      1008)
         return
     if not state.slots.try_acquire():
         await _reject(ws, subprotocol, _handshake_error(
             "session_capacity_exhausted", f"all {state.slots.size} session slots are in use"), 1013)
         return
     try:
-        conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart)
+        conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
+                                  dialect=dialect)
+        if model and model not in state.model_ids:
+            conn.requested_model = model  # an OpenAI id served by this model (ServerState.resolve_model)
         state.connections.add(conn)
         try:
             await ws.accept(subprotocol=subprotocol)
@@ -139,7 +150,8 @@ class RealtimeConnection:
     """Drives one Session over one WebSocket (see the module docstring) with a
     :class:`duplexkit.driver.SessionDriver`; this class only reads frames and writes events."""
 
-    def __init__(self, state, ws: WebSocket, *, profile: str, autostart: bool) -> None:
+    def __init__(self, state, ws: WebSocket, *, profile: str, autostart: bool,
+                 dialect: Optional[str] = "ga") -> None:
         from duplexkit.driver import SessionDriver
         from duplexkit.session import Session
 
@@ -147,6 +159,9 @@ class RealtimeConnection:
         self.ws = ws
         self.profile = profile
         self.autostart = autostart
+        #: "ga", "beta", "both", or None until the first client event decides (server/dialect.py)
+        self.dialect = dialect
+        self.requested_model: Optional[str] = None
         self.session = Session(session_config(state, profile), now_ms=0)
         self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
                                     tick_interval_s=state.settings.tick_interval_s)
@@ -198,7 +213,8 @@ class RealtimeConnection:
     # -- the socket side ------------------------------------------------------------------------
     async def _send(self, event: dict) -> None:
         try:
-            await self.ws.send_text(json.dumps(event, separators=(",", ":")))
+            for frame in translate(event, self.dialect or "ga", beta_model=self.requested_model):
+                await self.ws.send_text(json.dumps(frame, separators=(",", ":")))
         except (WebSocketDisconnect, RuntimeError, ConnectionError):
             self._ended.set()
 
@@ -216,6 +232,8 @@ class RealtimeConnection:
                     break
                 text = msg.get("text")
                 if text is not None:
+                    if self.dialect is None:
+                        self.dialect = dialect_of_first_update(text)
                     self.driver.client_event(text)
                 elif msg.get("bytes") is not None:
                     # docs/protocol.md §1.3: binary frames get bad_event and are ignored

@@ -24,15 +24,16 @@ logger = logging.getLogger("duplexkit.clients.remote")
 
 __all__ = ["DuplexClient", "build_url"]
 
-_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted"}
+_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
 
 
 def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None, autostart: bool = False) -> str:
     """Normalise a server URL into the realtime WebSocket URL.
 
     ``http(s)://`` becomes ``ws(s)://``; a bare host gets ``/v1/realtime``; the duplex profile adds
-    ``duplex=1`` unless the URL already says otherwise (or uses ``/v1/duplex``); ``autostart=0`` and
-    ``model`` are added unless present.
+    ``duplex=1`` unless the URL already says otherwise (or uses ``/v1/duplex``); ``autostart=0``,
+    ``dialect=ga`` (GA event names only, whatever spellings the session uses; docs/server.md,
+    "Interop") and ``model`` are added unless present.
     """
     parts = urlsplit(url if "://" in url else "ws://" + url)
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
@@ -44,6 +45,7 @@ def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None,
         q["duplex"] = "1"
     if not autostart:
         q.setdefault("autostart", "0")
+    q.setdefault("dialect", "ga")
     if model:
         q.setdefault("model", model)
     return urlunsplit((scheme, parts.netloc, path, urlencode(q), ""))
@@ -215,7 +217,7 @@ class DuplexClient(BaseDuplexClient):
         if t == "error" and not self._got_created:
             err = data.get("error") or {}
             code = err.get("code")
-            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") == "model"
+            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") in ("model", "dialect")
                                             and not err.get("event_id")):
                 self._handshake_error = data
         seq = data.get("server_event_seq")

@@ -131,6 +131,10 @@ class SessionPatch(_In):
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     playback_commit_policy: Optional[Literal["ack_only", "commit_on_done"]] = None
     early_unit_close: Optional[StrictBool] = None
+    auto_response: Optional[StrictBool] = None
+    overlap_policy: Optional[str] = None
+    native_duplex: Optional[StrictBool] = None
+    output_sample_rate_hz: Optional[int] = Field(default=None, strict=True)
     given: List[str] = Field(default_factory=list)
     sources: Dict[str, str] = Field(default_factory=dict)
     ignored: List[str] = Field(default_factory=list)
@@ -147,7 +151,7 @@ class SessionPatch(_In):
             "instructions": ("instructions",),
             "ref_audio": ("ref_audio", "extra_body.ref_audio"),
             "input_format": ("audio.input.format", "input_audio_format"),
-            "input_sample_rate_hz": ("sample_rate_hz", "input_sample_rate_hz"),
+            "input_sample_rate_hz": ("sample_rate_hz", "input_sample_rate_hz", "audio.input.sample_rate_hz"),
             "input_channels": ("channels", "input_audio_channels"),
             "output_format": ("audio.output.format", "output_audio_format"),
             "voice": ("audio.output.voice", "voice"),
@@ -159,6 +163,11 @@ class SessionPatch(_In):
             "seed": ("extra_body.seed", "seed"),
             "playback_commit_policy": ("extra_body.playback_commit_policy", "playback_commit_policy"),
             "early_unit_close": ("extra_body.early_unit_close", "early_unit_close"),
+            # vLLM-Omni's session fields (docs/server.md, "Interop")
+            "auto_response": ("extra_body.auto_response", "auto_response"),
+            "overlap_policy": ("overlap_policy", "extra_body.overlap_policy"),
+            "native_duplex": ("extra_body.native_duplex", "native_duplex", "extra_body.minicpmo45_native_duplex"),
+            "output_sample_rate_hz": ("audio.output.sample_rate_hz", "output_sample_rate_hz"),
         }
         for key, paths in spellings.items():
             for p in paths:
@@ -204,6 +213,10 @@ class InputAudioBufferAppendEvent(_InEvent):
     type: Literal["input_audio_buffer.append"] = "input_audio_buffer.append"
     audio: str
     """base64 of the raw input bytes in the session's input format (decoded by the Session)."""
+    sample_rate_hz: Optional[int] = None
+    """vLLM-Omni's per-append rate (Hz); must match the session's input rate (else a warning)."""
+    video_frames: Optional[List[Any]] = None
+    """vLLM-Omni's per-append image frames; this server takes audio only (a warning, once)."""
 
 
 class InputAudioBufferCommitEvent(_InEvent):
@@ -309,7 +322,9 @@ class PlaybackAckEvent(_InEvent):
     """``playback.ack`` (ext, alias ``audio.playback_ack``): cumulative ``played_ms`` within the response."""
 
     type: Literal["playback.ack"] = "playback.ack"
-    response_id: str
+    response_id: Optional[str] = None
+    """None: taken from an ``item_id`` of the form ``"item_" + response_id`` (vLLM-Omni's naming),
+    else the latest response that sent audio (vLLM-Omni's ``ack_playback(played_ms)``)."""
     item_id: Optional[str] = None
     played_ms: int = Field(ge=0, strict=True)
     truncate: bool = False

@@ -45,6 +45,7 @@ __all__ = [
     "SessionUpdated",
     "SessionClosed",
     "SessionHeartbeatAck",
+    "SessionWarning",
     "ErrorEvent",
     "SpeechStarted",
     "SpeechStopped",
@@ -336,6 +337,19 @@ class SessionHeartbeatAck(ServerEvent):
     session_id: str
 
 
+class SessionWarning(ServerEvent):
+    """``session.warning`` (ext): a request field was accepted but not (fully) honoured.
+
+    Sent once per ``param`` per session, never closes anything and, unlike ``error``, does not
+    reject the event it refers to (vLLM-Omni's client treats every ``error`` as a failed request).
+    """
+
+    type: Literal["session.warning"] = "session.warning"
+    code: str
+    message: str
+    param: Optional[str] = None
+
+
 class ErrorEvent(ServerEvent):
     type: Literal["error"] = "error"
     error: ErrorInfo
@@ -517,7 +531,7 @@ class UnknownServerEvent(BaseModel):
 
 
 _ALL = [
-    SessionCreated, SessionUpdated, SessionClosed, SessionHeartbeatAck, ErrorEvent, SpeechStarted,
+    SessionCreated, SessionUpdated, SessionClosed, SessionHeartbeatAck, SessionWarning, ErrorEvent, SpeechStarted,
     SpeechStopped, InputAudioBufferCommitted, InputAudioBufferCleared, OutputAudioBufferCleared,
     ConversationItemAdded, ConversationItemDone, ConversationItemRetrieved, ConversationItemDeleted,
     ConversationItemTruncated, InputAudioTranscriptionCompleted, ResponseCreated, ResponseDone,

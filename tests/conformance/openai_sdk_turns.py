@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from duplexkit.audio import float32_to_pcm16, read_wav
 
-EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "response.speak", "response.listen"}
+EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "session.warning", "response.speak", "response.listen"}
 
 
 def _adapter():
@@ -104,3 +104,71 @@ def summarize(events: list) -> dict:
             "transcript": transcript, "response_id": created.response.id,
             "first_chunk_samples": next((len(base64.b64decode(e.delta)) // 2 for e in events
                                          if e.type == "response.output_audio.delta"), 0)}
+
+
+def _beta_adapter():
+    from openai.types.beta.realtime import RealtimeServerEvent as BetaEvent
+
+    return TypeAdapter(BetaEvent)
+
+
+async def beta_commit_driven_turn(http_url: str, model: str, wav, *, timeout: float = 60.0) -> dict:
+    """The SDK's beta realtime client (``client.beta.realtime.connect``, header ``OpenAI-Beta:
+    realtime=v1``): beta-shaped session.update, append + commit + response.create; every event is
+    validated against ``openai.types.beta.realtime.RealtimeServerEvent``."""
+    adapter = _beta_adapter()
+    client = sdk_client(http_url)
+    events = []
+    async with client.beta.realtime.connect(model=model) as conn:
+        first = await conn.recv()
+        assert first.type == "session.created", first.type
+        adapter.validate_python(first.model_dump(exclude_unset=True))
+        await conn.session.update(session={"modalities": ["audio", "text"], "input_audio_format": "pcm16",
+                                           "output_audio_format": "pcm16", "turn_detection": None,
+                                           "instructions": "Answer briefly."})
+        upd = await conn.recv()
+        assert upd.type == "session.updated", upd
+        adapter.validate_python(upd.model_dump(exclude_unset=True))
+        for chunk in pcm24k_b64(wav):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        async with asyncio.timeout(timeout):
+            while True:
+                ev = await conn.recv()
+                raw = ev.model_dump(exclude_unset=True)
+                if raw.get("type") not in EXTENSION_EVENTS:
+                    adapter.validate_python(raw)
+                events.append(ev)
+                if ev.type == "error":
+                    raise AssertionError(f"server error: {raw}")
+                if ev.type == "response.done":
+                    break
+    types = [e.type for e in events]
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.audio.delta")
+    transcript = "".join(e.delta for e in events if e.type == "response.audio_transcript.delta")
+    return {"types": types, "status": events[-1].response.status, "audio_samples": len(audio) // 2,
+            "transcript": transcript, "instructions": upd.session.instructions}
+
+
+async def semantic_vad_turn(http_url: str, model: str, wav, *, timeout: float = 60.0) -> dict:
+    """OpenAI's default GA turn detection of the Agents SDK (``semantic_vad``) with instructions and
+    a voice in the same update: all applied, the turn answered after the speech ends."""
+    adapter = _adapter()
+    client = sdk_client(http_url)
+    async with client.realtime.connect(model=model) as conn:
+        first = await conn.recv()
+        assert first.type == "session.created"
+        await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
+                                           "audio": {"input": {"turn_detection": {"type": "semantic_vad",
+                                                                                  "eagerness": "high"}},
+                                                     "output": {"voice": "ash"}}})
+        upd = await conn.recv()
+        assert upd.type == "session.updated", upd
+        adapter.validate_python(upd.model_dump(exclude_unset=True))
+        for chunk in pcm24k_b64(wav, seconds_of_silence=1.5):
+            await conn.input_audio_buffer.append(audio=chunk)
+        events = await collect_until_done(conn, adapter, timeout)
+    s = summarize(events)
+    s["session"] = upd.session
+    return s

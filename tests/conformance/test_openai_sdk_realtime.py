@@ -41,3 +41,31 @@ async def test_sdk_server_vad_turn(server):
     assert "input_audio_buffer.speech_started" in s["types"]
     assert "input_audio_buffer.speech_stopped" in s["types"]
     assert s["types"].index("input_audio_buffer.committed") < s["types"].index("response.created")
+
+
+async def test_sdk_ga_with_an_openai_model_id_is_served(server):
+    # OpenAI ids are mapped to the served model by default (docs/server.md, "Model ids")
+    s = await commit_driven_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=30)
+    assert s["status"] == "completed" and s["audio_samples"] == 48000
+    assert "model 'gpt-realtime' is an OpenAI model id" in server.output()
+
+
+async def test_sdk_beta_realtime_turn_strict_beta_types(server):
+    from openai_sdk_turns import beta_commit_driven_turn
+
+    s = await beta_commit_driven_turn(server.url, "gpt-4o-realtime-preview", FIXTURES / "question_16k.wav", timeout=30)
+    assert s["status"] == "completed" and s["audio_samples"] == 48000
+    assert s["transcript"] == "Hello there, this is " and s["instructions"] == "Answer briefly."
+    assert "response.audio.delta" in s["types"] and "response.output_audio.delta" not in s["types"]
+    assert "conversation.item.created" in s["types"] and "conversation.item.done" not in s["types"]
+
+
+async def test_sdk_semantic_vad_update_applies_everything(server):
+    from openai_sdk_turns import semantic_vad_turn
+
+    s = await semantic_vad_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=30)
+    td = s["session"].audio.input.turn_detection
+    assert td.type == "server_vad" and td.silence_duration_ms == 300  # eagerness high
+    assert s["session"].instructions == "Be brief." and s["session"].audio.output.voice == "ash"
+    assert s["status"] == "completed" and s["audio_samples"] == 48000
+    assert "input_audio_buffer.speech_stopped" in s["types"]

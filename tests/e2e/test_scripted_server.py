@@ -242,9 +242,10 @@ def test_chat_completions_malformed_json(scripted_server):
 
 
 async def test_unknown_model_is_rejected(scripted_server):
-    async with websockets.connect(scripted_server.ws_url + "/v1/realtime?model=gpt-4o-realtime") as ws:
+    async with websockets.connect(scripted_server.ws_url + "/v1/realtime?model=llama-3-8b") as ws:
         ev = json.loads(await ws.recv())
-        assert ev["type"] == "error" and ev["error"]["code"] == "bad_event" and ev["error"]["param"] == "model"
+        assert ev["type"] == "error" and ev["error"]["code"] == "model_not_found" and ev["error"]["param"] == "model"
+        assert "openbmb/MiniCPM-o-4_5" in ev["error"]["message"] and "scripted" in ev["error"]["message"]
         with pytest.raises(websockets.ConnectionClosed) as ei:
             await ws.recv()
         assert ei.value.rcvd.code == 1008
@@ -300,7 +301,7 @@ async def test_heartbeat_from_client(scripted_server):
 @pytest.mark.parametrize("kwargs, code", [
     ({"ref_audio": "short"}, "ref_audio_invalid"),
     ({"ref_audio": "file:///x.wav"}, "ref_audio_invalid"),
-    ({"session": {"turn_detection": {"type": "semantic_vad"}}}, "unsupported_turn_detection"),
+    ({"session": {"turn_detection": {"type": "near_field_vad"}}}, "unsupported_turn_detection"),
 ])
 async def test_connect_raises_when_the_initial_update_is_rejected(scripted_server, fixtures_audio, kwargs, code):
     """docs/protocol.md §5.1: the error echoing the first update comes before session.created, and
@@ -319,7 +320,7 @@ async def test_connect_raises_when_the_initial_update_is_rejected(scripted_serve
     # the raw order on the wire: the error, then session.created with the defaults
     async with websockets.connect(scripted_server.ws_url + "/v1/realtime?duplex=1&autostart=0") as ws:
         await ws.send(json.dumps({"type": "session.update", "event_id": "c_first",
-                                  "session": {"turn_detection": {"type": "semantic_vad"}}}))
+                                  "session": {"turn_detection": {"type": "near_field_vad"}}}))
         err = json.loads(await ws.recv())
         created = json.loads(await ws.recv())
         assert err["type"] == "error" and err["error"]["event_id"] == "c_first"

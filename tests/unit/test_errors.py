@@ -69,6 +69,7 @@ def test_error_code_table_matches_protocol_section_9():
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
         "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
+        "model_not_found",  # a refused model id (issue 14)
     }
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert {c for c, t in ERROR_TYPES.items() if t == "rate_limit_error"} == {

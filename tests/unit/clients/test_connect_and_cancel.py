@@ -25,7 +25,7 @@ def short_ref() -> tuple[np.ndarray, int]:
 
 @pytest.mark.parametrize("kwargs, code", [
     ({"ref_audio": "file:///x.wav"}, "ref_audio_invalid"),
-    ({"session": {"turn_detection": {"type": "semantic_vad"}}}, "unsupported_turn_detection"),
+    ({"session": {"turn_detection": {"type": "near_field_vad"}}}, "unsupported_turn_detection"),
     ({"session": {"temperature": 9}}, "bad_event"),
 ])
 async def test_inline_connect_raises_on_a_rejected_initial_update(kwargs, code):

@@ -175,6 +175,7 @@ async def test_unreachable_server_raises():
 def test_build_url():
     from duplexkit.clients import build_url
 
-    assert build_url("http://h:1") == "ws://h:1/v1/realtime?duplex=1&autostart=0"
-    assert build_url("ws://h:1/v1/duplex", model="m") == "ws://h:1/v1/duplex?autostart=0&model=m"
-    assert build_url("wss://h/v1/realtime?duplex=0", profile="compat") == "wss://h/v1/realtime?duplex=0&autostart=0"
+    assert build_url("http://h:1") == "ws://h:1/v1/realtime?duplex=1&autostart=0&dialect=ga"
+    assert build_url("ws://h:1/v1/duplex", model="m") == "ws://h:1/v1/duplex?autostart=0&dialect=ga&model=m"
+    assert build_url("wss://h/v1/realtime?duplex=0", profile="compat") == \
+        "wss://h/v1/realtime?duplex=0&autostart=0&dialect=ga"

@@ -26,7 +26,8 @@ def test_error_table_covers_protocol_section_9():
         "unsupported_turn_detection", "input_audio_buffer_empty", "response_already_active", "response_not_active",
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
-        "input_rate_mismatch"}  # duplexkit extension (a warning, issue 10)
+        "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
+        "model_not_found"}  # a refused model id (handshake and chat, issue 14)
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert ERROR_TYPES[ErrorCode.INPUT_BACKPRESSURE] == "rate_limit_error"
 

@@ -92,7 +92,7 @@ class SessionMachine(RuleBasedStateMachine):
         {"extra_body": {"answer_policy": "on_request"}},
         {"extra_body": {"playback_commit_policy": "commit_on_done"}},
         {"temperature": 5},
-        {"turn_detection": {"type": "semantic_vad"}},
+        {"turn_detection": {"type": "near_field_vad"}},
     ]))
     def update(self, sess):
         self.d.send({"type": "session.update", "session": sess})

@@ -1,0 +1,79 @@
+"""The third-party clients of the conformance suite once against the REAL tiny engine (random
+weights, the real three-stage runtime) behind ``duplexkit serve tiny`` (docs/server.md, "Interop").
+
+Random weights never end a turn: a response ends ``incomplete`` at the token cap (or ``cancelled``).
+The tests assert on statuses, audio and event order, never on time.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+from _serverproc import ServerProc  # noqa: E402
+from _thirdparty import agents_sdk, vllm_omni_clients  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+pytest.importorskip("torch")
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+ENDED = ("completed", "incomplete")
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with ServerProc("tiny", "--max-output-tokens", "40", "--layout", "cpu", ready_timeout_s=600) as srv:
+        assert httpx.get(srv.url + "/health").json()["random_weights"] is True
+        yield srv
+
+
+async def test_tiny_vllm_omni_turn_and_barge_in(tiny_server):
+    vllm_omni_clients()
+    from vllm_omni_flows import barge_in, duplex_turn
+
+    s = await duplex_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav", timeout=600)
+    assert s["status"] in ENDED and s["audio_bytes"] > 0
+    assert "error" not in [e["type"] for e in s["events"]]
+    b = await barge_in(tiny_server.ws_url, FIXTURES / "question_16k.wav", FIXTURES / "interrupt_16k.wav", timeout=600)
+    assert b["first_status"] in ("cancelled", *ENDED) and b["second_status"] in ENDED
+    assert b["second_audio_bytes"] > 0 and "error" not in [e["type"] for e in b["events"]]
+
+
+async def test_tiny_openai_sdk_beta_turn(tiny_server):
+    from openai_sdk_turns import beta_commit_driven_turn
+
+    s = await beta_commit_driven_turn(tiny_server.url, "gpt-4o-realtime-preview", FIXTURES / "question_16k.wav",
+                                      timeout=600)
+    assert s["status"] in ENDED and s["audio_samples"] > 0
+
+
+async def test_tiny_agents_sdk_turn(tiny_server):
+    agents_sdk()
+    from agents_sdk_flows import voice_turn
+
+    s = await voice_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav", timeout=600)
+    assert not s["errors"], s["errors"]
+    assert s["audio"] and all(len(a) > 0 for a in s["audio"].values())
+
+
+def test_tiny_chat_openai_sdk_and_vllm_omni_style(tiny_server):
+    import base64
+
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
+
+    c = OpenAI(api_key="sk-unused", base_url=tiny_server.url + "/v1").chat.completions.create(
+        model="gpt-4o-audio-preview", modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+        max_tokens=8, messages=[{"role": "user", "content": "Hello"}])
+    ChatCompletion.model_validate(c.model_dump())
+    assert len(c.choices) == 1 and len(base64.b64decode(c.choices[0].message.audio.data)) > 0
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=600, json={
+        "model": "openbmb/MiniCPM-o-4_5", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1] and choices[1]["message"]["audio"]["data"]
