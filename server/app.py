@@ -62,6 +62,14 @@ class ServerSettings:
         tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
         retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
         shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
+        allow_origins: browser origins allowed besides the server's own (``--allow-origin``;
+            ``"*"`` = any). See :mod:`duplexkit_server.security`.
+        bind_host: the listening address, set by :func:`serve` (None: loopback, as in-process).
+        bind_port: the listening port, set by :func:`serve` (None: any loopback port is "own").
+        max_body_bytes: largest HTTP request body (default 16 MiB); larger -> 413 before it is read.
+        max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
+            address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
+        header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
     """
 
     model_id: Optional[str] = None
@@ -85,6 +93,12 @@ class ServerSettings:
     tick_interval_s: float = 0.1
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0
+    allow_origins: list[str] = field(default_factory=list)
+    bind_host: Optional[str] = None
+    bind_port: Optional[int] = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_sessions_per_client: Optional[int] = None
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -319,6 +333,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
 
     app = FastAPI(title="duplexkit", version=_version(), lifespan=lifespan)
     app.state.duplexkit = state
+    _install_security(app, state)
 
     def http_auth(request: Request) -> Optional[JSONResponse]:
         if state.check_key(state.bearer(request.headers.get("authorization"))):
@@ -360,21 +375,52 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     async def ws_duplex(websocket: WebSocket):
         await realtime.handle(state, websocket, force_duplex=True)
 
+    from .security import page_headers, style_hashes
+
+    index_page = STATIC_DIR / "index.html"
+    styles = style_hashes(index_page.read_text()) if index_page.exists() else []
+
     @app.get("/")
-    async def index():
-        page = STATIC_DIR / "index.html"
-        if not page.exists():
+    async def index(request: Request):
+        if not index_page.exists():
             return Response("duplexkit server: no browser page bundled", media_type="text/plain")
-        return FileResponse(page)
+        return FileResponse(index_page, headers=page_headers(request.headers.get("host"), styles))
 
     @app.get("/static/{name}")
-    async def static(name: str):
-        page = (STATIC_DIR / name).resolve()
-        if not page.is_relative_to(STATIC_DIR) or not page.is_file():
+    async def static(name: str, request: Request):
+        try:
+            page = (STATIC_DIR / name).resolve()
+            ok = page.is_relative_to(STATIC_DIR) and page.is_file()
+        except (ValueError, OSError):  # NUL bytes, over-long names
+            ok = False
+        if not ok:
             return Response(status_code=404)
-        return FileResponse(page)
+        return FileResponse(page, headers=page_headers(request.headers.get("host"), styles))
 
     return app
+
+
+def _install_security(app: FastAPI, state: ServerState) -> None:
+    """The Origin/Host policy (:mod:`duplexkit_server.security`) and, for ``--allow-origin``
+    entries, CORS answers so that those pages can read HTTP responses."""
+    from .security import OriginPolicy, OriginPolicyMiddleware
+
+    s = state.settings
+    OriginPolicy(s.allow_origins)  # validate the entries now (ValueError)
+    cache: dict = {}
+
+    def policy() -> OriginPolicy:
+        key = (tuple(s.allow_origins), s.bind_host, s.bind_port)
+        if cache.get("key") != key:
+            cache["key"], cache["policy"] = key, OriginPolicy(s.allow_origins, s.bind_host, s.bind_port)
+        return cache["policy"]
+
+    if s.allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(s.allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(OriginPolicyMiddleware, policy=policy)
 
 
 def _version() -> str:
@@ -398,6 +444,12 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
 
     state: ServerState = app.state.duplexkit
     s = state.settings
+    s.bind_host, s.bind_port = host, (port or None)
+    from .security import is_loopback_host
+
+    if not s.api_keys and not is_loopback_host(host):
+        logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                       "model; pass --api-key (or set DUPLEXKIT_API_KEY), or bind 127.0.0.1", host)
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None):  # type: ignore[override]

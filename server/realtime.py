@@ -58,7 +58,7 @@ def _pick_subprotocol(offered: list[str]) -> Optional[str]:
     for p in offered:
         if not p.startswith(KEY_SUBPROTOCOL_PREFIX):
             return p
-    return offered[0]
+    return None  # never echo a key back (it would land in proxy logs and the browser's devtools)
 
 
 async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
