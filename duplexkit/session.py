@@ -886,7 +886,7 @@ class Session:
             except Exception as exc:  # the loader enforces the allow-list
                 raise err(code, f"ref_audio path refused: {exc}", "ref_audio") from None
         try:
-            audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE)
+            audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE, max_s=self.cfg.limits.max_ref_audio_s)
         except (AudioFormatError, ValueError, RuntimeError) as exc:
             raise err(code, f"ref_audio is not decodable audio: {exc}", "ref_audio") from None
         dur = len(audio) / INPUT_SAMPLE_RATE
@@ -1733,7 +1733,7 @@ def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:
 
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("type") == "session.update"
 

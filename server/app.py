@@ -109,22 +109,44 @@ class ServerSettings:
 
 
 class SlotPool:
-    """A counting pool of session slots (non-blocking)."""
+    """A counting pool of session slots (non-blocking), with an optional per-client cap.
 
-    def __init__(self, size: int) -> None:
+    Args:
+        size: slots in all (``max_sessions``).
+        per_client: slots one client may hold at once; 0 = no cap. A client is any hashable id
+            (the server uses ``("key", api_key)`` with auth on, else ``("addr", ip)``).
+    """
+
+    def __init__(self, size: int, per_client: int = 0) -> None:
         if size < 1:
             raise ValueError("max_sessions must be >= 1")
+        if per_client < 0:
+            raise ValueError("max_sessions_per_client must be >= 0")
         self.size = size
+        self.per_client = per_client
         self.used = 0
+        self.by_client: dict = {}
 
-    def try_acquire(self) -> bool:
-        if self.used >= self.size:
+    def client_full(self, client=None) -> bool:
+        """Whether ``client`` already holds its share of slots."""
+        return bool(self.per_client) and client is not None and self.by_client.get(client, 0) >= self.per_client
+
+    def try_acquire(self, client=None) -> bool:
+        if self.used >= self.size or self.client_full(client):
             return False
         self.used += 1
+        if client is not None:
+            self.by_client[client] = self.by_client.get(client, 0) + 1
         return True
 
-    def release(self) -> None:
+    def release(self, client=None) -> None:
         self.used = max(0, self.used - 1)
+        if client is not None and client in self.by_client:
+            n = self.by_client[client] - 1
+            if n > 0:
+                self.by_client[client] = n
+            else:
+                del self.by_client[client]
 
 
 def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
@@ -167,7 +189,10 @@ class ServerState:
         self.engine = engine
         self.engine_loader = engine_loader
         self.load_error: Optional[BaseException] = None
-        self.slots = SlotPool(settings.max_sessions)
+        per_client = settings.max_sessions_per_client
+        if per_client is None:
+            per_client = max(1, settings.max_sessions // 2)
+        self.slots = SlotPool(settings.max_sessions, per_client)
         self.connections: set = set()
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
@@ -226,6 +251,20 @@ class ServerState:
             out["input_audio_ms"] += conn.session.input_audio_ms
         return out
 
+    def client_id(self, key: Optional[str], scope: dict):
+        """Who holds a slot, for ``max_sessions_per_client``: the API key when auth is on, else the
+        peer address (uvicorn resolves ``X-Forwarded-For`` from ``--forwarded-allow-ips`` proxies)."""
+        if self.settings.api_keys and key:
+            return ("key", key)
+        client = scope.get("client")
+        return ("addr", client[0]) if client else None
+
+    def capacity_message(self, client) -> str:
+        if self.slots.client_full(client):
+            return (f"this client already holds {self.slots.per_client} session(s), the per-client limit "
+                    "(--max-sessions-per-client)")
+        return f"all {self.slots.size} session slots are in use"
+
     # -- auth ---------------------------------------------------------------------------------
     def check_key(self, key: Optional[str]) -> bool:
         keys = self.settings.api_keys
@@ -256,10 +295,22 @@ class ServerState:
             raise PermissionError("reference-voice paths are disabled (no --ref-audio-dir)")
         if path.startswith("file://"):
             path = path[len("file://"):]
-        real = Path(path).resolve()
+        try:
+            real = Path(path).resolve()
+        except (ValueError, OSError):
+            raise PermissionError(f"{path[:200]!r} is not a usable path") from None
         if not real.is_relative_to(root):
-            raise PermissionError(f"{path!r} is outside the allowed reference-voice directory")
-        return real.read_bytes()
+            raise PermissionError(f"{path[:200]!r} is outside the allowed reference-voice directory")
+        try:  # messages name the client's path only, never the server's absolute one
+            if not real.is_file():
+                raise FileNotFoundError(f"{path[:200]!r} does not exist")
+            if real.stat().st_size > self.settings.max_body_bytes:
+                raise PermissionError(f"{path[:200]!r} is larger than {self.settings.max_body_bytes} bytes")
+            return real.read_bytes()
+        except OSError as exc:
+            if isinstance(exc, (FileNotFoundError, PermissionError)) and str(path)[:200] in str(exc):
+                raise
+            raise PermissionError(f"{path[:200]!r} cannot be read") from None
 
     # -- loading --------------------------------------------------------------------------------
     async def load(self) -> None:

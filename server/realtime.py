@@ -93,9 +93,10 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
         await _reject(ws, subprotocol, _handshake_error(
             "bad_event", f"unknown model {model!r}; served: {', '.join(state.model_ids)}", "model"), 1008)
         return
-    if not state.slots.try_acquire():
+    client = state.client_id(key, ws.scope)
+    if not state.slots.try_acquire(client):
         await _reject(ws, subprotocol, _handshake_error(
-            "session_capacity_exhausted", f"all {state.slots.size} session slots are in use"), 1013)
+            "session_capacity_exhausted", state.capacity_message(client)), 1013)
         return
     try:
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart)
@@ -107,7 +108,7 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             state.connections.discard(conn)
             state.session_closed(conn.session)
     finally:
-        state.slots.release()
+        state.slots.release(client)
 
 
 def session_config(state, profile: str):
