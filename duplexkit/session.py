@@ -957,12 +957,7 @@ class Session:
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
-        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
-        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
-        if pending + incoming > limit:
-            raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
-                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; append dropped",
-                                event_id=ev.event_id)
+        self._check_pending(incoming, ev.event_id)
         try:
             x = self._decoder.decode(data, allow_empty=False)
         except AudioFormatError as e:
@@ -970,6 +965,17 @@ class Session:
         self._push_real(self._resampler.process(x), now_ms)
         self.input_appends += 1
         self._check_arrival(x.size, now_ms, ev.event_id)
+
+    def _check_pending(self, incoming: int, event_id: Optional[str]) -> None:
+        """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
+        ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
+        input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
+        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
+        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
+        if pending + incoming > limit:
+            raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
+                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
+                                "audio dropped", event_id=event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
         """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after).
@@ -1564,6 +1570,8 @@ class Session:
             return
         if kinds == {"input_audio"} and item.role == "user":
             fmt = self.settings.input_format
+            b64_len = sum(len(c.audio or "") for c in item.content)  # counted before anything is decoded
+            self._check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
             chunks = []
             dec = StreamDecoder(fmt)
             for i, c in enumerate(item.content):
