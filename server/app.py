@@ -510,7 +510,11 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
                 logger.exception("graceful session shutdown failed")
             await super().shutdown(sockets)
 
+    from .security import header_timeout_protocol
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            http=header_timeout_protocol(s.header_timeout_s),
+                            h11_max_incomplete_event_size=64 * 1024,  # request head size cap
                             ws_max_size=2 * s.max_event_bytes,
                             ws_ping_interval=s.ping_interval_s, ws_ping_timeout=s.ping_interval_s,
                             timeout_graceful_shutdown=s.shutdown_grace_s + 5)

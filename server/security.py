@@ -238,3 +238,53 @@ def page_headers(host_header: Optional[str], styles: Iterable[str] = ()) -> dict
         "Cross-Origin-Resource-Policy": "same-origin",
         "Permissions-Policy": "microphone=(self), camera=(), geolocation=()",
     }
+
+
+def header_timeout_protocol(timeout_s: float):
+    """A uvicorn HTTP protocol class that closes a connection whose request head is not complete
+    ``timeout_s`` seconds after the connection opened or after its first byte of a next request
+    (slowloris). uvicorn has no such timeout of its own (``timeout_keep_alive`` only covers idle
+    connections *between* requests; ``h11_max_incomplete_event_size`` bounds the head's size, not
+    its time). Pass the result as ``uvicorn.Config(http=...)``.
+    """
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # pragma: no cover - uvicorn without [standard]
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+        _hdr_timer = None
+        _hdr_cycle = None
+
+        def _arm_header_timer(self) -> None:
+            self._hdr_cycle = self.cycle
+            self._hdr_timer = self.loop.call_later(timeout_s, self._header_timer_expired)
+
+        def _header_timer_expired(self) -> None:
+            self._hdr_timer = None
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # closed, or upgraded to a WebSocket
+            if self.cycle is self._hdr_cycle:  # no request head completed since the timer was armed
+                logger.warning("closing %s: request head not complete after %.0f s", self.client, timeout_s)
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and (self._hdr_timer is None or self._hdr_cycle is not self.cycle):
+                # the first bytes of a next request on a kept-alive connection: a new deadline
+                if self._hdr_timer is not None:
+                    self._hdr_timer.cancel()
+                self._arm_header_timer()
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if self._hdr_timer is not None:
+                self._hdr_timer.cancel()
+                self._hdr_timer = None
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol

@@ -8,6 +8,8 @@ import asyncio
 import base64
 import io
 import json
+import socket
+import time
 
 import httpx
 import numpy as np
@@ -24,7 +26,7 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def srv():
     with ServerProc("scripted", "--answer-policy", "on_request", "--max-body-bytes", "2000000",
-                    "--max-sessions", "4", "--max-sessions-per-client", "2") as s:
+                    "--max-sessions", "4", "--max-sessions-per-client", "2", "--header-timeout-s", "1") as s:
         yield s
 
 
@@ -145,3 +147,31 @@ def test_no_5xx_and_no_traceback_logged(srv):
     for path in ("/static/%00", "/static/" + "a" * 5000, "/v1/models?x=%ff", "/%2e%2e/etc/passwd"):
         assert httpx.get(srv.url + path).status_code < 500
     assert "Traceback" not in srv.output() and "ERROR" not in srv.output()
+
+
+def _closed_by_server(sock: socket.socket) -> float:
+    """Seconds until the server closes ``sock`` (reading whatever it sends first)."""
+    t0 = time.monotonic()
+    sock.settimeout(60)
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - t0
+
+
+def test_slow_request_head_is_closed(srv):
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+        assert _closed_by_server(s) < 30  # --header-timeout-s 1; the fixed bound only catches "never"
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:  # a kept-alive connection, then a slow head
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b"200 OK" in s.recv(65536)
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        assert _closed_by_server(s) < 30
+    # a WebSocket session that stays quiet longer than the header timeout is not affected
+    async def quiet_session():
+        async with websockets.connect(srv.ws_url + "/v1/realtime") as ws:
+            await _recv_until(ws, "session.created")
+            await asyncio.sleep(2.5)
+            await ws.send(json.dumps({"type": "session.heartbeat"}))
+            await _recv_until(ws, "session.heartbeat_ack")
+    asyncio.run(quiet_session())
