@@ -486,7 +486,8 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
 
     ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
-    ``ping_interval_s``. On SIGINT/SIGTERM every open session first gets
+    ``ping_interval_s`` without a pong deadline (a late pong on a busy loop must not drop a live
+    session); a request head must be complete within ``header_timeout_s``. On SIGINT/SIGTERM every open session first gets
     ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
 
     Returns 0 after a clean stop, 1 when the engine failed to load (the server then stops itself).
@@ -516,7 +517,11 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
                             http=header_timeout_protocol(s.header_timeout_s),
                             h11_max_incomplete_event_size=64 * 1024,  # request head size cap
                             ws_max_size=2 * s.max_event_bytes,
-                            ws_ping_interval=s.ping_interval_s, ws_ping_timeout=s.ping_interval_s,
+                            ws_ping_interval=s.ping_interval_s,
+                            # no ping timeout: a loop slowed by engine threads reads pongs late and
+                            # uvicorn would close live sessions with 1011 and no session.closed; dead
+                            # peers end by TCP errors or the idle timeout (session.closed{timeout})
+                            ws_ping_timeout=None,
                             timeout_graceful_shutdown=s.shutdown_grace_s + 5)
     import signal
     import sys
