@@ -428,6 +428,12 @@ async def handle(state, request: Request):
         if not released:
             released = True
             state.slots.release(client)
+            try:
+                from .memory import schedule_trim
+
+                schedule_trim()
+            except RuntimeError:  # no running loop (a background task after the response)
+                pass
 
     try:  # audio/image decoding holds the slot and runs off the event loop (bounded by the limits)
         req, opts = await asyncio.to_thread(parse_chat_request, body, state)

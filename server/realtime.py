@@ -109,6 +109,9 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             state.session_closed(conn.session)
     finally:
         state.slots.release(client)
+        from .memory import schedule_trim
+
+        schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
 
 
 def session_config(state, profile: str):
