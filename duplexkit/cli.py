@@ -316,6 +316,25 @@ def _session_defaults(args, engine_name: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def _add_hardening_args(p) -> None:
+    """``serve`` options of the server's security and quota layer (docs/server.md, "Security")."""
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="browser origin allowed to open sessions and POST, e.g. https://app.example.com "
+                        "(repeatable; '*' = any; default: the server's own origin only)")
+    p.add_argument("--max-body-bytes", type=_int_range(1024), default=16 * 2**20,
+                   help="largest HTTP request body in bytes (default 16 MiB; larger: HTTP 413)")
+    p.add_argument("--max-sessions-per-client", type=_int_range(0), default=None,
+                   help="slots one client (API key, or address when auth is off) may hold; 0 = no limit "
+                        "(default: half of --max-sessions, at least 1)")
+    p.add_argument("--header-timeout-s", type=_float_min(0, strict=True), default=10.0,
+                   help="close a connection whose request head is not complete after this many s (default 10)")
+
+
+def _hardening_settings(args) -> dict:
+    return {"allow_origins": list(args.allow_origin or []), "max_body_bytes": args.max_body_bytes,
+            "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s}
+
+
 def cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
     sock = _bind(args.host, args.port)
@@ -337,7 +356,8 @@ def cmd_serve(args) -> int:
         max_output_tokens=defaults.get("max_output_tokens", 1024), answer_policy=defaults.get("answer_policy"),
         default_input_rate=args.default_input_rate, default_instructions=args.instructions,
         default_voice=Path(args.default_voice) if args.default_voice else None,
-        voices=dict(_parse_voice(v) for v in (args.voice or [])))
+        voices=dict(_parse_voice(v) for v in (args.voice or [])),
+        **_hardening_settings(args))
     scripted = _parse_scripted(args.scripted)
 
     def loader():
@@ -939,6 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
+    _add_hardening_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="WAV in -> transcript + WAV out + timing table",

@@ -7,10 +7,12 @@ the same thing, so it lives here once:
 * client events go in with :meth:`SessionDriver.client_event`;
 * engine outputs of the stream are pumped into ``Session.receive_engine_output``;
 * a clock task calls ``Session.tick`` every ``tick_interval_s`` (silence feeding, idle timeout);
-* everything ``Session.drain()`` returns is dispatched in order: server events (JSON-ready dicts)
-  to ``on_event``; ``OpenStream`` opens the stream on the (shared) engine; other engine commands go
-  to the stream with :func:`duplexkit.engine.api.apply_command`; a final ``CloseConnection`` goes to
-  ``on_close`` and ends the dispatch loop.
+* what ``Session.drain()`` returns goes to two queues, each drained by its own task, so that a slow
+  socket never delays the engine (and an engine that is slow to open never delays events):
+  engine commands, in order: ``OpenStream`` opens the stream on the (shared) engine, the others go
+  to the stream with :func:`duplexkit.engine.api.apply_command`; server events (JSON-ready dicts),
+  in order, to ``on_event``, and a final ``CloseConnection`` to ``on_close`` after every event
+  before it (that ends the event dispatch).
 
 The shells only differ in what ``on_event`` / ``on_close`` do (send a text frame and close the
 socket, or hand the dict to the client's event machinery) and in where client events come from.
@@ -56,7 +58,8 @@ class SessionDriver:
         self._on_event = on_event
         self._on_close = on_close
         self._t0 = time.monotonic()
-        self._out: asyncio.Queue = asyncio.Queue()
+        self._out: asyncio.Queue = asyncio.Queue()  # server events and the final CloseConnection
+        self._cmds: asyncio.Queue = asyncio.Queue()  # engine commands (OpenStream first)
         self._tasks: list[asyncio.Task] = []
         self._pump_task: Optional[asyncio.Task] = None
         self.dispatch_done = asyncio.Event()
@@ -66,9 +69,9 @@ class SessionDriver:
         return int((time.monotonic() - self._t0) * 1000)
 
     def flush(self) -> None:
-        """Move everything the Session has produced to the dispatch queue."""
+        """Move everything the Session has produced to the event and command queues."""
         for item in self.session.drain():
-            self._out.put_nowait(item)
+            (self._cmds if isinstance(item, (EngineCommand, OpenStream)) else self._out).put_nowait(item)
 
     def start_session(self) -> None:
         """``Session.start`` (emits ``session.created`` and opens the engine stream)."""
@@ -90,6 +93,7 @@ class SessionDriver:
         """Start the dispatch and clock tasks (call once, inside the running loop)."""
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._dispatch(), name="session-dispatch"),
+                       loop.create_task(self._dispatch_commands(), name="session-commands"),
                        loop.create_task(self._tick(), name="session-tick")]
 
     async def aclose(self) -> None:
@@ -144,6 +148,18 @@ class SessionDriver:
         if inspect.isawaitable(res):
             await res
 
+    async def _dispatch_commands(self) -> None:
+        while True:
+            item = await self._cmds.get()
+            if isinstance(item, OpenStream):
+                await self._open_stream(item)
+            elif self.stream is not None:
+                try:
+                    apply_command(self.stream, item)
+                except Exception as exc:  # a broken stream fails this session only
+                    logger.exception("engine command failed")
+                    self._engine_failed(self.stream.stream_id, self.session.epoch, f"engine command failed: {exc}")
+
     async def _dispatch(self) -> None:
         from duplexkit.session import CloseConnection
 
@@ -152,11 +168,6 @@ class SessionDriver:
                 item = await self._out.get()
                 if isinstance(item, dict):
                     await self._call(self._on_event, item)
-                elif isinstance(item, OpenStream):
-                    await self._open_stream(item)
-                elif isinstance(item, EngineCommand):
-                    if self.stream is not None:
-                        apply_command(self.stream, item)
                 elif isinstance(item, CloseConnection):
                     await self._call(self._on_close, item)
                     return

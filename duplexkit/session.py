@@ -989,7 +989,7 @@ class Session:
             except Exception as exc:  # the loader enforces the allow-list
                 raise err(code, f"ref_audio path refused: {exc}", "ref_audio") from None
         try:
-            audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE)
+            audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE, max_s=self.cfg.limits.max_ref_audio_s)
         except (AudioFormatError, ValueError, RuntimeError) as exc:
             raise err(code, f"ref_audio is not decodable audio: {exc}", "ref_audio") from None
         dur = len(audio) / INPUT_SAMPLE_RATE
@@ -1060,12 +1060,7 @@ class Session:
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
-        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
-        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
-        if pending + incoming > limit:
-            raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
-                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; append dropped",
-                                event_id=ev.event_id)
+        self._check_pending(incoming, ev.event_id)
         try:
             x = self._decoder.decode(data, allow_empty=False)
         except AudioFormatError as e:
@@ -1080,6 +1075,17 @@ class Session:
             self._warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
                        f"input rate {fmt.rate} Hz; the audio is read at {fmt.rate} Hz (declare the rate with "
                        "session.update; this warning is sent once)", "sample_rate_hz", ev.event_id)
+
+    def _check_pending(self, incoming: int, event_id: Optional[str]) -> None:
+        """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
+        ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
+        input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
+        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
+        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
+        if pending + incoming > limit:
+            raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
+                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
+                                "audio dropped", event_id=event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
         """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after).
@@ -1683,6 +1689,8 @@ class Session:
             return
         if kinds == {"input_audio"} and item.role == "user":
             fmt = self.settings.input_format
+            b64_len = sum(len(c.audio or "") for c in item.content)  # counted before anything is decoded
+            self._check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
             chunks = []
             dec = StreamDecoder(fmt)
             for i, c in enumerate(item.content):
@@ -1864,7 +1872,7 @@ def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:
 
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("type") == "session.update"
 

@@ -71,6 +71,14 @@ class ServerSettings:
         tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
         retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
         shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
+        allow_origins: browser origins allowed besides the server's own (``--allow-origin``;
+            ``"*"`` = any). See :mod:`duplexkit_server.security`.
+        bind_host: the listening address, set by :func:`serve` (None: loopback, as in-process).
+        bind_port: the listening port, set by :func:`serve` (None: any loopback port is "own").
+        max_body_bytes: largest HTTP request body (default 16 MiB); larger -> 413 before it is read.
+        max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
+            address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
+        header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
     """
 
     model_id: Optional[str] = None
@@ -95,6 +103,12 @@ class ServerSettings:
     tick_interval_s: float = 0.1
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0
+    allow_origins: list[str] = field(default_factory=list)
+    bind_host: Optional[str] = None
+    bind_port: Optional[int] = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_sessions_per_client: Optional[int] = None
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -105,22 +119,44 @@ class ServerSettings:
 
 
 class SlotPool:
-    """A counting pool of session slots (non-blocking)."""
+    """A counting pool of session slots (non-blocking), with an optional per-client cap.
 
-    def __init__(self, size: int) -> None:
+    Args:
+        size: slots in all (``max_sessions``).
+        per_client: slots one client may hold at once; 0 = no cap. A client is any hashable id
+            (the server uses ``("key", api_key)`` with auth on, else ``("addr", ip)``).
+    """
+
+    def __init__(self, size: int, per_client: int = 0) -> None:
         if size < 1:
             raise ValueError("max_sessions must be >= 1")
+        if per_client < 0:
+            raise ValueError("max_sessions_per_client must be >= 0")
         self.size = size
+        self.per_client = per_client
         self.used = 0
+        self.by_client: dict = {}
 
-    def try_acquire(self) -> bool:
-        if self.used >= self.size:
+    def client_full(self, client=None) -> bool:
+        """Whether ``client`` already holds its share of slots."""
+        return bool(self.per_client) and client is not None and self.by_client.get(client, 0) >= self.per_client
+
+    def try_acquire(self, client=None) -> bool:
+        if self.used >= self.size or self.client_full(client):
             return False
         self.used += 1
+        if client is not None:
+            self.by_client[client] = self.by_client.get(client, 0) + 1
         return True
 
-    def release(self) -> None:
+    def release(self, client=None) -> None:
         self.used = max(0, self.used - 1)
+        if client is not None and client in self.by_client:
+            n = self.by_client[client] - 1
+            if n > 0:
+                self.by_client[client] = n
+            else:
+                del self.by_client[client]
 
 
 def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
@@ -163,7 +199,10 @@ class ServerState:
         self.engine = engine
         self.engine_loader = engine_loader
         self.load_error: Optional[BaseException] = None
-        self.slots = SlotPool(settings.max_sessions)
+        per_client = settings.max_sessions_per_client
+        if per_client is None:
+            per_client = max(1, settings.max_sessions // 2)
+        self.slots = SlotPool(settings.max_sessions, per_client)
         self.connections: set = set()
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
@@ -247,6 +286,20 @@ class ServerState:
             out["input_audio_ms"] += conn.session.input_audio_ms
         return out
 
+    def client_id(self, key: Optional[str], scope: dict):
+        """Who holds a slot, for ``max_sessions_per_client``: the API key when auth is on, else the
+        peer address (uvicorn resolves ``X-Forwarded-For`` from ``--forwarded-allow-ips`` proxies)."""
+        if self.settings.api_keys and key:
+            return ("key", key)
+        client = scope.get("client")
+        return ("addr", client[0]) if client else None
+
+    def capacity_message(self, client) -> str:
+        if self.slots.client_full(client):
+            return (f"this client already holds {self.slots.per_client} session(s), the per-client limit "
+                    "(--max-sessions-per-client)")
+        return f"all {self.slots.size} session slots are in use"
+
     # -- auth ---------------------------------------------------------------------------------
     def check_key(self, key: Optional[str]) -> bool:
         keys = self.settings.api_keys
@@ -277,10 +330,22 @@ class ServerState:
             raise PermissionError("reference-voice paths are disabled (no --ref-audio-dir)")
         if path.startswith("file://"):
             path = path[len("file://"):]
-        real = Path(path).resolve()
+        try:
+            real = Path(path).resolve()
+        except (ValueError, OSError):
+            raise PermissionError(f"{path[:200]!r} is not a usable path") from None
         if not real.is_relative_to(root):
-            raise PermissionError(f"{path!r} is outside the allowed reference-voice directory")
-        return real.read_bytes()
+            raise PermissionError(f"{path[:200]!r} is outside the allowed reference-voice directory")
+        try:  # messages name the client's path only, never the server's absolute one
+            if not real.is_file():
+                raise FileNotFoundError(f"{path[:200]!r} does not exist")
+            if real.stat().st_size > self.settings.max_body_bytes:
+                raise PermissionError(f"{path[:200]!r} is larger than {self.settings.max_body_bytes} bytes")
+            return real.read_bytes()
+        except OSError as exc:
+            if isinstance(exc, (FileNotFoundError, PermissionError)) and str(path)[:200] in str(exc):
+                raise
+            raise PermissionError(f"{path[:200]!r} cannot be read") from None
 
     # -- loading --------------------------------------------------------------------------------
     async def load(self) -> None:
@@ -354,6 +419,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
 
     app = FastAPI(title="duplexkit", version=_version(), lifespan=lifespan)
     app.state.duplexkit = state
+    _install_security(app, state)
 
     def http_auth(request: Request) -> Optional[JSONResponse]:
         if state.check_key(state.bearer(request.headers.get("authorization"))):
@@ -395,21 +461,52 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     async def ws_duplex(websocket: WebSocket):
         await realtime.handle(state, websocket, force_duplex=True)
 
+    from .security import page_headers, style_hashes
+
+    index_page = STATIC_DIR / "index.html"
+    styles = style_hashes(index_page.read_text()) if index_page.exists() else []
+
     @app.get("/")
-    async def index():
-        page = STATIC_DIR / "index.html"
-        if not page.exists():
+    async def index(request: Request):
+        if not index_page.exists():
             return Response("duplexkit server: no browser page bundled", media_type="text/plain")
-        return FileResponse(page)
+        return FileResponse(index_page, headers=page_headers(request.headers.get("host"), styles))
 
     @app.get("/static/{name}")
-    async def static(name: str):
-        page = (STATIC_DIR / name).resolve()
-        if not page.is_relative_to(STATIC_DIR) or not page.is_file():
+    async def static(name: str, request: Request):
+        try:
+            page = (STATIC_DIR / name).resolve()
+            ok = page.is_relative_to(STATIC_DIR) and page.is_file()
+        except (ValueError, OSError):  # NUL bytes, over-long names
+            ok = False
+        if not ok:
             return Response(status_code=404)
-        return FileResponse(page)
+        return FileResponse(page, headers=page_headers(request.headers.get("host"), styles))
 
     return app
+
+
+def _install_security(app: FastAPI, state: ServerState) -> None:
+    """The Origin/Host policy (:mod:`duplexkit_server.security`) and, for ``--allow-origin``
+    entries, CORS answers so that those pages can read HTTP responses."""
+    from .security import OriginPolicy, OriginPolicyMiddleware
+
+    s = state.settings
+    OriginPolicy(s.allow_origins)  # validate the entries now (ValueError)
+    cache: dict = {}
+
+    def policy() -> OriginPolicy:
+        key = (tuple(s.allow_origins), s.bind_host, s.bind_port)
+        if cache.get("key") != key:
+            cache["key"], cache["policy"] = key, OriginPolicy(s.allow_origins, s.bind_host, s.bind_port)
+        return cache["policy"]
+
+    if s.allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(s.allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(OriginPolicyMiddleware, policy=policy)
 
 
 def _version() -> str:
@@ -425,7 +522,8 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
 
     ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
-    ``ping_interval_s``. On SIGINT/SIGTERM every open session first gets
+    ``ping_interval_s`` without a pong deadline (a late pong on a busy loop must not drop a live
+    session); a request head must be complete within ``header_timeout_s``. On SIGINT/SIGTERM every open session first gets
     ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
 
     ``sockets``: already bound listening sockets (``duplexkit serve`` binds before loading, so a
@@ -437,6 +535,12 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
 
     state: ServerState = app.state.duplexkit
     s = state.settings
+    s.bind_host, s.bind_port = host, (port or None)
+    from .security import is_loopback_host
+
+    if not s.api_keys and not is_loopback_host(host):
+        logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                       "model; pass --api-key (or set DUPLEXKIT_API_KEY), or bind 127.0.0.1", host)
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None):  # type: ignore[override]
@@ -446,9 +550,17 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
                 logger.exception("graceful session shutdown failed")
             await super().shutdown(sockets)
 
+    from .security import header_timeout_protocol
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            http=header_timeout_protocol(s.header_timeout_s),
+                            h11_max_incomplete_event_size=64 * 1024,  # request head size cap
                             ws_max_size=2 * s.max_event_bytes,
-                            ws_ping_interval=s.ping_interval_s, ws_ping_timeout=s.ping_interval_s,
+                            ws_ping_interval=s.ping_interval_s,
+                            # no ping timeout: a loop slowed by engine threads reads pongs late and
+                            # uvicorn would close live sessions with 1011 and no session.closed; dead
+                            # peers end by TCP errors or the idle timeout (session.closed{timeout})
+                            ws_ping_timeout=None,
                             timeout_graceful_shutdown=s.shutdown_grace_s + 5)
     import signal
     import sys

@@ -16,6 +16,7 @@ MiniCPM-o). Streams end with ``finish_reason`` chunks, an optional usage chunk, 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -24,11 +25,14 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 
 from duplexkit.errors import DuplexkitError
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
@@ -37,10 +41,11 @@ from .app import openai_error
 
 logger = logging.getLogger("duplexkit.server.chat")
 
-__all__ = ["handle", "parse_chat_request", "ChatRequestError"]
+__all__ = ["handle", "parse_chat_request", "validate_chat_body", "ChatBody", "ChatRequestError"]
 
 INPUT_RATE = 16_000
 MIN_REF_AUDIO_S = 0.5  # docs/protocol.md §8.2
+MAX_IMAGE_PIXELS = 4096 * 4096  # decoded before the vision encoder resizes it; bigger: a decompression bomb
 
 
 class ChatRequestError(DuplexkitError, ValueError):
@@ -70,13 +75,15 @@ def _decode_data_url(url: str, param: str) -> bytes:
         raise ChatRequestError(f"undecodable data URL: {exc}", param) from exc
 
 
-def _decode_audio(raw: bytes, param: str, max_s: float) -> np.ndarray:
+def _decode_audio(raw: bytes, param: str, max_s: float, code: str = "bad_audio") -> np.ndarray:
+    """Bytes of an audio file -> float32 [n] at 16 kHz; the length is checked from the container
+    header before decoding, and decoding stops after ``max_s`` (:func:`duplexkit.audio.read_wav`)."""
     from duplexkit.audio import read_wav
 
     try:
-        audio, _ = read_wav(raw, INPUT_RATE)
+        audio, _ = read_wav(raw, INPUT_RATE, max_s=max_s)
     except Exception as exc:
-        raise ChatRequestError(f"undecodable audio: {exc}", param, "bad_audio") from exc
+        raise ChatRequestError(f"undecodable audio: {exc}", param, code) from None
     if len(audio) == 0:
         raise ChatRequestError("empty audio", param, "bad_audio")
     if len(audio) > max_s * INPUT_RATE:
@@ -109,9 +116,15 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
         except (PermissionError, OSError) as exc:
             raise ChatRequestError(f"image not allowed: {exc}; {accepted}", param) from exc
     try:
-        img = Image.open(io.BytesIO(raw)).convert("RGB")
+        img = Image.open(io.BytesIO(raw))  # lazy: only the header is read here
+        if img.width * img.height > MAX_IMAGE_PIXELS:
+            raise ChatRequestError(f"image of {img.width}x{img.height} pixels is larger than "
+                                   f"{MAX_IMAGE_PIXELS} pixels", param)
+        img = img.convert("RGB")
+    except ChatRequestError:
+        raise
     except Exception as exc:
-        raise ChatRequestError(f"undecodable image: {exc}", param) from exc
+        raise ChatRequestError(f"undecodable image: {type(exc).__name__}", param) from None
     return np.asarray(img, dtype=np.uint8)
 
 
@@ -123,122 +136,211 @@ def _ref_voice(audio: np.ndarray, max_s: float, param: str) -> ReferenceVoice:
     return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
 
 
+# -- the request body (pydantic, like the realtime wire: duplexkit.protocol.client_events) -----------
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields this server does not use are ignored
+
+
+class _TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class _InputAudio(_Model):
+    data: StrictStr
+    format: Literal["wav", "mp3"] = "wav"
+
+
+class _InputAudioPart(_Model):
+    type: Literal["input_audio"]
+    input_audio: _InputAudio
+
+
+class _Url(_Model):
+    url: StrictStr
+
+
+class _AudioUrlPart(_Model):
+    type: Literal["audio_url"]
+    audio_url: _Url
+
+
+class _ImageUrlPart(_Model):
+    type: Literal["image_url"]
+    image_url: _Url
+
+
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none", "list"})
+_PART_TYPES = ("text", "input_audio", "audio_url", "image_url")
+_Part = Annotated[Union[_TextPart, _InputAudioPart, _AudioUrlPart, _ImageUrlPart], Field(discriminator="type")]
+
+
+class _Message(_Model):
+    role: Literal["system", "user", "assistant"]
+    content: Union[StrictStr, list[_Part], None] = None
+
+
+class _AudioOptions(_Model):
+    voice: Optional[StrictStr] = None
+    format: Literal["wav", "pcm16", "flac", "mp3", "opus"] = "wav"  # AUDIO_FORMATS
+
+
+class _TemplateKwargs(_Model):
+    use_tts_template: Optional[StrictBool] = None
+    enable_thinking: StrictBool = False
+
+
+class _StreamOptions(_Model):
+    include_usage: Optional[StrictBool] = None
+
+
+class ChatBody(_Model):
+    """The accepted ``POST /v1/chat/completions`` body (docs/protocol.md §10.1). Unknown fields are
+    ignored; ``n > 1``, ``tools``/``functions``/``logprobs`` are refused by :func:`parse_chat_request`."""
+
+    model: Optional[StrictStr] = None
+    messages: list[_Message] = Field(min_length=1, max_length=4096)
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    audio: Optional[_AudioOptions] = None
+    chat_template_kwargs: Optional[_TemplateKwargs] = None
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    temperature: Optional[Union[StrictInt, StrictFloat]] = None
+    seed: Optional[StrictInt] = None
+    n: Optional[StrictInt] = None
+    stream: Optional[StrictBool] = None
+    stream_options: Optional[_StreamOptions] = None
+    tools: Any = None
+    functions: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    prev = None
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES):
+            continue  # pydantic names the union branch it tried: not a field of the body
+        tag_level = p in _PART_TYPES and isinstance(prev, int)
+        prev = p
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif tag_level:
+            continue  # the discriminator's own level: messages[0].content[1].input_audio... reads better
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+def _validation_error(exc: ValidationError) -> ChatRequestError:
+    errors = exc.errors(include_url=False)
+    # a union reports one error per branch: the deepest one is the branch the client meant
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = _loc(tuple(first.get("loc", ()))) or None
+    if first.get("type") == "union_tag_invalid":
+        tag = (first.get("ctx") or {}).get("tag")
+        return ChatRequestError(f"unsupported content part type {tag!r}; accepted: {', '.join(_PART_TYPES)}", param)
+    if first.get("type") == "union_tag_not_found":
+        return ChatRequestError("each content part needs a 'type'", param)
+    msg = first.get("msg", "invalid value")
+    return ChatRequestError(f"{param + ': ' if param else ''}{msg}", param)
+
+
+def validate_chat_body(body: Any) -> ChatBody:
+    """The body as :class:`ChatBody`; raises :class:`ChatRequestError` (400) for any other shape."""
+    if not isinstance(body, dict):
+        raise ChatRequestError("the body must be a JSON object")
+    try:
+        return ChatBody.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    except RecursionError:
+        raise ChatRequestError("the body is nested too deeply") from None
+
+
 def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     """Convert an OpenAI chat-completions body into a :class:`ChatRequest`.
+
+    ``body`` is the decoded JSON (or an already validated :class:`ChatBody`). Audio and images are
+    decoded here (blocking: the route runs this in a worker thread, after taking a slot); audio
+    length is checked from the container header before decoding (``max_input_audio_s``,
+    ``max_ref_audio_s``).
 
     Returns ``(request, options)`` with options ``stream``, ``include_usage``, ``audio_format``,
     ``model``. Raises :class:`ChatRequestError` for every 400 case of docs/protocol.md §10.1.
     """
     s = state.settings
-    if not isinstance(body, dict):
-        raise ChatRequestError("the body must be a JSON object")
-    model = body.get("model")
+    b = body if isinstance(body, ChatBody) else validate_chat_body(body)
+    model = b.model
     if model is not None and not state.accepts_model(model):
         raise ChatRequestError(f"unknown model {model!r}", "model", "model_not_found")
-    if body.get("n") not in (None, 1):
+    if b.n not in (None, 1):
         raise ChatRequestError("n > 1 is not supported", "n")
     for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
-        if body.get(unsupported) not in (None, False, []):
+        if getattr(b, unsupported) not in (None, False, [], {}):
             raise ChatRequestError(f"{unsupported} is not supported", unsupported)
     # absent: what vLLM-Omni means for MiniCPM-o, the model's output modalities (text and audio;
     # text alone for a checkpoint without a vocoder); docs/server.md
     has_vocoder = bool(getattr(state.engine, "supports_audio", True))
-    modalities = body.get("modalities") or (["text", "audio"] if has_vocoder else ["text"])
-    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
-        raise ChatRequestError("modalities must be a subset of ['text', 'audio']", "modalities")
+    modalities = b.modalities or (["text", "audio"] if has_vocoder else ["text"])
     output_audio = "audio" in modalities
     if output_audio and not bool(getattr(state.engine, "supports_audio", True)):
         raise ChatRequestError("this server has no vocoder (its checkpoint lacks assets/token2wav): "
                                "expected modalities ['text']", "modalities")
-    audio_opts = body.get("audio") or {}
-    if not isinstance(audio_opts, dict):
-        raise ChatRequestError("audio must be an object", "audio")
-    audio_format = audio_opts.get("format", "wav")
-    if audio_format not in AUDIO_FORMATS:
-        raise ChatRequestError(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}", "audio.format")
-    kw = body.get("chat_template_kwargs") or {}
-    if not isinstance(kw, dict):
-        raise ChatRequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    use_tts_template = kw.get("use_tts_template")
-    if use_tts_template is not None and not isinstance(use_tts_template, bool):
-        raise ChatRequestError("use_tts_template must be a boolean", "chat_template_kwargs.use_tts_template")
-    enable_thinking = kw.get("enable_thinking", False)
-    if not isinstance(enable_thinking, bool):
-        raise ChatRequestError("enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking")
+    audio_opts = b.audio or _AudioOptions()
+    audio_format = audio_opts.format
+    kw = b.chat_template_kwargs or _TemplateKwargs()
+    use_tts_template = kw.use_tts_template
+    enable_thinking = kw.enable_thinking
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     if max_tokens is None:
         cap = s.max_output_tokens
         max_tokens = min(256, cap) if isinstance(cap, int) and not isinstance(cap, bool) else 256  # None/"inf": 256
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 8192:
+    if not 1 <= max_tokens <= 8192:
         raise ChatRequestError("max_tokens must be an integer in 1..8192", "max_tokens")
-    temperature = body.get("temperature", 0.7)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+    temperature = 0.7 if b.temperature is None else b.temperature
+    if not 0 <= temperature <= 2:
         raise ChatRequestError("temperature must be in 0..2", "temperature")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ChatRequestError("seed must be an integer", "seed")
+    seed = b.seed
 
-    raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        raise ChatRequestError("messages must be a non-empty list", "messages")
     messages: list[ChatMessage] = []
     ref_voice: Optional[ReferenceVoice] = None
     any_audio_in = False
-    for i, m in enumerate(raw_messages):
+    for i, m in enumerate(b.messages):
         p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ChatRequestError("each message must be an object", p)
-        role = m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ChatRequestError(f"unsupported role {role!r}", f"{p}.role")
-        content = m.get("content")
+        role = m.role
+        content = m.content
         parts: list = []
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 pp = f"{p}.content[{j}]"
-                if not isinstance(part, dict):
-                    raise ChatRequestError("each content part must be an object", pp)
-                ptype = part.get("type")
-                if ptype == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise ChatRequestError("text part needs a string 'text'", pp)
-                    parts.append(part["text"])
-                elif ptype in ("input_audio", "audio_url"):
+                if isinstance(part, _TextPart):
+                    parts.append(part.text)
+                elif isinstance(part, (_InputAudioPart, _AudioUrlPart)):
                     if role == "assistant":
                         raise ChatRequestError("assistant messages are text only", pp)
-                    if ptype == "input_audio":
-                        ia = part.get("input_audio") or {}
-                        if not isinstance(ia, dict) or not isinstance(ia.get("data"), str):
-                            raise ChatRequestError("input_audio needs base64 'data'", pp)
-                        if ia.get("format", "wav") not in ("wav", "mp3"):
-                            raise ChatRequestError("input_audio.format must be wav or mp3", pp)
+                    if isinstance(part, _InputAudioPart):
                         try:
-                            raw = base64.b64decode(ia["data"], validate=True)
+                            raw = base64.b64decode(part.input_audio.data, validate=True)
                         except (binascii.Error, ValueError) as exc:
                             raise ChatRequestError(f"input_audio.data is not base64: {exc}", pp, "bad_audio") from exc
                     else:
-                        url = (part.get("audio_url") or {}).get("url")
-                        if not isinstance(url, str):
-                            raise ChatRequestError("audio_url needs a 'url'", pp)
-                        raw = _decode_data_url(url, pp)
-                    audio = _decode_audio(raw, pp, s.max_input_audio_s)
+                        raw = _decode_data_url(part.audio_url.url, pp)
                     if role == "system":
-                        ref_voice = _ref_voice(audio, s.max_ref_audio_s, pp)
+                        ref_voice = _ref_voice(_decode_audio(raw, pp, s.max_ref_audio_s, "ref_audio_invalid"),
+                                               s.max_ref_audio_s, pp)
                     else:
                         any_audio_in = True
-                        parts.append(audio)
-                elif ptype == "image_url":
+                        parts.append(_decode_audio(raw, pp, s.max_input_audio_s))
+                else:  # _ImageUrlPart
                     if role == "assistant":
                         raise ChatRequestError("assistant messages are text only", pp)
-                    url = (part.get("image_url") or {}).get("url")
-                    if not isinstance(url, str):
-                        raise ChatRequestError("image_url needs a 'url'", pp)
-                    parts.append(_decode_image(url, pp, state))
-                else:
-                    raise ChatRequestError(f"unsupported content part type {ptype!r}", pp)
+                    parts.append(_decode_image(part.image_url.url, pp, state))
         elif content is None and role == "assistant":
             pass
         else:
@@ -246,22 +348,22 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
         if parts or role != "system":
             messages.append(ChatMessage(role=role, content=parts))
     if ref_voice is None:
-        voice = audio_opts.get("voice")
+        voice = audio_opts.voice
         voices = getattr(state, "voices", None) or {}
         ref_voice = voices.get(voice) if isinstance(voice, str) else None
         if ref_voice is None:
             ref_voice = getattr(state, "default_voice", None)
     if use_tts_template is None:
         use_tts_template = output_audio or any_audio_in
-    stream = bool(body.get("stream", False))
-    so = body.get("stream_options") or {}
+    stream = bool(b.stream)
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
     req = ChatRequest(messages=messages, output_audio=output_audio, max_tokens=max_tokens,
                       temperature=float(temperature), seed=seed, use_tts_template=use_tts_template,
                       enable_thinking=enable_thinking, ref_voice=ref_voice)
-    return req, {"stream": stream, "include_usage": bool(isinstance(so, dict) and so.get("include_usage")),
+    return req, {"stream": stream, "include_usage": include_usage,
                  "audio_format": audio_format, "model": model or state.model_id,
                  # OpenAI's audio param has both voice and format (both required there)
-                 "openai_audio": isinstance(body.get("audio"), dict) and "voice" in body["audio"]}
+                 "openai_audio": b.audio is not None and b.audio.voice is not None}
 
 
 #: ``audio.format`` values -> (soundfile format, subtype); ``pcm16`` is raw little-endian PCM16.
@@ -291,29 +393,79 @@ def encode_audio_b64(audio: np.ndarray, fmt: str) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+class BodyTooLarge(Exception):
+    """The request body exceeds ``max_body_bytes``."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (``BodyTooLarge``) a declared or actual size above ``limit`` bytes
+    before reading more than ``limit`` bytes of it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _load_and_validate(raw: bytes) -> ChatBody:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ChatRequestError(f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ChatRequestError("malformed JSON: nested too deeply", code="invalid_json") from None
+    return validate_chat_body(body)
+
+
 async def handle(state, request: Request):
     """The route body (auth already checked by the app)."""
     if not state.ready:
         return openai_error(503, "the model is loading; retry later", "session_capacity_exhausted",
                             headers={"Retry-After": str(state.settings.retry_after_s)})
+    s = state.settings
+    limit = s.max_body_bytes
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return openai_error(400, f"malformed JSON: {exc}", "invalid_json")
-    try:
-        req, opts = parse_chat_request(body, state)
+        raw = await read_body(request, limit)
+    except BodyTooLarge:
+        return openai_error(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                            "request_too_large")
+    except ClientDisconnect:
+        return Response(status_code=400)
+    try:  # JSON and shape checks in a worker thread: a 16 MiB body must not stall other sessions
+        body = await asyncio.to_thread(_load_and_validate, raw)
     except ChatRequestError as exc:
         return openai_error(400, str(exc), exc.code, param=exc.param)
-    if not state.slots.try_acquire():
-        return openai_error(503, f"all {state.slots.size} session slots are in use", "session_capacity_exhausted",
-                            headers={"Retry-After": str(state.settings.retry_after_s)})
+    client = state.client_id(state.bearer(request.headers.get("authorization")), request.scope)
+    if not state.slots.try_acquire(client):
+        return openai_error(503, state.capacity_message(client), "session_capacity_exhausted",
+                            headers={"Retry-After": str(s.retry_after_s)})
     released = False
 
     def release_slot() -> None:
         nonlocal released
         if not released:
             released = True
-            state.slots.release()
+            state.slots.release(client)
+            try:
+                from .memory import schedule_trim
+
+                schedule_trim()
+            except RuntimeError:  # no running loop (a background task after the response)
+                pass
+
+    try:  # audio/image decoding holds the slot and runs off the event loop (bounded by the limits)
+        req, opts = await asyncio.to_thread(parse_chat_request, body, state)
+    except ChatRequestError as exc:
+        release_slot()
+        return openai_error(400, str(exc), exc.code, param=exc.param)
+    except BaseException:
+        release_slot()
+        raise
 
     created = int(time.time())
     cid = "chatcmpl-" + secrets.token_hex(12)

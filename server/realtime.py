@@ -61,7 +61,7 @@ def _pick_subprotocol(offered: list[str]) -> Optional[str]:
     for p in offered:
         if not p.startswith(KEY_SUBPROTOCOL_PREFIX):
             return p
-    return offered[0]
+    return None  # never echo a key back (it would land in proxy logs and the browser's devtools)
 
 
 async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
@@ -101,9 +101,10 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
         await _reject(ws, subprotocol, _handshake_error("model_not_found", state.unknown_model_message(model), "model"),
                       1008)
         return
-    if not state.slots.try_acquire():
+    client = state.client_id(key, ws.scope)
+    if not state.slots.try_acquire(client):
         await _reject(ws, subprotocol, _handshake_error(
-            "session_capacity_exhausted", f"all {state.slots.size} session slots are in use"), 1013)
+            "session_capacity_exhausted", state.capacity_message(client)), 1013)
         return
     try:
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
@@ -118,7 +119,10 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             state.connections.discard(conn)
             state.session_closed(conn.session)
     finally:
-        state.slots.release()
+        state.slots.release(client)
+        from .memory import schedule_trim
+
+        schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
 
 
 def session_config(state, profile: str):

@@ -17,17 +17,22 @@ __all__ = ["read_wav", "write_wav", "wav_bytes"]
 Source = Union[str, Path, bytes, bytearray, memoryview, BinaryIO]
 
 
-def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
+def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None) -> tuple[np.ndarray, int]:
     """Read an audio file (WAV, FLAC, OGG, ... whatever libsndfile reads) as mono float32.
 
     Args:
         src: a path, the file's bytes, or a binary file object.
         rate: output rate in Hz; ``None`` keeps the file's rate. Resampling uses soxr (HQ).
+        max_s: longest accepted duration in seconds, or None. The length is read from the container
+            header *before* anything is decoded, and decoding stops after ``max_s`` anyway (a header
+            that lies cannot make it decode more): a small compressed file of a long silence costs
+            no memory.
     Returns:
         ``(audio, rate)``: float32 [n] in [-1, 1] (channels averaged), and its rate in Hz.
     Raises:
         FileNotFoundError for a missing path; AudioFormatError("bad_audio") for data libsndfile
-        cannot read or non-finite samples; ValueError for a non-positive ``rate``.
+        cannot read, non-finite samples, or audio longer than ``max_s``; ValueError for a
+        non-positive ``rate``.
     """
     if rate is not None and int(rate) <= 0:
         raise ValueError(f"expected a positive rate in Hz, got {rate}")
@@ -39,7 +44,18 @@ def read_wav(src: Source, rate: int | None = None) -> tuple[np.ndarray, int]:
             raise FileNotFoundError(f"audio file not found: {p}")
         src = str(p)
     try:
-        data, sr = sf.read(src, dtype="float32", always_2d=True)
+        if max_s is None:
+            data, sr = sf.read(src, dtype="float32", always_2d=True)
+        else:
+            with sf.SoundFile(src) as f:
+                sr = f.samplerate
+                limit = int(np.ceil(max_s * sr))
+                if f.frames > limit:  # from the header: nothing decoded yet
+                    raise AudioFormatError(
+                        "bad_audio", f"expected audio of at most {max_s:g} s, got {f.frames / sr:.1f} s")
+                data = f.read(limit + 1, dtype="float32", always_2d=True)
+                if len(data) > limit:
+                    raise AudioFormatError("bad_audio", f"expected audio of at most {max_s:g} s, got more")
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         # libsndfile's own reason ("Format not recognised"), without soundfile's "Error opening
         # <_io.BytesIO object at 0x...>:" prefix for in-memory sources

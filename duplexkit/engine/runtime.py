@@ -46,8 +46,9 @@ one) fails that stream only: it gets ``EngineError(code="server_error", fatal=Tr
 be half-updated), its state is freed at every stage, and its output iterator ends. An exception in
 the talker or the vocoder costs only the current turn: the unit gets a non-fatal ``EngineError``,
 that stage's turn state is dropped, and the stream keeps serving (the Session ends the response
-``failed`` and advances the epoch). A batch call that raises with several
-streams fails all of them (their state may be half-updated); other streams keep running.
+``failed`` and advances the epoch). A batch call that raises with several streams is retried in
+halves until the failing stream is alone (:meth:`StageRuntime._call_split`): only that stream
+fails, its co-batched streams get their results and keep running.
 Errors not tied to a unit carry ``unit_index=-1``.
 """
 
@@ -632,16 +633,30 @@ class StageRuntime:
                 run_idx.append(i)
         t0 = time.perf_counter()
         if run_idx:
-            try:
-                out = fn([items[i] for i in run_idx])
-                if len(out) != len(run_idx):
-                    raise RuntimeError(f"{stage} returned {len(out)} results for {len(run_idx)} items")
-                for i, r in zip(run_idx, out):
-                    results[i] = r
-            except Exception as exc:  # noqa: BLE001 - fails the streams of this batch only
-                for i in run_idx:
-                    results[i] = exc
+            self._call_split(stage, fn, items, run_idx, results)
         return results, t0, time.perf_counter()
+
+    def _call_split(self, stage: str, fn: Callable[[list], list], items: list, idx: list, results: list) -> None:
+        """Run ``fn`` on ``items[idx]``; when the batch call raises, retry it in halves until the
+        failing stream(s) are alone, so that one bad stream fails only itself (co-batched streams
+        go on). Costs at most ``2·log2(n)`` extra calls per failing stream. Stage functions must
+        leave a stream's state untouched when they raise for the batch (validate, then mutate)."""
+        try:
+            out = fn([items[i] for i in idx])
+            if len(out) != len(idx):
+                raise RuntimeError(f"{stage} returned {len(out)} results for {len(idx)} items")
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(idx) == 1:
+                results[idx[0]] = exc
+                return
+            log.warning("%s batch of %d raised %s: %s; retrying in halves to isolate the stream",
+                        stage, len(idx), type(exc).__name__, exc)
+            mid = len(idx) // 2
+            self._call_split(stage, fn, items, idx[:mid], results)
+            self._call_split(stage, fn, items, idx[mid:], results)
+            return
+        for i, r in zip(idx, out):
+            results[i] = r
 
     def _mark_queue_wait(self, work: list, stage: str) -> None:
         """Add the time each item waited in its stage queue to its unit's ``queue_ms`` (and to

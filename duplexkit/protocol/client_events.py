@@ -429,6 +429,9 @@ def parse_client_event(
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProtocolError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {exc}", event_id=sniff_event_id(raw)) from None
+        except RecursionError:
+            raise ProtocolError(ErrorCode.INVALID_JSON, "frame is nested too deeply to parse",
+                                event_id=sniff_event_id(raw)) from None
         if not isinstance(data, dict):
             raise ProtocolError(ErrorCode.INVALID_JSON, "frame is not a JSON object")
     eid = data.get("event_id")
@@ -444,6 +447,8 @@ def parse_client_event(
         data = {**data, "type": etype}
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_EVENT, f"{etype}: nested too deeply", event_id=echo_id) from None
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
