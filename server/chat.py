@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
-from duplexkit.errors import DuplexkitError
+from duplexkit.errors import DuplexkitError, ErrorCode
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
 from .app import openai_error
@@ -393,8 +393,10 @@ def encode_audio_b64(audio: np.ndarray, fmt: str) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-class BodyTooLarge(Exception):
-    """The request body exceeds ``max_body_bytes``."""
+class BodyTooLarge(DuplexkitError):
+    """The request body exceeds ``max_body_bytes`` (answered with HTTP 413)."""
+
+    default_code = ErrorCode.EVENT_TOO_LARGE.value
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -72,7 +72,7 @@ def dialect_of_first_update(frame: Any) -> Optional[str]:
     if isinstance(frame, (str, bytes, bytearray)):
         try:
             frame = json.loads(frame)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # the Session answers invalid_json
             return None
     if not isinstance(frame, dict):
         return None
