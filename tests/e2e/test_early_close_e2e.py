@@ -64,6 +64,9 @@ async def test_answer_comes_without_another_unit_of_input(slack_server, fixtures
         evs = await _recv_until(ws, lambda e: e["type"] in ("response.output_audio.delta", "error"))
         assert evs[-1]["type"] == "response.output_audio.delta", evs[-1]
         assert [e for e in evs if e["type"] == "response.created"][0]["response"]["trigger"] == "client"
-        # no further listening unit was needed between the request and the answer
-        assert not [e for e in evs if e["type"] == "response.listen"]
+        # no further listening unit was needed between the request and the answer; with a commit
+        # first, the commit's own padded unit (decided listen: answer policy on_request) may be
+        # decided after the request arrived on a busy machine, so its one beat may land here
+        late = [e for e in evs if e["type"] == "response.listen"]
+        assert len(late) <= (1 if commit_first else 0), late
 
