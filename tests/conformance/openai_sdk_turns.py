@@ -174,16 +174,16 @@ async def semantic_vad_turn(http_url: str, model: str, wav, *, timeout: float = 
     return s
 
 
-async def server_vad_barge_in(http_url: str, model: str, wav, interrupt_wav, *, pause_s: float = 0.8,
-                              timeout: float = 60.0) -> dict:
+async def server_vad_barge_in(http_url: str, model: str, wav, interrupt_wav, *,
+                              pause_s: float = 0.8, timeout: float = 60.0) -> dict:
     """A barge-in as OpenAI documents it for a WebSocket client with the default ``server_vad``
     (``interrupt_response: true``): speak; once the answer's first audio arrives, speak over it; on
     ``input_audio_buffer.speech_started`` the client stops its playback and sends
     ``conversation.item.truncate`` with the ms of the answer it received (all of it "played": this
     client plays instantly). ``pause_s`` (s) of silence after the first utterance: enough for the
     server VAD to end the turn, short enough that the answer still runs when the user speaks again
-    (the duplex engine advances with the input it is sent). The server cancels the answer and answers the second utterance.
-    Every event is validated against ``openai.types.realtime.RealtimeServerEvent``; returns both
+    (the duplex engine advances with the input it is sent). The server cancels the answer and
+    answers the second utterance. Every event is validated against ``openai.types.realtime.RealtimeServerEvent``; returns both
     responses' statuses, audio sample counts, the truncate reply and the event types in order."""
     adapter = _adapter()
     client = sdk_client(http_url)

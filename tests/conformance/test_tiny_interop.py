@@ -94,8 +94,8 @@ async def test_tiny_agents_sdk_barge_in(tiny_server):
     agents_sdk()
     from agents_sdk_flows import voice_turn
 
-    s = await voice_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav", interrupt_wav=FIXTURES / "interrupt_16k.wav",
-                         timeout=600)
+    s = await voice_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav",
+                         interrupt_wav=FIXTURES / "interrupt_16k.wav", timeout=600)
     assert not s["errors"], s["errors"]
     assert s["interrupted"] and len(s["audio"]) == 2 and all(len(a) > 0 for a in s["audio"].values())
 
