@@ -172,3 +172,64 @@ async def semantic_vad_turn(http_url: str, model: str, wav, *, timeout: float = 
     s = summarize(events)
     s["session"] = upd.session
     return s
+
+
+async def server_vad_barge_in(http_url: str, model: str, wav, interrupt_wav, *,
+                              pause_s: float = 0.8, timeout: float = 60.0) -> dict:
+    """A barge-in as OpenAI documents it for a WebSocket client with the default ``server_vad``
+    (``interrupt_response: true``): speak; once the answer's first audio arrives, speak over it; on
+    ``input_audio_buffer.speech_started`` the client stops its playback and sends
+    ``conversation.item.truncate`` with the ms of the answer it received (all of it "played": this
+    client plays instantly). ``pause_s`` (s) of silence after the first utterance: enough for the
+    server VAD to end the turn, short enough that the answer still runs when the user speaks again
+    (the duplex engine advances with the input it is sent). The server cancels the answer and
+    answers the second utterance. Every event is validated against ``openai.types.realtime.RealtimeServerEvent``; returns both
+    responses' statuses, audio sample counts, the truncate reply and the event types in order."""
+    adapter = _adapter()
+    client = sdk_client(http_url)
+    events: list = []
+    audio: dict[str, int] = {}  # item_id -> samples received (24 kHz pcm16)
+    done: list = []
+    truncated = None
+    async with client.realtime.connect(model=model) as conn:
+        first = await conn.recv()
+        assert first.type == "session.created", first.type
+        adapter.validate_python(first.model_dump(exclude_unset=True))
+        td = first.session.audio.input.turn_detection
+        assert td is not None and td.type == "server_vad" and td.interrupt_response, td
+
+        async def speak(path, silence_s):
+            for chunk in pcm24k_b64(path, seconds_of_silence=silence_s):
+                await conn.input_audio_buffer.append(audio=chunk)
+
+        sender = asyncio.create_task(speak(wav, pause_s))
+        first_item = None
+        async with asyncio.timeout(timeout):
+            while len(done) < 2:
+                ev = await conn.recv()
+                raw = ev.model_dump(exclude_unset=True)
+                if raw.get("type") not in EXTENSION_EVENTS:
+                    adapter.validate_python(raw)
+                events.append(ev)
+                if ev.type == "error":
+                    raise AssertionError(f"server error: {raw}")
+                if ev.type == "response.output_audio.delta":
+                    audio[ev.item_id] = audio.get(ev.item_id, 0) + len(base64.b64decode(ev.delta)) // 2
+                    if first_item is None:  # the answer is playing: speak over it
+                        first_item = ev.item_id
+                        await sender
+                        sender = asyncio.create_task(speak(interrupt_wav, 1.5))
+                elif ev.type == "input_audio_buffer.speech_started" and first_item is not None and not done \
+                        and truncated is None:
+                    await conn.conversation.item.truncate(item_id=first_item, content_index=0,
+                                                          audio_end_ms=audio[first_item] * 1000 // 24_000)
+                    truncated = "sent"
+                elif ev.type == "conversation.item.truncated":
+                    truncated = ev
+                elif ev.type == "response.done":
+                    done.append(ev.response)
+        await sender
+    items = [r.output[0].id if r.output else None for r in done]
+    return {"types": [e.type for e in events], "statuses": [r.status for r in done],
+            "audio_samples": [audio.get(i, 0) for i in items], "items": items, "first_item": first_item,
+            "truncated": truncated}

@@ -69,3 +69,19 @@ async def test_sdk_semantic_vad_update_applies_everything(server):
     assert s["session"].instructions == "Be brief." and s["session"].audio.output.voice == "ash"
     assert s["status"] == "completed" and s["audio_samples"] == 48000
     assert "input_audio_buffer.speech_stopped" in s["types"]
+
+
+async def test_sdk_server_vad_barge_in_with_client_truncate(server):
+    from openai_sdk_turns import server_vad_barge_in
+
+    s = await server_vad_barge_in(server.url, "gpt-realtime", FIXTURES / "question_16k.wav",
+                                  FIXTURES / "interrupt_16k.wav", timeout=60)
+    assert s["statuses"] == ["cancelled", "completed"]
+    cut, answer = s["audio_samples"]
+    assert 0 < cut < 48000 and answer == 48000  # the first answer cut inside its 2 s; the second whole
+    assert s["items"][0] == s["first_item"] and s["items"][1] != s["first_item"]
+    t = s["truncated"]
+    assert t != "sent" and t.item_id == s["first_item"] and 0 <= t.audio_end_ms <= cut * 1000 // 24000
+    types = s["types"]
+    stop = types.index("input_audio_buffer.speech_started", types.index("response.output_audio.delta"))
+    assert types.index("response.done") > stop  # cancelled after the user spoke over it

@@ -77,3 +77,45 @@ def test_tiny_chat_openai_sdk_and_vllm_omni_style(tiny_server):
         "model": "openbmb/MiniCPM-o-4_5", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
     choices = r.json()["choices"]
     assert [ch["index"] for ch in choices] == [0, 1] and choices[1]["message"]["audio"]["data"]
+
+
+async def test_tiny_openai_sdk_ga_barge_in(tiny_server):
+    from openai_sdk_turns import server_vad_barge_in
+
+    s = await server_vad_barge_in(tiny_server.url, "gpt-realtime", FIXTURES / "question_16k.wav",
+                                  FIXTURES / "interrupt_16k.wav", timeout=600)
+    assert s["statuses"][0] == "cancelled" and s["statuses"][1] in ENDED, s["statuses"]
+    assert s["audio_samples"][0] > 0 and s["audio_samples"][1] > 0
+    assert s["items"][1] != s["first_item"] and s["truncated"] not in (None, "sent")
+    assert s["truncated"].item_id == s["first_item"]
+
+
+async def test_tiny_agents_sdk_barge_in(tiny_server):
+    agents_sdk()
+    from agents_sdk_flows import voice_turn
+
+    s = await voice_turn(tiny_server.ws_url, FIXTURES / "question_16k.wav",
+                         interrupt_wav=FIXTURES / "interrupt_16k.wav", timeout=600)
+    assert not s["errors"], s["errors"]
+    assert s["interrupted"] and len(s["audio"]) == 2 and all(len(a) > 0 for a in s["audio"].values())
+
+
+def test_tiny_chat_openai_sdk_stream_audio(tiny_server):
+    import base64
+
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletionChunk
+
+    stream = OpenAI(api_key="sk-unused", base_url=tiny_server.url + "/v1", timeout=600).chat.completions.create(
+        model="gpt-4o-audio-preview", modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+        max_tokens=8, messages=[{"role": "user", "content": "Hello"}], stream=True)
+    content, pcm, finish = "", b"", None
+    for chunk in stream:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+        for ch in chunk.choices:
+            assert ch.index == 0
+            content += ch.delta.content or ""
+            if ch.delta.audio is not None:
+                pcm += base64.b64decode(ch.delta.audio.data or "")
+            finish = ch.finish_reason or finish
+    assert content == "" and len(pcm) > 0 and len(pcm) % 2 == 0 and finish in ("stop", "length")
