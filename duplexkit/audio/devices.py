@@ -337,6 +337,11 @@ class SpeakerStream(_PortAudioStream):
     def on_render(self, callback) -> None:
         self.source.on_render(callback)
 
+    def forget(self, response_id: str) -> None:
+        forget = getattr(self.source, "forget", None)
+        if forget is not None:
+            forget(response_id)
+
     def _callback(self, outdata: np.ndarray, frames: int, time_info: Any, status: Any) -> None:
         x = np.asarray(self.source.read(frames), dtype=np.float32)
         if x.shape[0] != frames:  # a misbehaving source must not crash the audio thread
