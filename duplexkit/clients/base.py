@@ -71,6 +71,9 @@ class BaseDuplexClient(abc.ABC):
                                      max_buffered_events=max_buffered_events)
         if self.options.input_rate < 8000 or self.options.input_rate > 48000:
             raise ValueError("input_rate must be within 8000..48000 Hz (docs/protocol.md §6.1)")
+        if echo not in (None, False, True, "off", "gate", "aec", "auto") and \
+                type(echo).__name__ != "EchoConfig":
+            raise ValueError(f"echo must be None, 'off', 'gate', 'aec', 'auto' or an EchoConfig, got {echo!r}")
         from duplexkit.audio import VirtualPlayer
 
         if player is None:
@@ -177,6 +180,9 @@ class BaseDuplexClient(abc.ABC):
         :class:`DuplexTimeout`. On any of these the session is closed and the transport released
         before the error is raised (no ``close()`` is needed).
         """
+        if self._released:
+            raise DuplexConnectionError("the client is closed; make a new one to connect again",
+                                        code="client_closed")
         if self._opened:
             return self.session
         self._opened = True
@@ -236,6 +242,7 @@ class BaseDuplexClient(abc.ABC):
             if not self.state.closed:
                 self._apply(self.state.close())
             self._finish_streams(None)
+            self.player.flush(None)  # the session is over: nothing of it plays on
             if self._own_player:
                 await self.player.stop()
             for t in list(self._bg):
@@ -251,15 +258,27 @@ class BaseDuplexClient(abc.ABC):
                 resampler per stream, no seams) and encoded for the session's declared input
                 format and rate (pcm16, pcm_f32le, G.711; the last ``session.updated``).
         Raises:
-            ValueError: a non-1-D array; :class:`DuplexConnectionError` if the connection is gone.
+            ValueError: a non-1-D array or a rate outside 8000..48000 Hz;
+            :class:`~duplexkit.audio.AudioFormatError` (a ``ValueError``): non-finite samples;
+            TypeError: not bytes, a float or an int16 array;
+            :class:`DuplexConnectionError`: the client is closed (``client_closed``) or the
+            connection is gone.
         """
         from duplexkit.audio import pcm16_to_float32
 
-        src_rate = int(rate) if rate is not None else self.options.input_rate
+        self._check_open()
+        src_rate = self.options.input_rate if rate is None else _check_rate(rate)
         if isinstance(audio, np.ndarray):
             if audio.ndim != 1:
-                raise ValueError(f"expected mono float32 [n], got shape {audio.shape}")
-            x = np.asarray(audio, np.float32)
+                raise ValueError(f"expected mono audio of shape [n], got shape {audio.shape}")
+            if audio.dtype == np.int16:  # pcm16 samples
+                x = audio.astype(np.float32) / 32768.0
+            elif np.issubdtype(audio.dtype, np.floating):
+                x = np.asarray(audio, np.float32)
+            else:
+                raise TypeError(f"expected a float32 (or int16) array, got dtype {audio.dtype}")
+        elif not isinstance(audio, (bytes, bytearray, memoryview)):
+            raise TypeError(f"expected pcm16 bytes or a numpy array, got {type(audio).__name__}")
         else:
             data = self._pcm_carry + bytes(audio)
             cut = len(data) - (len(data) % 2)
@@ -276,11 +295,13 @@ class BaseDuplexClient(abc.ABC):
     async def commit(self) -> Any:
         """``input_audio_buffer.commit``; returns ``input_audio_buffer.committed`` (typed).
         Raises :class:`DuplexError` (e.g. ``input_audio_buffer_empty``)."""
+        self._pcm_carry = b""  # an incomplete sample is dropped at a commit (docs/protocol.md §6.1)
         await self._flush_encoder()
         return await self._request({"type": "input_audio_buffer.commit"}, "input_audio_buffer.committed")
 
     async def clear_input(self) -> Any:
         """``input_audio_buffer.clear``; returns ``input_audio_buffer.cleared`` (typed)."""
+        self._pcm_carry = b""
         if self._encoder is not None:
             self._encoder.flush()  # held-back samples belong to the cleared audio
         return await self._request({"type": "input_audio_buffer.clear"}, "input_audio_buffer.cleared")
@@ -305,6 +326,7 @@ class BaseDuplexClient(abc.ABC):
         """``response.cancel`` (docs/protocol.md §7.3). Races (nothing active) are swallowed.
         The server's ``response.done{cancelled}`` then flushes the player and reports what was
         heard; use :meth:`barge_in` to stop what is audible at once."""
+        self._check_open()
         ev: dict[str, Any] = {"type": "response.cancel"}
         if response_id:
             ev["response_id"] = response_id
@@ -315,7 +337,10 @@ class BaseDuplexClient(abc.ABC):
         if it is still generating, flush the player and report ``playback.ack{played_ms,
         truncate:true}`` of what was heard. Works on the tail that is still playing after
         ``response.done``. Returns the interrupted handle, or None when nothing was audible."""
-        rec, actions = self.state.barge_in()
+        rec, actions = self.state.barge_in()  # the player is flushed here, whatever the transport
+        if self._released or self._failure is not None:
+            self._apply([a for a in actions if not isinstance(a, cs.Send)])
+            return rec
         await self._apply_async(actions)
         return rec
 
@@ -323,6 +348,9 @@ class BaseDuplexClient(abc.ABC):
                            truncate: bool = False) -> None:
         """``playback.ack``: report cumulative ms of ``response_id`` actually played
         (docs/protocol.md §7.5; automatic with ``auto_ack``). Raises ValueError for a negative value."""
+        self._check_open()
+        if isinstance(played_ms, bool) or not float(played_ms).is_integer():
+            raise ValueError(f"played_ms must be a whole number of ms, got {played_ms!r}")
         await self._send_action(self.state.ack(response_id, played_ms, item_id=item_id, truncate=truncate))
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> Any:
@@ -336,6 +364,7 @@ class BaseDuplexClient(abc.ABC):
         follow its input format. Raises :class:`DuplexError`."""
         if "ref_audio" in session_fields and session_fields["ref_audio"] is not None:
             session_fields["ref_audio"] = ref_audio_data_url(session_fields["ref_audio"])
+        self._pcm_carry = b""  # a format change drops an incomplete sample (docs/protocol.md §6.1)
         await self._request({"type": "session.update", "session": session_fields}, "session.updated")
         return self.session
 
@@ -417,7 +446,15 @@ class BaseDuplexClient(abc.ABC):
                                   "audio": base64.b64encode(tail).decode("ascii")})
 
     # ------------------------------------------------------------------ internals: sending/waiting
+    def _check_open(self) -> None:
+        """Raise what a call after the end gets: the transport failure, or ``client_closed``."""
+        if self._released:
+            raise DuplexConnectionError("the client is closed", code="client_closed")
+        if self._failure is not None:
+            raise self._failure
+
     async def _send(self, event: dict) -> None:
+        self._check_open()
         await self._send_action(self.state.request(event) if not self.state.closed else cs.Send(event))
 
     async def _send_action(self, action: "cs.Send") -> None:
@@ -431,6 +468,7 @@ class BaseDuplexClient(abc.ABC):
     async def _request(self, event: dict, what: str) -> Any:
         """Send ``event`` through the correlation map and wait for its reply (``what`` names it
         for the timeout message). Raises what the reply carries, :class:`DuplexTimeout`."""
+        self._check_open()
         action = self.state.request(event)
         eid = action.event["event_id"]
         if what == "session.created":
@@ -565,3 +603,11 @@ class BaseDuplexClient(abc.ABC):
     @abc.abstractmethod
     async def _shutdown(self) -> None:
         """Release the transport."""
+
+
+def _check_rate(rate) -> int:
+    """A per-call source rate: an integer number of Hz within 8000..48000 (the input rates of
+    docs/protocol.md §6.1). Raises ValueError."""
+    if isinstance(rate, bool) or not float(rate).is_integer() or not 8000 <= int(rate) <= 48000:
+        raise ValueError(f"rate must be an integer within 8000..48000 Hz, got {rate!r}")
+    return int(rate)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
 
 import numpy as np
 
-from duplexkit.errors import DuplexTimeout
+from duplexkit.errors import DuplexConnectionError, DuplexTimeout
 
 from . import state as cs
 
@@ -209,7 +209,10 @@ class ResponseHandle(cs.ResponseRecord):
         """Wait until playback of this response is settled (fully played, or flushed by a
         barge-in/cancel); returns its ``played_ms``. Raises :class:`DuplexTimeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        await self.wait(timeout)
+        try:
+            await self.wait(timeout)
+        except DuplexConnectionError:
+            pass  # generation ended with the connection; what arrived still plays
         while not self.heard_final and self.audio_samples and (self.audible or self._client._player_busy(self)):
             if deadline is not None and time.monotonic() > deadline:
                 raise DuplexTimeout(f"response {self.id} still playing after {timeout} s")

@@ -234,7 +234,9 @@ class ClientState:
         Raises :class:`~duplexkit.errors.DuplexConnectionError` once the session is over.
         """
         if self.closed:
-            raise DuplexConnectionError("the session is closed", code="session_closed")
+            raise DuplexConnectionError("the session is closed: the server ended it"
+                                        + (f" ({self.close_reason})" if self.close_reason else ""),
+                                        code="connection_lost")
         ev = dict(event)
         eid = ev.setdefault("event_id", self.new_event_id())
         replies = REPLY_TYPES.get(str(ev.get("type")), ())
@@ -277,7 +279,7 @@ class ClientState:
         if target is None:
             return None, self._take()
         self.barge_ins += 1
-        if target.generating:
+        if target.generating and not self.closed:  # a closed session: stop the audio, send nothing
             self._out.append(self.request({"type": "response.cancel", "response_id": target.id}, quiet=True))
         for rec in list(self.responses.values()):
             if rec is target or (rec.audible and not rec.heard_final):
@@ -530,7 +532,7 @@ class ClientState:
         rec.flushed = True
         played = rec.played_ms
         self._out.append(PlaybackFlushed(rec.id, played, dropped, reason))
-        if self.auto_ack and not rec.heard_final and rec.audio_samples:
+        if self.auto_ack and not rec.heard_final and rec.audio_samples and not self.closed:
             self._out.append(self.ack(rec.id, played, truncate=True))
         rec.heard_final = True
 
@@ -541,7 +543,7 @@ class ClientState:
         played = rec.played_ms
         rec.heard_final = True
         self._out.append(PlaybackHeard(rec.id, played))
-        if self.auto_ack:
+        if self.auto_ack and not self.closed:
             self._out.append(self.ack(rec.id, played, truncate=True))  # final: it has all played
 
     def _end(self, error: Optional[BaseException]) -> None:
