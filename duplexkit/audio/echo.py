@@ -84,7 +84,8 @@ class EchoConfig:
             the echo, which a maximum would take for echo.
         stream_delay_ms: delay hint for the AEC, ms (AEC3 estimates the delay itself; default 0).
         max_reference_lead_ms: reference queued ahead of the capture by more than this is dropped
-            (oldest first) to re-align after a stall, ms (default 1000).
+            (oldest first) to re-align after a stall, ms (default 3000: a client whose event loop
+            stalls for up to 3 s while the speaker keeps rendering keeps its echo reference).
     Raises:
         ValueError on out-of-range values.
     """
@@ -98,7 +99,7 @@ class EchoConfig:
     gain_window_ms: int = 2000
     gain_percentile: float = 90.0
     stream_delay_ms: int = 0
-    max_reference_lead_ms: int = 1000
+    max_reference_lead_ms: int = 3000
 
     def __post_init__(self) -> None:
         if self.mode not in ("gate", "aec"):

@@ -49,12 +49,20 @@ async def test_vllm_omni_duplex_turn(clients, server):
     assert "response.audio.delta" not in types
 
 
-async def test_vllm_omni_barge_in(clients, server):
+@pytest.fixture(scope="module")
+def long_server():
+    """6-unit answers: the cancel after the first chunk always finds the answer still going, even
+    on a machine so busy that the server feeds several silence units at once after a stall."""
+    with ServerProc("scripted", "--scripted", "speak_after_units=2", "--scripted", "units_per_turn=6") as srv:
+        yield srv
+
+
+async def test_vllm_omni_barge_in(clients, long_server):
     from vllm_omni_flows import barge_in
 
-    s = await barge_in(server.ws_url, FIXTURES / "question_16k.wav", FIXTURES / "interrupt_16k.wav")
+    s = await barge_in(long_server.ws_url, FIXTURES / "question_16k.wav", FIXTURES / "interrupt_16k.wav")
     assert s["first_status"] == "cancelled" and s["first_audio_bytes"] > 0
-    assert s["second_status"] == "completed" and s["second_audio_bytes"] == 3 * 48000
+    assert s["second_status"] == "completed" and s["second_audio_bytes"] == 6 * 48000
     assert s["second_transcript"] and s["second_id"] != s["first_id"]
     assert "error" not in [e["type"] for e in s["events"]]
 
