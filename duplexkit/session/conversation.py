@@ -27,7 +27,9 @@ from duplexkit.protocol import (
 
 
 @dataclass
-class _Item:
+class _ConvItem:
+    """One conversation item as the Session keeps it (the wire object is ``protocol.Item``)."""
+
     id: str
     role: str
     kind: str  # "input_audio" | "input_text" | "output_audio" | "output_text"
@@ -70,17 +72,17 @@ class ConversationMixin:
             prev = k
         return None
 
-    def _add_item(self, it: _Item) -> None:
+    def _add_item(self, it: _ConvItem) -> None:
         self._used_ids.add(it.id)
         self._items[it.id] = it
 
-    def _find_item(self, item_id: str) -> _Item:
+    def _find_item(self, item_id: str) -> _ConvItem:
         it = self._items.get(item_id)
         if it is None:
             raise KeyError(item_id)
         return it
 
-    def _truth_text(self, it: _Item) -> str:
+    def _truth_text(self, it: _ConvItem) -> str:
         if it.kind != "output_audio":
             return it.text
         chars = 0
@@ -114,7 +116,7 @@ class ConversationMixin:
             if self._units_appended > 0:
                 raise bad("text items are accepted only before the first unit is consumed", "item.content")
             text = "".join(c.text or "" for c in item.content)
-            it = _Item(id=item.id or self._new_item_id(), role=item.role, kind="input_text", text=text)
+            it = _ConvItem(id=item.id or self._new_item_id(), role=item.role, kind="input_text", text=text)
             (self._system_text if item.role == "system" else self._seed_text).append(text)
             prev = self._last_item_id()
             self._add_item(it)
@@ -140,7 +142,7 @@ class ConversationMixin:
             self._push_real(self._resampler.process(x), now_ms)
             self._flush_input(now_ms)
             self._since_commit = 0
-            it = _Item(id=item.id or self._new_item_id(), role="user", kind="input_audio")
+            it = _ConvItem(id=item.id or self._new_item_id(), role="user", kind="input_audio")
             prev = self._last_item_id()
             self._add_item(it)
             self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))

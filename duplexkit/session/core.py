@@ -48,7 +48,7 @@ from duplexkit.engine.api import (
     CloseStream,
     Decision,
     EngineCommand,
-    EngineError,
+    EngineFailure,
     EngineOutput,
     INPUT_SAMPLE_RATE,
     OpenStream,
@@ -85,7 +85,7 @@ from duplexkit.protocol import (
     parse_client_event,
 )
 from duplexkit.session.config import CloseConnection, SessionConfig, UNIT_PERIOD_MS
-from duplexkit.session.conversation import _Item
+from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response, reason_to_cancel
 from duplexkit.session.conversation import ConversationMixin
 from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
@@ -179,9 +179,9 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._inflight_samples = 0
         self._force_listen_left = 0
         # conversation
-        self._items: "OrderedDict[str, _Item]" = OrderedDict()
+        self._items: "OrderedDict[str, _ConvItem]" = OrderedDict()
         self._used_ids: set = set()
-        self._responses: dict[str, _Item] = {}  # response id -> assistant item (responses that opened one)
+        self._responses: dict[str, _ConvItem] = {}  # response id -> assistant item (responses that opened one)
         self._issued: set = set()  # every response id this session issued
         self._warned: set = set()  # params that already got a session.warning
         self._update_warnings: list = []
@@ -297,7 +297,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             return
         if isinstance(out, Decision):
             self._consumed(out.unit_index)
-        if isinstance(out, EngineError) and out.fatal:
+        if isinstance(out, EngineFailure) and out.fatal:
             self._engine_fatal(out)
             return
         if self._trace_wait is not None and isinstance(out, UnitTimings):
@@ -314,7 +314,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._on_audio(out)
         elif isinstance(out, TurnEnd):
             self._on_turn_end(out)
-        elif isinstance(out, EngineError):
+        elif isinstance(out, EngineFailure):
             self._engine_failed(out)
         elif isinstance(out, UnitTimings):
             self.timings = dict(out.timings)

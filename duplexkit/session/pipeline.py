@@ -23,7 +23,7 @@ from duplexkit.protocol import (
     SpeechStopped,
 )
 from duplexkit.session.config import MIN_COMMIT_SAMPLES
-from duplexkit.session.conversation import _Item
+from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.machine import PhaseEvent
 
 
@@ -312,7 +312,7 @@ class InputPipelineMixin:
         self._since_commit = 0
         uid = item_id or self._new_item_id()
         prev = self._last_item_id()
-        it = _Item(id=uid, role="user", kind="input_audio")
+        it = _ConvItem(id=uid, role="user", kind="input_audio")
         self._add_item(it)
         self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
         self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))

@@ -16,7 +16,7 @@ from duplexkit.engine.api import (
     CancelEpoch,
     CloseStream,
     Decision,
-    EngineError,
+    EngineFailure,
     EngineOutput,
     OUTPUT_SAMPLE_RATE,
     TextDelta,
@@ -56,7 +56,7 @@ from duplexkit.protocol import (
 )
 from duplexkit.protocol.server_events import StatusError
 from duplexkit.session.config import CloseConnection
-from duplexkit.session.conversation import _Item
+from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
 from duplexkit.session.machine import PhaseEvent
 
@@ -198,7 +198,7 @@ class ResponsesMixin:
     def _open_envelope(self, r: _Response) -> None:
         r.opened = True
         prev = self._last_item_id()
-        it = _Item(id=r.item_id, role="assistant", kind="output_audio" if r.audio else "output_text",
+        it = _ConvItem(id=r.item_id, role="assistant", kind="output_audio" if r.audio else "output_text",
                    status="in_progress", response_id=r.id)
         self._add_item(it)
         self._responses[r.id] = it
@@ -303,7 +303,7 @@ class ResponsesMixin:
         else:
             self._finish("completed", None)
 
-    def _engine_failed(self, e: EngineError) -> None:
+    def _engine_failed(self, e: EngineFailure) -> None:
         if self._resp is None:
             self._error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "engine error"))
             return
@@ -312,7 +312,7 @@ class ResponsesMixin:
         self._finish("failed", StatusDetails(type="failed", error=StatusError(
             type="server_error", code=e.code or "server_error", message=e.message or "engine error")))
 
-    def _engine_fatal(self, e: EngineError) -> None:
+    def _engine_fatal(self, e: EngineFailure) -> None:
         if self._resp is not None:
             self._advance_epoch()
             self._finish("failed", StatusDetails(type="failed", error=StatusError(

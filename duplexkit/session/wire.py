@@ -21,7 +21,7 @@ from duplexkit.protocol import (
     TurnDetectionObject,
     Usage,
 )
-from duplexkit.session.conversation import _Item
+from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response
 
 
@@ -31,7 +31,7 @@ EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "sess
 class WireObjectsMixin:
     """Builds the wire objects of :class:`~duplexkit.session.Session` from its state (no state of its own)."""
 
-    def _item_model(self, it: _Item, truth: bool = False) -> Item:
+    def _item_model(self, it: _ConvItem, truth: bool = False) -> Item:
         if it.kind == "input_audio":
             content = [ContentPart(type="input_audio")]
         elif it.kind == "input_text":

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from duplexkit.engine.api import Decision, EngineError, TextDelta, TurnEnd
+from duplexkit.engine.api import Decision, EngineFailure, TextDelta, TurnEnd
 from duplexkit.protocol import ErrorCode, TransitionError
 from duplexkit.session import TRANSITIONS, Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.machine import mermaid_diagram
@@ -137,7 +137,7 @@ STIMULI: dict[PhaseEvent, Callable[[Driver], None]] = {
     PhaseEvent.CANCEL: lambda d: d.send({"type": "response.cancel"}),
     PhaseEvent.BARGE_IN: _barge_in,
     PhaseEvent.TOKEN_CAP: _token_cap,
-    PhaseEvent.FAIL: lambda d: d.engine(EngineError(d.sid, d.s.epoch, d.last_unit(), message="boom")),
+    PhaseEvent.FAIL: lambda d: d.engine(EngineFailure(d.sid, d.s.epoch, d.last_unit(), message="boom")),
     PhaseEvent.CLOSE: lambda d: d.send({"type": "close"}),
 }
 
