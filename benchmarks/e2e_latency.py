@@ -334,7 +334,7 @@ def _serve_inprocess(engine, max_sessions: int):
 
 def _start_local(a, max_sessions: int):
     """scripted / tiny in this process (``--trace``): the same engine ``duplexkit serve`` loads."""
-    from duplexkit.cli import load_engine
+    from duplexkit.engine import load_engine
 
     scripted = {"unit_delay_s": a.unit_delay_ms / 1000, "units_per_turn": 4} if a.model == "scripted" else None
     return _serve_inprocess(load_engine(a.model, progress=False, scripted=scripted), max_sessions)

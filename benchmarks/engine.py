@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from duplexkit.engine import DuplexEngine  # noqa: E402
 from duplexkit.engine.api import (  # noqa: E402
-    OUTPUT_SAMPLE_RATE, AppendUnit, AudioChunk, EngineError, ForceSpeak, StreamConfig, UnitTimings,
+    OUTPUT_SAMPLE_RATE, AppendUnit, AudioChunk, EngineFailure, ForceSpeak, StreamConfig, UnitTimings,
 )
 
 KEYS = [("total", "total_ms"), ("queue", "queue_ms"), ("prefill", "thinker_prefill_ms"),
@@ -77,7 +77,7 @@ async def run_level(engine, n_streams: int, n_units: int, pace: str = "realtime"
                 got += 1
                 if got >= n_units:
                     break
-            elif isinstance(o, EngineError):
+            elif isinstance(o, EngineFailure):
                 errors.append(o.message)
                 break
         ttfp.append(first if first is not None else float("nan"))

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from duplexkit.engine import DuplexEngine  # noqa: E402
 from duplexkit.engine.api import (  # noqa: E402
-    OUTPUT_SAMPLE_RATE, AppendUnit, AudioChunk, EngineError, ForceSpeak, StreamConfig, UnitTimings,
+    OUTPUT_SAMPLE_RATE, AppendUnit, AudioChunk, EngineFailure, ForceSpeak, StreamConfig, UnitTimings,
 )
 from duplexkit.engine.layout import Layout  # noqa: E402
 
@@ -138,7 +138,7 @@ async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool
                 got += 1
                 if got >= n_units:
                     break
-            elif isinstance(o, EngineError):
+            elif isinstance(o, EngineFailure):
                 errors.append(o.message)
                 break
         ttfp.append(first if first is not None else float("nan"))

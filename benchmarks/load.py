@@ -46,7 +46,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "audio" / "question_16k.wav"
 def serve_child(port: int, burners: int, lag_file: str, max_sessions: int) -> None:
     import uvicorn  # noqa: F401
 
-    from duplexkit.engine.fake import ScriptedEngine
+    from duplexkit.testing import ScriptedEngine
     from duplexkit_server.app import ServerSettings, create_app, serve
 
     def burn() -> None:

@@ -8,7 +8,7 @@ Model argument (``serve``, ``demo``, ``mic``, ``chat``):
   * ``tiny``: a small random-weight checkpoint in the real layout (built once, cached). Random
     weights never choose to listen or to end a turn, so with ``tiny`` sessions default to the
     ``on_request`` answer policy and a small token cap (``TINY_MAX_OUTPUT_TOKENS``);
-  * ``scripted``: the torch-free :class:`duplexkit.engine.fake.ScriptedEngine` (tests, protocol work).
+  * ``scripted``: the torch-free :class:`duplexkit.testing.ScriptedEngine` (tests, protocol work).
 """
 
 from __future__ import annotations
@@ -123,11 +123,13 @@ class CliError(DuplexkitError):
 def _error_line(exc: BaseException) -> tuple[str, int]:
     """The message and exit status for an exception that ends a command (see EXIT_*)."""
     from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
-                                  DuplexTimeout, LayoutError)
+                                  DuplexTimeout, EngineLoadError, LayoutError)
     from duplexkit.preflight import PreflightError
 
     if isinstance(exc, CliError):
         return str(exc), exc.exit_status
+    if isinstance(exc, EngineLoadError):
+        return str(exc), EXIT_LOAD
     if isinstance(exc, PreflightError):
         return str(exc), EXIT_USAGE
     if isinstance(exc, FileNotFoundError):
@@ -190,62 +192,25 @@ def _parse_scripted(pairs: list[str]) -> dict:
     return out
 
 
-def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
-                progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
-                checked: bool = False):
-    """Load the engine named by ``model`` (a checkpoint path, ``tiny`` or ``scripted``).
+def load_engine(model: str, **kwargs):
+    """:func:`duplexkit.engine.load_engine` for the CLI: a load failure becomes a :class:`CliError`
+    with :data:`EXIT_LOAD` (the message keeps the loader's text). Other code imports
+    ``load_engine`` from :mod:`duplexkit.engine`."""
+    from duplexkit.engine.loading import load_engine as _load
+    from duplexkit.errors import EngineLoadError
 
-    Runs the pre-load checks first (unless ``checked``: the caller already ran them).
-
-    Raises:
-        PreflightError / LayoutError (exit 2) from the checks; :class:`CliError` with
-        :data:`EXIT_LOAD` when loading itself fails (the message keeps the loader's text).
-    """
-    if not checked:
-        _check_model_arg(model, layout)
-    if model == "scripted":
-        from duplexkit.engine.fake import ScriptedEngine
-
-        try:
-            return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
-        except (TypeError, ValueError) as exc:
-            raise CliError(f"engine failed to load: {exc}", EXIT_LOAD) from exc
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    if progress:
-        _eprint(f"loading {'the tiny random-weight model' if model == 'tiny' else model} "
-                f"(layout {layout or 'auto'}) ...")
-    t0 = time.monotonic()
     try:
-        from duplexkit.engine import DuplexEngine
-
-        kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
-        if model_id:
-            kwargs["model_id"] = model_id
-        engine = DuplexEngine.from_pretrained(model, **kwargs)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as exc:
-        from duplexkit.errors import LayoutError
-
-        if isinstance(exc, LayoutError):  # e.g. torch sees fewer GPUs than the driver: still a usage error
-            raise
-        raise CliError(f"engine failed to load: {type(exc).__name__}: {exc}", EXIT_LOAD) from exc
-    if progress:
-        _eprint(f"model ready in {time.monotonic() - t0:.1f} s")
-    return engine
+        return _load(model, **kwargs)
+    except EngineLoadError as exc:
+        raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
 
 
 def _check_model_arg(model: str, layout: Optional[str]) -> None:
     """Cheap checks before anything heavy loads and before ``serve`` binds its port
-    (:func:`duplexkit.preflight.check_model`: directory, ``config.json``, weight files, layout and
-    its CUDA devices). No torch, no server import.
+    (:func:`duplexkit.engine.loading.check_model_arg`)."""
+    from duplexkit.engine.loading import check_model_arg
 
-    Raises:
-        PreflightError, LayoutError, LayoutNotSupportedError: all reported with exit status 2.
-    """
-    from duplexkit.preflight import check_model
-
-    check_model(model, layout)
+    check_model_arg(model, layout)
 
 
 def _random_weights_notice(engine) -> None:

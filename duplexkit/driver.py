@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from duplexkit.engine.api import Engine, EngineCommand, EngineError, EngineStream, OpenStream, apply_command
+from duplexkit.engine.api import Engine, EngineCommand, EngineFailure, EngineStream, OpenStream, apply_command
 
 logger = logging.getLogger("duplexkit.driver")
 
@@ -130,7 +130,7 @@ class SessionDriver:
 
     def _engine_failed(self, stream_id: str, epoch: int, message: str) -> None:
         self.session.receive_engine_output(
-            EngineError(stream_id, epoch, -1, code="server_error", message=message, fatal=True), self.now_ms())
+            EngineFailure(stream_id, epoch, -1, code="server_error", message=message, fatal=True), self.now_ms())
         self.flush()
 
     async def _open_stream(self, cmd: OpenStream) -> None:

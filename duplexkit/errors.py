@@ -231,6 +231,12 @@ class EngineInputError(DuplexkitError, ValueError):
         super().__init__(message, code=code)
 
 
+class EngineLoadError(DuplexkitError):
+    """The model or engine failed to load after the pre-load checks passed (``CheckpointError``,
+    out of memory, a missing package such as torch, a bad scripted-engine option); raised by
+    :func:`duplexkit.engine.load_engine` with the loader's text. The CLI exits with status 4."""
+
+
 class InjectedFault(DuplexkitError, RuntimeError):
     """The failure a stage worker produces for a stream whose test fault hook
     (:meth:`~duplexkit.engine.runtime.RuntimeStream.inject_fault`) names that stage

@@ -70,7 +70,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     eng = None
     if a.inline:
-        from duplexkit.cli import load_engine
+        from duplexkit.engine import load_engine
 
         eng = load_engine(a.inline)
     build(a.url, eng).launch(server_port=a.port)

@@ -30,7 +30,7 @@ async def main(args: argparse.Namespace) -> int:
     audio, _ = read_wav(args.input, 16_000)
     engine = None
     if args.inline:
-        from duplexkit.cli import load_engine
+        from duplexkit.engine import load_engine
 
         engine = load_engine(args.inline)
         client = InlineDuplexClient(engine, answer_policy="on_request" if args.inline == "tiny" else None,

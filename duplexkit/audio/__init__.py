@@ -10,8 +10,6 @@ not load them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
 
 from duplexkit.errors import DeviceError
 
@@ -61,6 +59,8 @@ __all__ = [
     "EchoUnavailableError",
 ]
 
+from duplexkit._lazy import lazy_exports
+
 #: lazily imported name -> submodule that defines it (threaded code)
 _LAZY = {
     "AudioBlock": ".devices",
@@ -77,14 +77,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

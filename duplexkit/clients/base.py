@@ -33,7 +33,7 @@ import numpy as np
 from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
 
 from . import state as cs
-from .handles import ClientOptions, ResponseHandle, _Stream, ref_audio_data_url, wait_done
+from .handles import ClientOptions, ResponseHandle, _EventQueue, ref_audio_data_url, wait_done
 
 logger = logging.getLogger("duplexkit.clients")
 
@@ -85,8 +85,8 @@ class BaseDuplexClient(abc.ABC):
         self.close_code: Optional[int] = None
         self._released = False
         self.events_dropped = 0
-        self._events = _Stream(max_buffered_events)
-        self._responses = _Stream()
+        self._events = _EventQueue(max_buffered_events)
+        self._responses = _EventQueue()
         self._futures: dict[str, asyncio.Future] = {}
         self._failure: Optional[BaseException] = None
         self._opened = False

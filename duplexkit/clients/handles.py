@@ -119,7 +119,7 @@ class ClientOptions:
 _CLOSED = object()
 
 
-class _Stream:
+class _EventQueue:
     """A single-consumer async queue that can end or fail."""
 
     def __init__(self, maxlen: Optional[int] = None) -> None:
@@ -177,7 +177,7 @@ class ResponseHandle(cs.ResponseRecord):
         self.created_at = time.monotonic()
         self.first_audio_at: Optional[float] = None
         self.done_at: Optional[float] = None
-        self._audio = _Stream()
+        self._audio = _EventQueue()
         self._chunks: list[np.ndarray] = []
         self._done = asyncio.Event()
         self._error: Optional[BaseException] = None

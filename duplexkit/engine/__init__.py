@@ -8,11 +8,11 @@ and free of asyncio.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
 
 from .api import *  # noqa: F401,F403 - the Session<->engine contract
 from .api import __all__ as _api_all
+
+from duplexkit._lazy import lazy_exports
 
 #: lazily imported name -> submodule that defines it
 _LAZY = {
@@ -27,19 +27,10 @@ _LAZY = {
     "StageLayout": ".layout",
     "available_layouts": ".layout",
     "load_layout": ".layout",
+    "load_engine": ".loading",
 }
 
 __all__ = list(_api_all) + sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -47,6 +47,7 @@ __all__ = [
     "AudioChunk",
     "TurnEnd",
     "UnitTimings",
+    "EngineFailure",
     "EngineError",
     "ChatMessage",
     "ChatRequest",
@@ -259,8 +260,8 @@ class UnitTimings(EngineOutput):
 
 
 @dataclass(frozen=True)
-class EngineError(EngineOutput):
-    """A failure confined to one stream.
+class EngineFailure(EngineOutput):
+    """An output record: a failure confined to one stream (not an exception; formerly ``EngineError``).
 
     Attributes:
         code: a docs/protocol.md §9 error code (normally ``server_error``).
@@ -271,6 +272,10 @@ class EngineError(EngineOutput):
     code: str = "server_error"
     message: str = ""
     fatal: bool = False
+
+
+EngineError = EngineFailure
+"""Deprecated alias of :class:`EngineFailure` (an output record, not an exception; the old name)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,4 +380,4 @@ def apply_command(stream: EngineStream, command: EngineCommand) -> None:
 
 
 EngineCommandT = Union[OpenStream, AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream]
-EngineOutputT = Union[Decision, TextDelta, AudioChunk, TurnEnd, UnitTimings, EngineError]
+EngineOutputT = Union[Decision, TextDelta, AudioChunk, TurnEnd, UnitTimings, EngineFailure]

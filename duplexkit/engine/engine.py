@@ -224,7 +224,7 @@ class DuplexEngine:
 
     async def open_stream(self, stream_id: str, config: StreamConfig) -> RuntimeStream:
         """Open a duplex stream (see :class:`~duplexkit.engine.runtime.RuntimeStream`); waits until
-        its session prefix is prefilled. Open failures arrive as a fatal ``EngineError`` output."""
+        its session prefix is prefilled. Open failures arrive as a fatal ``EngineFailure`` output."""
         return await self._runtime.open_stream(stream_id, config)
 
     async def _job(self, stage: str, fn) -> Any:

@@ -42,9 +42,9 @@ Epochs and cancellation
 Failures
 --------
 An exception in the thinker for one stream (returned in its result slot, or raised by a batch of
-one) fails that stream only: it gets ``EngineError(code="server_error", fatal=True)`` (its KV may
+one) fails that stream only: it gets ``EngineFailure(code="server_error", fatal=True)`` (its KV may
 be half-updated), its state is freed at every stage, and its output iterator ends. An exception in
-the talker or the vocoder costs only the current turn: the unit gets a non-fatal ``EngineError``,
+the talker or the vocoder costs only the current turn: the unit gets a non-fatal ``EngineFailure``,
 that stage's turn state is dropped, and the stream keeps serving (the Session ends the response
 ``failed`` and advances the epoch). A batch call that raises with several streams is retried in
 halves until the failing stream is alone (:meth:`StageRuntime._call_split`): only that stream
@@ -75,7 +75,7 @@ from .api import (
     CloseStream,
     Decision,
     EngineCommand,
-    EngineError,
+    EngineFailure,
     EngineOutput,
     ForceSpeak,
     OpenStream,
@@ -118,14 +118,18 @@ class _Slot:
 
 
 @dataclass
-class _Item:
+class _WorkItem:
+    """One entry of a stage queue (a unit, or a control step of the stream)."""
+
     kind: str  # unit | open | update | end_turn | reset | close
     slot: Optional[_Slot] = None
     payload: Any = None
     t_enqueue: float = field(default_factory=time.perf_counter)
 
 
-class _Stream:
+class _StreamState:
+    """One stream's state inside the runtime (the public handle is :class:`RuntimeStream`)."""
+
     def __init__(self, stream_id: str, config: StreamConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.id = stream_id
         self.config = config  # as submitted (event-loop side)
@@ -175,7 +179,7 @@ class RuntimeStream:
     order and ends once the stream is closed (or failed fatally).
     """
 
-    def __init__(self, runtime: "StageRuntime", state: _Stream) -> None:
+    def __init__(self, runtime: "StageRuntime", state: _StreamState) -> None:
         self._rt = runtime
         self._st = state
         self.stream_id = state.id
@@ -262,13 +266,13 @@ class StageRuntime:
     async def open_stream(self, stream_id: str, config: StreamConfig) -> RuntimeStream:
         """Open a stream and wait until every stage has created its state.
 
-        An open failure does not raise: the stream's outputs yield a fatal ``EngineError``.
+        An open failure does not raise: the stream's outputs yield a fatal ``EngineFailure``.
 
         Raises:
             ValueError: ``stream_id`` is already open. RuntimeError: the runtime is shut down.
         """
         loop = asyncio.get_running_loop()
-        st = _Stream(stream_id, config, loop)
+        st = _StreamState(stream_id, config, loop)
         st.opened = loop.create_future()
         with self._cond:
             if self._stop:
@@ -277,7 +281,7 @@ class StageRuntime:
                 raise ValueError(f"stream {stream_id!r} is already open")
             self._streams[stream_id] = st
             for s in STAGES:
-                st.q[s].append(_Item("open", payload=config))
+                st.q[s].append(_WorkItem("open", payload=config))
             self._cond.notify_all()
         try:
             await asyncio.shield(st.opened)
@@ -289,7 +293,7 @@ class StageRuntime:
             raise
         return RuntimeStream(self, st)
 
-    def _submit(self, st: _Stream, cmd: EngineCommand) -> None:
+    def _submit(self, st: _StreamState, cmd: EngineCommand) -> None:
         if cmd.stream_id != st.id:
             raise EngineInputError(f"command for stream {cmd.stream_id!r} sent to stream {st.id!r}")
         if isinstance(cmd, OpenStream):
@@ -311,16 +315,16 @@ class StageRuntime:
                     st.last_unit = cmd.unit_index
                     slot = _Slot(cmd.unit_index, st.epoch, time.perf_counter())
                     st.slots.append(slot)
-                    st.q["thinker"].append(_Item("unit", slot, (cmd, audio)))
+                    st.q["thinker"].append(_WorkItem("unit", slot, (cmd, audio)))
                 elif isinstance(cmd, ForceSpeak):
                     if cmd.epoch == st.epoch:
                         st.force_speak_epoch = st.epoch
                 elif isinstance(cmd, UpdateStream):
                     old = st.config
                     st.config = cmd.config
-                    st.q["thinker"].append(_Item("update", payload=(old, cmd.config)))
+                    st.q["thinker"].append(_WorkItem("update", payload=(old, cmd.config)))
                     if _voice_key(cmd.config.ref_voice) != _voice_key(old.ref_voice):
-                        st.q["code2wav"].append(_Item("update", payload=cmd.config.ref_voice))
+                        st.q["code2wav"].append(_WorkItem("update", payload=cmd.config.ref_voice))
                 else:
                     raise EngineInputError(f"unknown engine command {type(cmd).__name__}")
             self._cond.notify_all()
@@ -377,14 +381,14 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ locked helpers
 
-    def _cancel(self, st: _Stream, epoch: int) -> None:
+    def _cancel(self, st: _StreamState, epoch: int) -> None:
         st.epoch = epoch
         st.force_speak_epoch = None
         st.pending_text = ""
         for it in st.q["thinker"]:
             if it.kind == "unit":
                 it.slot.epoch = epoch  # input is never discarded (docs/protocol.md §7.2)
-        st.q["thinker"].appendleft(_Item("end_turn"))
+        st.q["thinker"].appendleft(_WorkItem("end_turn"))
         for s in ("talker", "code2wav"):
             kept = deque()
             for it in st.q[s]:
@@ -392,35 +396,35 @@ class StageRuntime:
                     it.slot.done = True
                 else:
                     kept.append(it)
-            kept.appendleft(_Item("reset"))
+            kept.appendleft(_WorkItem("reset"))
             st.q[s] = kept
         for slot in st.slots:
             if slot.epoch < epoch:
                 slot.outputs.clear()
         self._flush(st)
 
-    def _begin_close(self, st: _Stream) -> None:
+    def _begin_close(self, st: _StreamState) -> None:
         st.closing = True
         st.close_left = set(STAGES)
         for s in STAGES:
             st.q[s] = deque(it for it in st.q[s] if it.kind == "open")
-            st.q[s].append(_Item("close"))
+            st.q[s].append(_WorkItem("close"))
 
-    def _fail(self, st: _Stream, stage: str, exc: BaseException, unit_index: int) -> None:
+    def _fail(self, st: _StreamState, stage: str, exc: BaseException, unit_index: int) -> None:
         if st.failed or st.finished:
             return
         log.error("stream %s failed in %s: %s", st.id, stage, "".join(traceback.format_exception(exc)).rstrip())
         st.failed = True
         st.slots.clear()
-        self._deliver(st, EngineError(st.id, st.epoch, unit_index, code="server_error",
+        self._deliver(st, EngineFailure(st.id, st.epoch, unit_index, code="server_error",
                                       message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=True))
         if not st.closing:
             self._begin_close(st)
         self._cond.notify_all()
 
-    def _fail_turn(self, st: _Stream, stage: str, exc: BaseException, slot: "_Slot") -> None:
+    def _fail_turn(self, st: _StreamState, stage: str, exc: BaseException, slot: "_Slot") -> None:
         """A talker or vocoder failure for one unit: the stream survives (docs/protocol.md §9: the
-        response ends ``failed``, the session continues). The unit gets a non-fatal ``EngineError``
+        response ends ``failed``, the session continues). The unit gets a non-fatal ``EngineFailure``
         in order with its other outputs, the stage's turn state is dropped (the next speaking unit
         opens a fresh talker turn / vocoder carry), and the Session's ``CancelEpoch`` that follows
         clears the rest of the turn. If even the reset fails, the stream fails fatally."""
@@ -435,21 +439,21 @@ class StageRuntime:
         except Exception as reset_exc:  # noqa: BLE001 - the stream's state is unknown now
             self._fail(st, stage, reset_exc, slot.unit_index)
             return
-        self._emit(st, slot, EngineError(st.id, slot.epoch, slot.unit_index, code="server_error",
+        self._emit(st, slot, EngineFailure(st.id, slot.epoch, slot.unit_index, code="server_error",
                                          message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=False))
         self._finish_slot(st, slot)
         self._flush(st)
 
-    def _deliver(self, st: _Stream, out: Optional[EngineOutput]) -> None:
+    def _deliver(self, st: _StreamState, out: Optional[EngineOutput]) -> None:
         try:
             st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
         except RuntimeError:  # the stream's event loop is closed: nobody listens any more
             pass
 
-    def _emit(self, st: _Stream, slot: _Slot, out: EngineOutput) -> None:
+    def _emit(self, st: _StreamState, slot: _Slot, out: EngineOutput) -> None:
         slot.outputs.append(out)
 
-    def _finish_slot(self, st: _Stream, slot: _Slot, *, timings: bool = True) -> None:
+    def _finish_slot(self, st: _StreamState, slot: _Slot, *, timings: bool = True) -> None:
         if slot.done:
             return
         slot.done = True
@@ -459,7 +463,7 @@ class StageRuntime:
             tm["queue_ms"] = round(tm["queue_ms"], 3)
             slot.outputs.append(UnitTimings(st.id, slot.epoch, slot.unit_index, timings=dict(tm)))
 
-    def _flush(self, st: _Stream) -> None:
+    def _flush(self, st: _StreamState) -> None:
         while st.slots:
             head = st.slots[0]
             for out in head.outputs:
@@ -469,7 +473,7 @@ class StageRuntime:
                 break
             st.slots.popleft()
 
-    def _stage_closed(self, st: _Stream, stage: str) -> None:
+    def _stage_closed(self, st: _StreamState, stage: str) -> None:
         st.close_left.discard(stage)
         if not st.close_left and not st.finished:
             st.finished = True
@@ -484,7 +488,7 @@ class StageRuntime:
             except RuntimeError:
                 pass
 
-    def _stage_opened(self, st: _Stream, stage: str) -> None:
+    def _stage_opened(self, st: _StreamState, stage: str) -> None:
         st.open_left.discard(stage)
         if not st.open_left and st.opened is not None:
             try:
@@ -556,7 +560,7 @@ class StageRuntime:
                         st.busy[stage] = False
                     self._cond.notify_all()
 
-    def _control(self, stage: str, st: _Stream, it: _Item) -> None:
+    def _control(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
         m = self.model
         try:
             if it.kind == "open":
@@ -685,7 +689,7 @@ class StageRuntime:
                 continue
             yield st, it, res
 
-    def _fail_stream(self, st: _Stream, stage: str, exc: BaseException, slot: "_Slot") -> None:
+    def _fail_stream(self, st: _StreamState, stage: str, exc: BaseException, slot: "_Slot") -> None:
         self._fail(st, stage, exc, slot.unit_index)
 
     def _thinker_step(self, work: list) -> None:
@@ -719,7 +723,7 @@ class StageRuntime:
                     self._emit(st, slot, TextDelta(st.id, slot.epoch, slot.unit_index, text=res.text,
                                                    n_tokens=int(res.n_tokens)))
                     if st.thinker_config.output_audio:
-                        st.q["talker"].append(_Item("unit", slot, res))
+                        st.q["talker"].append(_WorkItem("unit", slot, res))
                     else:
                         if res.end_of_turn:
                             self._emit(st, slot, TurnEnd(st.id, slot.epoch, slot.unit_index, reason="turn_eos"))
@@ -761,7 +765,7 @@ class StageRuntime:
                 slot.timings["talker_steps"] = int(res.steps)
                 slot.timings["talker_codes"] = int(len(res.codes))
                 slot.timings["talker_batch"] = len(work)
-                st.q["code2wav"].append(_Item("unit", slot, (res.codes, bool(it.payload.end_of_turn), it.payload.text)))
+                st.q["code2wav"].append(_WorkItem("unit", slot, (res.codes, bool(it.payload.end_of_turn), it.payload.text)))
             self._cond.notify_all()
 
     def _code2wav_step(self, work: list) -> None:

@@ -19,7 +19,7 @@ from pydantic import TypeAdapter  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "session"))
 from _driver import Driver, fixture_audio, pcm16_b64  # noqa: E402
 
-from duplexkit.engine.api import Decision, EngineError, TextDelta, TurnEnd  # noqa: E402
+from duplexkit.engine.api import Decision, EngineFailure, TextDelta, TurnEnd  # noqa: E402
 from duplexkit.protocol import EXTENSION_EVENT_TYPES, UnknownServerEvent, parse_server_event  # noqa: E402
 from duplexkit.session import SessionLimits  # noqa: E402
 
@@ -67,7 +67,7 @@ def _scenario(profile: str) -> list[dict]:
     d.engine(TextDelta(d.sid, d.s.epoch, 0, text="ok", n_tokens=1))
     d.engine(TurnEnd(d.sid, d.s.epoch, 0))
     d.engine(Decision(d.sid, d.s.epoch, 0, decision="speak"))
-    d.engine(EngineError(d.sid, d.s.epoch, 0, message="transient"))
+    d.engine(EngineFailure(d.sid, d.s.epoch, 0, message="transient"))
     d.send({"type": "input_audio_buffer.clear"})
     d.send({"type": "conversation.item.delete", "item_id": iid})
     d.send({"type": "bogus"})

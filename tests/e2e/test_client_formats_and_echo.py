@@ -21,7 +21,7 @@ import pytest
 
 from duplexkit.audio import StreamResampler, VirtualPlayer, read_wav, resample
 from duplexkit.clients import InlineDuplexClient
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 

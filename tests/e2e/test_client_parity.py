@@ -44,7 +44,7 @@ async def one_turn(client, audio: np.ndarray) -> dict:
 
 
 async def test_parity_scripted(question_wav):
-    from duplexkit.engine.fake import ScriptedEngine
+    from duplexkit.testing import ScriptedEngine
 
     audio = read_wav(question_wav, 16_000)[0]
     inline = await one_turn(InlineDuplexClient(ScriptedEngine(units_per_turn=3), answer_policy="on_request",

@@ -25,7 +25,7 @@ import pytest
 
 from duplexkit.audio import VirtualPlayer, read_wav
 from duplexkit.clients import DuplexClient, InlineDuplexClient
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 TD = {"type": "server_vad", "create_response": False, "interrupt_response": True, "silence_duration_ms": 500}

@@ -2,7 +2,7 @@
 
 The poisoned toy thinker raises for the *whole batch* whenever a stream tagged ``poison`` is in it
 (as a shape error in a batched forward would), before touching any state. The runtime splits the
-batch until the poisoned stream is alone: it gets a fatal EngineError, the others get every unit."""
+batch until the poisoned stream is alone: it gets a fatal EngineFailure, the others get every unit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 
 from duplexkit.engine import DuplexEngine
-from duplexkit.engine.api import AppendUnit, EngineError, ForceSpeak, StreamConfig, TextDelta, UnitTimings
+from duplexkit.engine.api import AppendUnit, EngineFailure, ForceSpeak, StreamConfig, TextDelta, UnitTimings
 from duplexkit.engine.layout import Layout
 
 from .toy import ToyStages
@@ -52,9 +52,9 @@ async def test_batch_exception_fails_only_the_poisoned_stream():
 
     results = dict(zip(names, await asyncio.wait_for(asyncio.gather(*(collect(n) for n in names)), 60)))
     bad = results["poison"]
-    assert isinstance(bad[-1], EngineError) and bad[-1].fatal and "batched forward failed" in bad[-1].message
+    assert isinstance(bad[-1], EngineFailure) and bad[-1].fatal and "batched forward failed" in bad[-1].message
     for n in ("A", "B", "C"):
-        assert not any(isinstance(o, EngineError) for o in results[n]), n
+        assert not any(isinstance(o, EngineFailure) for o in results[n]), n
         texts = [o.text for o in results[n] if isinstance(o, TextDelta)]
         assert len(texts) == 4 and all(t.startswith(n) for t in texts), (n, texts)
     # the poisoned stream really was co-batched with others at least once, and split out

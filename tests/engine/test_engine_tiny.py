@@ -1,6 +1,7 @@
 """DuplexEngine on the tiny random-weight checkpoint (CPU), fed the real speech fixtures.
 
-ONE engine for the whole test process (a session fixture): each Code2Wav flow costs ~2.24 GB
+ONE engine for the whole test process (the session fixture ``engine`` of tests/engine/conftest.py, shared
+with the contract suite): each Code2Wav flow costs ~2.24 GB
 (docs/model.md §7.5). Assertions are in units and epochs, never wall-clock. The tiny model has random
 weights, so turns are started with ForceSpeak and ended by cancel (it rarely emits <|turn_eos|>).
 """
@@ -23,9 +24,8 @@ pytest.importorskip("torch")
 pytest.importorskip("stepaudio2")
 
 from duplexkit.audio import UnitFramer, read_wav, wav_bytes  # noqa: E402
-from duplexkit.engine import DuplexEngine  # noqa: E402
 from duplexkit.engine.api import (  # noqa: E402
-    AppendUnit, AudioChunk, CancelEpoch, ChatMessage, ChatRequest, Decision, EngineError, ForceSpeak,
+    AppendUnit, AudioChunk, CancelEpoch, ChatMessage, ChatRequest, Decision, EngineFailure, ForceSpeak,
     ReferenceVoice, StreamConfig, TextDelta, UnitTimings, UpdateStream,
 )
 
@@ -39,13 +39,6 @@ def _need_fixtures() -> None:
     missing = [w for w in WAVS if not (FIX / w).is_file()]
     if missing:
         pytest.skip(f"speech fixtures missing in {FIX}: {missing}")
-
-
-@pytest.fixture(scope="session")
-def engine():
-    eng = DuplexEngine.from_pretrained("tiny", layout="cpu", progress=False)
-    yield eng
-    asyncio.run(eng.aclose())
 
 
 def speech_units(name: str, n: int) -> list:
@@ -171,7 +164,7 @@ async def test_cancel_one_stream_mid_turn_others_continue(engine):
     new = [o for o in after_a if o.epoch == 1]
     assert [o.decision for o in new if isinstance(o, Decision)] == ["listen"] * 3
     assert not any(isinstance(o, AudioChunk) for o in new)
-    assert not any(isinstance(o, EngineError) for o in before + after_a + outs_b)
+    assert not any(isinstance(o, EngineFailure) for o in before + after_a + outs_b)
     # the other stream kept speaking through and after the cancel
     assert {o.unit_index for o in outs_b if isinstance(o, AudioChunk)} >= {2, 3, 4}
     assert {o.epoch for o in outs_b} == {0}
@@ -198,11 +191,11 @@ async def test_fault_in_one_stream_leaves_the_others_working(engine):
         for i in range(2):
             s.submit(AppendUnit(sid, 0, unit_index=i, audio=u[i]))
     outs_a = await collect(a, units_done(2))
-    errs = [o for o in outs_a if isinstance(o, EngineError)]
+    errs = [o for o in outs_a if isinstance(o, EngineFailure)]
     # a talker failure costs the turn, not the stream (docs/protocol.md §9)
     assert len(errs) == 1 and not errs[0].fatal and errs[0].code == "server_error" and "talker" in errs[0].message
     outs_b = await collect(b, units_done(2))
-    assert not any(isinstance(o, EngineError) for o in outs_b)
+    assert not any(isinstance(o, EngineFailure) for o in outs_b)
     assert sum(isinstance(o, AudioChunk) for o in outs_b) >= 1
     # what the Session does after a failed response: new epoch, the stream answers again
     a.submit(CancelEpoch("fa", 1))
@@ -211,7 +204,7 @@ async def test_fault_in_one_stream_leaves_the_others_working(engine):
     b.submit(AppendUnit("fb", 0, unit_index=2, audio=ub[2]))
     more_a = await collect(a, units_done(1))
     assert [o.decision for o in more_a if isinstance(o, Decision)] == ["speak"]
-    assert not any(isinstance(o, EngineError) for o in more_a)
+    assert not any(isinstance(o, EngineFailure) for o in more_a)
     more = await collect(b, units_done(1))
     assert [o.decision for o in more if isinstance(o, Decision)] == ["speak"]
     await a.aclose()

@@ -10,7 +10,7 @@ import pytest
 
 from duplexkit.engine import DuplexEngine, EngineInputError, load_layout
 from duplexkit.engine.api import (
-    AppendUnit, AudioChunk, CancelEpoch, Decision, EngineError, ForceSpeak, ReferenceVoice, StreamConfig,
+    AppendUnit, AudioChunk, CancelEpoch, Decision, EngineFailure, ForceSpeak, ReferenceVoice, StreamConfig,
     TextDelta, TurnEnd, UnitTimings, UpdateStream,
 )
 from duplexkit.engine.layout import Layout
@@ -145,10 +145,10 @@ async def test_fault_in_one_stream_leaves_others_working():
             b.submit(AppendUnit("b", 0, unit_index=i, audio=_unit(i)))
         if stage == "thinker":  # the KV may be half-updated: the stream fails fatally
             outs_a = [o async for o in a.outputs()]  # ends after the fatal error
-            assert isinstance(outs_a[-1], EngineError) and outs_a[-1].fatal and stage in outs_a[-1].message
+            assert isinstance(outs_a[-1], EngineFailure) and outs_a[-1].fatal and stage in outs_a[-1].message
         else:  # talker / vocoder: only the turn is lost, the stream keeps serving
             outs_a = await _collect(a, _units_done(3))
-            errs = [o for o in outs_a if isinstance(o, EngineError)]
+            errs = [o for o in outs_a if isinstance(o, EngineFailure)]
             assert len(errs) == 1 and not errs[0].fatal and stage in errs[0].message and errs[0].unit_index == 0
         outs_b = await _collect(b, _units_done(3))
         assert [len(o.audio) for o in outs_b if isinstance(o, AudioChunk)] == [20160, 24000, 24000]
@@ -162,7 +162,7 @@ async def test_fault_in_one_stream_leaves_others_working():
             more = await _collect(a, _units_done(1))
             chunks = [o for o in more if isinstance(o, AudioChunk)]
             assert chunks and chunks[0].epoch == 1 and len(chunks[0].audio) == 20160
-            assert not any(isinstance(o, EngineError) for o in more)
+            assert not any(isinstance(o, EngineFailure) for o in more)
             assert eng.num_streams == 2
         await eng.aclose()
         assert toy.live == {"thinker": 0, "talker": 0, "code2wav": 0}, stage
@@ -210,7 +210,7 @@ async def test_open_failure_is_a_fatal_output_and_bad_input_is_typed():
     eng = DuplexEngine(toy, _layout())
     s = await eng.open_stream("f", StreamConfig(instructions="fail-open"))
     outs = [o async for o in s.outputs()]
-    assert len(outs) == 1 and isinstance(outs[0], EngineError) and outs[0].fatal and outs[0].unit_index == -1
+    assert len(outs) == 1 and isinstance(outs[0], EngineFailure) and outs[0].fatal and outs[0].unit_index == -1
     ok = await eng.open_stream("g", StreamConfig(instructions="G"))
     with pytest.raises(EngineInputError):
         ok.submit(AppendUnit("g", 0, unit_index=0, audio=np.zeros(16000, np.float32)))

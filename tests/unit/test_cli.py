@@ -9,7 +9,7 @@ import pytest
 
 from duplexkit import cli
 from duplexkit.clients import DuplexClient, DuplexError, InlineDuplexClient
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 
 def parse(*argv: str):

@@ -8,7 +8,6 @@ are imported lazily, so ``import duplexkit.models.minicpmo45`` stays light.
 
 from __future__ import annotations
 
-import importlib
 
 __all__ = [
     "MiniCPMOConfig",
@@ -27,6 +26,8 @@ __all__ = [
     "ThinkerStream",
     "ChatThinkerResult",
 ]
+
+from duplexkit._lazy import lazy_exports
 
 _LAZY = {
     "MiniCPMOConfig": ".config",
@@ -47,14 +48,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -12,7 +12,7 @@ import pytest
 from duplexkit.audio import read_wav
 from duplexkit.clients import DuplexError, InlineDuplexClient
 from duplexkit.clients.base import BaseDuplexClient, wait_done
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 

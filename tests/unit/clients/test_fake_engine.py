@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -13,15 +15,16 @@ from duplexkit.engine.api import (
     ChatRequest,
     Decision,
     Engine,
-    EngineError,
+    EngineFailure,
     EngineStream,
     ForceSpeak,
     StreamConfig,
     TextDelta,
     TurnEnd,
+    UnitTimings,
     UpdateStream,
 )
-from duplexkit.engine.fake import ScriptedEngine, tone
+from duplexkit.testing import ScriptedEngine, tone
 
 
 def _unit(i: int, epoch: int = 0, **kw) -> AppendUnit:
@@ -45,7 +48,7 @@ def test_is_an_engine():
 
 async def test_listens_until_forced_then_speaks_with_real_chunk_sizes():
     outs = await _run(ScriptedEngine(units_per_turn=3),
-                      [_unit(0), ForceSpeak("s", 0), _unit(1), _unit(2), _unit(3), _unit(4)])
+                      [_unit(0), _unit(1, force_speak=True), _unit(2), _unit(3), _unit(4)])
     decisions = [(o.unit_index, o.decision, o.turn_start) for o in outs if isinstance(o, Decision)]
     assert decisions == [(0, "listen", False), (1, "speak", True), (2, "speak", False), (3, "speak", False),
                          (4, "listen", False)]
@@ -68,13 +71,54 @@ async def test_model_native_speaking_and_force_listen():
     assert [o.decision for o in outs if isinstance(o, Decision)] == ["listen", "listen", "listen", "speak"]
 
 
-async def test_cancel_ends_the_turn_and_old_epochs_stay_silent():
-    outs = await _run(ScriptedEngine(units_per_turn=None),
-                      [ForceSpeak("s", 0), _unit(0), _unit(1), CancelEpoch("s", 1), _unit(2, epoch=0),
-                       _unit(3, epoch=1)])
+async def _until_units(st, n: int) -> list:
+    outs = []
+    async for o in st.outputs():
+        outs.append(o)
+        if sum(isinstance(x, UnitTimings) for x in outs) >= n:
+            return outs
+    return outs
+
+
+async def test_cancel_ends_the_turn_and_retags_queued_units():
+    """The runtime's rules (docs/concepts.md "Epochs"): units decided before the cancel keep their
+    epoch; units still queued when it is submitted, and stale appends after it, are decided in the
+    new epoch; the pending ForceSpeak is dropped and the cancelled turn gets no TurnEnd."""
+    st = await ScriptedEngine(units_per_turn=None).open_stream("s", StreamConfig())
+    st.submit(ForceSpeak("s", 0))
+    st.submit(_unit(0))
+    st.submit(_unit(1))
+    outs = await _until_units(st, 2)
+    st.submit(ForceSpeak("s", 0))  # pending when the cancel comes: dropped
+    st.submit(_unit(2))  # queued when the cancel comes: re-tagged
+    st.submit(CancelEpoch("s", 1))
+    st.submit(_unit(3, epoch=0))  # stale append: decided in the current epoch
+    assert st.epoch == 1
+    outs += await _until_units(st, 2)
+    st.submit(ForceSpeak("s", 0))  # an old epoch's ForceSpeak is ignored
+    st.submit(_unit(4, epoch=1))
+    outs += await _until_units(st, 1)
+    st.submit(ForceSpeak("s", 1))  # binds to the next unit decided
+    st.submit(_unit(5, epoch=1))
+    await st.aclose()
+    outs += [o async for o in st.outputs()]
     dec = [(o.unit_index, o.epoch, o.decision) for o in outs if isinstance(o, Decision)]
-    assert dec == [(0, 0, "speak"), (1, 0, "speak"), (2, 0, "listen"), (3, 1, "listen")]
+    assert dec == [(0, 0, "speak"), (1, 0, "speak"), (2, 1, "listen"), (3, 1, "listen"), (4, 1, "listen"),
+                   (5, 1, "speak")]
     assert not [o for o in outs if isinstance(o, TurnEnd)]
+
+
+async def test_cancel_while_computing_discards_the_unit():
+    eng = ScriptedEngine(units_per_turn=None, unit_delay_s=0.05)
+    st = await eng.open_stream("s", StreamConfig())
+    st.submit(_unit(0, force_speak=True))
+    await asyncio.sleep(0.01)  # unit 0 is being computed (any later point only shrinks the window)
+    st.submit(CancelEpoch("s", 1))
+    st.submit(_unit(1, epoch=1))
+    await st.aclose()
+    outs = [o async for o in st.outputs()]
+    assert {o.epoch for o in outs} == {1}
+    assert [(o.unit_index, o.decision) for o in outs if isinstance(o, Decision)] == [(1, "listen")]
 
 
 async def test_text_only_stream_has_no_audio():
@@ -92,7 +136,7 @@ async def test_update_stream_switches_audio_off():
 
 async def test_failure_injection():
     outs = await _run(ScriptedEngine(fail_at_unit=1, fail_fatal=True), [_unit(0), _unit(1)])
-    errs = [o for o in outs if isinstance(o, EngineError)]
+    errs = [o for o in outs if isinstance(o, EngineFailure)]
     assert len(errs) == 1 and errs[0].fatal and errs[0].unit_index == 1
 
 
@@ -104,8 +148,15 @@ async def test_stream_rules():
     assert eng.open_streams == 1
     await st.aclose()
     assert eng.open_streams == 0
-    with pytest.raises(RuntimeError):
-        st.submit(_unit(0))
+    st.submit(_unit(0))  # commands to a closed stream are ignored, as in the runtime
+    assert [o async for o in st.outputs()] == []
+
+
+def test_deprecated_import_path():
+    import duplexkit.engine.fake as fake
+    import duplexkit.testing as testing
+
+    assert fake.ScriptedEngine is testing.ScriptedEngine and fake.tone is testing.tone
 
 
 async def test_generate_and_stream():

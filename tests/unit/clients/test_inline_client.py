@@ -10,7 +10,7 @@ import pytest
 
 from duplexkit.audio import PlaybackBuffer, read_wav, wav_bytes
 from duplexkit.clients import DuplexError, InlineDuplexClient, ref_audio_data_url
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duplexkit.clients import InlineDuplexClient
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 
 
 async def test_inline_session_is_text_only_without_a_vocoder():

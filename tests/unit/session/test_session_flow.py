@@ -12,7 +12,7 @@ import soundfile as sf
 
 from _driver import Driver, fixture_audio, pcm16_b64
 from duplexkit.engine.api import (
-    AppendUnit, AudioChunk, CancelEpoch, CloseStream, Decision, EngineError, ForceSpeak, OpenStream, TextDelta,
+    AppendUnit, AudioChunk, CancelEpoch, CloseStream, Decision, EngineFailure, ForceSpeak, OpenStream, TextDelta,
     TurnEnd, UpdateStream,
 )
 from duplexkit.session import Session, SessionConfig, SessionLimits, TRANSITIONS, Phase, TEvent
@@ -241,10 +241,10 @@ def test_server_default_token_cap_is_finite():
 def test_engine_error_fails_response_and_fatal_closes_1011():
     d = Driver()
     d.speak(end=False)
-    new = d.engine(EngineError(d.sid, 0, 1, code="server_error", message="boom"))
+    new = d.engine(EngineFailure(d.sid, 0, 1, code="server_error", message="boom"))
     done = d.of("response.done", new)[0]["response"]
     assert done["status"] == "failed" and done["status_details"]["error"]["code"] == "server_error"
-    new = d.engine(EngineError(d.sid, 0, 1, message="dead", fatal=True))
+    new = d.engine(EngineFailure(d.sid, 0, 1, message="dead", fatal=True))
     assert d.types(new) == ["error", "session.closed"]
     assert new[1]["reason"] == "server_error" and d.closes[-1].code == 1011
     assert isinstance([c for c in new if not isinstance(c, dict)][0], CloseStream)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from _driver import Driver, fixture_audio
-from duplexkit.engine.api import AudioChunk, CancelEpoch, Decision, EngineError, TextDelta, TurnEnd
+from duplexkit.engine.api import AudioChunk, CancelEpoch, Decision, EngineFailure, TextDelta, TurnEnd
 from duplexkit.session import SessionConfig, SessionLimits
 
 SPEECH = fixture_audio("interrupt_16k.wav")
@@ -125,7 +125,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     @rule()
     def engine_error(self):
-        self.d.engine(EngineError(self.d.sid, self.d.s.epoch, self.d.last_unit(), message="transient"))
+        self.d.engine(EngineFailure(self.d.sid, self.d.s.epoch, self.d.last_unit(), message="transient"))
 
     @rule(dt=st.integers(0, 2500))
     def tick(self, dt):

@@ -1,0 +1,80 @@
+"""Load an engine by name: a checkpoint directory, ``tiny`` (random weights) or ``scripted``.
+
+``from duplexkit.engine import load_engine`` — used by the CLI, the examples and the benchmarks.
+Nothing heavy is imported until :func:`load_engine` runs (torch only for a real checkpoint).
+Loading a real model sets ``TORCHDYNAMO_DISABLE=1`` unless it is set already (docs/model.md §7.5).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from duplexkit.errors import EngineLoadError
+
+__all__ = ["load_engine", "check_model_arg"]
+
+
+def _progress(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
+                progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
+                checked: bool = False):
+    """Load the engine named by ``model`` (a checkpoint path, ``tiny`` or ``scripted``).
+
+    Runs the pre-load checks first (unless ``checked``: the caller already ran them).
+
+    Raises:
+        PreflightError / LayoutError (the CLI's exit 2) from the checks;
+        :class:`~duplexkit.errors.EngineLoadError` (exit 4) when loading itself fails (the message
+        keeps the loader's text).
+    """
+    if not checked:
+        check_model_arg(model, layout)
+    if model == "scripted":
+        from duplexkit.testing import ScriptedEngine
+
+        try:
+            return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
+        except (TypeError, ValueError) as exc:
+            raise EngineLoadError(f"engine failed to load: {exc}") from exc
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if progress:
+        _progress(f"loading {'the tiny random-weight model' if model == 'tiny' else model} "
+                f"(layout {layout or 'auto'}) ...")
+    t0 = time.monotonic()
+    try:
+        from duplexkit.engine import DuplexEngine
+
+        kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
+        if model_id:
+            kwargs["model_id"] = model_id
+        engine = DuplexEngine.from_pretrained(model, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        from duplexkit.errors import LayoutError
+
+        if isinstance(exc, LayoutError):  # e.g. torch sees fewer GPUs than the driver: still a usage error
+            raise
+        raise EngineLoadError(f"engine failed to load: {type(exc).__name__}: {exc}") from exc
+    if progress:
+        _progress(f"model ready in {time.monotonic() - t0:.1f} s")
+    return engine
+
+
+def check_model_arg(model: str, layout: Optional[str]) -> None:
+    """Cheap checks before anything heavy loads and before ``serve`` binds its port
+    (:func:`duplexkit.preflight.check_model`: directory, ``config.json``, weight files, layout and
+    its CUDA devices). No torch, no server import.
+
+    Raises:
+        PreflightError, LayoutError, LayoutNotSupportedError: all reported with exit status 2.
+    """
+    from duplexkit.preflight import check_model
+
+    check_model(model, layout)

@@ -1,0 +1,236 @@
+"""The conversation of a Session and its playback truth (docs/protocol.md §7): items,
+``conversation.item.*`` events, ``output_audio_buffer.playback_ack``, truncation and the history
+at playback truth."""
+
+from __future__ import annotations
+
+import numpy as np
+from dataclasses import dataclass, field
+from typing import Optional
+
+from duplexkit.audio import AudioFormatError, StreamDecoder, b64decode_audio
+from duplexkit.engine.api import INPUT_SAMPLE_RATE, UpdateStream
+from duplexkit.protocol import (
+    ConversationItemAdded,
+    ConversationItemCreateEvent,
+    ConversationItemDeleteEvent,
+    ConversationItemDeleted,
+    ConversationItemDone,
+    ConversationItemRetrieveEvent,
+    ConversationItemRetrieved,
+    ConversationItemTruncateEvent,
+    ConversationItemTruncated,
+    ErrorCode,
+    PlaybackAckEvent,
+    ProtocolError,
+)
+
+
+@dataclass
+class _ConvItem:
+    """One conversation item as the Session keeps it (the wire object is ``protocol.Item``)."""
+
+    id: str
+    role: str
+    kind: str  # "input_audio" | "input_text" | "output_audio" | "output_text"
+    status: str = "completed"
+    text: str = ""  # user/system text, or the assistant transcript/text sent so far
+    response_id: Optional[str] = None
+    marks: list = field(default_factory=list)  # [(text_chars, audio_end_ms)]
+    sent_ms: int = 0
+    committed_ms: int = 0
+    final: bool = False
+
+
+class ConversationMixin:
+    """The conversation job of :class:`~duplexkit.session.Session` (state: ``_items``, ``_responses``,
+    ``_used_ids``)."""
+
+    # playback truth helpers (for clients, tests and context rebuilds)
+    def item_playback(self, item_id: str) -> tuple[int, int, bool]:
+        """``(sent_ms, committed_ms, final)`` of an assistant item. KeyError if unknown."""
+        it = self._find_item(item_id)
+        return it.sent_ms, it.committed_ms, it.final
+
+    def history(self) -> list[dict]:
+        """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
+        return [self._item_model(it, truth=True).model_dump(mode="json", exclude_none=True) for it in self._items.values()]
+
+    def _new_item_id(self) -> str:
+        iid = self._ids.item()
+        self._used_ids.add(iid)
+        return iid
+
+    def _last_item_id(self) -> Optional[str]:
+        return next(reversed(self._items)) if self._items else None
+
+    def _previous_of(self, item_id: str) -> Optional[str]:
+        prev = None
+        for k in self._items:
+            if k == item_id:
+                return prev
+            prev = k
+        return None
+
+    def _add_item(self, it: _ConvItem) -> None:
+        self._used_ids.add(it.id)
+        self._items[it.id] = it
+
+    def _find_item(self, item_id: str) -> _ConvItem:
+        it = self._items.get(item_id)
+        if it is None:
+            raise KeyError(item_id)
+        return it
+
+    def _truth_text(self, it: _ConvItem) -> str:
+        if it.kind != "output_audio":
+            return it.text
+        chars = 0
+        for c, ms in it.marks:
+            if ms <= it.committed_ms:
+                chars = c
+            else:
+                break
+        return it.text[:chars]
+
+    def _on_item_create(self, ev: ConversationItemCreateEvent, now_ms: float) -> None:
+        item = ev.item
+
+        def bad(msg: str, param: str = "item") -> ProtocolError:
+            return ProtocolError(ErrorCode.BAD_EVENT, msg, param=param, event_id=ev.event_id)
+
+        if ev.previous_item_id is not None:
+            if ev.previous_item_id not in self._items:
+                raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.previous_item_id!r} not found",
+                                    param="previous_item_id", event_id=ev.event_id)
+            if ev.previous_item_id != self._last_item_id():
+                raise bad("previous_item_id may only name the last item", "previous_item_id")
+        if item.type != "message" or item.role not in ("user", "system"):
+            raise bad("only user and system message items are accepted", "item.role" if item.type == "message" else "item.type")
+        if item.id is not None and item.id in self._used_ids:
+            raise bad(f"item id {item.id!r} is already used", "item.id")
+        if not item.content:
+            raise bad("item.content must not be empty", "item.content")
+        kinds = {c.type for c in item.content}
+        if kinds == {"input_text"}:
+            if self._units_appended > 0:
+                raise bad("text items are accepted only before the first unit is consumed", "item.content")
+            text = "".join(c.text or "" for c in item.content)
+            it = _ConvItem(id=item.id or self._new_item_id(), role=item.role, kind="input_text", text=text)
+            (self._system_text if item.role == "system" else self._seed_text).append(text)
+            prev = self._last_item_id()
+            self._add_item(it)
+            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
+            self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+            if self._stream_open:
+                self._cmd(UpdateStream(self.stream_id, self.epoch, config=self._stream_config()))
+            return
+        if kinds == {"input_audio"} and item.role == "user":
+            fmt = self.settings.input_format
+            b64_len = sum(len(c.audio or "") for c in item.content)  # counted before anything is decoded
+            self._check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
+            chunks = []
+            dec = StreamDecoder(fmt)
+            for i, c in enumerate(item.content):
+                try:
+                    chunks.append(dec.decode(b64decode_audio(c.audio or "", what=fmt.describe())))
+                except AudioFormatError as e:
+                    raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param=f"item.content.{i}.audio", event_id=ev.event_id) from None
+            x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+            if x.size == 0:
+                raise bad("input_audio item has no audio", "item.content")
+            self._push_real(self._resampler.process(x), now_ms)
+            self._flush_input(now_ms)
+            self._since_commit = 0
+            it = _ConvItem(id=item.id or self._new_item_id(), role="user", kind="input_audio")
+            prev = self._last_item_id()
+            self._add_item(it)
+            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
+            self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+            return
+        raise bad(f"unsupported content {sorted(kinds)} (input_text, or user input_audio)", "item.content")
+
+    def _on_item_retrieve(self, ev: ConversationItemRetrieveEvent, now_ms: float) -> None:
+        it = self._items.get(ev.item_id)
+        if it is None:
+            raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
+        self._emit(ConversationItemRetrieved(item=self._item_model(it, truth=True)))
+
+    def _on_item_delete(self, ev: ConversationItemDeleteEvent, now_ms: float) -> None:
+        it = self._items.get(ev.item_id)
+        if it is None:
+            raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
+        if self._resp is not None and self._resp.item_id == ev.item_id:
+            raise ProtocolError(ErrorCode.BAD_EVENT, "the active response's item cannot be deleted", param="item_id", event_id=ev.event_id)
+        del self._items[ev.item_id]
+        self._emit(ConversationItemDeleted(item_id=ev.item_id))
+
+    def _on_item_truncate(self, ev: ConversationItemTruncateEvent, now_ms: float) -> None:
+        it = self._items.get(ev.item_id)
+        if it is None:
+            raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
+
+        def invalid(msg: str, param: str) -> ProtocolError:
+            return ProtocolError(ErrorCode.INVALID_TRUNCATE, msg, param=param, event_id=ev.event_id)
+
+        if it.kind != "output_audio":
+            raise invalid("only assistant audio items can be truncated", "item_id")
+        ci = ev.content_index
+        if isinstance(ci, bool) or not isinstance(ci, int) or ci != 0:
+            raise invalid("content_index must be 0", "content_index")
+        v = ev.audio_end_ms
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise invalid(f"audio_end_ms must be an integer >= 0, got {v!r}", "audio_end_ms")
+        if it.sent_ms == 0:
+            self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=0))
+            return
+        it.committed_ms = min(v, it.sent_ms)
+        it.final = True
+        self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
+
+    def _on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
+        """``playback.ack`` (docs/protocol.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
+
+        * plain ack: ``committed_ms = max(committed_ms, heard)`` (never lowers);
+        * ``truncate: true``: ``committed_ms = heard`` and final, even below an earlier ack or what
+          ``commit_on_done`` committed at ``response.done``;
+        * after finalisation (a truncate ack or ``conversation.item.truncate``): ignored.
+        """
+        if ev.response_id is None:
+            iid = ev.item_id or ""
+            rid = iid[len("item_"):] if iid.startswith("item_resp_") else None
+            if rid is None and iid:
+                rid = next((r for r, item in self._responses.items() if item.id == iid), None)
+            if rid is None and not iid and self._responses:
+                rid = next(reversed(self._responses))  # the latest response that sent audio
+            if rid is None:
+                raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, "playback.ack without response_id names no audio item "
+                                    "of this session", param="response_id", event_id=ev.event_id)
+            ev = ev.model_copy(update={"response_id": rid})
+        it = self._responses.get(ev.response_id)
+        if it is None:
+            if self._resp is not None and self._resp.id == ev.response_id:
+                return  # issued, no audio yet
+            if ev.response_id in self._issued_response_ids():
+                return
+            raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"response {ev.response_id!r} was never issued by this session",
+                                param="response_id", event_id=ev.event_id)
+        # vLLM-Omni's clients name the assistant item "item_" + response_id (their server's convention)
+        if ev.item_id is not None and ev.item_id != it.id and ev.item_id != "item_" + ev.response_id:
+            if ev.item_id not in self._used_ids:
+                raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} was never issued by this session",
+                                    param="item_id", event_id=ev.event_id)
+            return
+        if it.final:
+            return  # finalised by an earlier truncate: acks change nothing
+        heard = min(ev.played_ms, it.sent_ms)
+        if ev.truncate:
+            # the client's final word on what was heard: it may cut back below what an earlier ack
+            # or commit_on_done's response.done committed (docs/protocol.md §7.5, issue 10)
+            it.committed_ms = heard
+            it.final = True
+        else:
+            it.committed_ms = max(it.committed_ms, heard)
+
+    def _issued_response_ids(self) -> set:
+        return self._issued

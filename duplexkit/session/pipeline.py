@@ -1,0 +1,356 @@
+"""The input pipeline of a Session: decode (``StreamDecoder``), arrival-rate check, resample to
+16 kHz, server VAD, unit framing, early unit close, the barge-in fence, silence feeding,
+commit/clear and input backpressure (docs/concepts.md "Early unit close", "Barge-in")."""
+
+from __future__ import annotations
+
+import numpy as np
+from typing import Optional
+
+from duplexkit.audio import AudioFormatError, b64decode_audio
+from duplexkit.engine.api import AppendUnit, INPUT_SAMPLE_RATE
+from duplexkit.protocol import (
+    ConversationItemAdded,
+    ConversationItemDone,
+    ErrorCode,
+    InputAudioBufferAppendEvent,
+    InputAudioBufferClearEvent,
+    InputAudioBufferCleared,
+    InputAudioBufferCommitEvent,
+    InputAudioBufferCommitted,
+    ProtocolError,
+    SpeechStarted,
+    SpeechStopped,
+)
+from duplexkit.session.config import MIN_COMMIT_SAMPLES
+from duplexkit.session.conversation import _ConvItem
+from duplexkit.session.machine import PhaseEvent
+
+
+class InputPipelineMixin:
+    """The input-audio job of :class:`~duplexkit.session.Session`: client audio in, ``AppendUnit``
+    commands and VAD events out."""
+
+    def _make_vad(self) -> None:
+        td = self.settings.turn_detection
+        self._vad_base_samples = self._real_samples
+        if td is None or self._vad_cls is None:
+            self._vad = None
+            return
+        StreamingVAD, VadConfig = self._vad_cls
+        self._vad = StreamingVAD(VadConfig(threshold=td["threshold"], prefix_padding_ms=td["prefix_padding_ms"],
+                                           silence_duration_ms=td["silence_duration_ms"]))
+        self._vad_item = None
+
+    def _check_arrival(self, frames: int, now_ms: float, event_id: Optional[str]) -> None:
+        """Arrival-rate check of an accepted append of ``frames`` frames at the declared rate.
+
+        Continuous input that arrives far slower than its declared rate over >= 3 s of wall time
+        (``duplexkit.audio.arrival``: frames / (elapsed x rate) < 0.8) gets ONE non-fatal
+        ``error{input_rate_mismatch}`` per declared input format, echoing the append's
+        ``event_id``; the audio is still used. Faster-than-real-time input is never flagged.
+        """
+        w = self._arrival.observe(frames, now_ms)
+        if w is None:
+            return
+        fmt = self.settings.input_format
+        guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
+                 and w.likely_rate != w.declared_rate else "")
+        self._error(ProtocolError(
+            ErrorCode.INPUT_RATE_MISMATCH,
+            f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
+            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
+            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
+            f"at least in real time; the audio is still used (this warning is sent once)",
+            event_id=event_id))
+
+    def _on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
+        # bad base64, a zero-length append or non-finite floats: one bad_audio error, no state change
+        fmt = self.settings.input_format
+        try:
+            data = b64decode_audio(ev.audio, allow_empty=False, what=fmt.describe())
+        except AudioFormatError as e:
+            raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
+        incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
+        self._check_pending(incoming, ev.event_id)
+        try:
+            x = self._decoder.decode(data, allow_empty=False)
+        except AudioFormatError as e:
+            raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
+        self._push_real(self._resampler.process(x), now_ms)
+        self.input_appends += 1
+        self._check_arrival(x.size, now_ms, ev.event_id)
+        if ev.video_frames:
+            self._warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
+                       "(this warning is sent once)", "video_frames", ev.event_id)
+        if ev.sample_rate_hz is not None and ev.sample_rate_hz != fmt.rate:
+            self._warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
+                       f"input rate {fmt.rate} Hz; the audio is read at {fmt.rate} Hz (declare the rate with "
+                       "session.update; this warning is sent once)", "sample_rate_hz", ev.event_id)
+
+    def _check_pending(self, incoming: int, event_id: Optional[str]) -> None:
+        """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
+        ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
+        input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
+        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
+        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
+        if pending + incoming > limit:
+            raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
+                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
+                                "audio dropped", event_id=event_id)
+
+    def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
+        """Feed real 16 kHz input: VAD (speech_started before framing, speech_stopped after).
+
+        A barge-in's speech_started advances the epoch before any of this chunk (or a unit held
+        for the fence, :meth:`_frame`) is appended, so the interrupting audio from its onset minus
+        pre-roll on is tagged with the new epoch. After an early unit close the chunk may first go
+        through the padding account (:meth:`_settle_debt`).
+        """
+        if x16.size == 0:
+            return
+        events = self._vad.process(x16) if self._vad is not None else []
+        start_real = self._real_samples
+        self._real_samples += x16.size
+        self._last_real_ms = float(now_ms)
+        stops = []
+        for e in events:
+            if e.kind == "speech_started":
+                onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
+                if self._debt_onset is None or onset < self._debt_onset:
+                    self._debt_onset = onset
+                self._on_speech_started(e)
+                self._release_units(now_ms)
+            else:
+                stops.append(e)
+        self._since_commit += x16.size
+        if self._resp is None and self._pad_debt > 0:
+            if self._debt_hold_n == 0:
+                self._debt_hold_start = start_real
+            self._debt_hold.append(x16)
+            self._debt_hold_n += x16.size
+            self._settle_debt(now_ms)
+        else:
+            self._settle_debt(now_ms, keep=True)
+            self._frame(self._framer.push(x16), now_ms, silence=False)
+        self._release_units(now_ms)
+        for e in stops:
+            self._on_speech_stopped(e, now_ms)
+
+    def _debt_guard(self) -> int:
+        """Held samples past the padding needed before a speech onset inside them is surely known:
+        the VAD's pre-roll + start confirmation + 2 frames (440 ms at defaults); without a VAD the
+        300 ms pre-roll + one 10 ms energy block."""
+        if self._vad is not None:
+            c = self._vad.cfg
+            return (c.preroll_ms + c.start_confirm_ms + 2 * c.frame_ms) * INPUT_SAMPLE_RATE // 1000
+        return (300 + 10) * INPUT_SAMPLE_RATE // 1000
+
+    def _energy_onset(self, held: np.ndarray) -> Optional[int]:
+        """Without a VAD: first 10 ms block of ``held`` at or above -50 dBFS RMS (the VAD's floor at
+        threshold 0.5), minus a 300 ms pre-roll, as a real-sample index; None when all is quieter."""
+        blk = INPUT_SAMPLE_RATE // 100
+        nb = held.size // blk
+        if nb == 0:
+            return None
+        e = np.sqrt(np.mean(np.square(held[: nb * blk].reshape(nb, blk), dtype=np.float64), axis=1))
+        hits = np.nonzero(e >= 10.0 ** (-50.0 / 20.0))[0]
+        if hits.size == 0:
+            return None
+        return self._debt_hold_start + int(hits[0]) * blk - 300 * INPUT_SAMPLE_RATE // 1000
+
+    def _settle_debt(self, now_ms: float, keep: bool = False) -> None:
+        """Decide what the held samples after an early unit close become (docs/concepts.md
+        "Early unit close"): the first ``_pad_debt`` of them are dropped (the model already heard
+        zeros in their place) unless speech starts earlier, in which case only the samples before
+        the speech's pre-roll are dropped and the rest of the debt is forgiven. ``keep``: a
+        response is active, so nothing is dropped (the debt stays owed) and the hold is framed."""
+        if self._debt_hold_n == 0:
+            if keep:
+                self._debt_onset = None
+            return
+        held = np.concatenate(self._debt_hold) if len(self._debt_hold) > 1 else self._debt_hold[0]
+        h0 = self._debt_hold_start
+        drop = 0
+        if not keep:
+            onset = self._debt_onset
+            if self._vad is None:
+                onset = self._energy_onset(held)
+            elif onset is None and self._vad.speaking:
+                onset = h0  # speech already under way: nothing here is silence
+            if onset is None and self._debt_hold_n < self._pad_debt + self._debt_guard():
+                return  # not decided yet: keep holding (the next unit needs these samples anyway)
+            if onset is None:
+                drop = self._pad_debt
+                self._pad_debt = 0
+            else:
+                drop = min(self._pad_debt, max(0, onset - h0))
+                self._pad_debt = 0  # speech: the rest of the padding is forgiven (audio shifts)
+        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
+        rest = held[drop:]
+        if rest.size:
+            self._frame(self._framer.push(rest), now_ms, silence=False)
+
+    def _holding_units(self) -> bool:
+        """Units complete during a response wait for the VAD to look past them (barge-in fence)."""
+        td = self.settings.turn_detection or {}
+        return self._resp is not None and self._vad is not None and td.get("interrupt_response", True)
+
+    def _frame(self, units: list, now_ms: float, silence: bool) -> None:
+        """Append units in order. While a response can be interrupted by the server VAD a unit is
+        held until the VAD has classified ``_debt_guard()`` samples past its end (440 ms at the
+        defaults), so a speech onset whose pre-roll reaches into it advances the epoch first and
+        the unit is tagged with the new epoch (issue 10 item 6)."""
+        end_real = self._real_samples
+        for u in units:
+            if self._holding_units() or self._unit_hold:
+                self._unit_hold.append((u, end_real, silence))
+                self._unit_hold_samples += u.audio.shape[0]
+            else:
+                self._append_unit(u, now_ms, silence)
+        self._release_units(now_ms)
+
+    def _release_units(self, now_ms: float, force: bool = False) -> None:
+        """Append held units: all when ``force``, no response is active, or input stalled for
+        the guard time (no more audio can carry an onset); else those the VAD has looked past."""
+        if not self._unit_hold:
+            return
+        guard = self._debt_guard()
+        stalled = now_ms - self._last_real_ms >= guard * 1000 // INPUT_SAMPLE_RATE
+        everything = force or not self._holding_units() or stalled
+        vad_pos = self._vad_base_samples + self._vad.position_ms * INPUT_SAMPLE_RATE // 1000 if self._vad else 0
+        while self._unit_hold:
+            u, end_real, silence = self._unit_hold[0]
+            if not everything and vad_pos < end_real + guard:
+                break
+            self._unit_hold.popleft()
+            self._unit_hold_samples -= u.audio.shape[0]
+            self._append_unit(u, now_ms, silence)
+
+    def _append_unit(self, u, now_ms: float, silence: bool, force_speak: bool = False) -> None:
+        self._units_appended += 1
+        self._last_unit_ms = float(now_ms)
+        self._inflight.append((u.index, u.audio.shape[0]))
+        self._inflight_samples += u.audio.shape[0]
+        self._cmd(AppendUnit(self.stream_id, self.epoch, unit_index=u.index, audio=u.audio,
+                             force_listen=False if force_speak else self._force_listen_now(), is_silence=silence,
+                             force_speak=force_speak))
+
+    def _force_listen_now(self) -> bool:
+        if self._force_listen_left > 0:
+            self._force_listen_left -= 1
+            return True
+        if self.settings.answer_policy == "on_request":
+            r = self._resp
+            return not (r is not None and r.trigger in ("client", "server_vad"))
+        return False
+
+    def _consumed(self, unit_index: int) -> None:
+        while self._inflight and self._inflight[0][0] <= unit_index:
+            self._inflight_samples -= self._inflight.popleft()[1]
+
+    def _feed_silence(self, now_ms: float) -> None:
+        self._settle_debt(now_ms, keep=True)
+        if self._unit_hold:
+            self._release_units(now_ms, force=True)
+            return
+        pending = self._framer.pending_samples
+        need = self._framer.needed_samples - pending
+        units = self._framer.push(np.zeros(need, np.float32))
+        self._frame(units, now_ms, silence=pending == 0)
+
+    def _close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
+        """Early unit close: the partial unit (after anything held) goes out now, zero-padded to the
+        length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
+        ``force_speak``: this is a requested response's forced unit, made even from zeros only.
+        Returns the closed unit's index (None when nothing was pending and not forced)."""
+        self._settle_debt(now_ms, keep=True)
+        self._release_units(now_ms, force=True)
+        u = self._framer.flush(allow_empty=force_speak)
+        if u is None:
+            return None
+        self._pad_debt += u.padded_samples
+        self._append_unit(u, now_ms, silence=u.real_samples == 0, force_speak=force_speak)
+        return u.index
+
+    def _flush_input(self, now_ms: float, drop_carry: bool = True) -> None:
+        """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
+        unit close, :meth:`_close_unit`).
+
+        ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (docs/protocol.md §6.1: on a
+        client commit or clear). A server-VAD commit passes False: it happens at a point of the
+        byte stream the client does not know, so its next append still completes that sample.
+        """
+        self._settle_debt(now_ms, keep=True)
+        tail = self._resampler.flush()
+        if tail.size:
+            self._since_commit += tail.size
+            self._frame(self._framer.push(tail), now_ms, silence=False)
+        self._close_unit(now_ms)
+        if drop_carry:
+            self._decoder.reset()
+
+    def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
+        if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+            raise ProtocolError(ErrorCode.INPUT_AUDIO_BUFFER_EMPTY,
+                                "less than 100 ms of audio since the last commit or clear", event_id=ev.event_id)
+        item_id = self._vad_item if self._vad_item is not None and not self._vad_item_committed else None
+        if item_id is not None:
+            self._vad_item_committed = True
+        self._commit(now_ms, item_id)
+
+    def _resampler_pending(self) -> int:
+        r = self._resampler
+        if r.identity:
+            return 0
+        return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
+
+    def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
+                flush: bool = True) -> str:
+        if flush:
+            self._flush_input(now_ms, drop_carry)
+        self._since_commit = 0
+        uid = item_id or self._new_item_id()
+        prev = self._last_item_id()
+        it = _ConvItem(id=uid, role="user", kind="input_audio")
+        self._add_item(it)
+        self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
+        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
+        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        return uid
+
+    def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
+        self._framer.clear()
+        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
+        self._decoder.reset()
+        self._resampler.reset()
+        self._since_commit = 0
+        self._emit(InputAudioBufferCleared())
+
+    def _vad_ms(self, ms: int) -> int:
+        return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
+
+    def _on_speech_started(self, e) -> None:
+        self._vad_item = self._new_item_id()
+        self._vad_item_committed = False
+        self._emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
+        td = self.settings.turn_detection or {}
+        if self._resp is not None and td.get("interrupt_response", True):
+            self._fire(PhaseEvent.BARGE_IN)
+            self._cancel_active("turn_detected")
+
+    def _on_speech_stopped(self, e, now_ms: float) -> None:
+        uid = self._vad_item or self._new_item_id()
+        committed = self._vad_item_committed
+        self._vad_item = None
+        self._vad_item_committed = False
+        self._emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
+        if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+            return
+        td = self.settings.turn_detection or {}
+        creates = bool(td.get("create_response")) and self._resp is None
+        # early unit close (docs/concepts.md): the creating commit closes the unit as the forced
+        # one; otherwise extra_body.early_unit_close decides whether the partial unit goes now
+        self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
+        if creates:
+            self._create_response(None, "server_vad", None, now_ms)

@@ -1,0 +1,329 @@
+"""Session settings: ``session.update`` validation (formats, modalities, voices, turn detection,
+the vLLM-Omni fields, warnings) and the engine :class:`StreamConfig` derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from duplexkit.audio import AudioFormatError, InputFormat, StreamDecoder, StreamResampler
+from duplexkit.audio.arrival import ArrivalRateMonitor
+from duplexkit.engine.api import (
+    INPUT_SAMPLE_RATE,
+    OUTPUT_SAMPLE_RATE,
+    ReferenceVoice,
+    StreamConfig,
+    UpdateStream,
+)
+from duplexkit.protocol import (
+    ErrorCode,
+    ProtocolError,
+    SessionPatch,
+    SessionUpdateEvent,
+    SessionUpdated,
+    SessionWarning,
+)
+from duplexkit.session.voice import load_ref_audio
+
+
+@dataclass
+class _Settings:
+    output_modalities: list
+    instructions: Optional[str]
+    voice: str
+    ref_voice: Optional[ReferenceVoice]
+    ref_from_client: bool
+    input_format: InputFormat
+    turn_detection: Optional[dict]
+    temperature: float
+    max_output_tokens: Union[int, str]
+    force_listen_count: int
+    answer_policy: str
+    playback_commit_policy: str
+    seed: Optional[int] = None
+    early_unit_close: bool = True
+
+    def copy(self) -> "_Settings":
+        s = _Settings(**self.__dict__)
+        s.output_modalities = list(self.output_modalities)
+        s.turn_detection = dict(self.turn_detection) if self.turn_detection is not None else None
+        return s
+
+
+#: OpenAI semantic_vad eagerness -> server VAD silence_duration_ms (ms). Our choice: OpenAI documents
+#: only the order (high answers soonest, low waits longest; auto = medium), not durations.
+SEMANTIC_VAD_SILENCE_MS = {"high": 300, "medium": 500, "auto": 500, "low": 1000}
+
+
+_NO_VOCODER = ("this server has no vocoder (its checkpoint lacks assets/token2wav), so it answers in text only: "
+               "expected output_modalities ['text']")
+
+
+def _vad_classes():
+    """The server VAD from duplexkit.audio (None when it is not available)."""
+    try:
+        import webrtcvad  # noqa: F401  (webrtcvad-wheels)
+
+        from duplexkit.audio import StreamingVAD, VadConfig  # noqa: WPS433
+    except ImportError:
+        return None
+    return StreamingVAD, VadConfig
+
+
+def _config_key(c: StreamConfig) -> tuple:
+    """StreamConfig identity without comparing numpy arrays (the voice compares by sha256)."""
+    return (c.instructions, c.ref_voice.sha256 if c.ref_voice is not None else None, c.output_audio,
+            c.temperature, c.seed, c.force_listen_count, c.seed_text)
+
+
+class SettingsMixin:
+    """The ``session.update`` job of :class:`~duplexkit.session.Session` (state: ``settings``,
+    ``_seed_text``, ``_system_text``, the VAD/decoder objects it rebuilds)."""
+
+    def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
+        self._update_warnings = []
+        new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
+        warnings, self._update_warnings = self._update_warnings, []
+        old = self.settings
+        old_stream = self._stream_config()
+        self.settings = new
+        if new.input_format != old.input_format:
+            self._decoder = StreamDecoder(new.input_format)
+            self._resampler = StreamResampler(new.input_format.rate, INPUT_SAMPLE_RATE)
+            self._arrival = ArrivalRateMonitor(new.input_format.rate)  # a new declaration: re-armed
+        if new.turn_detection != old.turn_detection:
+            self._make_vad()
+        if first and not self.started:
+            self.start(now_ms)
+            for w in warnings:
+                self._warn(*w)
+            return
+        self._emit(SessionUpdated(session=self._session_object()))
+        for w in warnings:
+            self._warn(*w)
+        cfg = self._stream_config()
+        if self._stream_open and _config_key(cfg) != _config_key(old_stream):
+            self._cmd(UpdateStream(self.stream_id, self.epoch, config=cfg))
+
+    def _validated_settings(self, p: SessionPatch, event_id: Optional[str]) -> _Settings:
+        s = self.settings.copy()
+        given = set(p.given)
+
+        def err(code: ErrorCode, msg: str, concept: str, field: Optional[str] = None) -> ProtocolError:
+            param = "session." + p.sources.get(concept, concept) + ("." + field if field else "")
+            return ProtocolError(code, msg, param=param, event_id=event_id)
+
+        def warn(code: str, msg: str, concept: str) -> None:
+            self._update_warnings.append((code, msg, "session." + p.sources.get(concept, concept)))
+
+        if "output_modalities" in given:
+            mods = p.output_modalities or []
+            if not mods or any(m not in ("audio", "text") for m in mods):
+                raise err(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']", "output_modalities")
+            if "audio" in mods and not self.cfg.audio_output_available:
+                raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
+            s.output_modalities = list(dict.fromkeys(mods))
+        if "instructions" in given and p.instructions != s.instructions:
+            if self._units_appended > 0:
+                raise err(ErrorCode.BAD_EVENT, "instructions can only change before the first unit is consumed", "instructions")
+            s.instructions = p.instructions
+        if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
+            s.input_format = self._parse_input_format(p, err)
+        if "output_format" in given:
+            of = p.output_format
+            ok = of == "pcm16" or (
+                isinstance(of, dict) and of.get("type") == "audio/pcm" and of.get("rate", OUTPUT_SAMPLE_RATE) == OUTPUT_SAMPLE_RATE
+            )
+            if not ok:
+                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, "output is fixed at 24 kHz PCM16 ('pcm16' or {type:'audio/pcm', rate:24000})", "output_format")
+        if "turn_detection" in given:
+            s.turn_detection = self._parse_turn_detection(p.turn_detection, err)
+        if "temperature" in given:
+            s.temperature = float(p.temperature)
+        if "max_output_tokens" in given:
+            s.max_output_tokens = p.max_output_tokens
+        if "force_listen_count" in given:
+            s.force_listen_count = int(p.force_listen_count)
+        if "answer_policy" in given:
+            s.answer_policy = p.answer_policy
+        if "seed" in given:
+            s.seed = int(p.seed)
+        if "playback_commit_policy" in given:
+            s.playback_commit_policy = p.playback_commit_policy
+        if "early_unit_close" in given:
+            s.early_unit_close = bool(p.early_unit_close)
+        self._apply_vllm_omni_fields(p, s, given, err, warn)
+        # voice and reference audio (docs/protocol.md §8)
+        voice_changed = False
+        if "voice" in given:
+            s.voice = p.voice
+            if not s.ref_from_client or "ref_audio" not in given:
+                s.ref_voice = self.cfg.voices.get(p.voice, self.cfg.default_voice)
+                s.ref_from_client = False
+            voice_changed = True
+        if "ref_audio" in given:
+            s.ref_voice = load_ref_audio(p.ref_audio, self.cfg.ref_audio_loader, self.cfg.limits.max_ref_audio_s, err)
+            s.ref_from_client = True
+            voice_changed = True
+        if voice_changed and self._audio_started:
+            old_sha = self.settings.ref_voice.sha256 if self.settings.ref_voice is not None else None
+            new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
+            if old_sha != new_sha:
+                raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
+                          "ref_audio" if "ref_audio" in given else "voice")
+        return s
+
+    def _parse_input_format(self, p: SessionPatch, err) -> InputFormat:
+        """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
+
+        Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
+        ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
+        takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
+        a client may send the session object back unchanged. Channels: ``channels`` in the GA
+        object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
+        downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
+        without a channel count is mono, a channel count given alone keeps the current encoding
+        and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
+        """
+        cur = self.settings.input_format
+        flat_ch = p.input_channels if "input_channels" in p.given else None
+        if p.input_format is None and "input_sample_rate_hz" not in p.given:
+            # only a channel count: same encoding and rate
+            try:
+                return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
+            except AudioFormatError as e:
+                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
+        f = p.input_format if p.input_format is not None else "pcm16"
+        explicit = p.input_sample_rate_hz
+        duplex_default = self.cfg.limits.input_default_rate if self._duplex else 24000
+        bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
+        try:
+            if isinstance(f, str):
+                enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
+                       "audio/pcm": "pcm16"}.get(f)
+                if enc is None:
+                    raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
+                if enc.startswith("g711"):
+                    rate = 8000 if explicit is None else explicit
+                else:
+                    rate = explicit if explicit is not None else duplex_default
+                return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
+            t = f.get("type")
+            enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
+            if enc is None:
+                raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
+            if enc == "pcm16" and f.get("encoding") is not None:
+                if f["encoding"] not in ("pcm16", "pcm_f32le"):
+                    raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
+                enc = f["encoding"]
+            rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
+            for v in rates:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
+            if len(set(rates)) > 1:
+                raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
+            rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+            ch = f.get("channels")
+            if ch is not None and flat_ch is not None and ch != flat_ch:
+                raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
+            ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
+            return InputFormat(enc, rate, ch)
+        except AudioFormatError as e:
+            raise err(bad, str(e), "input_format") from None
+
+    def _apply_vllm_omni_fields(self, p: SessionPatch, s: "_Settings", given: set, err, warn) -> None:
+        """vLLM-Omni's session fields (docs/server.md, "Interop"): honoured where this server has
+        the behaviour, otherwise a ``session.warning`` (never silently dropped).
+
+        * ``extra_body.auto_response``: true -> ``answer_policy: model``, false -> ``on_request``
+          (an explicit ``answer_policy`` wins);
+        * ``overlap_policy``: ``listen_only`` -> the VAD does not interrupt (``interrupt_response:
+          false``; with ``turn_detection: null`` overlap is the model's anyway); ``barge_in`` ->
+          ``interrupt_response: true`` (needs server VAD); other values -> warning;
+        * ``extra_body.native_duplex`` / ``minicpmo45_native_duplex``: true is what this server
+          always does; false -> warning;
+        * ``audio.output.sample_rate_hz``: must be 24000 (``unsupported_audio_format`` otherwise).
+        """
+        if "auto_response" in given and "answer_policy" not in given:
+            s.answer_policy = "model" if p.auto_response else "on_request"
+        if "overlap_policy" in given:
+            pol = p.overlap_policy
+            if pol == "listen_only":
+                if s.turn_detection is not None:
+                    s.turn_detection["interrupt_response"] = False
+            elif pol in ("barge_in", "interrupt") and s.turn_detection is not None:
+                s.turn_detection["interrupt_response"] = True
+            else:
+                warn("unsupported_overlap_policy", f"overlap_policy {pol!r} is not honoured: this server supports "
+                     "'listen_only' and, with server VAD, 'barge_in'; overlap is left to the model", "overlap_policy")
+        if "native_duplex" in given and p.native_duplex is False:
+            warn("native_duplex_always_on", "this server always runs MiniCPM-o's model-native duplex loop; "
+                 "native_duplex: false is not honoured", "native_duplex")
+        if "output_sample_rate_hz" in given and p.output_sample_rate_hz != OUTPUT_SAMPLE_RATE:
+            raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
+                      f"output is fixed at {OUTPUT_SAMPLE_RATE} Hz, got {p.output_sample_rate_hz}", "output_sample_rate_hz")
+
+    def _warn(self, code: str, message: str, param: str, event_id: Optional[str] = None) -> None:
+        """Emit ``session.warning`` once per ``param`` per session."""
+        if param in self._warned:
+            return
+        self._warned.add(param)
+        self._emit(SessionWarning(code=code, message=message, param=param))
+
+    def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
+        if td is None:
+            return None
+        code = ErrorCode.UNSUPPORTED_TURN_DETECTION
+        t = td.get("type", "server_vad")
+        if t == "semantic_vad":
+            # OpenAI's semantic_vad: served by the server VAD, its eagerness translated to a
+            # silence duration (SEMANTIC_VAD_SILENCE_MS, docs/protocol.md §4.1)
+            eager = td.get("eagerness") or "auto"
+            if eager not in SEMANTIC_VAD_SILENCE_MS:
+                raise err(code, f"turn_detection.eagerness must be one of {sorted(SEMANTIC_VAD_SILENCE_MS)}, "
+                          f"got {eager!r}", "turn_detection", "eagerness")
+            td = {"type": "server_vad", "silence_duration_ms": SEMANTIC_VAD_SILENCE_MS[eager],
+                  **{k: td[k] for k in ("interrupt_response", "create_response") if k in td}}
+            t = "server_vad"
+        if t != "server_vad":
+            raise err(code, f"turn_detection type {t!r} is not supported (server_vad, semantic_vad or null)",
+                      "turn_detection", "type")
+        if self._vad_cls is None:
+            raise err(code, "server VAD is not available on this server", "turn_detection")
+        out = {
+            "type": "server_vad",
+            "threshold": 0.5,
+            "prefix_padding_ms": 300,
+            "silence_duration_ms": 500,
+            "interrupt_response": True,
+            "create_response": not self._duplex,
+        }
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        for k, lo, hi, integer in (("threshold", 0.0, 1.0, False), ("prefix_padding_ms", 0, 2000, True),
+                                   ("silence_duration_ms", 100, 5000, True)):
+            if td.get(k) is not None:
+                v = td[k]
+                if not num(v) or (integer and float(v) != int(v)) or not (lo <= v <= hi):
+                    raise err(code, f"turn_detection.{k} must be in {lo}..{hi}, got {v!r}", "turn_detection", k)
+                out[k] = int(v) if integer else float(v)
+        for k in ("interrupt_response", "create_response"):
+            if td.get(k) is not None:
+                if not isinstance(td[k], bool):
+                    raise err(code, f"turn_detection.{k} must be a boolean", "turn_detection", k)
+                out[k] = td[k]
+        return out
+
+    def _stream_config(self) -> StreamConfig:
+        s = self.settings
+        instr = s.instructions
+        if self._system_text:
+            instr = "\n".join([x for x in [instr, *self._system_text] if x])
+        return StreamConfig(
+            instructions=instr,
+            ref_voice=s.ref_voice,
+            output_audio="audio" in s.output_modalities,
+            temperature=s.temperature,
+            seed=s.seed,
+            force_listen_count=s.force_listen_count,
+            seed_text="\n".join(self._seed_text) if self._seed_text else None,
+        )

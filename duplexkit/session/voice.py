@@ -1,0 +1,75 @@
+"""The reference voice of a ``session.update`` (docs/protocol.md §8): a data URL or an allowed path,
+decoded to 16 kHz mono float32, length-checked and trimmed to whole 100 ms."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from typing import Callable, Optional
+
+import numpy as np
+
+from duplexkit.audio import AudioFormatError, read_wav
+from duplexkit.engine.api import INPUT_SAMPLE_RATE, ReferenceVoice
+from duplexkit.protocol import ErrorCode
+
+
+REF_AUDIO_MIN_S = 0.5
+"""Shortest reference voice clip, seconds (docs/protocol.md §8.2)."""
+
+
+REF_TRIM_SAMPLES = INPUT_SAMPLE_RATE // 10
+"""Reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (docs/protocol.md §8.3)."""
+
+
+_SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
+
+
+def load_ref_audio(value: str, loader: Optional[Callable[[str], bytes]], max_s: float, err) -> ReferenceVoice:
+    """Decode ``session.audio.output.ref_audio`` / ``extra_body.ref_audio`` into a :class:`ReferenceVoice`.
+
+    Args:
+        value: ``data:audio/wav;base64,...``, a ``file://`` URL or a plain path.
+        loader: ``SessionConfig.ref_audio_loader`` (path -> WAV bytes; enforces ``--ref-audio-dir``);
+            None = paths are refused.
+        max_s: longest clip, seconds (``SessionLimits.max_ref_audio_s``).
+        err: ``err(code, message, param) -> ProtocolError`` of the update being validated.
+
+    Returns:
+        float32 [n] at 16 kHz, n a multiple of :data:`REF_TRIM_SAMPLES` (1600), with its sha256.
+
+    Raises:
+        ProtocolError: ``ref_audio_invalid`` (bad data URL, remote URL, refused path, undecodable
+            audio, shorter than :data:`REF_AUDIO_MIN_S` or longer than ``max_s``).
+    """
+    code = ErrorCode.REF_AUDIO_INVALID
+    if value.startswith("data:"):
+        head, sep, payload = value.partition(",")
+        if not sep or ";base64" not in head:
+            raise err(code, "ref_audio data URL must be 'data:audio/wav;base64,...'", "ref_audio")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise err(code, "ref_audio data URL is not valid base64", "ref_audio") from None
+    elif _SCHEME_RE.match(value) and not value.startswith("file://"):
+        raise err(code, "remote ref_audio URLs are refused; send a data URL", "ref_audio")
+    else:
+        path = value[len("file://"):] if value.startswith("file://") else value
+        if loader is None:
+            raise err(code, "ref_audio paths are not allowed on this server (no --ref-audio-dir)", "ref_audio")
+        try:
+            data = loader(path)
+        except Exception as exc:  # the loader enforces the allow-list
+            raise err(code, f"ref_audio path refused: {exc}", "ref_audio") from None
+    try:
+        audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE, max_s=max_s)
+    except (AudioFormatError, ValueError, RuntimeError) as exc:
+        raise err(code, f"ref_audio is not decodable audio: {exc}", "ref_audio") from None
+    dur = len(audio) / INPUT_SAMPLE_RATE
+    if dur < REF_AUDIO_MIN_S or dur > max_s:
+        raise err(code, f"ref_audio must last {REF_AUDIO_MIN_S}..{max_s} s, got {dur:.2f} s", "ref_audio")
+    n = len(audio) // REF_TRIM_SAMPLES * REF_TRIM_SAMPLES
+    clip = np.ascontiguousarray(audio[:n], dtype=np.float32)
+    return ReferenceVoice(audio=clip, sha256=hashlib.sha256(clip.tobytes()).hexdigest())

@@ -1,0 +1,106 @@
+"""Wire objects of a Session: the ``session`` object echoed by ``session.created``/``updated``,
+``response`` objects and ``item`` objects (pydantic models of ``duplexkit.protocol``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.protocol import (
+    AudioConfig,
+    AudioFormatObject,
+    AudioInputConfig,
+    AudioOutputConfig,
+    Capabilities,
+    ContentPart,
+    Item,
+    RefAudioInfo,
+    ResponseObject,
+    SessionObject,
+    StatusDetails,
+    TurnDetectionObject,
+    Usage,
+)
+from duplexkit.session.conversation import _ConvItem
+from duplexkit.session.responses import _Response
+
+
+EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "session.heartbeat_ack"]
+
+
+class WireObjectsMixin:
+    """Builds the wire objects of :class:`~duplexkit.session.Session` from its state (no state of its own)."""
+
+    def _item_model(self, it: _ConvItem, truth: bool = False) -> Item:
+        if it.kind == "input_audio":
+            content = [ContentPart(type="input_audio")]
+        elif it.kind == "input_text":
+            content = [ContentPart(type="input_text", text=it.text)]
+        elif it.kind == "output_audio":
+            content = [ContentPart(type="output_audio", transcript=self._truth_text(it) if truth else it.text)]
+        else:
+            content = [ContentPart(type="output_text", text=it.text)]
+        return Item(id=it.id, role=it.role, status=it.status, content=content)
+
+    def _response_model(self, r: _Response, status: str, details: Optional[StatusDetails] = None,
+                        output: Optional[list] = None) -> ResponseObject:
+        done = status != "in_progress"
+        it = self._responses.get(r.id)
+        return ResponseObject(
+            id=r.id, status=status, status_details=details, output=output if done else [],
+            output_modalities=r.modalities, metadata=r.metadata,
+            usage=Usage(total_tokens=r.tokens, output_tokens=r.tokens) if done else None,
+            max_output_tokens="inf" if r.max_tokens is None else r.max_tokens,
+            epoch=r.epoch, trigger=r.trigger,
+            audio_duration_ms=(r.samples * 1000 // OUTPUT_SAMPLE_RATE) if done else None,
+            committed_ms=(it.committed_ms if it is not None else 0) if done else None,
+        )
+
+    def _session_object(self) -> SessionObject:
+        s = self.settings
+        fmt = s.input_format
+        if fmt.encoding == "pcm16":
+            fobj = AudioFormatObject(type="audio/pcm", rate=24000) if fmt.rate == 24000 else AudioFormatObject(
+                type="audio/pcm", sample_rate_hz=fmt.rate)
+            beta = "pcm16"
+        elif fmt.encoding == "pcm_f32le":
+            fobj = AudioFormatObject(type="audio/pcm", encoding="pcm_f32le", sample_rate_hz=fmt.rate)
+            beta = "pcm_f32le"
+        elif fmt.encoding == "g711_ulaw":
+            fobj, beta = AudioFormatObject(type="audio/pcmu"), "g711_ulaw"
+        else:
+            fobj, beta = AudioFormatObject(type="audio/pcma"), "g711_alaw"
+        channels = fmt.channels if fmt.channels != 1 else None  # echoed only for multi-channel input
+        fobj.channels = channels
+        td = TurnDetectionObject(**s.turn_detection) if s.turn_detection is not None else None
+        rv = s.ref_voice
+        return SessionObject(
+            id=self.session_id,
+            model=self.cfg.model_id,
+            instructions=s.instructions,
+            output_modalities=list(s.output_modalities),
+            modalities=list(s.output_modalities),
+            voice=s.voice,
+            audio=AudioConfig(
+                input=AudioInputConfig(format=fobj, turn_detection=td),
+                output=AudioOutputConfig(format=AudioFormatObject(type="audio/pcm", rate=OUTPUT_SAMPLE_RATE), voice=s.voice),
+            ),
+            input_audio_format=beta,
+            output_audio_format="pcm16",
+            sample_rate_hz=fmt.rate,
+            channels=channels,
+            turn_detection=td,
+            temperature=s.temperature,
+            max_output_tokens=s.max_output_tokens,
+            max_response_output_tokens=s.max_output_tokens,
+            epoch=self.epoch,
+            ref_audio=RefAudioInfo(sha256=rv.sha256, duration_ms=rv.duration_ms) if rv is not None else None,
+            extra_body={
+                "force_listen_count": s.force_listen_count,
+                "answer_policy": s.answer_policy,
+                "playback_commit_policy": s.playback_commit_policy,
+                "seed": s.seed,
+                "early_unit_close": s.early_unit_close,
+            },
+            capabilities=Capabilities(extension_events=EXTENSION_EVENTS if self._duplex else []),
+        )
