@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from .base import BaseDuplexClient, DuplexConnectionError
 
