@@ -83,6 +83,13 @@ class EchoConfig:
             (dB) in the window (default 90): robust against the first frames of user speech over
             the echo, which a maximum would take for echo.
         stream_delay_ms: delay hint for the AEC, ms (AEC3 estimates the delay itself; default 0).
+        residual_suppression_db: attenuation, dB, that :meth:`EchoControl.suppress` applies to a 10 ms
+            block of capture output that is not ``margin_db`` above the estimated echo level while the
+            echo is active (residual echo suppression; 0 turns it off; default 40).
+        suppression_margin_db: how far above the estimated echo level a 10 ms block must be to pass
+            :meth:`EchoControl.suppress` unattenuated, dB (default 20: stricter than the gate's
+            ``margin_db``, because an AEC's residual spikes while it re-converges; speech at a
+            normal level is 25-30 dB above the echo of a speaker at -20 dB).
         max_reference_lead_ms: reference queued ahead of the capture by more than this is dropped
             (oldest first) to re-align after a stall, ms (default 3000: a client whose event loop
             stalls for up to 3 s while the speaker keeps rendering keeps its echo reference).
@@ -91,7 +98,7 @@ class EchoConfig:
     """
 
     mode: Literal["gate", "aec"] = "aec"
-    margin_db: float = 10.0
+    margin_db: float = 15.0
     tail_ms: int = 400
     ref_floor_dbfs: float = -60.0
     initial_gain_db: float = 0.0
@@ -100,6 +107,8 @@ class EchoConfig:
     gain_percentile: float = 90.0
     stream_delay_ms: int = 0
     max_reference_lead_ms: int = 3000
+    residual_suppression_db: float = 40.0
+    suppression_margin_db: float = 20.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("gate", "aec"):
@@ -118,6 +127,10 @@ class EchoConfig:
             raise ValueError(f"gain_percentile must be in [50, 100], got {self.gain_percentile}")
         if not (0 <= self.stream_delay_ms <= 1000):
             raise ValueError(f"stream_delay_ms must be in [0, 1000], got {self.stream_delay_ms}")
+        if not (0.0 <= float(self.suppression_margin_db) <= 60.0):
+            raise ValueError(f"suppression_margin_db must be in [0, 60], got {self.suppression_margin_db}")
+        if not (0.0 <= float(self.residual_suppression_db) <= 120.0):
+            raise ValueError(f"residual_suppression_db must be in [0, 120], got {self.residual_suppression_db}")
         if not (100 <= self.max_reference_lead_ms <= 10_000):
             raise ValueError(f"max_reference_lead_ms must be in [100, 10000], got {self.max_reference_lead_ms}")
 
@@ -376,6 +389,38 @@ class EchoControl:
         if self._active_samples < cfg.adapt_ms * self.capture_rate // 1000:
             return max(cfg.initial_gain_db, measured)
         return measured if measured > -math.inf else cfg.initial_gain_db
+
+    def suppress(self, y: np.ndarray) -> np.ndarray:
+        """Residual echo suppression of what :meth:`capture` just returned (float32 [n], the last
+        ``n`` output samples) -> float32 [n] to send on.
+
+        While the echo is active, each 10 ms block whose level is not ``suppression_margin_db`` above the
+        estimated echo level (the reference envelope plus :attr:`echo_gain_db`, as the gate uses)
+        is attenuated by ``residual_suppression_db``: what an AEC leaves of the echo then stays
+        below any VAD's floor, so a server-side VAD does not take it for the user, while speech
+        well above the echo passes unchanged. Learns nothing (feed the VAD the unsuppressed
+        :meth:`capture` output).
+        """
+        a = np.asarray(y, dtype=np.float32)
+        att = float(self.cfg.residual_suppression_db)
+        if not a.size or att <= 0.0:
+            return a
+        out = a.copy()
+        gain = self.echo_gain_db
+        scale = 10.0 ** (-att / 20.0)
+        base = self.out_samples - a.size  # output index of a[0]
+        hop = self._hop
+        i = 0
+        while i < a.size:
+            j = min(a.size, i + hop)
+            env = self._envelope_power(base + j)
+            if env >= self._floor_p:
+                blk = a[i:j]
+                level = _db(float(np.dot(blk, blk)) / max(j - i, 1))
+                if level < _db(env) + gain + self.cfg.suppression_margin_db:
+                    out[i:j] *= scale
+            i = j
+        return out
 
     def gate_frame(self, frame: np.ndarray) -> bool:
         """Whether a VAD frame may count as speech; call once per frame, in order, on capture output.

@@ -406,7 +406,8 @@ class BaseDuplexClient(abc.ABC):
     async def _listen(self, x: np.ndarray, rate: int) -> np.ndarray:
         """The client's own listening path at 16 kHz: one streaming resampler, echo control
         (``echo``), then the local VAD (``barge_in``) whose speech starts barge in. Returns the
-        16 kHz float32 audio to send (echo-cancelled in ``"aec"`` mode)."""
+        16 kHz float32 audio to send (echo-cancelled in ``"aec"`` mode, residual echo suppressed
+        in both modes: :meth:`~duplexkit.audio.EchoControl.suppress`)."""
         from duplexkit.audio import StreamingVAD, StreamResampler, VadConfig
 
         if self._capture_rate != rate:
@@ -417,14 +418,18 @@ class BaseDuplexClient(abc.ABC):
         if echo is not None:
             with self._echo_lock:
                 x16 = echo.capture(x16)
+        heard = x16
         if self.options.barge_in:
             if self._vad is None:
                 cfg = self.options.barge_in if isinstance(self.options.barge_in, VadConfig) else VadConfig()
                 self._vad = StreamingVAD(cfg, echo=echo) if echo is not None else StreamingVAD(cfg)
-            for vev in self._vad.process(x16):
+            for vev in self._vad.process(heard):  # the gate learns from the unsuppressed capture
                 if vev.kind == "speech_started":
                     _, actions = self.state.local_speech_started()
                     await self._apply_async(actions)
+        if echo is not None:  # what the server hears: residual echo pushed below any VAD's floor
+            with self._echo_lock:
+                x16 = echo.suppress(heard)
         return x16
 
     def _encode(self, x: np.ndarray, rate: int) -> bytes:
