@@ -364,6 +364,9 @@ def _start_random(a, max_sessions: int):
         if hasattr(model.code2wav, "warmup"):
             model.code2wav.warmup()
     engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
+    if dev.type == "cuda" and not a.no_warm_turn:
+        ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
+        print(f"warm-up turn: first audio after {ms or 0:.0f} ms", flush=True)
     return _serve_inprocess(engine, max_sessions)
 
 
@@ -449,6 +452,8 @@ def main(argv=None) -> int:
                          "(the duplexkit.latency logger; scripted/tiny/random-*)")
     ap.add_argument("--silence-ms", type=int, default=500,
                     help="server VAD silence_duration_ms for the vad_eos scenario (the OpenAI default is 500)")
+    ap.add_argument("--no-warm-turn", action="store_true",
+                    help="skip DuplexEngine.warmup_turn() (random-* on CUDA): measure the cold start")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds of one session run first and reported apart as the cold start (the first "
                          "response of a fresh process pays one-time lazy initialisation), not in the levels")

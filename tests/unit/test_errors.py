@@ -318,6 +318,7 @@ def test_session_bad_base64_and_non_finite_floats_are_bad_audio():
     new = d.send({"type": "input_audio_buffer.append", "audio": _b64(np.full(16000, 4.0, "<f4").tobytes())})
     assert not d.of("error", new)
     d.send({"type": "input_audio_buffer.commit"})
+    d.tick(50)  # the commit's unit goes out after COMMIT_MERGE_MS
     units = [c for c in d.cmds if type(c).__name__ == "AppendUnit"]
     assert len(units) == 1 and units[0].audio.max() == 1.0 and units[0].audio[:16000].min() == 1.0
 
