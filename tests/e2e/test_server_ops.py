@@ -187,3 +187,45 @@ async def test_sigterm_drain_ends_early_when_the_sessions_finish():
         assert srv.proc.wait(60) == 0
     finally:
         srv.__exit__(None, None, None)
+
+
+def _client(app):
+    from fastapi.testclient import TestClient
+
+    return TestClient(app, base_url="http://127.0.0.1")  # a loopback Host, as a local scraper sends
+
+
+def test_metrics_modes_and_one_registry_per_app():
+    from duplexkit.testing import ScriptedEngine
+    from duplexkit_server import ServerSettings, create_app
+
+    a = create_app(ScriptedEngine(), ServerSettings(max_sessions=3, api_keys=["k"], metrics="public"))
+    b = create_app(ScriptedEngine(), ServerSettings(max_sessions=5, api_keys=["k"]))
+    off = create_app(ScriptedEngine(), ServerSettings(metrics="off"))
+    with _client(a) as ca, _client(b) as cb, _client(off) as co:
+        ma = text_string_to_metric_families(ca.get("/metrics").text)  # public: no key needed
+        caps = {s.value for f in ma for s in f.samples if s.name == "duplexkit_sessions_capacity"}
+        assert caps == {3.0}
+        assert cb.get("/metrics").status_code == 401  # auth (default) with keys set
+        r = cb.get("/metrics", headers={"Authorization": "Bearer k"})
+        assert "duplexkit_sessions_capacity 5.0" in r.text
+        assert co.get("/metrics").status_code == 404
+        assert co.get("/ready").status_code == 200 and co.get("/live").status_code == 200
+    with pytest.raises(ValueError):
+        create_app(ScriptedEngine(), ServerSettings(metrics="maybe"))
+
+
+def test_gpu_memory_series_when_cuda_is_in_use():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from duplexkit.testing import ScriptedEngine
+    from duplexkit_server import create_app
+
+    x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:0")  # 64 MiB held by this process
+    with _client(create_app(ScriptedEngine())) as c:
+        fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    got = {(s.labels["device"], s.labels["kind"]): s.value for s in fams["duplexkit_gpu_memory_bytes"].samples}
+    assert got[("cuda:0", "allocated")] >= x.numel()
+    assert got[("cuda:0", "reserved")] >= got[("cuda:0", "allocated")]
+    assert got[("cuda:0", "total")] == torch.cuda.get_device_properties(0).total_memory
