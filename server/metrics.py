@@ -16,7 +16,7 @@ Where the numbers come from:
 * GPU memory: ``torch.cuda`` when torch is already imported and CUDA is initialised (the scripted
   engine never imports torch, and then the series are absent).
 
-The engine does not expose its KV pool occupancy yet, so there is no KV series (docs/deployment.md).
+* KV use: the engine's ``kv_usage()`` (the GPU fast paths' static KV pools), absent without one.
 A failure inside an observer is logged once and never reaches the session.
 """
 
@@ -102,6 +102,12 @@ class ServerMetrics:
                 return _gpu_families()
 
         r.register(_Gpu())
+
+        class _Kv(Collector):
+            def collect(self_inner):
+                return _kv_families(state.engine)
+
+        r.register(_Kv())
 
     # -- hooks ----------------------------------------------------------------------------------
     def session_observer(self) -> "SessionObserver":
@@ -219,6 +225,33 @@ def _gpu_families():
     except Exception as exc:  # pragma: no cover - a broken driver must not break the scrape
         logger.debug("gpu metrics unavailable: %r", exc)
         return []
+
+
+def _kv_families(engine):
+    """``duplexkit_kv_slots{stage, kind=used|total}`` and ``duplexkit_kv_bytes{stage}`` from the
+    engine's ``kv_usage()`` (:meth:`duplexkit.engine.DuplexEngine.kv_usage`: the GPU fast paths'
+    static KV pools); nothing for an engine without one or with no pool (CPU path, scripted)."""
+    fn = getattr(engine, "kv_usage", None)
+    if fn is None:
+        return []
+    try:
+        usage = fn() or {}
+    except Exception as exc:  # pragma: no cover
+        logger.debug("kv usage unavailable: %r", exc)
+        return []
+    if not usage:
+        return []
+    from prometheus_client.core import GaugeMetricFamily
+
+    slots = GaugeMetricFamily("duplexkit_kv_slots", "KV-cache slots of the engine's static pools (one per live "
+                              "stream and stage), used and allocated.", labels=["stage", "kind"])
+    nbytes = GaugeMetricFamily("duplexkit_kv_bytes", "Bytes allocated for K and V of the engine's static pools.",
+                               labels=["stage"])
+    for stage, u in sorted(usage.items()):
+        slots.add_metric([stage, "used"], float(u["slots_used"]))
+        slots.add_metric([stage, "total"], float(u["slots_total"]))
+        nbytes.add_metric([stage], float(u["bytes"]))
+    return [slots, nbytes]
 
 
 class MetricsMiddleware:

@@ -121,8 +121,8 @@ async def test_metrics_move_after_a_spoken_turn_and_ready_flips_when_full(one_sl
     assert d("duplexkit_errors_total", code="bad_audio", where="realtime") == 1
     assert d("duplexkit_errors_total", code="unauthorized", where="http") == 0  # /metrics 401s are not counted
     assert val(after, "duplexkit_units_behind_max") == 0 and val(after, "duplexkit_sessions_active") == 0
-    # the scripted engine never imports torch: no GPU series
-    assert not [k for k in after if k[0].startswith("duplexkit_gpu_memory_bytes")]
+    # the scripted engine never imports torch and has no KV pool: no GPU or KV series
+    assert not [k for k in after if k[0].startswith(("duplexkit_gpu_memory_bytes", "duplexkit_kv_"))]
 
 
 async def test_sigterm_drains_then_closes_the_live_session_with_shutdown():
