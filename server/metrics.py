@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
+import weakref
 from typing import Any, Optional
 
 from fastapi import Request
@@ -46,6 +48,7 @@ STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 TTFP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 _AUDIO_DELTA = "response.output_audio.delta"
+_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 
 class ServerMetrics:
@@ -61,7 +64,7 @@ class ServerMetrics:
         self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.observers: set = set()
+        self.observers: "weakref.WeakSet[SessionObserver]" = weakref.WeakSet()  # gone with their session
         self._warned = False
         g = Gauge("duplexkit_sessions_active", "Used session slots (realtime sessions and chat requests).", registry=r)
         g.set_function(lambda: state.slots.used)
@@ -118,7 +121,11 @@ class ServerMetrics:
         return o
 
     def error(self, code: str, where: str) -> None:
-        self.errors.labels(code=str(code)[:64], where=where).inc()
+        """Count one error. Codes are the server's own snake_case identifiers (docs/protocol.md §9,
+        ``request_too_large``); anything else (a free-text close reason) counts as ``other``, so the
+        label set stays bounded."""
+        code = str(code)
+        self.errors.labels(code=code if _CODE_RE.fullmatch(code) else "other", where=where).inc()
 
     def warn_once(self, exc: BaseException) -> None:
         if not self._warned:

@@ -214,6 +214,13 @@ def test_metrics_modes_and_one_registry_per_app():
         assert co.get("/ready").status_code == 200 and co.get("/live").status_code == 200
     with pytest.raises(ValueError):
         create_app(ScriptedEngine(), ServerSettings(metrics="maybe"))
+    # error labels stay bounded: a free-text close reason is counted as "other"
+    m = a.state.duplexkit.metrics
+    m.error("origin not allowed", "handshake")
+    m.error("request_too_large", "http")
+    text = m.render()[0].decode()
+    assert 'duplexkit_errors_total{code="other",where="handshake"} 1.0' in text
+    assert 'duplexkit_errors_total{code="request_too_large",where="http"} 1.0' in text
 
 
 def test_gpu_memory_series_when_cuda_is_in_use():
