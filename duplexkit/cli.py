@@ -295,9 +295,33 @@ def _add_hardening_args(p) -> None:
                    help="close a connection whose request head is not complete after this many s (default 10)")
 
 
+    # operability (docs/deployment.md, "Probes", "Metrics", "Runbook")
+    p.add_argument("--drain-s", type=_duration, default=300.0, metavar="DURATION",
+                   help="on SIGTERM, let live sessions go on this long (new ones refused, /ready 503) before "
+                        "closing them with session.closed{shutdown}: seconds, or 10m / 1h (default 300; "
+                        "SIGINT or a second signal closes at once)")
+    p.add_argument("--metrics", default="auth", choices=["auth", "public", "off"],
+                   help="GET /metrics (Prometheus): auth = needs the API key when keys are set (default), "
+                        "public = no key (scrapers on a private network), off = no route")
+
+
+def _duration(text: str) -> float:
+    """An argparse type: seconds, or a number with s/m/h (``duplexkit_server.lifecycle.parse_duration``)."""
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:])
+    try:
+        v = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or a number with s/m/h (e.g. 300, 5m), got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite duration >= 0, got {text}")
+    return v
+
+
 def _hardening_settings(args) -> dict:
     return {"allow_origins": list(args.allow_origin or []), "max_body_bytes": args.max_body_bytes,
-            "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s}
+            "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s,
+            "drain_s": args.drain_s, "metrics": args.metrics}
 
 
 def cmd_serve(args) -> int:

@@ -169,6 +169,8 @@ class RealtimeConnection:
         self.session = Session(session_config(state, profile), now_ms=0)
         self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
                                     tick_interval_s=state.settings.tick_interval_s)
+        if getattr(state, "metrics", None) is not None:  # duplexkit_server.metrics (GET /metrics)
+            self.driver.observer = state.metrics.session_observer()
         self._closed = asyncio.Event()
         self._ended = asyncio.Event()
         self._close_override: Optional[int] = None
@@ -200,6 +202,8 @@ class RealtimeConnection:
             dispatched.cancel()
             await asyncio.gather(reader, dispatched, return_exceptions=True)
             await self.driver.aclose()
+            if self.driver.observer is not None:
+                self.driver.observer.close()
             if self.ws.application_state != WebSocketState.DISCONNECTED:
                 try:
                     await self.ws.close(code=1000)

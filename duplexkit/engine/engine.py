@@ -275,6 +275,25 @@ class DuplexEngine:
                       file=sys.stderr, flush=True)
         return engine
 
+    def kv_usage(self) -> dict:
+        """KV-cache occupancy of the stages that keep a static pool (the GPU fast paths'
+        ``fast_kv.KVPool``), for metrics: ``{stage: {"slots_used", "slots_total", "bytes",
+        "positions_per_slot"}}`` with ``stage`` in ``thinker``, ``talker``. ``bytes`` is the K and V
+        storage allocated for the pool (it grows by whole slots, never shrinks). Stages without a
+        pool (the CPU reference path) are left out, so the CPU engine returns ``{}``. Read without
+        the stage threads' lock: a consistent snapshot of each pool, not across pools.
+        """
+        out: dict = {}
+        m = self.model
+        for stage in ("thinker", "talker"):
+            pool = getattr(getattr(m, stage, None), "pool", None)
+            if pool is None or not hasattr(pool, "n_slots"):
+                continue
+            total = int(pool.n_slots)
+            out[stage] = {"slots_used": total - len(pool.free), "slots_total": total, "bytes": int(pool.nbytes()),
+                          "positions_per_slot": int(pool.max_len)}
+        return out
+
     # ------------------------------------------------------------------ Engine interface
     @property
     def num_streams(self) -> int:

@@ -110,7 +110,8 @@ async def test_idle_timeout(limited_server):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 async def test_graceful_shutdown_closes_sessions_with_1001(sig):
-    srv = ServerProc("scripted")
+    # --drain-s 0: SIGTERM closes at once (the drain itself: tests/e2e/test_server_ops.py)
+    srv = ServerProc("scripted", "--drain-s", "0")
     try:
         async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1") as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
@@ -129,7 +130,7 @@ async def test_graceful_shutdown_closes_sessions_with_1001(sig):
 
 
 async def test_client_is_closed_with_1001_right_after_shutdown():
-    srv = ServerProc("scripted")
+    srv = ServerProc("scripted", "--drain-s", "0")
     try:
         c = DuplexClient(srv.ws_url, heartbeat_s=None)
         await c.connect()
