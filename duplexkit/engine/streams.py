@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from .api import CloseStream, EngineCommand, EngineOutput, StreamConfig
+from .api import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, CloseStream, EngineCommand, EngineOutput, StreamConfig
 from .layout import STAGES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,10 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["RuntimeStream", "FIRST_UNIT_SAMPLES", "UNIT_SAMPLES"]
 
-FIRST_UNIT_SAMPLES = 16_560
-"""Samples of unit 0 at 16 kHz (docs/model.md §3.1, parity case f: the first 1035 ms window)."""
-UNIT_SAMPLES = 16_000
-"""Samples of every later unit at 16 kHz (1 s)."""
+# the model contract's unit sizes live in .api (one home); re-exported here for the runtime
 
 
 # ---------------------------------------------------------------------------------------------
