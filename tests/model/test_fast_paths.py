@@ -175,8 +175,39 @@ def test_fast_talker_batch_and_sampling(tiny_model):
     a, b = sample(1), sample(1)
     assert len(a) == 25 and (a == b).all() and ((0 <= a) & (a < 6561)).all()
     bad = ft.generate_units([TalkerInput(turn=ft.new_turn(), token_ids=units[0].token_ids, hidden=units[0].hidden,
-                                         sampling=TalkerSampling(top_k=25))])
+                                         budget=0)])
     assert isinstance(bad[0], TalkerError)
+
+
+@pytest.mark.parametrize("sampling_kw", [dict(), dict(top_k=25), dict(top_p=0.85), dict(top_k=25, top_p=0.85, min_p=0.01),
+                                         dict(temperature=1.5, repetition_penalty=1.5, repetition_window=8)])
+def test_fast_talker_seeded_sampling_matches_reference(tiny_model, sampling_kw):
+    """Same seeds -> same codes on the eager talker and the batched one (CPU), for the reference
+    sampling and with top-k / top-p / min-p (now on the batched path too); a batch of two turns
+    gives each turn's own codes."""
+    from duplexkit.models.minicpmo45.fast_talker import FastTalker
+    from duplexkit.models.minicpmo45.talker import TalkerInput, TalkerSampling
+
+    tk = tiny_model.talker
+    ft = FastTalker(tk, cuda_graphs=False, slots=2)
+    units = _talker_units(tiny_model, 3, 9)
+    s = TalkerSampling(**sampling_kw)
+
+    def run(model, seeds):
+        turns = [model.new_turn() for _ in seeds]
+        gens = [torch.Generator().manual_seed(k) for k in seeds]
+        out = [[] for _ in seeds]
+        for k, r in enumerate(units):
+            res = model.generate_units([TalkerInput(turn=t, token_ids=r.token_ids, hidden=r.hidden, generator=g,
+                                                    sampling=s, turn_start=k == 0, turn_end=k == len(units) - 1)
+                                        for t, g in zip(turns, gens)])
+            for i, codes in enumerate(res):
+                out[i].append(codes.tolist())
+        return out
+
+    ref = [run(tk, [seed])[0] for seed in (5, 6)]
+    assert run(ft, [5, 6]) == ref
+    assert ref[0] != ref[1] and len(ref[0][1]) == 25  # sampled (seed-dependent); a mid-turn unit is 25 codes
 
 
 # ---------------------------------------------------------------------------------------------- code2wav

@@ -20,17 +20,16 @@ axis and keeps the leading ones.
 * :func:`sign_aware_scale` -- the sign-aware formula the other two sign-aware penalties and the duplex
   ``<|turn_eos|>`` length penalty (÷1.1 if positive, ×1.1 otherwise) share.
 
-**Filters** work on the candidates of :func:`candidates` (the ``top_k`` largest logits, or all of them
-sorted, descending): :func:`top_p_filter` keeps the smallest prefix whose mass reaches ``top_p`` (the
-first candidate always), :func:`min_p_filter` drops candidates below ``min_p`` times the largest
-probability. A removed candidate gets ``-inf``.
+**Filters** (:func:`filter_logits`) set removed ids to ``-inf`` and keep vocabulary order: top-k keeps
+the logits ``>=`` the k-th largest, top-p the smallest set of largest logits whose mass reaches
+``top_p`` (the largest always), min-p the ids whose probability is at least ``min_p`` times the
+largest. Each is off when None (top-k also at 0 or ``>= V``, top-p at ``>= 1``, min-p at 0).
 
 **Sampling** is the Gumbel-max trick: ``argmax(x - log(E))`` with ``E ~ Exp(1)`` drawn from the
 stream's own :class:`torch.Generator` (:func:`exp_noise`); this picks id ``i`` with probability
 ``softmax(x)[i]``, like ``torch.multinomial``, and runs without a host sync (so inside CUDA graphs).
-Noise layout (the contract that makes the eager and the batched paths draw the same numbers): with no
-filter the noise has one entry per vocabulary id in vocabulary order; with a filter, entry ``j`` belongs
-to the ``j``-th largest candidate and only the first ``C`` entries (``C`` candidates) are read.
+The noise has one entry per vocabulary id, in vocabulary order, whatever the filters: two paths that
+draw the same numbers pick the same id unless their logits differ by more than the winning margin.
 """
 
 from __future__ import annotations
@@ -47,12 +46,12 @@ __all__ = [
     "repetition_penalty_counted",
     "seen_mask_rows",
     "apply_temperature",
-    "candidates",
+    "top_k_filter",
     "top_p_filter",
     "min_p_filter",
+    "filter_logits",
     "filtered_probs",
     "exp_noise",
-    "noise_width",
     "sample_with_noise",
     "sample",
 ]
@@ -123,59 +122,55 @@ def _on(top_k: Optional[int], top_p: Optional[float], min_p: Optional[float], V:
     return bool(top_k) and 0 < int(top_k) < V, top_p is not None and top_p < 1.0, bool(min_p) and min_p > 0
 
 
-def candidates(x: torch.Tensor, top_k: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` largest logits (all of them when ``top_k`` is None/0 or ``>= V``), descending:
-    ``(values [..., C], ids [..., C])``."""
-    V = x.shape[-1]
-    if top_k and 0 < int(top_k) < V:
-        return torch.topk(x, int(top_k), dim=-1)
-    return torch.sort(x, dim=-1, descending=True)
+def top_k_filter(x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the logits ``>=`` the ``top_k``-th largest (ties at the boundary kept), the rest ``-inf``."""
+    kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
+    return x.masked_fill(x < kth, _NEG_INF)
 
 
-def top_p_filter(vals: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filter on descending candidate logits ``[..., C]``: keep the smallest prefix whose
-    probability mass reaches ``top_p`` (the first candidate always); the rest become ``-inf``."""
+def top_p_filter(x: torch.Tensor, top_p: float, top_k: Optional[int] = None) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of largest logits whose probability mass reaches ``top_p``
+    (the largest always; logits equal to the last kept one kept too), the rest ``-inf``. ``top_k``:
+    the logits are already top-k filtered (only the ``top_k`` largest are sorted)."""
+    if top_k and 0 < int(top_k) < x.shape[-1]:
+        vals = torch.topk(x, int(top_k), dim=-1).values
+    else:
+        vals = torch.sort(x, dim=-1, descending=True).values
     pr = torch.softmax(vals, dim=-1)
     remove = (pr.cumsum(-1) - pr) >= top_p
     remove[..., 0] = False
-    return vals.masked_fill(remove, _NEG_INF)
+    last = vals.gather(-1, ((~remove).sum(-1, keepdim=True) - 1))
+    return x.masked_fill(x < last, _NEG_INF)
 
 
-def min_p_filter(vals: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop candidates whose probability is below ``min_p`` times the largest one (``-inf``)."""
-    pr = torch.softmax(vals, dim=-1)
-    return vals.masked_fill(pr < min_p * pr.amax(dim=-1, keepdim=True), _NEG_INF)
+def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the ids whose probability is below ``min_p`` times the largest one (``-inf``)."""
+    pr = torch.softmax(x, dim=-1)
+    return x.masked_fill(pr < min_p * pr.amax(dim=-1, keepdim=True), _NEG_INF)
 
 
-def _filter(x: torch.Tensor, top_k, top_p, min_p) -> Tuple[torch.Tensor, torch.Tensor]:
+def filter_logits(x: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                  min_p: Optional[float] = None) -> torch.Tensor:
+    """Top-k, then top-p, then min-p (each off when None / 0 / its neutral value); removed ids ``-inf``,
+    the others unchanged, in vocabulary order."""
     use_k, use_p, use_m = _on(top_k, top_p, min_p, x.shape[-1])
-    vals, ids = candidates(x, top_k if use_k else None)
+    if use_k:
+        x = top_k_filter(x, int(top_k))
     if use_p:
-        vals = top_p_filter(vals, float(top_p))
+        x = top_p_filter(x, float(top_p), top_k if use_k else None)
     if use_m:
-        vals = min_p_filter(vals, float(min_p))
-    return vals, ids
+        x = min_p_filter(x, float(min_p))
+    return x
 
 
 def filtered_probs(x: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
                    min_p: Optional[float] = None) -> torch.Tensor:
-    """The sampling distribution ``[..., V]`` (float32) of already penalised / temperature-scaled
-    logits after the filters (0 for removed ids); plain ``softmax`` when no filter is on."""
-    x = x.float()
-    if not any(_on(top_k, top_p, min_p, x.shape[-1])):
-        return torch.softmax(x, dim=-1)
-    vals, ids = _filter(x, top_k, top_p, min_p)
-    return torch.zeros_like(x).scatter(-1, ids, torch.softmax(vals, dim=-1))
+    """The sampling distribution ``[..., V]`` (float32) of penalised / temperature-scaled logits after
+    the filters (0 for removed ids)."""
+    return torch.softmax(filter_logits(x.float(), top_k, top_p, min_p), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------- sampling
-def noise_width(vocab_size: int, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                min_p: Optional[float] = None) -> int:
-    """Noise entries one draw reads: ``top_k`` when the top-k filter is on, else ``vocab_size``."""
-    use_k, _, _ = _on(top_k, top_p, min_p, vocab_size)
-    return int(top_k) if use_k else vocab_size
-
-
 def exp_noise(generators: Sequence[Optional[torch.Generator]], width: int,
               device: Union[str, torch.device]) -> torch.Tensor:
     """Exp(1) noise float32 ``[len(generators), width]`` on ``device``, row ``r`` drawn from
@@ -192,25 +187,21 @@ def exp_noise(generators: Sequence[Optional[torch.Generator]], width: int,
 
 def sample_with_noise(x: torch.Tensor, noise: torch.Tensor, top_k: Optional[int] = None,
                       top_p: Optional[float] = None, min_p: Optional[float] = None) -> torch.Tensor:
-    """Gumbel-max sample of temperature-scaled logits ``x [..., V]`` after the filters, with given
-    Exp(1) noise ``[..., >= noise_width]`` (layout in the module doc). Returns int64 ids ``[...]``.
-    Graph-capturable (no host sync)."""
-    if not any(_on(top_k, top_p, min_p, x.shape[-1])):
-        return torch.argmax(x - torch.log(noise[..., : x.shape[-1]]), dim=-1)
-    vals, ids = _filter(x, top_k, top_p, min_p)
-    pick = torch.argmax(vals - torch.log(noise[..., : vals.shape[-1]]), dim=-1)
-    return ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+    """Gumbel-max sample of temperature-scaled logits ``x [..., V]`` after the filters, with Exp(1)
+    noise ``[..., V]`` (entry ``i`` belongs to id ``i``): ``argmax(filter(x) - log(noise))``. Returns
+    int64 ids ``[...]``. Graph-capturable (no host sync)."""
+    return torch.argmax(filter_logits(x, top_k, top_p, min_p) - torch.log(noise), dim=-1)
 
 
 def sample(x: torch.Tensor, generators: Sequence[Optional[torch.Generator]], *, temperature: Factor = 1.0,
            top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None) -> torch.Tensor:
-    """Sample one id per row of logits ``x [N, V]`` (temperature, then the filters, then Gumbel-max
-    with row ``r``'s noise from ``generators[r]``). Returns int64 ``[N]`` on ``x.device``.
+    """Sample one id per row of logits ``x [N, V]``: temperature, the filters, then Gumbel-max with
+    row ``r``'s noise ``[V]`` drawn from ``generators[r]``. Returns int64 ``[N]`` on ``x.device``.
 
     Raises:
-        ValueError: ``len(generators) != N``.
+        ValueError: ``x`` is not ``[N, V]`` with ``N == len(generators)``.
     """
     if x.dim() != 2 or len(generators) != x.shape[0]:
         raise ValueError(f"need logits [N, V] and N generators, got {tuple(x.shape)} and {len(generators)}")
-    noise = exp_noise(generators, noise_width(x.shape[-1], top_k, top_p, min_p), x.device)
+    noise = exp_noise(generators, x.shape[-1], x.device)
     return sample_with_noise(apply_temperature(x, temperature), noise, top_k, top_p, min_p)
