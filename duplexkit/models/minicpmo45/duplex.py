@@ -17,11 +17,20 @@ Decision at each step j = 0..budget−1 (budget 20):
    main-pass choices; ``<|turn_eos|>`` length penalty (÷1.1 if positive, ×1.1 otherwise);
    ``listen_prob_scale`` multiplies the ``<|im_end|>`` logit (as the reference; no-op at 1.0);
    ``force_speak`` masks ``<|listen|>``; then temperature / top-k / top-p sampling (argmax when
-   temperature is 0);
+   temperature is 0); the main pass is computed at every step, also when the boundary pass ends the
+   unit (its draw keeps the random stream aligned between paths);
 5. ``<|listen|>`` while the turn is open becomes ``<|tts_bos|>``; terminators (listen, chunk_eos,
    chunk_tts_eos) end the unit; ``<|turn_eos|>`` is fed, recorded and ends the turn; any other
    token opens it. Tokens after the first decided one are recorded with their final-norm hidden
    state at their own input position (the talker condition, docs/model.md §6).
+
+This module is the rule's one home: :func:`start_unit` (forced listen / speak), :func:`plan_step`
+(what step j computes), :func:`decide` (one row's token and turn state) -- pure functions -- and the
+loop :func:`decode_rows` with the two passes (:func:`choose_tokens`, :func:`main_pass_logits`, on the
+samplers of :mod:`.sampling`), run by the eager :func:`run_unit` (one row) and by
+:meth:`.fast_thinker.FastThinker.step_units` (all rows of a batch). Sampling is Gumbel-max with the
+stream's generator (boundary draw first, then the main draw, every step), so both give the same ids
+for the same seed on the CPU.
 """
 
 from __future__ import annotations
