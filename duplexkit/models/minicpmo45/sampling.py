@@ -178,7 +178,7 @@ def exp_noise(generators: Sequence[Optional[torch.Generator]], width: int,
     device = torch.device(device)
     out = torch.empty(len(generators), width, dtype=torch.float32, device=device)
     for r, g in enumerate(generators):
-        if g is None or g.device == device or g.device.type == device.type == "cpu":
+        if g is None or g.device == out.device:
             out[r].exponential_(generator=g)
         else:
             out[r].copy_(torch.empty(width, dtype=torch.float32, device=g.device).exponential_(generator=g))
