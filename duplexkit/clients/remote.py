@@ -85,7 +85,22 @@ class DuplexClient(BaseDuplexClient):
         self._got_created = False
         self._reconnected = asyncio.Event()
         self._reconnected.set()
-        self.resumes = 0
+        self.resume_token: Optional[str] = None
+        self.resume_failures = 0
+
+    @property
+    def resumes(self) -> int:
+        """Successful resumes of this session (``session.resumed`` received)."""
+        return self.state.resumes
+
+    @property
+    def connection_state(self) -> str:
+        """``"connecting"``, ``"open"``, ``"reconnecting"`` (resuming after a drop) or ``"closed"``."""
+        if self.closed or self._failure is not None:
+            return "closed"
+        if self.state.reconnecting or not self._reconnected.is_set():
+            return "reconnecting"
+        return "open" if self._got_created else "connecting"
 
     @property
     def supports_resume(self) -> bool:
@@ -125,17 +140,23 @@ class DuplexClient(BaseDuplexClient):
                 raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost")
         if self._failure is not None:
             raise self._failure
+        ws = self._ws
         try:
-            await self._ws.send(json.dumps(event, separators=(",", ":")))
+            await ws.send(json.dumps(event, separators=(",", ":")))
         except websockets.exceptions.ConnectionClosed as exc:
             if self._failure is not None:
                 raise self._failure from exc
             if self._resumable():
-                if not await wait_done(self._reconnected.wait(), self.options.request_timeout_s):
-                    raise DuplexConnectionError("reconnect did not finish in time",
-                                                code="connection_lost") from exc
+                # wait for the read loop to notice the drop and resume on a new connection
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + self.options.request_timeout_s
+                while (self._ws is ws or not self._reconnected.is_set()) and self._failure is None \
+                        and not self.closed and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
                 if self._failure is not None:
                     raise self._failure from exc
+                if self._ws is ws:
+                    raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost") from exc
                 await self._ws.send(json.dumps(event, separators=(",", ":")))
                 return
             raise DuplexConnectionError(f"connection closed: {exc}", code="connection_lost",
@@ -199,6 +220,9 @@ class DuplexClient(BaseDuplexClient):
                 return
             if self._resumable() and await self._try_resume():
                 continue
+            if self._failure is not None:  # the resume was refused
+                self._on_transport_lost(self._failure)
+                return
             self._on_transport_lost(DuplexConnectionError(
                 f"connection lost (close code {self.close_code}){': ' + str(exc) if exc else ''}",
                 code="connection_lost", close_code=self.close_code))
@@ -220,33 +244,51 @@ class DuplexClient(BaseDuplexClient):
             if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") in ("model", "dialect")
                                             and not err.get("event_id")):
                 self._handshake_error = data
-        seq = data.get("server_event_seq")
-        if self.resumes and isinstance(seq, int) and t not in (
-                "session.created", "session.updated", "session.resumed", "error"):
-            if seq <= self.last_server_event_seq:
-                return  # replayed after a resume: already seen
+        if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):
+            self.resume_token = data["resume_token"]  # rotated by each session.resumed (docs/protocol.md §1.6)
         self._on_server_event(ev)
 
     async def _try_resume(self) -> bool:
+        """Reconnect and resume (docs/protocol.md §1.6). True once ``session.resumed`` arrived (the
+        replay then flows through the read loop); False when every attempt failed or the server
+        refused the resume (``self._failure`` then says why)."""
+        import websockets
+
+        from duplexkit.protocol import parse_server_event
+
         self._reconnected.clear()
+        self._apply(self.state.transport_interrupted(self.close_code))
         try:
             delay = 0.2
             for _ in range(self.resume_attempts):
                 try:
-                    self._ws = await self._connect_ws()
+                    ws = await self._connect_ws()
                 except DuplexConnectionError:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
-                import websockets
                 try:
-                    await self._ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
-                                                    "session_id": self.session_id,
-                                                    "last_server_event_seq": self.last_server_event_seq}))
-                except websockets.exceptions.ConnectionClosed:
+                    await ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
+                                              "session_id": self.session_id, "resume_token": self.resume_token,
+                                              "last_server_event_seq": self.last_server_event_seq}))
+                    reply = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+                except (websockets.exceptions.ConnectionClosed, asyncio.TimeoutError, ValueError):
+                    await _close_quietly(ws)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
                     continue
-                self.resumes += 1
-                return True
+                if isinstance(reply, dict) and reply.get("type") == "session.resumed":
+                    self._ws = ws
+                    self._on_frame(reply, parse_server_event)
+                    return True
+                err = (reply.get("error") or {}) if isinstance(reply, dict) else {}
+                self.resume_failures += 1
+                await _close_quietly(ws)
+                self._failure = DuplexConnectionError(
+                    f"the server refused to resume the session: {err.get('message') or reply}",
+                    code=str(err.get("code") or "resume_refused"), close_code=self.close_code,
+                    event=reply if isinstance(reply, dict) else None)
+                return False
             return False
         finally:
             self._reconnected.set()
@@ -260,3 +302,10 @@ class DuplexClient(BaseDuplexClient):
                 await self._send({"type": "session.heartbeat"})
             except Exception:
                 return
+
+
+async def _close_quietly(ws) -> None:
+    try:
+        await asyncio.wait_for(ws.close(), 2)
+    except Exception:
+        pass

@@ -102,5 +102,7 @@ class WireObjectsMixin:
                 "seed": s.seed,
                 "early_unit_close": s.early_unit_close,
             },
-            capabilities=Capabilities(extension_events=EXTENSION_EVENTS if self._duplex else []),
+            capabilities=Capabilities(extension_events=(EXTENSION_EVENTS + (["session.resumed"] if self.cfg.supports_session_resume else []))
+                                      if self._duplex else [],
+                                      supports_session_resume=self.cfg.supports_session_resume),
         )
