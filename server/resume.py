@@ -32,6 +32,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
+from duplexkit.errors import DuplexkitError
+
 __all__ = ["ReplayJournal", "JournalOverflow", "ResumeRegistry", "ResumeRefused", "parse_resume",
            "principal_of", "new_token", "EVENT_OVERHEAD_BYTES"]
 
@@ -42,18 +44,18 @@ numbers; the string fields, e.g. a base64 audio ``delta``, are counted exactly).
 _TOMBSTONE_KEEP = 1024
 
 
-class JournalOverflow(Exception):
+class JournalOverflow(DuplexkitError):
     """Events after the requested sequence number were already dropped from the journal."""
 
+    default_code = "resume_journal_overflow"
 
-class ResumeRefused(Exception):
+
+class ResumeRefused(DuplexkitError):
     """A ``session.resume`` that is refused: ``code`` (docs/protocol.md §9), ``message``, and
     ``close_code`` of the WebSocket close that follows."""
 
     def __init__(self, code: str, message: str, close_code: int = 1008) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
         self.close_code = close_code
 
 

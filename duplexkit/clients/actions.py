@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import ResponseRecord
 
 __all__ = ["Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio", "ResponseEnded",
-           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting"]
+           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +119,15 @@ class Reconnecting:
     close_code: Optional[int] = None
     last_server_event_seq: int = 0
     type: str = "client.reconnecting"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Delivered to ``events()`` (type ``client.resumed``) when a server that sends no
+    ``session.resumed`` (vLLM-Omni) took the resume: its first replayed event arrived."""
+
+    last_server_event_seq: int = 0
+    type: str = "client.resumed"
 
 
 Action = Union[Send, Resolve, Reject, ResponseStarted, ResponseAudio, ResponseEnded, PlaybackFlushed,

@@ -281,13 +281,21 @@ class DuplexClient(BaseDuplexClient):
                     self._ws = ws
                     self._on_frame(reply, parse_server_event)
                     return True
-                err = (reply.get("error") or {}) if isinstance(reply, dict) else {}
+                if not (isinstance(reply, dict) and reply.get("type") == "error"):
+                    # a server that replays without session.resumed (vLLM-Omni): its first replayed
+                    # event is the answer
+                    self._ws = ws
+                    self._apply(self.state.resume_accepted())
+                    if isinstance(reply, dict):
+                        self._on_frame(reply, parse_server_event)
+                    return True
+                err = reply.get("error") or {}
                 self.resume_failures += 1
                 await _close_quietly(ws)
                 self._failure = DuplexConnectionError(
                     f"the server refused to resume the session: {err.get('message') or reply}",
                     code=str(err.get("code") or "resume_refused"), close_code=self.close_code,
-                    event=reply if isinstance(reply, dict) else None)
+                    event=reply)
                 return False
             return False
         finally:

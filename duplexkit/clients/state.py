@@ -58,7 +58,7 @@ import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError
 
-from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve, ResponseAudio,
+from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resumed, Resolve, ResponseAudio,
                       ResponseEnded, ResponseStarted, SessionEnded, Send)
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
 
@@ -274,6 +274,14 @@ class ClientState:
         nothing is failed; a :class:`Reconnecting` notice is delivered to ``events()``."""
         self.reconnecting = True
         self._out.append(Deliver(Reconnecting(close_code=close_code, last_server_event_seq=self.last_server_event_seq)))
+        return self._take()
+
+    def resume_accepted(self) -> list:
+        """A server without ``session.resumed`` took the resume (its replay started): count it and
+        deliver a :class:`Resumed` notice. (With ``session.resumed``, :meth:`receive` does this.)"""
+        self.resumes += 1
+        self.reconnecting = False
+        self._out.append(Deliver(Resumed(last_server_event_seq=self.last_server_event_seq)))
         return self._take()
 
     def close(self) -> list:
