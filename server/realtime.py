@@ -34,6 +34,11 @@ logger = logging.getLogger("duplexkit.server.realtime")
 __all__ = ["handle", "RealtimeConnection", "KEY_SUBPROTOCOL_PREFIX"]
 
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+#: how a connection may end and still leave its session resumable (docs/protocol.md §1.6): no close
+#: frame (1006, or a failed send: None), no status (1005), the peer or a proxy going away or
+#: restarting (1001, 1011-1014). A normal close (1000) or a protocol violation (1002, 1003, 1007-1010)
+#: ends the session at once.
+PARK_CLOSE_CODES = frozenset({None, 1001, 1005, 1006, 1011, 1012, 1013, 1014})
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no", ""}
 
@@ -358,7 +363,7 @@ class RealtimeConnection:
     # -- resume -----------------------------------------------------------------------------------
     def _parkable(self) -> bool:
         return (self.registry is not None and self.session.started and not self.session.closed
-                and self._disconnect_code != 1000)
+                and self._disconnect_code in PARK_CLOSE_CODES)
 
     async def _detach(self, close_code: Optional[int] = None) -> None:
         """Stop using the current socket (it dropped, or a resume replaces it): the session parks."""
