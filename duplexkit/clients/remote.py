@@ -18,6 +18,8 @@ from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
+from .continuation import ContinuationSeed, ConversationLog
+from .handles import ref_audio_data_url
 from .state import new_event_id
 
 logger = logging.getLogger("duplexkit.clients.remote")
@@ -63,14 +65,22 @@ class DuplexClient(BaseDuplexClient):
         resume: reconnect + ``session.resume`` when the server advertises it.
         resume_attempts: reconnect attempts before giving up.
         open_timeout_s: WebSocket handshake timeout.
+        continuation: a :class:`~duplexkit.clients.continuation.ContinuationSeed` (from
+            :meth:`continuation` of a client whose server died) to seed this new session with:
+            instructions, voice and reference voice in the first ``session.update`` (the
+            ``session``/``ref_audio`` options win), then the played transcript as an item. Lossy:
+            see docs/clients.md, "Continuing elsewhere".
         **options: the options of :class:`~duplexkit.clients.base.BaseDuplexClient`.
     """
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, profile: str = "duplex",
                  model: Optional[str] = None, heartbeat_s: Optional[float] = 15.0, resume: bool = True,
                  resume_attempts: int = 5, open_timeout_s: float = 10.0, max_frame_bytes: int = 64 * 2**20,
-                 **options: Any) -> None:
+                 continuation: Optional[ContinuationSeed] = None, **options: Any) -> None:
         super().__init__(**options)
+        self._seed = continuation
+        self._log = ConversationLog()
+        self._ref_audio_url: Optional[str] = None
         self.url = build_url(url, profile=profile, model=model)
         self.api_key = api_key
         self.heartbeat_s = heartbeat_s
@@ -101,6 +111,48 @@ class DuplexClient(BaseDuplexClient):
         if self.state.reconnecting or not self._reconnected.is_set():
             return "reconnecting"
         return "open" if self._got_created else "connecting"
+
+    # -- continuation (docs/clients.md, "Continuing elsewhere") ---------------------------------
+    def continuation(self) -> ContinuationSeed:
+        """A seed for a new session elsewhere (e.g. after this server died): instructions, voice,
+        the reference voice this client sent, and the transcript as the user heard it (assistant
+        text cut at ``played_ms``). Works after the connection is lost or closed. Lossy: the new
+        model sees text history only (no audio, no KV)."""
+        s = self.session
+        return ContinuationSeed(source_session_id=self.session_id, instructions=s.get("instructions"),
+                                voice=s.get("voice"), ref_audio=self._ref_audio_url,
+                                output_modalities=s.get("output_modalities"),
+                                turns=self._log.turns(self.state.responses))
+
+    def _initial_update(self) -> dict:
+        seed = self._seed.session_update() if self._seed is not None else {}
+        if self.options.ref_audio is not None or "ref_audio" in (self.options.session or {}):
+            seed.pop("ref_audio", None)
+        upd = {**seed, **super()._initial_update()}
+        if isinstance(upd.get("ref_audio"), str):
+            self._ref_audio_url = upd["ref_audio"]
+        return upd
+
+    async def connect(self) -> dict:
+        """:meth:`BaseDuplexClient.connect`; with ``continuation``, the seed's items are created
+        right after ``session.created`` (each awaited; a refusal raises and closes)."""
+        opened = self._got_created
+        session = await super().connect()
+        if self._seed is not None and not opened:
+            try:
+                for item in self._seed.items():
+                    await self._request({"type": "conversation.item.create", "item": item},
+                                        "conversation.item.added")
+            except BaseException:
+                await asyncio.shield(self._abort_connect())
+                raise
+        return session
+
+    async def update(self, **session_fields) -> dict:
+        if session_fields.get("ref_audio") is not None:
+            session_fields["ref_audio"] = ref_audio_data_url(session_fields["ref_audio"])
+            self._ref_audio_url = session_fields["ref_audio"]
+        return await super().update(**session_fields)
 
     @property
     def supports_resume(self) -> bool:
@@ -246,6 +298,7 @@ class DuplexClient(BaseDuplexClient):
                 self._handshake_error = data
         if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):
             self.resume_token = data["resume_token"]  # rotated by each session.resumed (docs/protocol.md §1.6)
+        self._log.observe(ev)
         self._on_server_event(ev)
 
     async def _try_resume(self) -> bool:
