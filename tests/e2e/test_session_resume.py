@@ -238,3 +238,58 @@ async def test_resume_off_advertises_false():
     async with inprocess_server(app) as port:
         async with DuplexClient(f"ws://127.0.0.1:{port}", heartbeat_s=None) as client:
             assert client.supports_resume is False and client.resume_token is None
+
+
+async def test_resume_takes_over_a_connection_the_server_still_thinks_alive():
+    """A half-open connection (the client's network vanished; the server saw nothing): a valid
+    resume on a new connection takes the session over and closes the old socket with 1001."""
+    app = create_app(engine=ScriptedEngine(), settings=_settings())
+    state = app.state.duplexkit
+    async with inprocess_server(app) as port:
+        url = f"ws://127.0.0.1:{port}/v1/realtime?duplex=1&autostart=0"
+        old = await websockets.connect(url)
+        await old.send(json.dumps({"type": "session.update", "session": {"instructions": "x"}}))
+        created = json.loads(await old.recv())
+        await old.send(json.dumps({"type": "session.heartbeat"}))
+        assert json.loads(await old.recv())["server_event_seq"] == 2
+        assert state.resumes.parked == 0
+        async with websockets.connect(url) as new:
+            await new.send(json.dumps({"type": "session.resume", "session_id": created["session"]["id"],
+                                       "resume_token": created["resume_token"], "last_server_event_seq": 1}))
+            resumed = json.loads(await new.recv())
+            assert resumed["type"] == "session.resumed" and resumed["replayed"] == 1
+            replay = json.loads(await new.recv())
+            assert replay["type"] == "session.heartbeat_ack" and replay["server_event_seq"] == 2
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as ei:
+                await asyncio.wait_for(old.recv(), 30)
+            assert ei.value.rcvd.code == 1001
+            await new.send(json.dumps({"type": "session.close"}))
+            closed = json.loads(await new.recv())
+            assert closed["type"] == "session.closed" and closed["server_event_seq"] == 3
+        assert len(state.connections) <= 1
+        for _ in range(1000):
+            if not state.connections and state.slots.used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert not state.connections and state.slots.used == 0
+
+
+async def test_a_full_server_still_takes_the_resume_of_its_parked_session():
+    app = create_app(engine=ScriptedEngine(), settings=_settings(max_sessions=1))
+    state = app.state.duplexkit
+    async with inprocess_server(app) as port:
+        created, seq = await _open_and_drop(port)
+        await _wait_parked(state)
+        assert state.slots.used == 1  # the parked session keeps its slot
+        # a new session is refused (full), even on an autostart=0 connection of the same principal
+        with pytest.raises(DuplexConnectionError) as ei:
+            await DuplexClient(f"ws://127.0.0.1:{port}", heartbeat_s=None).connect()
+        assert ei.value.code == "session_capacity_exhausted"
+        url = f"ws://127.0.0.1:{port}/v1/realtime?duplex=1&autostart=0"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "session_id": created["session"]["id"],
+                                      "resume_token": created["resume_token"], "last_server_event_seq": seq}))
+            assert json.loads(await ws.recv())["type"] == "session.resumed"
+            assert state.slots.used == 1 and state.resumes.parked == 0
+            await ws.send(json.dumps({"type": "session.close"}))
+            assert json.loads(await ws.recv())["type"] == "session.closed"
