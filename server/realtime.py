@@ -11,6 +11,12 @@ Handshake checks (docs/protocol.md §1): authentication (``Authorization: Bearer
 the ``model`` query parameter (refused -> ``error{model_not_found, param:"model"}`` listing the
 served ids + 1008; OpenAI ids are mapped, see ``ServerState.resolve_model``), session
 capacity (-> ``error{session_capacity_exhausted}`` + 1013).
+
+Session resume (docs/protocol.md §1.6, :mod:`duplexkit_server.resume`): with ``state.resumes`` set,
+the first frame of an ``autostart=0`` connection is read before the Session is made; a
+``session.resume`` hands the socket to the parked session it names (no new slot is taken), anything
+else starts a new session with that frame as its first event. A session whose socket drops
+(:data:`PARK_CLOSE_CODES`) is parked, not closed, while its events go on into its replay journal.
 """
 
 from __future__ import annotations

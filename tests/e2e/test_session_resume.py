@@ -35,10 +35,14 @@ def _settings(**kw) -> ServerSettings:
     return ServerSettings(**base)
 
 
-async def _collect(client, sink: list) -> None:
+async def _collect(client, sink: list, during_reconnect: list = None) -> None:
     try:
         async for ev in client.events():
             sink.append(ev)
+            if during_reconnect is not None and ev.type == "client.reconnecting":
+                # the application calls while the client is reconnecting: the call waits, then is answered
+                assert client.connection_state == "reconnecting"
+                during_reconnect.append(asyncio.get_running_loop().create_task(client.heartbeat()))
     except DuplexConnectionError as exc:
         sink.append(exc)
 
@@ -62,11 +66,16 @@ async def test_resume_through_a_cut_mid_response(fixtures_audio):
         try:
             await client.connect()
             assert client.supports_resume and client.resume_token
-            reader = asyncio.get_running_loop().create_task(_collect(client, events))
+            calls: list = []
+            reader = asyncio.get_running_loop().create_task(_collect(client, events, calls))
             await _speak(client, fixtures_audio)
             handle = await client.create_response()
             await handle.wait(timeout=120)  # generous: the cut + resume happen inside
             assert proxy.cuts == 1 and proxy.connections == 2
+            assert len(calls) == 1 and (await calls[0]).type == "session.heartbeat_ack"
+            assert client.connection_state == "open"
+            # playback went on through the cut: every sample of the answer is heard, once
+            assert await handle.wait_heard(timeout=120) == 1000 * UNITS == handle.audio_ms
             # the session and its formats survived: more input in the declared 24 kHz format is taken
             conn = next(iter(state.connections))
             assert conn.resumes == 1 and conn.session.settings.instructions == "Be brief."
