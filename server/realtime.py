@@ -274,6 +274,9 @@ class RealtimeConnection:
         self._lost = False  # the current socket is gone (read end or failed send)
         self._disconnect_code: Optional[int] = None
         self._sent_seq = 0  # the highest server_event_seq written to a socket
+        #: client frames processed so far, over every connection (reported by session.resumed so
+        #: that the client re-sends the frames the dropped connection lost)
+        self.client_frames = 0
         self._overflowed = False
         self._park_deadline: Optional[float] = None
         self._takeover: Optional[tuple] = None  # (ws, last_seq, token, future)
@@ -464,7 +467,8 @@ class RealtimeConnection:
                 self._token_digest = token_digest(self._token)
                 first_frame = {"type": "session.resumed", "event_id": "event_" + secrets.token_hex(12),
                                "session_id": self.session.session_id, "last_server_event_seq": last_seq,
-                               "replayed": len(replay), "resume_token": self._token}
+                               "replayed": len(replay), "client_frames_received": self.client_frames,
+                               "resume_token": self._token}
             self.ws, self.parked, self._lost, self._park_deadline = ws, False, False, None
             self._disconnect_code = None
             rel = self._released[id(ws)] = asyncio.Event()
@@ -535,6 +539,7 @@ class RealtimeConnection:
                 if msg.get("type") == "websocket.disconnect":
                     self._disconnect_code = msg.get("code")
                     break
+                self.client_frames += 1
                 text = msg.get("text")
                 if text is not None:
                     if self.dialect is None:

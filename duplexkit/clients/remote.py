@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -25,6 +26,10 @@ from .state import new_event_id
 logger = logging.getLogger("duplexkit.clients.remote")
 
 __all__ = ["DuplexClient", "build_url"]
+
+OUTBOX_FRAMES = 1024
+"""Client frames kept for re-sending after a resume (docs/protocol.md §1.6); older ones are lost
+with a dropped connection if the server had not processed them."""
 
 _HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
 
@@ -97,6 +102,10 @@ class DuplexClient(BaseDuplexClient):
         self._reconnected.set()
         self.resume_token: Optional[str] = None
         self.resume_failures = 0
+        # frames sent on this session, for re-sending what a dropped connection lost (§1.6)
+        self._frames_sent = 0
+        self._outbox: deque = deque(maxlen=OUTBOX_FRAMES)
+        self.frames_resent = 0
 
     @property
     def resumes(self) -> int:
@@ -193,8 +202,10 @@ class DuplexClient(BaseDuplexClient):
         if self._failure is not None:
             raise self._failure
         ws = self._ws
+        text = json.dumps(event, separators=(",", ":"))
         try:
-            await ws.send(json.dumps(event, separators=(",", ":")))
+            await ws.send(text)
+            self._sent(text)
         except websockets.exceptions.ConnectionClosed as exc:
             if self._failure is not None:
                 raise self._failure from exc
@@ -209,10 +220,30 @@ class DuplexClient(BaseDuplexClient):
                     raise self._failure from exc
                 if self._ws is ws:
                     raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost") from exc
-                await self._ws.send(json.dumps(event, separators=(",", ":")))
+                await self._ws.send(text)
+                self._sent(text)
                 return
             raise DuplexConnectionError(f"connection closed: {exc}", code="connection_lost",
                                         close_code=getattr(exc.rcvd, "code", None)) from exc
+
+    def _sent(self, text: str) -> None:
+        self._frames_sent += 1
+        self._outbox.append((self._frames_sent, text))
+
+    async def _resend_lost(self, ws, received: Optional[int]) -> None:
+        """After ``session.resumed``: re-send the frames after the ``received``-th, which the dropped
+        connection lost (written to it, never processed). Frames older than the outbox keeps
+        (:data:`OUTBOX_FRAMES`) cannot be re-sent; that is logged."""
+        if not isinstance(received, int) or received >= self._frames_sent:
+            return
+        oldest = self._outbox[0][0] if self._outbox else self._frames_sent + 1
+        if received + 1 < oldest:
+            logger.warning("frames %d..%d were lost with the connection and are no longer kept; re-sending from %d",
+                           received + 1, oldest - 1, oldest)
+        for idx, text in list(self._outbox):
+            if idx > received:
+                await ws.send(text)
+                self.frames_resent += 1
 
     async def _shutdown(self) -> None:
         for t in (self._heartbeat,):
@@ -331,6 +362,13 @@ class DuplexClient(BaseDuplexClient):
                     delay = min(delay * 2, 5.0)
                     continue
                 if isinstance(reply, dict) and reply.get("type") == "session.resumed":
+                    if isinstance(reply.get("resume_token"), str):
+                        self.resume_token = reply["resume_token"]  # the old one no longer works
+                    try:
+                        await self._resend_lost(ws, reply.get("client_frames_received"))
+                    except websockets.exceptions.ConnectionClosed:
+                        await asyncio.sleep(delay)
+                        continue  # the new connection dropped too: resume again
                     self._ws = ws
                     self._on_frame(reply, parse_server_event)
                     return True

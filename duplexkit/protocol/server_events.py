@@ -293,12 +293,14 @@ class SessionClosed(ServerEvent):
 class SessionResumed(ServerEvent):
     """Ext. (docs/protocol.md §1.6): the resume was accepted; events after ``last_server_event_seq``
     follow (``replayed`` of them from the journal), then live ones. ``resume_token`` replaces the
-    previous token. Has no ``server_event_seq`` of its own."""
+    previous token; ``client_frames_received`` counts the client frames the session processed (the
+    client re-sends later ones). Has no ``server_event_seq`` of its own."""
 
     type: Literal["session.resumed"] = "session.resumed"
     session_id: str
     last_server_event_seq: int = 0
     replayed: int = 0
+    client_frames_received: Optional[int] = None
     resume_token: Optional[str] = None
 
 

@@ -59,6 +59,9 @@ class CuttingProxy:
         self.port = 0
         #: while True, new connections are reset at once (a client that cannot get back in)
         self.blocked = False
+        #: while True, client->server bytes are read and dropped (lost in flight)
+        self.blackhole = False
+        self.bytes_dropped = 0
         self.block_after_cut = False
 
     async def start(self) -> "CuttingProxy":
@@ -125,6 +128,9 @@ class CuttingProxy:
                     tail = buf[-(len(marker) - 1):]
                 if to_client:
                     self.bytes_to_client += len(data)
+                elif self.blackhole:
+                    self.bytes_dropped += len(data)
+                    continue
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError, asyncio.CancelledError):

@@ -302,3 +302,39 @@ async def test_a_full_server_still_takes_the_resume_of_its_parked_session():
             assert state.slots.used == 1 and state.resumes.parked == 0
             await ws.send(json.dumps({"type": "session.close"}))
             assert json.loads(await ws.recv())["type"] == "session.closed"
+
+
+async def test_client_frames_lost_with_the_connection_are_sent_again(fixtures_audio):
+    """Frames the client wrote into a connection that then died (they never reached the server)
+    are re-sent after the resume: the server says how many it processed (``session.resumed``
+    ``client_frames_received``). A request among them is answered; audio among them is heard."""
+    app = create_app(engine=ScriptedEngine(), settings=_settings())
+    state = app.state.duplexkit
+    async with inprocess_server(app) as port:
+        proxy = await CuttingProxy(port).start()
+        client = DuplexClient(f"ws://127.0.0.1:{proxy.port}", heartbeat_s=None, input_rate=24_000,
+                              session={"turn_detection": None})
+        try:
+            await client.connect()
+            conn = next(iter(state.connections))
+            await _speak(client, fixtures_audio, 0.5)
+            await client.heartbeat()
+            before_ms, before_frames = conn.session.input_audio_ms, conn.client_frames
+            proxy.blackhole = True  # from here the client's frames are lost in flight
+            await _speak(client, fixtures_audio, 0.5)  # 5 appends, written to the socket "successfully"
+            ping = asyncio.get_running_loop().create_task(client.heartbeat())
+            for _ in range(1000):
+                if proxy.bytes_dropped and client._frames_sent >= before_frames + 6:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.client_frames == before_frames  # none of them arrived
+            proxy.blackhole = False
+            proxy.cut_now()
+            ack = await asyncio.wait_for(ping, 60)
+            assert ack.type == "session.heartbeat_ack"
+            assert client.resumes == 1 and client.frames_resent == 6
+            assert conn.client_frames == before_frames + 6
+            assert 480 <= conn.session.input_audio_ms - before_ms <= 510  # the lost audio arrived once
+        finally:
+            await client.close()
+            await proxy.close()
