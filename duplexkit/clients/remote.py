@@ -4,8 +4,10 @@ It speaks to the bundled server and to any server following docs/protocol.md, vL
 it connects with ``autostart=0`` and sends the full session first, maps beta event names to GA
 (:func:`duplexkit.protocol.parse_server_event`), sends ``session.heartbeat`` periodically, and when
 the server advertises ``capabilities.supports_session_resume`` it reconnects after a dropped
-connection and sends ``session.resume{session_id, last_server_event_seq}`` (events it already saw
-are dropped on replay). It never hangs: transport loss fails every waiting call and iterator with
+connection and sends ``session.resume{session_id, resume_token, last_server_event_seq}``
+(docs/protocol.md §1.6): events it already saw are dropped on replay, frames the dead connection
+lost are sent again, and ``events()`` shows ``client.reconnecting`` then ``session.resumed``.
+:meth:`DuplexClient.continuation` seeds a new session elsewhere when the server is gone. It never hangs: transport loss fails every waiting call and iterator with
 :class:`~duplexkit.clients.base.DuplexConnectionError`, and every call has a timeout.
 """
 
