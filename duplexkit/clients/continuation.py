@@ -125,10 +125,10 @@ class ConversationLog:
                 self._entries.setdefault("resp:" + rid, {"role": "assistant", "response_id": rid})
 
     def turns(self, responses: dict) -> list[dict]:
-        """``[{"role", "text"}]`` in order; assistant texts cut to what was played. ``responses``:
-        response id -> :class:`~duplexkit.clients.records.ResponseRecord`. Responses that played
-        nothing and user items without a transcript that precede nothing are kept as placeholders
-        only where they carry meaning (a user turn is always kept)."""
+        """``[{"role", "text"}]`` in conversation order. ``responses``: response id ->
+        :class:`~duplexkit.clients.records.ResponseRecord`. Every user item is kept (its transcript,
+        or :data:`USER_SPOKE`); an assistant response is kept with the part of its transcript that
+        was played, and left out when none of it was (or it was forgotten)."""
         out = []
         for e in self._entries.values():
             if e["role"] == "user":
