@@ -448,7 +448,8 @@ class RealtimeConnection:
         overflow = False
         async with self._send_lock:
             if not self.check_token(token):
-                fut.set_exception(ResumeRefused("resume_unauthorized", "the resume token was rotated by another resume"))
+                fut.set_exception(ResumeRefused("resume_unauthorized",
+                                                "the resume token was rotated by another resume"))
                 return
             if last_seq > self.journal.last_seq:
                 fut.set_exception(ResumeRefused("bad_event", f"last_server_event_seq {last_seq} is beyond the last "

@@ -7,7 +7,8 @@ the server advertises ``capabilities.supports_session_resume`` it reconnects aft
 connection and sends ``session.resume{session_id, resume_token, last_server_event_seq}``
 (docs/protocol.md §1.6): events it already saw are dropped on replay, frames the dead connection
 lost are sent again, and ``events()`` shows ``client.reconnecting`` then ``session.resumed``.
-:meth:`DuplexClient.continuation` seeds a new session elsewhere when the server is gone. It never hangs: transport loss fails every waiting call and iterator with
+:meth:`DuplexClient.continuation` seeds a new session elsewhere when the server is gone.
+It never hangs: transport loss fails every waiting call and iterator with
 :class:`~duplexkit.clients.base.DuplexConnectionError`, and every call has a timeout.
 """
 

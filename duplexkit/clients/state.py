@@ -58,30 +58,16 @@ import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError
 
-from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resumed, Resolve, ResponseAudio,
-                      ResponseEnded, ResponseStarted, SessionEnded, Send)
+from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve,
+                      ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
+from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
 
 __all__ = [
-    "ClientState",
-    "ResponseRecord",
-    "Action",
-    "Send",
-    "Resolve",
-    "Reject",
-    "ResponseStarted",
-    "ResponseAudio",
-    "ResponseEnded",
-    "PlaybackFlushed",
-    "PlaybackHeard",
-    "Deliver",
-    "SessionEnded",
-    "REPLY_TYPES",
-    "response_id_of",
-    "OUTPUT_RATE",
+    "ClientState", "ResponseRecord", "Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio",
+    "ResponseEnded", "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed",
+    "REPLY_TYPES", "response_id_of", "OUTPUT_RATE",
 ]
-
-from .records import OUTPUT_RATE, ResponseRecord  # noqa: E402  (re-exported)
 
 REPLY_TYPES: dict[str, tuple[str, ...]] = {
     "session.update": ("session.updated", "session.created"),

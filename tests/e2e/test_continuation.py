@@ -7,7 +7,6 @@ voice and the transcript as the user heard it. Lossy by design: the second model
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import signal
 
 import pytest

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import json
 
-import numpy as np
 import pytest
 import websockets
 
