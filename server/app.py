@@ -86,6 +86,10 @@ class ServerSettings:
         max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
             address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
         header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
+        session_resume: offer session resume (``capabilities.supports_session_resume``; docs/protocol.md §1.6).
+        resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
+        resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
+            bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
     """
 
     model_id: Optional[str] = None
@@ -118,6 +122,10 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_sessions_per_client: Optional[int] = None
     header_timeout_s: float = 10.0
+    session_resume: bool = True
+    resume_window_s: float = 30.0
+    resume_journal_events: int = 4096
+    resume_journal_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -213,6 +221,10 @@ class ServerState:
             per_client = max(1, settings.max_sessions // 2)
         self.slots = SlotPool(settings.max_sessions, per_client)
         self.connections: set = set()
+        from .resume import ResumeRegistry  # session resume (docs/protocol.md §1.6); None when off
+
+        self.resumes = ResumeRegistry(settings.resume_window_s, settings.resume_journal_events,
+                                      settings.resume_journal_bytes) if settings.session_resume else None
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False

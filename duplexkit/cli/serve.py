@@ -33,6 +33,14 @@ def _add_hardening_args(p) -> None:
                         "(default: half of --max-sessions, at least 1)")
     p.add_argument("--header-timeout-s", type=_float_min(0, strict=True), default=10.0,
                    help="close a connection whose request head is not complete after this many s (default 10)")
+    p.add_argument("--no-session-resume", dest="session_resume", action="store_false",
+                   help="do not offer session resume (capabilities.supports_session_resume: false)")
+    p.add_argument("--resume-window-s", type=_float_min(0, strict=True), default=30.0,
+                   help="how long a session whose connection dropped waits for session.resume, s (default 30)")
+    p.add_argument("--resume-journal-events", type=_int_range(1), default=4096,
+                   help="server events kept per session for replay on resume (default 4096)")
+    p.add_argument("--resume-journal-bytes", type=_int_range(1024), default=16 * 2**20,
+                   help="bytes of server events kept per session for replay on resume (default 16 MiB)")
 
 
     # operability (docs/deployment.md, "Probes", "Metrics", "Runbook")
@@ -61,6 +69,8 @@ def _duration(text: str) -> float:
 def _hardening_settings(args) -> dict:
     return {"allow_origins": list(args.allow_origin or []), "max_body_bytes": args.max_body_bytes,
             "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s,
+            "session_resume": args.session_resume, "resume_window_s": args.resume_window_s,
+            "resume_journal_events": args.resume_journal_events, "resume_journal_bytes": args.resume_journal_bytes,
             "drain_s": args.drain_s, "metrics": args.metrics}
 
 

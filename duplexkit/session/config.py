@@ -51,6 +51,8 @@ class SessionConfig:
         seed: default sampling seed (None = nondeterministic); clients may set
             ``extra_body.seed`` (duplexkit extension) to make sampling repeatable on the same hardware.
         limits: :class:`SessionLimits`.
+        supports_session_resume: advertised as ``capabilities.supports_session_resume`` (the
+            shell that serves the session keeps a replay journal; docs/protocol.md §1.6).
     """
 
     profile: str = "duplex"
@@ -67,6 +69,7 @@ class SessionConfig:
     seed: Optional[int] = None
     audio_output_available: bool = True
     limits: SessionLimits = field(default_factory=SessionLimits)
+    supports_session_resume: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in ("duplex", "compat"):

@@ -70,6 +70,8 @@ def test_error_code_table_matches_protocol_section_9():
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
         "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
         "model_not_found",  # a refused model id (issue 14)
+        # session.resume refusals (issue 18, docs/protocol.md §1.6)
+        "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow",
     }
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert {c for c, t in ERROR_TYPES.items() if t == "rate_limit_error"} == {
