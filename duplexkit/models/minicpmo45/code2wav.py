@@ -71,7 +71,8 @@ from .code2wav_assets import (  # noqa: F401 - re-exported (public names of this
     CHUNK_CODES, FILES_5, FILES_7_MARKERS, FLOW_CACHE_TAIL_FRAMES, HOLDBACK_SAMPLES, LOOKAHEAD_CODES,
     MEL_CACHE_FRAMES, MODEL_FILES, NUM_CODES, ONNX_FILES, PROMPT_RATE, SAMPLE_RATE, SAMPLES_PER_CODE,
     SILENCE_CODE, TINY_MARKER, ChunkBelowLookaheadError, Code2WavError, Code2WavInputError, Code2WavLayoutError,
-    StreamClosedError, _build_hift, _cpu_disable_dynamo, _load_flow_yaml, _torch, detect_token2wav_layout,
+    StreamClosedError, _TINY_FLOW_YAML, _build_hift, _cpu_disable_dynamo, _load_flow_yaml, _torch,
+    detect_token2wav_layout,
     find_token2wav_dir, write_tiny_token2wav)
 from .code2wav_prompt import (  # noqa: F401 - re-exported
     OnnxPromptEncoder, PromptFeatures, StandinPromptEncoder, _prompt_mel_24k, _read_audio_16k, audio_sha256)
@@ -382,6 +383,11 @@ class Code2Wav:
 
     def _synth(self, stream: Code2WavStream, new: np.ndarray, last: bool) -> np.ndarray:
         """One flow + HiFT call on ``carry ++ new`` (caller holds the lock)."""
+        mel, cache, tokens = self._flow_one(stream, new, last)
+        return self._finish(stream, mel, cache, tokens, last)
+
+    def _flow_one(self, stream: Code2WavStream, new: np.ndarray, last: bool):
+        """The flow for one stream: (mel [1, 80, T], new flow caches (cloned), tokens int64 [3 + n])."""
         torch = self.torch
         pf = stream.prompt
         self._ensure_capacity(pf.mel.shape[1])
@@ -391,7 +397,7 @@ class Code2Wav:
             mel, cache = self.flow.inference_chunk(token=tok, spk=pf.spk, cache=stream.flow_cache,
                                                    last_chunk=last, n_timesteps=self.n_timesteps)
             cache = {k: v.clone() for k, v in cache.items()}
-        return self._finish(stream, mel, cache, tokens, last)
+        return mel, cache, tokens
 
     def _hift_guard(self, last: bool):
         """Context around the HiFT call (its NSF source draws random phase). Subclasses add locks or
@@ -400,48 +406,75 @@ class Code2Wav:
 
     def _finish(self, stream: Code2WavStream, mel, cache: dict, tokens: np.ndarray, last: bool) -> np.ndarray:
         """Everything after the flow for one stream: flow-cache trim (prompt + last 100 frames, as
-        Token2wav 0.1.1), HiFT with its mel/source cache, the 3840-sample holdback and Hamming
-        cross-fade, the 3-code carry (docs/model.md §7.3). Returns float32 24 kHz audio."""
+        Token2wav 0.1.1), the package's HiFT with its mel/source cache under the stream's (seed, chunk)
+        global seed, the 3840-sample holdback and Hamming cross-fade, the 3-code carry (docs/model.md
+        §7.3). Returns float32 24 kHz audio. (:mod:`.fast_code2wav` runs HiFT for many streams in one
+        call with the same per-stream noise: :mod:`.code2wav_hift`.)"""
         torch = self.torch
-        pf = stream.prompt
         with torch.inference_mode():
-            keep = pf.mel.shape[1]
-            att = cache["estimator_att_cache"]
-            if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["estimator_att_cache"] = torch.cat(
-                    [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
-            catt = cache["conformer_att_cache"]
-            if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["conformer_att_cache"] = torch.cat(
-                    [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
-            mel = mel.float()
-            hc = stream.hift_cache
-            if hc is not None:
-                mel = torch.cat([hc["mel"], mel], dim=2)
-                src_cache = hc["source"]
-            else:
-                src_cache = torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
-            seed = (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
+            cache = self._trim_flow_cache(stream, cache)
+            mel, src_cache = self._hift_input(stream, mel)
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
             with self._hift_guard(last), torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+                torch.manual_seed(self._hift_seed(stream))
                 speech, source = self.hift(mel, src_cache)
-            if hc is not None:
-                n = HOLDBACK_SAMPLES
-                speech = speech.clone()
-                speech[..., :n] = speech[..., :n] * self.speech_window[:n] + hc["speech"][..., -n:] * self.speech_window[n:]
-            stream.hift_cache = dict(
-                mel=mel[..., -MEL_CACHE_FRAMES:].clone(),
-                source=source[:, :, -HOLDBACK_SAMPLES:].clone(),
-                speech=speech[:, -HOLDBACK_SAMPLES:].clone(),
-            )
-            if not last:
-                speech = speech[:, :-HOLDBACK_SAMPLES]
+            speech = self._crossfade_and_hold(stream, mel, speech, source, last)
+        return self._commit_chunk(stream, cache, tokens, last, speech[0].float().cpu().numpy())
+
+    # pieces of _finish, shared with the batched path (mel/speech/source may be B-row tensors there)
+    def _trim_flow_cache(self, stream: Code2WavStream, cache: dict) -> dict:
+        """Keep the prompt frames + the last 100 of the estimator and conformer caches (Token2wav 0.1.1)."""
+        torch = self.torch
+        keep = stream.prompt.mel.shape[1]
+        att = cache["estimator_att_cache"]
+        if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
+            cache["estimator_att_cache"] = torch.cat(
+                [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
+        catt = cache["conformer_att_cache"]
+        if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
+            cache["conformer_att_cache"] = torch.cat(
+                [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
+        return cache
+
+    def _hift_input(self, stream: Code2WavStream, mel):
+        """(mel float32 [1, 80, 8 + T] with the cached 8 frames prepended, source cache [1, 1, 3840 or 0])."""
+        torch = self.torch
+        mel = mel.float()
+        hc = stream.hift_cache
+        if hc is None:
+            return mel, torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
+        return torch.cat([hc["mel"], mel], dim=2), hc["source"]
+
+    @staticmethod
+    def _hift_seed(stream: Code2WavStream) -> int:
+        """Seed of the stream's HiFT noise for its current chunk (stream seed, chunk index in the turn)."""
+        return (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
+
+    def _crossfade_and_hold(self, streams, mel, speech, source, last: bool):
+        """Cross-fade the first 3840 samples with each row's held tail (rows that have a HiFT cache:
+        all or none of them), store each row's new HiFT cache (8 mel frames, 3840 source and speech
+        samples) and, unless ``last``, withhold the last 3840 samples. ``streams``: one stream or a
+        list (one per row). Returns speech [B, n]."""
+        streams = streams if isinstance(streams, list) else [streams]
+        n = HOLDBACK_SAMPLES
+        if streams[0].hift_cache is not None:
+            torch = self.torch
+            held = streams[0].hift_cache["speech"] if len(streams) == 1 else \
+                torch.cat([st.hift_cache["speech"] for st in streams], dim=0)
+            speech = speech.clone()
+            speech[..., :n] = speech[..., :n] * self.speech_window[:n] + held[..., -n:] * self.speech_window[n:]
+        tails = (mel[..., -MEL_CACHE_FRAMES:].clone(), source[:, :, -n:].clone(), speech[:, -n:].clone())
+        for b, st in enumerate(streams):
+            st.hift_cache = dict(mel=tails[0][b:b + 1], source=tails[1][b:b + 1], speech=tails[2][b:b + 1])
+        return speech if last else speech[:, :-n]
+
+    @staticmethod
+    def _commit_chunk(stream: Code2WavStream, cache: dict, tokens: np.ndarray, last: bool, audio: np.ndarray):
+        """Store the new flow cache and the 3-code carry, count the chunk; returns ``audio``."""
         stream.flow_cache = cache
         if not last:
             stream.carry = tokens[-LOOKAHEAD_CODES:].astype(np.int64)
         stream.chunks += 1
-        audio = speech[0].float().cpu().numpy()
         stream.samples_out += len(audio)
         return audio
 
