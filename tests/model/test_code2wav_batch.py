@@ -24,14 +24,21 @@ FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "audio"
 # batched flow: rows of batched GEMMs/convs round differently from single-row calls (as the flow
 # equality test in test_fast_paths.py); measured max |diff| ~1e-6 on the tiny flow
 ATOL = 2e-4
+# on CUDA, cuDNN convolutions run TF32 by default and pick algorithms per batch size
+ATOL_CUDA = 2e-2
 
 
-@pytest.fixture(scope="module")
-def c2w():
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def c2w(request):
+    """The tiny flow on CPU, and on CUDA where a GPU is present (there push_batch replays the
+    captured encoder and Euler-loop graphs)."""
     from duplexkit.models.minicpmo45.random_init import _random_code2wav
 
-    gen = torch.Generator().manual_seed(0)
-    return _random_code2wav(Path(tempfile.mkdtemp()), torch.device("cpu"), gen, real=False, batched=True)
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device(request.param)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    return _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=False, batched=True)
 
 
 def _voice_b() -> np.ndarray:
@@ -44,24 +51,29 @@ def _voice_b() -> np.ndarray:
 def test_hift_rows_one_row_is_the_package_call_bit_for_bit(c2w):
     from duplexkit.models.minicpmo45.code2wav_hift import RowNoise, hift_rows
 
+    dev = c2w.device
     rng = torch.Generator().manual_seed(3)
-    mel = torch.randn(3, 80, 58, generator=rng)
-    cache = 0.1 * torch.randn(3, 1, 3840, generator=rng)
-    noise = RowNoise("cpu", c2w.hift.m_source.l_sin_gen.dim)
+    mel = torch.randn(3, 80, 58, generator=rng).to(dev)
+    cache = (0.1 * torch.randn(3, 1, 3840, generator=rng)).to(dev)
+    noise = RowNoise(dev, c2w.hift.m_source.l_sin_gen.dim)
     seeds = [5, 1_000_003 * 7 + 2, 2 ** 62 + 11]
     refs = []
     for i, s in enumerate(seeds):
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
             torch.manual_seed(s)
             refs.append(c2w.hift(mel[i:i + 1], cache[i:i + 1]))
     for i, s in enumerate(seeds):
         speech, source = hift_rows(c2w.hift, mel[i:i + 1], cache[i:i + 1], [s], noise)
-        assert torch.equal(speech, refs[i][0]) and torch.equal(source, refs[i][1])
+        assert torch.equal(source, refs[i][1])  # the noise draws are the package's, bit for bit
+        if dev.type == "cpu":
+            assert torch.equal(speech, refs[i][0])
+        else:  # cuDNN may pick another conv algorithm per call
+            torch.testing.assert_close(speech, refs[i][0], atol=1e-5, rtol=0)
     speech, source = hift_rows(c2w.hift, mel, cache, seeds, noise)
     for i in range(3):  # batched convolutions round differently in the last bits, nothing more
         torch.testing.assert_close(speech[i:i + 1], refs[i][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(source[i:i + 1], refs[i][1], atol=1e-5, rtol=0)
-    # different seeds give different noise (the rows are not sharing one draw)
+    # different seeds give different noise (the rows do not share one draw)
     assert not torch.allclose(speech[0], hift_rows(c2w.hift, mel[:1], cache[:1], [6], noise)[0][0], atol=1e-4)
 
 
@@ -106,11 +118,14 @@ def test_batched_code2wav_equals_per_stream_path(c2w):
         for k, (x, y) in enumerate(zip(a, b)):
             assert x.shape == y.shape, (r, k)
             n_chunks += x.size > 0
-            np.testing.assert_allclose(y, x, atol=ATOL, rtol=0, err_msg=f"round {r} item {k}")
+            tol = ATOL if c2w.device.type == "cpu" else ATOL_CUDA
+            np.testing.assert_allclose(y, x, atol=tol, rtol=0, err_msg=f"round {r} item {k}")
     calls = c2w.stats["hift_calls"] - s0["hift_calls"]
     rows = c2w.stats["hift_rows"] - s0["hift_rows"]
     assert rows >= n_chunks and calls < rows  # several streams shared HiFT calls
     assert c2w.stats["flow_calls"] - s0["flow_calls"] < rows
+    if c2w.device.type == "cuda":
+        assert c2w.stats.get("encoder_graph_captures", 0) > 0 and c2w._use_graphs
 
 
 def test_hift_failure_fails_only_its_call(c2w, monkeypatch):
