@@ -64,6 +64,9 @@ class BatchedCode2Wav(Code2Wav):
         self._time_tables: Dict[int, tuple] = {}
         self._row_noise = RowNoise(self.device, self.hift.m_source.l_sin_gen.dim)
         self._use_graphs = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CUDA_GRAPHS", "1") != "0"
+        #: non-final Euler loops run in sub-batches of this many streams (None: the whole group);
+        #: the captured graphs' size on CUDA
+        self.euler_sub_batch = GRAPH_MAX_BATCH if self._use_graphs else None
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
 
     # ------------------------------------------------------------------ public
@@ -251,6 +254,7 @@ class BatchedCode2Wav(Code2Wav):
 
             logging.getLogger("duplexkit.code2wav").warning("%s capture failed (%s); eager from now", cls.__name__, exc)
             self._use_graphs = False
+            self.euler_sub_batch = None
             return None
 
     def _euler_batch(self, mu, spk, cnn, att, last: bool):
@@ -298,7 +302,7 @@ class BatchedCode2Wav(Code2Wav):
             spk = flow.spk_embed_affine_layer(F.normalize(torch.cat([st.prompt.spk for st, _ in group], dim=0), dim=1))
             mu, c_cnn, c_att = self._encode(tok, torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),
                                             torch.cat([c["conformer_att_cache"] for c in cs], dim=1), last)
-            step = GRAPH_MAX_BATCH if self._use_graphs and not last else B
+            step = (self.euler_sub_batch or B) if not last else B
             for k in range(0, B, step):
                 sub = cs[k:k + step]
                 b = len(sub)
