@@ -365,8 +365,8 @@ def main(argv=None) -> int:
     if model.code2wav is not None and hasattr(model.code2wav, "hift_batched"):
         model.code2wav.hift_batched = a.c2w_hift == "batched"
     if model.code2wav is not None and hasattr(model.code2wav, "warmup"):
-        # the encoder graph's batch buckets (1, 2, 4, ... 32) up to the largest level
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * max(levels))
+        # the encoder graph and HiFT batch buckets (1, 2, 4, ... 64) up to the largest level
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max(levels))
         nt += model.code2wav.warmup(batch_sizes=buckets)
     print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
 

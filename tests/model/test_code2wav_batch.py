@@ -113,21 +113,25 @@ def per_stream_outputs(c2w):
     return _run(c2w, batched=False)
 
 
-@pytest.mark.parametrize("sub_batch", [None, 1])
-def test_batched_code2wav_equals_per_stream_path(c2w, per_stream_outputs, sub_batch):
-    """All streams of a round in one call; with ``sub_batch`` 1 the Euler loop of a flow group runs
-    stream by stream after one encoder call for the group (the CUDA layout, where the loop replays
-    graphs of <= 4 streams: CFG rows regrouped per sub-batch, encoder rows picked by offset)."""
-    if c2w.device.type == "cuda" and sub_batch is not None:
-        pytest.skip("CUDA uses its own sub-batch size (the captured graphs')")
+@pytest.mark.parametrize("variant", ["whole", "sub1", "pad"])
+def test_batched_code2wav_equals_per_stream_path(c2w, per_stream_outputs, variant):
+    """All streams of a round in one call. ``sub1``: the Euler loop of a flow group runs stream by
+    stream after one encoder call for the group (the CUDA layout, where the loop replays graphs of
+    <= 4 streams: CFG rows regrouped per sub-batch, encoder rows picked by offset). ``pad``: HiFT
+    calls padded to 4 or 8 rows (the CUDA default pads to powers of two)."""
+    if c2w.device.type == "cuda" and variant != "whole":
+        pytest.skip("CUDA runs its own defaults")
     ref = per_stream_outputs
     s0 = dict(c2w.stats)
-    saved = c2w.euler_sub_batch
-    c2w.euler_sub_batch = sub_batch if sub_batch is not None else saved
+    saved = (c2w.euler_sub_batch, c2w.hift_buckets)
+    if variant == "sub1":
+        c2w.euler_sub_batch = 1
+    if variant == "pad":
+        c2w.hift_buckets = (4, 8)
     try:
         got = _run(c2w, batched=True)
     finally:
-        c2w.euler_sub_batch = saved
+        c2w.euler_sub_batch, c2w.hift_buckets = saved
     n_chunks = 0
     for r, (a, b) in enumerate(zip(ref, got)):
         assert len(a) == len(b)

@@ -37,7 +37,10 @@ from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH"]
+__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS"]
+
+HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
 
 GRAPH_MAX_BATCH = 4
 """Flow calls of at most this many streams replay a captured Euler-loop graph on CUDA (bigger
@@ -67,6 +70,10 @@ class BatchedCode2Wav(Code2Wav):
         #: non-final Euler loops run in sub-batches of this many streams (None: the whole group);
         #: the captured graphs' size on CUDA
         self.euler_sub_batch = GRAPH_MAX_BATCH if self._use_graphs else None
+        #: HiFT calls are padded to these row counts (None: no padding). On CUDA the conv plans are
+        #: autotuned per shape (cudnn.benchmark): padding keeps the shapes to the few that warmup()
+        #: tunes, instead of a new tuning for each batch size met mid-run
+        self.hift_buckets = HIFT_BUCKETS if self.device.type == "cuda" else None
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
 
     # ------------------------------------------------------------------ public
@@ -352,12 +359,17 @@ class BatchedCode2Wav(Code2Wav):
             last = group[0][5]
             try:
                 with torch.inference_mode():
-                    mel = torch.cat([g[1] for g in group], dim=0)
-                    src = torch.cat([g[2] for g in group], dim=0) if group[0][2].shape[2] else None
+                    B = len(group)
+                    pad = next((b for b in self.hift_buckets or () if b >= B), B) - B
+                    mels = [g[1] for g in group] + [torch.zeros_like(group[0][1])] * pad
+                    mel = torch.cat(mels, dim=0)
+                    src = None
+                    if group[0][2].shape[2]:
+                        src = torch.cat([g[2] for g in group] + [torch.zeros_like(group[0][2])] * pad, dim=0)
+                    seeds = [self._hift_seed(st) for st in sts] + [0] * pad
                     with self._hift_guard(last):
-                        speech, source = hift_rows(self.hift, mel, src, [self._hift_seed(st) for st in sts],
-                                                   self._row_noise)
-                    speech = self._crossfade_and_hold(sts, mel, speech, source, last)
+                        speech, source = hift_rows(self.hift, mel, src, seeds, self._row_noise)
+                    speech = self._crossfade_and_hold(sts, mel[:B], speech[:B], source[:B], last)
                 audio = speech.float().cpu().numpy()
             except Exception as exc:  # noqa: BLE001 - the streams of this HiFT call
                 for g in group:
