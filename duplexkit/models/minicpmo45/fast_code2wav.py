@@ -381,10 +381,11 @@ class BatchedCode2Wav(Code2Wav):
                 p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
 
     def _hift_guard(self, last: bool):
-        """HiFT under the CUDA-graph capture lock (it draws from the default CUDA generator, which a
-        capture on another thread would break), with cuDNN autotuned conv plans for the steady chunk
-        shapes (~25 % less CPU per chunk on the H200, benchmarks/NOTES.md); the turn's variable-length
-        last chunk keeps the heuristics."""
+        """HiFT under the CUDA-graph capture lock (the per-stream path, ``push`` or ``hift_batched``
+        off, draws from the default CUDA generator, which a capture on another thread would break; the
+        batched path's private generators do not need it but keep the same order), with cuDNN
+        autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk on the H200,
+        benchmarks/NOTES.md); the turn's variable-length last chunk keeps the heuristics."""
         import contextlib
 
         from .fast_kv import CAPTURE_LOCK
