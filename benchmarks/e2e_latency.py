@@ -160,7 +160,7 @@ def _delta_of(inbox: Inbox, match):
 
 
 async def _session(url: str, rounds: int, res: dict, question: np.ndarray, interrupt: np.ndarray,
-                   timeout: float, silence_ms: int = 500) -> None:
+                   timeout: float, silence_ms: int = 500, split_ms: float = 0.0) -> None:
     import websockets
 
     q_end = _speech_edges(question)[1]
@@ -205,6 +205,23 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 await ws.send(json.dumps({"type": "response.cancel"}))
                 await until_done(done)
                 await asyncio.sleep(0.5)
+                if split_ms > 0:
+                    # 1b. the same with a gap between commit and response.create (past the Session's
+                    # COMMIT_MERGE_MS): the commit's unit goes out as a listen unit and the forced unit
+                    # is a second, all-zero one (the behaviour before the merge), timed from the create
+                    await mic.say(question).wait()
+                    tag = f"bench-{time.perf_counter_ns()}"
+                    first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
+                    done = inbox.expect(_is("response.done"))
+                    await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                    await asyncio.sleep(split_ms / 1000)
+                    t0 = time.perf_counter()
+                    await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
+                    _, t1 = await asyncio.wait_for(first, timeout)
+                    res["create_split"].append((t1 - t0) * 1000)
+                    await ws.send(json.dumps({"type": "response.cancel"}))
+                    await until_done(done)
+                    await asyncio.sleep(0.5)
                 # 2. server VAD: end of speech -> first audio
                 await update({"type": "server_vad", "create_response": True, "interrupt_response": True,
                               "silence_duration_ms": silence_ms})
@@ -268,15 +285,16 @@ def _pct(v: list, q: float) -> float:
     return float(np.percentile(v, q)) if v else float("nan")
 
 
-async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: int = 500) -> dict:
+async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: int = 500,
+                    split_ms: float = 0.0) -> dict:
     question = read_wav(FIX / "question_16k.wav", SR)[0]
     interrupt = read_wav(FIX / "interrupt_16k.wav", SR)[0]
-    res: dict = {"create": [], "vad_eos": [], "vad_stop": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
+    res: dict = {"create": [], "create_split": [], "vad_eos": [], "vad_stop": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
 
     async def one(k: int) -> None:
         await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
         try:
-            await _session(url, rounds, res, question, interrupt, timeout, silence_ms)
+            await _session(url, rounds, res, question, interrupt, timeout, silence_ms, split_ms)
         except (asyncio.TimeoutError, SystemExit) as exc:  # one stuck session does not end the level
             res["timeouts"] = res.get("timeouts", 0) + 1
             res["errors"].append({"session": k, "timeout": str(exc)[:300]})
@@ -364,6 +382,9 @@ def _start_random(a, max_sessions: int):
         if hasattr(model.code2wav, "warmup"):
             model.code2wav.warmup()
     engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
+    if dev.type == "cuda" and not a.no_warm_turn:
+        ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
+        print(f"warm-up turn: first audio after {ms or 0:.0f} ms", flush=True)
     return _serve_inprocess(engine, max_sessions)
 
 
@@ -420,6 +441,9 @@ def print_table(rows: list) -> None:
            f"{'barge p50':>9} {'p90':>7} | {'barge_last p50':>14}")
     print(hdr)
     print("-" * len(hdr))
+    if any(r.get("create_split") for _, r in rows):
+        print("create_split (commit, gap, then response.create; from the create), p50 / p90 ms: " + ", ".join(
+            f"{n}: {_pct(r['create_split'], 50):.0f} / {_pct(r['create_split'], 90):.0f}" for n, r in rows))
     for n, r in rows:
         print(f"{n:>8} | {_pct(r['create'], 50):>10.0f} {_pct(r['create'], 90):>7.0f} | {_pct(r['vad_eos'], 50):>11.0f} "
               f"{_pct(r['vad_eos'], 90):>7.0f} | {_pct(r['vad_stop'], 50):>12.0f} | {_pct(r['barge'], 50):>9.0f} "
@@ -449,6 +473,11 @@ def main(argv=None) -> int:
                          "(the duplexkit.latency logger; scripted/tiny/random-*)")
     ap.add_argument("--silence-ms", type=int, default=500,
                     help="server VAD silence_duration_ms for the vad_eos scenario (the OpenAI default is 500)")
+    ap.add_argument("--split-commit-ms", type=float, default=0.0,
+                    help="also time commit, a gap of this many ms, then response.create (create_split: the "
+                         "commit's unit and the forced unit go out separately, as before COMMIT_MERGE_MS)")
+    ap.add_argument("--no-warm-turn", action="store_true",
+                    help="skip DuplexEngine.warmup_turn() (random-* on CUDA): measure the cold start")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds of one session run first and reported apart as the cold start (the first "
                          "response of a fresh process pays one-time lazy initialisation), not in the levels")
@@ -474,7 +503,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             if tracer is not None:
                 tracer.records = []
-            r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms))
+            r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms, a.split_commit_ms))
             r["trace"] = trace_summary(tracer.records) if tracer is not None else None
             rows.append((n, r))
             print_table([(n, r)])
@@ -490,7 +519,7 @@ def main(argv=None) -> int:
     print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time; "
           f"VAD silence_duration_ms {a.silence_ms})")
     print_table(rows)
-    out = [{"sessions": n, **{k: r[k] for k in ("create", "vad_eos", "vad_stop", "barge", "barge_last",
+    out = [{"sessions": n, **{k: r[k] for k in ("create", "create_split", "vad_eos", "vad_stop", "barge", "barge_last",
                                                  "barge_missed", "trace")}} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))

@@ -47,6 +47,11 @@ class SessionDriver:
         tick_interval_s: clock period in seconds (default 50 ms: well under one 1-s unit).
 
     Time is milliseconds since the driver was created (monotonic clock), passed to every Session call.
+
+    ``observer`` (optional, set after construction; the server's metrics use it): an object with
+    ``engine_command(cmd)``, ``engine_output(out)`` and ``server_event(event_dict)``, called for each
+    command forwarded to the stream, each output pumped from it and each event sent. An exception
+    raised by the observer is logged and otherwise ignored.
     """
 
     def __init__(self, session, engine: Engine, *, on_event: EventSink,
@@ -63,6 +68,14 @@ class SessionDriver:
         self._tasks: list[asyncio.Task] = []
         self._pump_task: Optional[asyncio.Task] = None
         self.dispatch_done = asyncio.Event()
+        self.observer: Any = None
+
+    def _observe(self, hook: str, arg) -> None:
+        if self.observer is not None:
+            try:
+                getattr(self.observer, hook)(arg)
+            except Exception:  # metrics never break a session
+                logger.exception("session observer %s failed", hook)
 
     # -- clock and Session calls ------------------------------------------------------------------
     def now_ms(self) -> int:
@@ -120,6 +133,7 @@ class SessionDriver:
     async def _pump(self, stream: EngineStream) -> None:
         try:
             async for out in stream.outputs():
+                self._observe("engine_output", out)
                 self.session.receive_engine_output(out, self.now_ms())
                 self.flush()
         except asyncio.CancelledError:
@@ -156,6 +170,7 @@ class SessionDriver:
             elif self.stream is not None:
                 try:
                     apply_command(self.stream, item)
+                    self._observe("engine_command", item)
                 except Exception as exc:  # a broken stream fails this session only
                     logger.exception("engine command failed")
                     self._engine_failed(self.stream.stream_id, self.session.epoch, f"engine command failed: {exc}")
@@ -167,6 +182,7 @@ class SessionDriver:
             while True:
                 item = await self._out.get()
                 if isinstance(item, dict):
+                    self._observe("server_event", item)
                     await self._call(self._on_event, item)
                 elif isinstance(item, CloseConnection):
                     await self._call(self._on_close, item)

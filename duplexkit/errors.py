@@ -85,6 +85,10 @@ class ErrorCode(str, Enum):
     UNAUTHORIZED = "unauthorized"
     MODEL_NOT_FOUND = "model_not_found"
     SERVER_ERROR = "server_error"
+    RESUME_NOT_FOUND = "resume_not_found"
+    RESUME_EXPIRED = "resume_expired"
+    RESUME_UNAUTHORIZED = "resume_unauthorized"
+    RESUME_JOURNAL_OVERFLOW = "resume_journal_overflow"
 
 
 #: error code -> OpenAI error ``type`` (docs/protocol.md §9, column "Type").
@@ -108,6 +112,10 @@ ERROR_TYPES: dict[ErrorCode, str] = {
     ErrorCode.INPUT_RATE_MISMATCH: "invalid_request_error",
     ErrorCode.UNAUTHORIZED: "invalid_request_error",
     ErrorCode.MODEL_NOT_FOUND: "invalid_request_error",
+    ErrorCode.RESUME_NOT_FOUND: "invalid_request_error",
+    ErrorCode.RESUME_EXPIRED: "invalid_request_error",
+    ErrorCode.RESUME_UNAUTHORIZED: "invalid_request_error",
+    ErrorCode.RESUME_JOURNAL_OVERFLOW: "server_error",
     ErrorCode.SERVER_ERROR: "server_error",
 }
 

@@ -1,16 +1,18 @@
 """The bundled duplexkit server: a FastAPI app factory (docs/protocol.md §1, §10).
 
 Routes: ``/v1/realtime`` and ``/v1/duplex`` (WebSocket, :mod:`duplexkit_server.realtime`),
-``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``
-and the browser page at ``/`` (``static/index.html``).
+``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``,
+the probes ``GET /ready`` and ``GET /live`` (:mod:`duplexkit_server.lifecycle`), ``GET /metrics``
+(:mod:`duplexkit_server.metrics`) and the browser page at ``/`` (``static/index.html``).
 
 One :class:`~duplexkit.engine.api.Engine` is shared by every connection; each WebSocket drives its
 own :class:`duplexkit.session.Session`. Realtime sessions and chat requests take slots from one
 pool of ``max_sessions``.
 
-Run it with :func:`serve` (``duplexkit serve``) to get a graceful shutdown that sends
-``session.closed{reason:"shutdown"}`` and close code 1001 to every open session before uvicorn
-tears connections down (uvicorn alone would close them with 1012).
+Run it with :func:`serve` (``duplexkit serve``, in :mod:`duplexkit_server.lifecycle`) to get the
+SIGTERM drain and a graceful shutdown that sends ``session.closed{reason:"shutdown"}`` and close
+code 1001 to every open session before uvicorn tears connections down (uvicorn alone would close
+them with 1012).
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class ServerSettings:
         tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
         retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
         shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
+        drain_s: on SIGTERM, how long live sessions may go on (new ones refused) before they are
+            closed with ``session.closed{reason:"shutdown"}`` (``--drain-s``, default 300 s;
+            docs/deployment.md, "Runbook").
+        metrics: ``GET /metrics``: ``"auth"`` (default; the API key is required when keys are set),
+            ``"public"`` (no key) or ``"off"`` (no route). See :mod:`duplexkit_server.metrics`.
         allow_origins: browser origins allowed besides the server's own (``--allow-origin``;
             ``"*"`` = any). See :mod:`duplexkit_server.security`.
         bind_host: the listening address, set by :func:`serve` (None: loopback, as in-process).
@@ -79,6 +86,10 @@ class ServerSettings:
         max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
             address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
         header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
+        session_resume: offer session resume (``capabilities.supports_session_resume``; docs/protocol.md §1.6).
+        resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
+        resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
+            bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
     """
 
     model_id: Optional[str] = None
@@ -103,12 +114,18 @@ class ServerSettings:
     tick_interval_s: float = 0.1
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0
+    drain_s: float = 300.0
+    metrics: str = "auth"
     allow_origins: list[str] = field(default_factory=list)
     bind_host: Optional[str] = None
     bind_port: Optional[int] = None
     max_body_bytes: int = 16 * 1024 * 1024
     max_sessions_per_client: Optional[int] = None
     header_timeout_s: float = 10.0
+    session_resume: bool = True
+    resume_window_s: float = 30.0
+    resume_journal_events: int = 4096
+    resume_journal_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -204,9 +221,15 @@ class ServerState:
             per_client = max(1, settings.max_sessions // 2)
         self.slots = SlotPool(settings.max_sessions, per_client)
         self.connections: set = set()
+        from .resume import ResumeRegistry  # session resume (docs/protocol.md §1.6); None when off
+
+        self.resumes = ResumeRegistry(settings.resume_window_s, settings.resume_journal_events,
+                                      settings.resume_journal_bytes) if settings.session_resume else None
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
+        self.draining = False  # SIGTERM received: /ready 503 (duplexkit_server.lifecycle.drain)
+        self.metrics = None  # duplexkit_server.metrics.ServerMetrics (None: --metrics off)
         self._mapped_models: set[str] = set()
         self.started_at = int(time.time())
         self._load_task: Optional[asyncio.Task] = None
@@ -420,6 +443,10 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     app = FastAPI(title="duplexkit", version=_version(), lifespan=lifespan)
     app.state.duplexkit = state
     _install_security(app, state)
+    from . import lifecycle, metrics
+
+    lifecycle.install(app, state)
+    metrics.install(app, state)
 
     def http_auth(request: Request) -> Optional[JSONResponse]:
         if state.check_key(state.bearer(request.headers.get("authorization"))):
@@ -517,67 +544,4 @@ def _version() -> str:
         return "0"
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          sockets: Optional[list] = None) -> int:
-    """Run ``app`` under uvicorn with duplexkit's transport limits and graceful shutdown.
-
-    ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
-    ``ping_interval_s`` without a pong deadline (a late pong on a busy loop must not drop a live
-    session); a request head must be complete within ``header_timeout_s``. On SIGINT/SIGTERM every open session first gets
-    ``session.closed{reason:"shutdown"}`` and close 1001, then uvicorn shuts down.
-
-    ``sockets``: already bound listening sockets (``duplexkit serve`` binds before loading, so a
-    port in use fails at once); ``host``/``port`` then only name them in logs.
-
-    Returns 0 after a clean stop, 1 when the engine failed to load (the server then stops itself).
-    """
-    import uvicorn
-
-    state: ServerState = app.state.duplexkit
-    s = state.settings
-    s.bind_host, s.bind_port = host, (port or None)
-    from .security import is_loopback_host
-
-    if not s.api_keys and not is_loopback_host(host):
-        logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
-                       "model; pass --api-key (or set DUPLEXKIT_API_KEY), or bind 127.0.0.1", host)
-
-    class _Server(uvicorn.Server):
-        async def shutdown(self, sockets=None):  # type: ignore[override]
-            try:
-                await state.shutdown_sessions("shutdown")
-            except Exception:  # pragma: no cover
-                logger.exception("graceful session shutdown failed")
-            await super().shutdown(sockets)
-
-    from .security import header_timeout_protocol
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            http=header_timeout_protocol(s.header_timeout_s),
-                            h11_max_incomplete_event_size=64 * 1024,  # request head size cap
-                            ws_max_size=2 * s.max_event_bytes,
-                            ws_ping_interval=s.ping_interval_s,
-                            # no ping timeout: a loop slowed by engine threads reads pongs late and
-                            # uvicorn would close live sessions with 1011 and no session.closed; dead
-                            # peers end by TCP errors or the idle timeout (session.closed{timeout})
-                            ws_ping_timeout=None,
-                            timeout_graceful_shutdown=s.shutdown_grace_s + 5)
-    import signal
-    import sys
-
-    # uvicorn re-raises the captured signal after its graceful shutdown; a clean stop exits 0.
-    server = _Server(config)
-
-    def _stop_on_load_error(exc: BaseException) -> None:
-        print(f"error: engine failed to load: {exc}", file=sys.stderr, flush=True)
-        server.should_exit = True
-
-    state.on_load_error = _stop_on_load_error
-    prev_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        server.run(sockets=sockets)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, prev_term)
-    return 1 if state.load_error is not None else 0
+from .lifecycle import serve  # noqa: E402  (re-exported: duplexkit_server.serve)

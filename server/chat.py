@@ -427,7 +427,9 @@ def _load_and_validate(raw: bytes) -> ChatBody:
 async def handle(state, request: Request):
     """The route body (auth already checked by the app)."""
     if not state.ready:
-        return openai_error(503, "the model is loading; retry later", "session_capacity_exhausted",
+        msg = ("this replica is draining for shutdown; retry (another replica will take it)"
+               if state.shutting_down else "the model is loading; retry later")
+        return openai_error(503, msg, "session_capacity_exhausted",
                             headers={"Retry-After": str(state.settings.retry_after_s)})
     s = state.settings
     limit = s.max_body_bytes

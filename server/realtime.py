@@ -11,6 +11,12 @@ Handshake checks (docs/protocol.md §1): authentication (``Authorization: Bearer
 the ``model`` query parameter (refused -> ``error{model_not_found, param:"model"}`` listing the
 served ids + 1008; OpenAI ids are mapped, see ``ServerState.resolve_model``), session
 capacity (-> ``error{session_capacity_exhausted}`` + 1013).
+
+Session resume (docs/protocol.md §1.6, :mod:`duplexkit_server.resume`): with ``state.resumes`` set,
+the first frame of an ``autostart=0`` connection is read before the Session is made; a
+``session.resume`` hands the socket to the parked session it names (no new slot is taken), anything
+else starts a new session with that frame as its first event. A session whose socket drops
+(:data:`PARK_CLOSE_CODES`) is parked, not closed, while its events go on into its replay journal.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import asyncio
 import json
 import logging
 import secrets
-import time
 from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from .dialect import dialect_of_first_update, pick_dialect, translate
+from .resume import (JournalOverflow, ResumeRefused, check_resume_fields, new_token, parse_resume, principal_of,
+                     token_digest, token_matches)
 
 
 logger = logging.getLogger("duplexkit.server.realtime")
@@ -32,6 +39,11 @@ logger = logging.getLogger("duplexkit.server.realtime")
 __all__ = ["handle", "RealtimeConnection", "KEY_SUBPROTOCOL_PREFIX"]
 
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+#: how a connection may end and still leave its session resumable (docs/protocol.md §1.6): no close
+#: frame (1006, or a failed send: None), no status (1005), the peer or a proxy going away or
+#: restarting (1001, 1011-1014). A normal close (1000) or a protocol violation (1002, 1003, 1007-1010)
+#: ends the session at once.
+PARK_CLOSE_CODES = frozenset({None, 1001, 1005, 1006, 1011, 1012, 1013, 1014})
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no", ""}
 
@@ -87,7 +99,13 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     autostart_raw = (q.get("autostart") or "1").strip().lower()
     autostart = autostart_raw not in {"0", "false", "off", "no"}
 
-    if not state.ready:
+    reg = getattr(state, "resumes", None)
+    principal = principal_of(key) if state.settings.api_keys else None
+    # while draining (SIGTERM) no new session starts, but a parked session of this principal may
+    # still be resumed (autostart=0 with session.resume as the first frame)
+    resume_only = (not state.ready and getattr(state, "draining", False) and state.engine is not None
+                   and reg is not None and not autostart and reg.has_parked(principal))
+    if not state.ready and not resume_only:
         await _reject(ws, subprotocol, _handshake_error(
             "session_capacity_exhausted", "the server is loading or shutting down; retry later"), 1013)
         return
@@ -102,27 +120,97 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
                       1008)
         return
     client = state.client_id(key, ws.scope)
-    if not state.slots.try_acquire(client):
+    got_slot = False if resume_only else state.slots.try_acquire(client)
+    # a resume re-uses the slot its parked session holds: over capacity, a connection that may be
+    # a resume (autostart=0, this principal has a parked session) is let in to show its first frame
+    if not got_slot and not resume_only and not (reg is not None and not autostart and reg.has_parked(principal)):
         await _reject(ws, subprotocol, _handshake_error(
             "session_capacity_exhausted", state.capacity_message(client)), 1013)
         return
     try:
+        first: Optional[dict] = None
+        if reg is not None and not autostart:
+            await ws.accept(subprotocol=subprotocol)
+            first = await _first_message(ws, state.settings.idle_timeout_s)
+            if first is None:
+                return
+            resume = parse_resume(first["text"]) if first.get("text") is not None else None
+            if resume is not None:
+                if got_slot:
+                    state.slots.release(client)
+                    got_slot = False
+                await _serve_resume(state, ws, resume, principal)
+                return
+            if not got_slot:
+                msg = ("this replica is draining for shutdown: only session.resume is accepted" if resume_only
+                       else state.capacity_message(client))
+                await _refuse(ws, _handshake_error("session_capacity_exhausted", msg), 1013)
+                return
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
-                                  dialect=dialect)
+                                  dialect=dialect, principal=principal)
         if model and model not in state.model_ids:
             conn.requested_model = model  # an OpenAI id served by this model (ServerState.resolve_model)
         state.connections.add(conn)
         try:
-            await ws.accept(subprotocol=subprotocol)
-            await conn.run()
+            if first is None:
+                await ws.accept(subprotocol=subprotocol)
+            await conn.run(first)
         finally:
             state.connections.discard(conn)
             state.session_closed(conn.session)
     finally:
-        state.slots.release(client)
-        from .memory import schedule_trim
+        if got_slot:
+            state.slots.release(client)
+            from .memory import schedule_trim
 
-        schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
+            schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
+
+
+async def _first_message(ws: WebSocket, timeout_s: float) -> Optional[dict]:
+    """The first client message of an ``autostart=0`` connection (None: the peer left or stayed
+    silent for ``timeout_s``, the idle timeout)."""
+    try:
+        msg = await asyncio.wait_for(ws.receive(), timeout_s)
+    except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
+        return None
+    return None if msg.get("type") == "websocket.disconnect" else msg
+
+
+async def _refuse(ws: WebSocket, event: dict, close_code: int, extra: Optional[dict] = None) -> None:
+    """Send ``event`` (and ``extra``), then close ``close_code`` on an accepted socket."""
+    try:
+        await ws.send_text(json.dumps(event))
+        if extra is not None:
+            await ws.send_text(json.dumps(extra))
+        await ws.close(code=close_code, reason=event["error"]["code"])
+    except Exception:  # the peer may already be gone
+        pass
+
+
+async def _serve_resume(state, ws: WebSocket, data: dict, principal: Optional[str]) -> None:
+    """A connection whose first frame is ``session.resume`` (docs/protocol.md §1.6): hand the
+    socket to the parked session and hold it until that session lets it go."""
+    reg = state.resumes
+    sid = data.get("session_id") if isinstance(data.get("session_id"), str) else None
+    try:
+        sid, token, seq = check_resume_fields(data)
+        conn = reg.find(sid, token, principal)
+        released = await conn.request_resume(ws, seq, token)
+    except ResumeRefused as r:
+        reg.count_refusal(r.code)
+        logger.info("session.resume of %s refused: %s", (sid or "?")[:64], r.code)
+        err = _handshake_error(r.code, r.message)
+        err["error"]["type"] = "server_error" if r.code == "resume_journal_overflow" else "invalid_request_error"
+        if isinstance(data.get("event_id"), str):
+            err["error"]["event_id"] = data["event_id"]
+        err.pop("server_event_seq", None)
+        closed = None
+        if r.code in ("resume_expired", "resume_journal_overflow") and sid:
+            closed = {"type": "session.closed", "event_id": "event_" + secrets.token_hex(12), "session_id": sid,
+                      "reason": "server_error" if r.code == "resume_journal_overflow" else "timeout"}
+        await _refuse(ws, err, r.close_code, closed)
+        return
+    await released.wait()
 
 
 def session_config(state, profile: str):
@@ -138,7 +226,8 @@ def session_config(state, profile: str):
                                   answer_policy=s.answer_policy,
                                   ref_audio_loader=state.load_ref_audio_path if s.ref_audio_dir else None,
                                   audio_output_available=bool(getattr(state.engine, "supports_audio", True)),
-                                  silence_slack_ms=getattr(s, "silence_slack_ms", 250), limits=limits)
+                                  silence_slack_ms=getattr(s, "silence_slack_ms", 250), limits=limits,
+                                  supports_session_resume=getattr(state, "resumes", None) is not None)
     if s.max_output_tokens is not None:
         kwargs["max_output_tokens"] = s.max_output_tokens
     voices = getattr(state, "voices", None)
@@ -152,15 +241,20 @@ def session_config(state, profile: str):
 
 class RealtimeConnection:
     """Drives one Session over one WebSocket (see the module docstring) with a
-    :class:`duplexkit.driver.SessionDriver`; this class only reads frames and writes events."""
+    :class:`duplexkit.driver.SessionDriver`; this class only reads frames and writes events.
+
+    With session resume on (``state.resumes``, :mod:`duplexkit_server.resume`) every server event
+    first goes into the session's replay journal; a dropped socket parks the session (``parked``)
+    until a ``session.resume`` hands it a new socket, the window expires, or the journal overflows.
+    """
 
     def __init__(self, state, ws: WebSocket, *, profile: str, autostart: bool,
-                 dialect: Optional[str] = "ga") -> None:
+                 dialect: Optional[str] = "ga", principal: Optional[str] = None) -> None:
         from duplexkit.driver import SessionDriver
         from duplexkit.session import Session
 
         self.state = state
-        self.ws = ws
+        self.ws: Optional[WebSocket] = ws
         self.profile = profile
         self.autostart = autostart
         #: "ga", "beta", "both", or None until the first client event decides (server/dialect.py)
@@ -169,9 +263,30 @@ class RealtimeConnection:
         self.session = Session(session_config(state, profile), now_ms=0)
         self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
                                     tick_interval_s=state.settings.tick_interval_s)
+        if getattr(state, "metrics", None) is not None:  # duplexkit_server.metrics (GET /metrics)
+            self.driver.observer = state.metrics.session_observer()
         self._closed = asyncio.Event()
-        self._ended = asyncio.Event()
         self._close_override: Optional[int] = None
+        # resume (None when off)
+        self.registry = getattr(state, "resumes", None)
+        self.principal = principal
+        self.journal = self.registry.new_journal() if self.registry is not None else None
+        self._token: Optional[str] = new_token() if self.registry is not None else None
+        self._token_digest = token_digest(self._token) if self._token else ""
+        self.parked = False
+        self.resumes = 0
+        self._send_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._lost = False  # the current socket is gone (read end or failed send)
+        self._disconnect_code: Optional[int] = None
+        self._sent_seq = 0  # the highest server_event_seq written to a socket
+        #: client frames processed so far, over every connection (reported by session.resumed so
+        #: that the client re-sends the frames the dropped connection lost)
+        self.client_frames = 0
+        self._overflowed = False
+        self._park_deadline: Optional[float] = None
+        self._takeover: Optional[tuple] = None  # (ws, last_seq, token, future)
+        self._released: dict[int, asyncio.Event] = {}
 
     def now_ms(self) -> int:
         return self.driver.now_ms()
@@ -180,31 +295,79 @@ class RealtimeConnection:
     def stream(self):
         return self.driver.stream
 
+    def check_token(self, token: str) -> bool:
+        """Whether ``token`` is the session's current resume token (constant time)."""
+        return bool(self._token_digest) and token_matches(token, self._token_digest)
+
     # -- lifecycle ------------------------------------------------------------------------------
-    async def run(self) -> None:
+    async def run(self, first: Optional[dict] = None) -> None:
+        """Serve the session until it closes. ``first``: an already received first message."""
         if self.autostart:
             self.driver.start_session()
         self.driver.start()
+        if self.registry is not None:
+            self.registry.add(self)
         loop = asyncio.get_running_loop()
-        # the connection ends when the peer goes (reader), the Session closes it (dispatch), or a
-        # send fails (_send)
-        reader = loop.create_task(self._read(), name="read")
         dispatched = loop.create_task(self.driver.dispatch_done.wait(), name="dispatch-done")
-        for t in (reader, dispatched):
-            t.add_done_callback(lambda _t: self._ended.set())
+        reader: Optional[asyncio.Task] = None
         try:
-            await self._ended.wait()
+            while not dispatched.done():
+                if self.ws is None:  # parked
+                    outcome = await self._park(dispatched)
+                    if outcome == "closed":
+                        break
+                    if outcome != "takeover":
+                        await self._end_parked(outcome, dispatched)
+                        break
+                    await self._attach()
+                    continue
+                self._wake.clear()
+                if not (self._takeover or self._lost):
+                    if reader is None:
+                        reader = loop.create_task(self._read(self.ws, first), name="read")
+                        first = None
+                    waker = loop.create_task(self._wake.wait())
+                    await asyncio.wait({reader, dispatched, waker}, return_when=asyncio.FIRST_COMPLETED)
+                    waker.cancel()
+                    if reader.done():
+                        self._lost = True
+                if dispatched.done():
+                    break
+                if not (self._takeover or self._lost):
+                    continue
+                if reader is not None:
+                    reader.cancel()
+                    await asyncio.gather(reader, return_exceptions=True)
+                    reader = None
+                if self._takeover is not None:  # a resume while this socket still looked alive
+                    await self._detach(close_code=1001)
+                    continue
+                if not self._parkable():
+                    break
+                await self._detach()
         finally:
             self._closed.set()
-            reader.cancel()
-            dispatched.cancel()
-            await asyncio.gather(reader, dispatched, return_exceptions=True)
+            for t in (reader, dispatched):
+                if t is not None:
+                    t.cancel()
+            await asyncio.gather(*(t for t in (reader, dispatched) if t is not None), return_exceptions=True)
             await self.driver.aclose()
-            if self.ws.application_state != WebSocketState.DISCONNECTED:
+            if self.driver.observer is not None:
+                self.driver.observer.close()
+            ws = self.ws
+            if ws is not None and ws.application_state != WebSocketState.DISCONNECTED:
                 try:
-                    await self.ws.close(code=1000)
+                    await ws.close(code=1000)
                 except Exception:
                     pass
+            if self.registry is not None:
+                self.registry.remove(self)
+                if self._takeover is not None:
+                    fut = self._takeover[3]
+                    if not fut.done():
+                        fut.set_exception(ResumeRefused("resume_not_found", "the session has ended"))
+            for ev in self._released.values():
+                ev.set()
 
     async def shutdown(self, reason: str = "shutdown") -> None:
         """Server shutdown: ``session.closed{reason}`` then close 1001 (docs/protocol.md §1.5)."""
@@ -214,26 +377,178 @@ class RealtimeConnection:
         self.driver.close_session(reason, 1001)
         await self._closed.wait()
 
+    # -- resume -----------------------------------------------------------------------------------
+    def _parkable(self) -> bool:
+        return (self.registry is not None and self.session.started and not self.session.closed
+                and self._disconnect_code in PARK_CLOSE_CODES)
+
+    async def _detach(self, close_code: Optional[int] = None) -> None:
+        """Stop using the current socket (it dropped, or a resume replaces it): the session parks."""
+        async with self._send_lock:
+            ws, self.ws = self.ws, None
+            self.parked = True
+            self._lost = False
+        if ws is None:
+            return
+        if close_code is not None:
+            try:
+                await ws.close(code=close_code, reason="resumed on another connection")
+            except Exception:
+                pass
+        rel = self._released.pop(id(ws), None)
+        if rel is not None:
+            rel.set()
+
+    async def _park(self, dispatched: asyncio.Task) -> str:
+        """Wait parked: ``takeover`` (a resume came), ``expired``, ``overflow`` or ``closed``."""
+        loop = asyncio.get_running_loop()
+        if self._park_deadline is None:
+            self._park_deadline = loop.time() + self.registry.window_s
+            logger.info("session %s parked for %.0f s (connection dropped, code %s)", self.session.session_id,
+                        self.registry.window_s, self._disconnect_code)
+        while True:
+            self._wake.clear()
+            if dispatched.done():
+                return "closed"
+            if self._takeover is not None:
+                return "takeover"
+            if self._overflowed:
+                return "overflow"
+            left = self._park_deadline - loop.time()
+            if left <= 0:
+                return "expired"
+            waker = loop.create_task(self._wake.wait())
+            await asyncio.wait({waker, dispatched}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waker.cancel()
+
+    async def _end_parked(self, outcome: str, dispatched: asyncio.Task) -> None:
+        """Close a parked session that can no longer be resumed (its slot is freed after this)."""
+        if outcome == "expired":
+            code, reason, close = "resume_expired", "timeout", 1000
+            msg = f"the session was not resumed within {self.registry.window_s:g} s and was closed"
+        else:
+            code, reason, close = "resume_journal_overflow", "server_error", 1011
+            msg = (f"server events the client had not received were dropped from the resume journal "
+                   f"({self.journal.max_events} events / {self.journal.max_bytes} bytes); the session was closed")
+        logger.info("parked session %s closed: %s", self.session.session_id, code)
+        self.registry.bury(self, code, msg)
+        self.driver.close_session(reason, close)
+        await asyncio.wait({dispatched}, timeout=10)
+
+    async def request_resume(self, ws: WebSocket, last_seq: int, token: str) -> asyncio.Event:
+        """Hand ``ws`` to this session (a checked ``session.resume``). Returns an event set when
+        the session stops using ``ws``. Raises :class:`~duplexkit_server.resume.ResumeRefused`."""
+        if self._closed.is_set():
+            raise ResumeRefused("resume_not_found", "the session has ended")
+        fut = asyncio.get_running_loop().create_future()
+        if self._takeover is not None and not self._takeover[3].done():
+            self._takeover[3].set_exception(ResumeRefused("resume_unauthorized", "superseded by another resume"))
+        self._takeover = (ws, last_seq, token, fut)
+        self._wake.set()
+        return await fut
+
+    async def _attach(self) -> None:
+        """Take the pending resume: ``session.resumed``, the replay, then live events."""
+        ws, last_seq, token, fut = self._takeover
+        self._takeover = None
+        if fut.done():  # the resuming connection went away meanwhile
+            return
+        overflow = False
+        async with self._send_lock:
+            if not self.check_token(token):
+                fut.set_exception(ResumeRefused("resume_unauthorized",
+                                                "the resume token was rotated by another resume"))
+                return
+            if last_seq > self.journal.last_seq:
+                fut.set_exception(ResumeRefused("bad_event", f"last_server_event_seq {last_seq} is beyond the last "
+                                                             f"event of the session ({self.journal.last_seq})"))
+                return
+            try:
+                replay = self.journal.since(last_seq)
+            except JournalOverflow as exc:
+                overflow, replay = True, []
+                err = _handshake_error("resume_journal_overflow", str(exc))
+                err["error"]["type"] = "server_error"
+                err.pop("server_event_seq", None)
+                first_frame = err
+            else:
+                self._token = new_token()
+                self._token_digest = token_digest(self._token)
+                first_frame = {"type": "session.resumed", "event_id": "event_" + secrets.token_hex(12),
+                               "session_id": self.session.session_id, "last_server_event_seq": last_seq,
+                               "replayed": len(replay), "client_frames_received": self.client_frames,
+                               "resume_token": self._token}
+            self.ws, self.parked, self._lost, self._park_deadline = ws, False, False, None
+            self._disconnect_code = None
+            rel = self._released[id(ws)] = asyncio.Event()
+            fut.set_result(rel)
+            try:
+                await ws.send_text(json.dumps(first_frame))
+            except (WebSocketDisconnect, RuntimeError, ConnectionError):
+                self._socket_lost()
+                return
+            for ev in replay:
+                if not await self._write(ev):
+                    break
+            if not overflow:
+                self.resumes += 1
+                self.registry.resumes += 1
+                logger.info("session %s resumed after seq %d (%d events replayed)", self.session.session_id,
+                            last_seq, len(replay))
+        if overflow:
+            self.registry.count_refusal("resume_journal_overflow")
+            self.driver.close_session("server_error", 1011)
+
     # -- the socket side ------------------------------------------------------------------------
     async def _send(self, event: dict) -> None:
+        async with self._send_lock:
+            if self.journal is not None:
+                self.journal.append(event)
+                if self.ws is None and self.journal.dropped_through > self._sent_seq and not self._overflowed:
+                    self._overflowed = True  # an event the client never got is gone: no resume can be whole
+                    self._wake.set()
+            if self.ws is not None and not self._lost:
+                await self._write(event)
+
+    async def _write(self, event: dict) -> bool:
+        """Write one event's frames to the current socket; False when the socket failed."""
+        ws = self.ws
         try:
             for frame in translate(event, self.dialect or "ga", beta_model=self.requested_model):
-                await self.ws.send_text(json.dumps(frame, separators=(",", ":")))
+                if self._token is not None and frame.get("type") == "session.created":
+                    frame = {**frame, "resume_token": self._token}
+                await ws.send_text(json.dumps(frame, separators=(",", ":")))
         except (WebSocketDisconnect, RuntimeError, ConnectionError):
-            self._ended.set()
+            self._socket_lost()
+            return False
+        seq = event.get("server_event_seq")
+        if isinstance(seq, int) and seq > self._sent_seq:
+            self._sent_seq = seq
+        return True
+
+    def _socket_lost(self) -> None:
+        self._lost = True
+        self._wake.set()
 
     async def _close_socket(self, item) -> None:
+        ws = self.ws
+        if ws is None:
+            return
         try:
-            await self.ws.close(code=self._close_override or item.code, reason=item.reason or "")
+            await ws.close(code=self._close_override or item.code, reason=item.reason or "")
         except Exception:
             pass
 
-    async def _read(self) -> None:
+    async def _read(self, ws: WebSocket, first: Optional[dict] = None) -> None:
         try:
+            msg = first
             while True:
-                msg = await self.ws.receive()
+                if msg is None:
+                    msg = await ws.receive()
                 if msg.get("type") == "websocket.disconnect":
+                    self._disconnect_code = msg.get("code")
                     break
+                self.client_frames += 1
                 text = msg.get("text")
                 if text is not None:
                     if self.dialect is None:
@@ -243,5 +558,8 @@ class RealtimeConnection:
                     # docs/protocol.md §1.3: binary frames get bad_event and are ignored
                     self.session.receive_binary_frame(self.now_ms())
                     self.driver.flush()
-        except (WebSocketDisconnect, RuntimeError):
+                msg = None
+        except WebSocketDisconnect as exc:
+            self._disconnect_code = exc.code
+        except RuntimeError:
             pass

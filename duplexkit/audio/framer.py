@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from duplexkit.engine.api import FIRST_UNIT_CONSUME, FIRST_UNIT_SAMPLES, INPUT_SAMPLE_RATE, UNIT_SAMPLES
+
 __all__ = ["Unit", "UnitFramer", "UNIT_SAMPLES", "FIRST_WINDOW", "FIRST_CONSUME", "UNIT_RATE"]
 
-#: Samples a unit k >= 1 consumes at 16 kHz (1 s; docs/model.md §3.1).
-UNIT_SAMPLES = 16000
-#: Samples unit 0 reads (1035 ms; docs/model.md §3.1, parity case f).
-FIRST_WINDOW = 16560
-#: Samples unit 0 consumes (16 480 = 103 hops of 160; docs/model.md §3.1, parity case f).
-FIRST_CONSUME = 16480
-#: The framer's input rate, Hz (docs/model.md §3.1: 16 kHz mono float32).
-UNIT_RATE = 16000
+# The unit sizes are the model contract's (duplexkit.engine.api, docs/model.md §3.1), kept here
+# under the framer's older names: UNIT_SAMPLES (unit k >= 1), FIRST_WINDOW (unit 0 reads),
+# FIRST_CONSUME (unit 0 consumes), UNIT_RATE (16 kHz).
+FIRST_WINDOW = FIRST_UNIT_SAMPLES
+FIRST_CONSUME = FIRST_UNIT_CONSUME
+UNIT_RATE = INPUT_SAMPLE_RATE
 
 
 @dataclass(frozen=True)

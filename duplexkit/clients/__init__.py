@@ -18,6 +18,8 @@ from .base import (
 from .inline import InlineDuplexClient
 from .state import ClientState, ResponseRecord, response_id_of
 from .remote import DuplexClient, build_url
+from .continuation import ContinuationSeed
+from .records import played_transcript
 
 __all__ = [
     "BaseDuplexClient",
@@ -32,4 +34,6 @@ __all__ = [
     "ClientState",
     "ResponseRecord",
     "response_id_of",
+    "ContinuationSeed",
+    "played_transcript",
 ]

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import ResponseRecord
 
 __all__ = ["Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio", "ResponseEnded",
-           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded"]
+           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,6 +106,28 @@ class SessionEnded:
 
     reason: Optional[str]
     error: Optional[BaseException] = None
+
+
+@dataclass(frozen=True)
+class Reconnecting:
+    """Delivered to ``events()`` (type ``client.reconnecting``, not a server event) when the
+    transport dropped and the client is reconnecting to resume the session (docs/protocol.md
+    §1.6). A ``session.resumed`` event follows on success; on failure ``events()`` raises
+    :class:`~duplexkit.errors.DuplexConnectionError`. ``close_code``: how the old connection
+    ended (1006: no close frame); ``last_server_event_seq``: the last event seen before it."""
+
+    close_code: Optional[int] = None
+    last_server_event_seq: int = 0
+    type: str = "client.reconnecting"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Delivered to ``events()`` (type ``client.resumed``) when a server that sends no
+    ``session.resumed`` (vLLM-Omni) took the resume: its first replayed event arrived."""
+
+    last_server_event_seq: int = 0
+    type: str = "client.resumed"
 
 
 Action = Union[Send, Resolve, Reject, ResponseStarted, ResponseAudio, ResponseEnded, PlaybackFlushed,

@@ -4,8 +4,11 @@ It speaks to the bundled server and to any server following docs/protocol.md, vL
 it connects with ``autostart=0`` and sends the full session first, maps beta event names to GA
 (:func:`duplexkit.protocol.parse_server_event`), sends ``session.heartbeat`` periodically, and when
 the server advertises ``capabilities.supports_session_resume`` it reconnects after a dropped
-connection and sends ``session.resume{session_id, last_server_event_seq}`` (events it already saw
-are dropped on replay). It never hangs: transport loss fails every waiting call and iterator with
+connection and sends ``session.resume{session_id, resume_token, last_server_event_seq}``
+(docs/protocol.md §1.6): events it already saw are dropped on replay, frames the dead connection
+lost are sent again, and ``events()`` shows ``client.reconnecting`` then ``session.resumed``.
+:meth:`DuplexClient.continuation` seeds a new session elsewhere when the server is gone.
+It never hangs: transport loss fails every waiting call and iterator with
 :class:`~duplexkit.clients.base.DuplexConnectionError`, and every call has a timeout.
 """
 
@@ -14,15 +17,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
+from .continuation import ContinuationSeed, ConversationLog
+from .handles import ref_audio_data_url
 from .state import new_event_id
 
 logger = logging.getLogger("duplexkit.clients.remote")
 
 __all__ = ["DuplexClient", "build_url"]
+
+OUTBOX_FRAMES = 1024
+"""Client frames kept for re-sending after a resume (docs/protocol.md §1.6); older ones are lost
+with a dropped connection if the server had not processed them."""
 
 _HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
 
@@ -63,14 +73,22 @@ class DuplexClient(BaseDuplexClient):
         resume: reconnect + ``session.resume`` when the server advertises it.
         resume_attempts: reconnect attempts before giving up.
         open_timeout_s: WebSocket handshake timeout.
+        continuation: a :class:`~duplexkit.clients.continuation.ContinuationSeed` (from
+            :meth:`continuation` of a client whose server died) to seed this new session with:
+            instructions, voice and reference voice in the first ``session.update`` (the
+            ``session``/``ref_audio`` options win), then the played transcript as an item. Lossy:
+            see docs/clients.md, "Continuing elsewhere".
         **options: the options of :class:`~duplexkit.clients.base.BaseDuplexClient`.
     """
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, profile: str = "duplex",
                  model: Optional[str] = None, heartbeat_s: Optional[float] = 15.0, resume: bool = True,
                  resume_attempts: int = 5, open_timeout_s: float = 10.0, max_frame_bytes: int = 64 * 2**20,
-                 **options: Any) -> None:
+                 continuation: Optional[ContinuationSeed] = None, **options: Any) -> None:
         super().__init__(**options)
+        self._seed = continuation
+        self._log = ConversationLog()
+        self._ref_audio_url: Optional[str] = None
         self.url = build_url(url, profile=profile, model=model)
         self.api_key = api_key
         self.heartbeat_s = heartbeat_s
@@ -85,7 +103,68 @@ class DuplexClient(BaseDuplexClient):
         self._got_created = False
         self._reconnected = asyncio.Event()
         self._reconnected.set()
-        self.resumes = 0
+        self.resume_token: Optional[str] = None
+        self.resume_failures = 0
+        # frames sent on this session, for re-sending what a dropped connection lost (§1.6)
+        self._frames_sent = 0
+        self._outbox: deque = deque(maxlen=OUTBOX_FRAMES)
+        self.frames_resent = 0
+
+    @property
+    def resumes(self) -> int:
+        """Successful resumes of this session (``session.resumed`` received)."""
+        return self.state.resumes
+
+    @property
+    def connection_state(self) -> str:
+        """``"connecting"``, ``"open"``, ``"reconnecting"`` (resuming after a drop) or ``"closed"``."""
+        if self.closed or self._failure is not None:
+            return "closed"
+        if self.state.reconnecting or not self._reconnected.is_set():
+            return "reconnecting"
+        return "open" if self._got_created else "connecting"
+
+    # -- continuation (docs/clients.md, "Continuing elsewhere") ---------------------------------
+    def continuation(self) -> ContinuationSeed:
+        """A seed for a new session elsewhere (e.g. after this server died): instructions, voice,
+        the reference voice this client sent, and the transcript as the user heard it (assistant
+        text cut at ``played_ms``). Works after the connection is lost or closed. Lossy: the new
+        model sees text history only (no audio, no KV)."""
+        s = self.session
+        return ContinuationSeed(source_session_id=self.session_id, instructions=s.get("instructions"),
+                                voice=s.get("voice"), ref_audio=self._ref_audio_url,
+                                output_modalities=s.get("output_modalities"),
+                                turns=self._log.turns(self.state.responses))
+
+    def _initial_update(self) -> dict:
+        seed = self._seed.session_update() if self._seed is not None else {}
+        if self.options.ref_audio is not None or "ref_audio" in (self.options.session or {}):
+            seed.pop("ref_audio", None)
+        upd = {**seed, **super()._initial_update()}
+        if isinstance(upd.get("ref_audio"), str):
+            self._ref_audio_url = upd["ref_audio"]
+        return upd
+
+    async def connect(self) -> dict:
+        """:meth:`BaseDuplexClient.connect`; with ``continuation``, the seed's items are created
+        right after ``session.created`` (each awaited; a refusal raises and closes)."""
+        opened = self._got_created
+        session = await super().connect()
+        if self._seed is not None and not opened:
+            try:
+                for item in self._seed.items():
+                    await self._request({"type": "conversation.item.create", "item": item},
+                                        "conversation.item.added")
+            except BaseException:
+                await asyncio.shield(self._abort_connect())
+                raise
+        return session
+
+    async def update(self, **session_fields) -> dict:
+        if session_fields.get("ref_audio") is not None:
+            session_fields["ref_audio"] = ref_audio_data_url(session_fields["ref_audio"])
+            self._ref_audio_url = session_fields["ref_audio"]
+        return await super().update(**session_fields)
 
     @property
     def supports_resume(self) -> bool:
@@ -125,21 +204,49 @@ class DuplexClient(BaseDuplexClient):
                 raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost")
         if self._failure is not None:
             raise self._failure
+        ws = self._ws
+        text = json.dumps(event, separators=(",", ":"))
         try:
-            await self._ws.send(json.dumps(event, separators=(",", ":")))
+            await ws.send(text)
+            self._sent(text)
         except websockets.exceptions.ConnectionClosed as exc:
             if self._failure is not None:
                 raise self._failure from exc
             if self._resumable():
-                if not await wait_done(self._reconnected.wait(), self.options.request_timeout_s):
-                    raise DuplexConnectionError("reconnect did not finish in time",
-                                                code="connection_lost") from exc
+                # wait for the read loop to notice the drop and resume on a new connection
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + self.options.request_timeout_s
+                while (self._ws is ws or not self._reconnected.is_set()) and self._failure is None \
+                        and not self.closed and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
                 if self._failure is not None:
                     raise self._failure from exc
-                await self._ws.send(json.dumps(event, separators=(",", ":")))
+                if self._ws is ws:
+                    raise DuplexConnectionError("reconnect did not finish in time", code="connection_lost") from exc
+                await self._ws.send(text)
+                self._sent(text)
                 return
             raise DuplexConnectionError(f"connection closed: {exc}", code="connection_lost",
                                         close_code=getattr(exc.rcvd, "code", None)) from exc
+
+    def _sent(self, text: str) -> None:
+        self._frames_sent += 1
+        self._outbox.append((self._frames_sent, text))
+
+    async def _resend_lost(self, ws, received: Optional[int]) -> None:
+        """After ``session.resumed``: re-send the frames after the ``received``-th, which the dropped
+        connection lost (written to it, never processed). Frames older than the outbox keeps
+        (:data:`OUTBOX_FRAMES`) cannot be re-sent; that is logged."""
+        if not isinstance(received, int) or received >= self._frames_sent:
+            return
+        oldest = self._outbox[0][0] if self._outbox else self._frames_sent + 1
+        if received + 1 < oldest:
+            logger.warning("frames %d..%d were lost with the connection and are no longer kept; re-sending from %d",
+                           received + 1, oldest - 1, oldest)
+        for idx, text in list(self._outbox):
+            if idx > received:
+                await ws.send(text)
+                self.frames_resent += 1
 
     async def _shutdown(self) -> None:
         for t in (self._heartbeat,):
@@ -199,6 +306,9 @@ class DuplexClient(BaseDuplexClient):
                 return
             if self._resumable() and await self._try_resume():
                 continue
+            if self._failure is not None:  # the resume was refused
+                self._on_transport_lost(self._failure)
+                return
             self._on_transport_lost(DuplexConnectionError(
                 f"connection lost (close code {self.close_code}){': ' + str(exc) if exc else ''}",
                 code="connection_lost", close_code=self.close_code))
@@ -220,33 +330,67 @@ class DuplexClient(BaseDuplexClient):
             if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") in ("model", "dialect")
                                             and not err.get("event_id")):
                 self._handshake_error = data
-        seq = data.get("server_event_seq")
-        if self.resumes and isinstance(seq, int) and t not in (
-                "session.created", "session.updated", "session.resumed", "error"):
-            if seq <= self.last_server_event_seq:
-                return  # replayed after a resume: already seen
+        if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):
+            self.resume_token = data["resume_token"]  # rotated by each session.resumed (docs/protocol.md §1.6)
+        self._log.observe(ev)
         self._on_server_event(ev)
 
     async def _try_resume(self) -> bool:
+        """Reconnect and resume (docs/protocol.md §1.6). True once ``session.resumed`` arrived (the
+        replay then flows through the read loop); False when every attempt failed or the server
+        refused the resume (``self._failure`` then says why)."""
+        import websockets
+
+        from duplexkit.protocol import parse_server_event
+
         self._reconnected.clear()
+        self._apply(self.state.transport_interrupted(self.close_code))
         try:
             delay = 0.2
             for _ in range(self.resume_attempts):
                 try:
-                    self._ws = await self._connect_ws()
+                    ws = await self._connect_ws()
                 except DuplexConnectionError:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
-                import websockets
                 try:
-                    await self._ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
-                                                    "session_id": self.session_id,
-                                                    "last_server_event_seq": self.last_server_event_seq}))
-                except websockets.exceptions.ConnectionClosed:
+                    await ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
+                                              "session_id": self.session_id, "resume_token": self.resume_token,
+                                              "last_server_event_seq": self.last_server_event_seq}))
+                    reply = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+                except (websockets.exceptions.ConnectionClosed, asyncio.TimeoutError, ValueError):
+                    await _close_quietly(ws)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
                     continue
-                self.resumes += 1
-                return True
+                if isinstance(reply, dict) and reply.get("type") == "session.resumed":
+                    if isinstance(reply.get("resume_token"), str):
+                        self.resume_token = reply["resume_token"]  # the old one no longer works
+                    try:
+                        await self._resend_lost(ws, reply.get("client_frames_received"))
+                    except websockets.exceptions.ConnectionClosed:
+                        await asyncio.sleep(delay)
+                        continue  # the new connection dropped too: resume again
+                    self._ws = ws
+                    self._on_frame(reply, parse_server_event)
+                    return True
+                if not (isinstance(reply, dict) and reply.get("type") == "error"):
+                    # a server that replays without session.resumed (vLLM-Omni): its first replayed
+                    # event is the answer
+                    self._ws = ws
+                    self._apply(self.state.resume_accepted())
+                    if isinstance(reply, dict):
+                        self._on_frame(reply, parse_server_event)
+                    return True
+                err = reply.get("error") or {}
+                self.resume_failures += 1
+                await _close_quietly(ws)
+                self._failure = DuplexConnectionError(
+                    f"the server refused to resume the session: {err.get('message') or reply}",
+                    code=str(err.get("code") or "resume_refused"), close_code=self.close_code,
+                    event=reply)
+                return False
             return False
         finally:
             self._reconnected.set()
@@ -260,3 +404,10 @@ class DuplexClient(BaseDuplexClient):
                 await self._send({"type": "session.heartbeat"})
             except Exception:
                 return
+
+
+async def _close_quietly(ws) -> None:
+    try:
+        await asyncio.wait_for(ws.close(), 2)
+    except Exception:
+        pass

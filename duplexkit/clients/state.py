@@ -58,31 +58,16 @@ import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError
 
-from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reject, Resolve, ResponseAudio,
-                      ResponseEnded, ResponseStarted, SessionEnded, Send)
+from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve,
+                      ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
+from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
 
 __all__ = [
-    "ClientState",
-    "ResponseRecord",
-    "Action",
-    "Send",
-    "Resolve",
-    "Reject",
-    "ResponseStarted",
-    "ResponseAudio",
-    "ResponseEnded",
-    "PlaybackFlushed",
-    "PlaybackHeard",
-    "Deliver",
-    "SessionEnded",
-    "REPLY_TYPES",
-    "response_id_of",
-    "OUTPUT_RATE",
+    "ClientState", "ResponseRecord", "Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio",
+    "ResponseEnded", "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed",
+    "REPLY_TYPES", "response_id_of", "OUTPUT_RATE",
 ]
-
-OUTPUT_RATE = 24_000
-"""Server output rate in Hz (docs/protocol.md §6.2: always 24 kHz mono pcm16)."""
 
 REPLY_TYPES: dict[str, tuple[str, ...]] = {
     "session.update": ("session.updated", "session.created"),
@@ -105,77 +90,6 @@ MAX_KEPT_RESPONSES = 256
 """Finished responses kept for lookup; older finished ones are forgotten (player bookkeeping too)."""
 
 _QUIET_KEEP = 256
-
-
-# ------------------------------------------------------------------------------------------------
-# responses
-# ------------------------------------------------------------------------------------------------
-
-
-class ResponseRecord:
-    """One response as the client sees it (docs/protocol.md §5.3).
-
-    Attributes:
-        id, item_id, epoch, trigger: identity (``trigger``: ``model``/``client``/``server_vad``).
-        status: None while generating, then ``completed``/``cancelled``/``incomplete``/``failed``.
-        status_details: the ``response.done`` details (e.g. ``{"reason": "turn_detected"}``).
-        transcript / text: audio transcript / text-only output so far (the ``done`` value at the end).
-        audio_samples: 24 kHz samples received; ``chunk_sizes`` samples per delta, in order.
-        decision: ``"listen"`` when a requested response ended with a terminating ``response.listen``.
-        final: the typed ``response.done`` event (None while generating).
-        events: the typed events of this response (audio deltas keep their size, not their payload).
-        acked_ms: the highest ``played_ms`` reported to the server; ``heard_final``: playback of it
-            is settled (flushed and reported, or fully heard and reported).
-        flushed: its unplayed audio was dropped (later deltas are not played).
-    """
-
-    def __init__(self, event: Any = None) -> None:
-        r = getattr(event, "response", None)
-        self.id: str = (getattr(r, "id", None) or "") if r is not None else ""
-        self.epoch: Optional[int] = getattr(r, "epoch", None) if r is not None else None
-        self.trigger: Optional[str] = getattr(r, "trigger", None) if r is not None else None
-        self.item_id: Optional[str] = None
-        self.status: Optional[str] = None
-        self.status_details: Optional[dict] = None
-        self.transcript = ""
-        self.text = ""
-        self.audio_samples = 0
-        self.chunk_sizes: list[int] = []
-        self.decision: Optional[str] = None
-        self.final: Any = None
-        self.events: list = []
-        self.acked_ms = 0
-        self.heard_final = False
-        self.flushed = False
-        self._player = None
-
-    @property
-    def generating(self) -> bool:
-        """True until ``response.done`` (the server may still send audio)."""
-        return self.status is None
-
-    active = generating  # the name of earlier releases
-
-    @property
-    def audible(self) -> bool:
-        """True while the player holds unplayed audio of this response."""
-        p = self._player
-        return bool(p is not None and not self.flushed and p.queued_samples(self.id) > 0)
-
-    @property
-    def audio_ms(self) -> int:
-        """Received audio, integer ms (floored)."""
-        return self.audio_samples * 1000 // OUTPUT_RATE
-
-    @property
-    def played_ms(self) -> int:
-        """Audio of this response the player has played, integer ms (floored)."""
-        p = self._player
-        return int(p.played_ms(self.id)) if p is not None else 0
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(id={self.id!r}, status={self.status!r}, trigger={self.trigger!r}, "
-                f"epoch={self.epoch}, audio_ms={self.audio_ms}, transcript={self.transcript!r})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,6 +127,8 @@ class ClientState:
     close_reason: Optional[str] = None
     last_server_event_seq: int = 0
     barge_ins: int = 0
+    resumes: int = 0
+    reconnecting: bool = False
 
     def __post_init__(self) -> None:
         if self.new_event_id is None:
@@ -314,6 +230,8 @@ class ClientState:
                 self._items_added.add(iid)
         seq = getattr(ev, "server_event_seq", None)
         if isinstance(seq, int):
+            if self.resumes and seq <= self.last_server_event_seq:
+                return []  # replayed after a resume and already seen (docs/protocol.md §1.6)
             self.last_server_event_seq = max(self.last_server_event_seq, seq)
         ep = _epoch_of(ev)
         if ep is not None and ep > self.epoch:
@@ -335,6 +253,21 @@ class ClientState:
             self._out.append(Deliver(ev))
         if t == "session.closed":
             self._end(None)
+        return self._take()
+
+    def transport_interrupted(self, close_code: Optional[int]) -> list:
+        """The transport dropped and the shell is reconnecting to resume (docs/protocol.md §1.6):
+        nothing is failed; a :class:`Reconnecting` notice is delivered to ``events()``."""
+        self.reconnecting = True
+        self._out.append(Deliver(Reconnecting(close_code=close_code, last_server_event_seq=self.last_server_event_seq)))
+        return self._take()
+
+    def resume_accepted(self) -> list:
+        """A server without ``session.resumed`` took the resume (its replay started): count it and
+        deliver a :class:`Resumed` notice. (With ``session.resumed``, :meth:`receive` does this.)"""
+        self.resumes += 1
+        self.reconnecting = False
+        self._out.append(Deliver(Resumed(last_server_event_seq=self.last_server_event_seq)))
         return self._take()
 
     def close(self) -> list:
@@ -388,6 +321,10 @@ class ClientState:
         self.session_id = self.session.get("id") or self.session_id
 
     _on_session_updated = _on_session_created
+
+    def _on_session_resumed(self, ev, rec) -> None:
+        self.resumes += 1
+        self.reconnecting = False
 
     def _on_session_closed(self, ev, rec) -> None:
         self.close_reason = ev.reason

@@ -22,9 +22,10 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import numpy as np
 
-from .api import ChatDelta, ChatRequest, ChatResult, StreamConfig
+from .api import (AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
+                  TurnEnd)
 from .layout import Layout, LayoutError, check_supported, load_layout
-from .runtime import RuntimeStream, StageRuntime
+from .runtime import FIRST_UNIT_SAMPLES, RuntimeStream, StageRuntime
 from .stages import StageModel, VocoderWork
 
 __all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_code_budget",
@@ -154,6 +155,59 @@ class DuplexEngine:
             n += int(c2w.warmup(sizes))
         return n
 
+    def warmup_turn(self, timeout_s: float = 120.0) -> Optional[float]:
+        """Run one throw-away turn through the three stages: a stream is opened, one all-zero unit
+        0 (float32 [16560], 16 kHz) is appended with ``force_speak``, and the stream is closed at its
+        first audio chunk (or at the turn's end / a failure when nothing is voiced).
+
+        This pays the one-time lazy initialisation that graph capture does not reach (the audio
+        encoder's first eager call, kernel autotuning of the vocoder's convolutions, allocator
+        growth): measured on the H200, a process's first response took 1.7-2.3 s against 0.4 s
+        afterwards (benchmarks/NOTES.md, issue 11). Runs on its own event loop in a helper thread,
+        so it may be called with or without a running loop. Returns the time to the first audio
+        chunk in ms (None when the turn produced no audio).
+
+        Raises:
+            TimeoutError: no first audio / turn end within ``timeout_s``.
+        """
+        result: dict = {}
+
+        async def turn() -> None:
+            stream = await self.open_stream("__warmup__", StreamConfig())
+            t0 = time.perf_counter()
+            stream.submit(AppendUnit("__warmup__", stream.epoch, unit_index=0,
+                                     audio=np.zeros(FIRST_UNIT_SAMPLES, np.float32), force_speak=True))
+
+            async def first_audio() -> None:
+                async for out in stream.outputs():
+                    if isinstance(out, AudioChunk):
+                        result["ms"] = (time.perf_counter() - t0) * 1000
+                        return
+                    if isinstance(out, (TurnEnd, EngineFailure)):
+                        return
+
+            try:
+                await asyncio.wait_for(first_audio(), timeout_s)
+            finally:
+                await stream.aclose()
+
+        err: list = []
+
+        def run() -> None:
+            try:
+                asyncio.run(turn())
+            except BaseException as exc:  # re-raised in the caller's thread
+                err.append(exc)
+
+        import threading
+
+        th = threading.Thread(target=run, name="duplexkit-warmup-turn", daemon=True)
+        th.start()
+        th.join()
+        if err:
+            raise err[0]
+        return result.get("ms")
+
     @staticmethod
     def _check_devices(layout: Layout) -> None:
         uses_cuda = any(d != "cpu" for s in layout.stages.values() for d in s.devices)
@@ -214,7 +268,31 @@ class DuplexEngine:
             n = engine.warmup()
             if progress and n:
                 print(f"[duplexkit] captured {n} CUDA graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            engine.warmup_turn()
+            if progress:
+                print(f"[duplexkit] warm-up turn through the three stages in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
         return engine
+
+    def kv_usage(self) -> dict:
+        """KV-cache occupancy of the stages that keep a static pool (the GPU fast paths'
+        ``fast_kv.KVPool``), for metrics: ``{stage: {"slots_used", "slots_total", "bytes",
+        "positions_per_slot"}}`` with ``stage`` in ``thinker``, ``talker``. ``bytes`` is the K and V
+        storage allocated for the pool (it grows by whole slots, never shrinks). Stages without a
+        pool (the CPU reference path) are left out, so the CPU engine returns ``{}``. Read without
+        the stage threads' lock: a consistent snapshot of each pool, not across pools.
+        """
+        out: dict = {}
+        m = self.model
+        for stage in ("thinker", "talker"):
+            pool = getattr(getattr(m, stage, None), "pool", None)
+            if pool is None or not hasattr(pool, "n_slots"):
+                continue
+            total = int(pool.n_slots)
+            out[stage] = {"slots_used": total - len(pool.free), "slots_total": total, "bytes": int(pool.nbytes()),
+                          "positions_per_slot": int(pool.max_len)}
+        return out
 
     # ------------------------------------------------------------------ Engine interface
     @property

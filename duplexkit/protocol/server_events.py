@@ -23,59 +23,17 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_
 from .errors import ErrorCode, ProtocolError
 
 __all__ = [
-    "ServerEvent",
-    "ErrorInfo",
-    "ContentPart",
-    "Item",
-    "Part",
-    "StatusDetails",
-    "Usage",
-    "ResponseObject",
-    "TextMark",
-    "DeltaMetadata",
-    "AudioFormatObject",
-    "TurnDetectionObject",
-    "AudioInputConfig",
-    "AudioOutputConfig",
-    "AudioConfig",
-    "RefAudioInfo",
-    "Capabilities",
-    "SessionObject",
-    "SessionCreated",
-    "SessionUpdated",
-    "SessionClosed",
-    "SessionHeartbeatAck",
-    "SessionWarning",
-    "ErrorEvent",
-    "SpeechStarted",
-    "SpeechStopped",
-    "InputAudioBufferCommitted",
-    "InputAudioBufferCleared",
-    "OutputAudioBufferCleared",
-    "ConversationItemAdded",
-    "ConversationItemDone",
-    "ConversationItemRetrieved",
-    "ConversationItemDeleted",
-    "ConversationItemTruncated",
-    "InputAudioTranscriptionCompleted",
-    "ResponseCreated",
-    "ResponseDone",
-    "OutputItemAdded",
-    "OutputItemDone",
-    "ContentPartAdded",
-    "ContentPartDone",
-    "OutputAudioDelta",
-    "OutputAudioDone",
-    "OutputAudioTranscriptDelta",
-    "OutputAudioTranscriptDone",
-    "OutputTextDelta",
-    "OutputTextDone",
-    "ResponseSpeak",
-    "ResponseListen",
-    "UnknownServerEvent",
-    "SERVER_EVENT_MODELS",
-    "BETA_EVENT_ALIASES",
-    "EXTENSION_EVENT_TYPES",
+    "ServerEvent", "ErrorInfo", "ContentPart", "Item", "Part", "StatusDetails", "Usage", "ResponseObject",
+    "TextMark", "DeltaMetadata", "AudioFormatObject", "TurnDetectionObject", "AudioInputConfig",
+    "AudioOutputConfig", "AudioConfig", "RefAudioInfo", "Capabilities", "SessionObject", "SessionCreated",
+    "SessionUpdated", "SessionClosed", "SessionResumed", "SessionHeartbeatAck", "SessionWarning",
+    "ErrorEvent", "SpeechStarted", "SpeechStopped", "InputAudioBufferCommitted", "InputAudioBufferCleared",
+    "OutputAudioBufferCleared", "ConversationItemAdded", "ConversationItemDone", "ConversationItemRetrieved",
+    "ConversationItemDeleted", "ConversationItemTruncated", "InputAudioTranscriptionCompleted",
+    "ResponseCreated", "ResponseDone", "OutputItemAdded", "OutputItemDone", "ContentPartAdded",
+    "ContentPartDone", "OutputAudioDelta", "OutputAudioDone", "OutputAudioTranscriptDelta",
+    "OutputAudioTranscriptDone", "OutputTextDelta", "OutputTextDone", "ResponseSpeak", "ResponseListen",
+    "UnknownServerEvent", "SERVER_EVENT_MODELS", "BETA_EVENT_ALIASES", "EXTENSION_EVENT_TYPES",
     "parse_server_event",
 ]
 
@@ -332,6 +290,20 @@ class SessionClosed(ServerEvent):
     reason: str = "client_close"
 
 
+class SessionResumed(ServerEvent):
+    """Ext. (docs/protocol.md §1.6): the resume was accepted; events after ``last_server_event_seq``
+    follow (``replayed`` of them from the journal), then live ones. ``resume_token`` replaces the
+    previous token; ``client_frames_received`` counts the client frames the session processed (the
+    client re-sends later ones). Has no ``server_event_seq`` of its own."""
+
+    type: Literal["session.resumed"] = "session.resumed"
+    session_id: str
+    last_server_event_seq: int = 0
+    replayed: int = 0
+    client_frames_received: Optional[int] = None
+    resume_token: Optional[str] = None
+
+
 class SessionHeartbeatAck(ServerEvent):
     type: Literal["session.heartbeat_ack"] = "session.heartbeat_ack"
     session_id: str
@@ -531,7 +503,8 @@ class UnknownServerEvent(BaseModel):
 
 
 _ALL = [
-    SessionCreated, SessionUpdated, SessionClosed, SessionHeartbeatAck, SessionWarning, ErrorEvent, SpeechStarted,
+    SessionCreated, SessionUpdated, SessionClosed, SessionResumed, SessionHeartbeatAck, SessionWarning, ErrorEvent,
+    SpeechStarted,
     SpeechStopped, InputAudioBufferCommitted, InputAudioBufferCleared, OutputAudioBufferCleared,
     ConversationItemAdded, ConversationItemDone, ConversationItemRetrieved, ConversationItemDeleted,
     ConversationItemTruncated, InputAudioTranscriptionCompleted, ResponseCreated, ResponseDone,
@@ -555,7 +528,8 @@ BETA_EVENT_ALIASES: dict[str, str] = {
 }
 
 #: duplexkit extension events (not in OpenAI Realtime); validated by their own models only.
-EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.heartbeat_ack", "response.speak", "response.listen"})
+EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.resumed", "session.heartbeat_ack", "response.speak",
+                                   "response.listen"})
 
 
 def parse_server_event(raw: Union[str, bytes, bytearray, dict]) -> Union[ServerEvent, UnknownServerEvent]:

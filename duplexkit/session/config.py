@@ -51,6 +51,8 @@ class SessionConfig:
         seed: default sampling seed (None = nondeterministic); clients may set
             ``extra_body.seed`` (duplexkit extension) to make sampling repeatable on the same hardware.
         limits: :class:`SessionLimits`.
+        supports_session_resume: advertised as ``capabilities.supports_session_resume`` (the
+            shell that serves the session keeps a replay journal; docs/protocol.md §1.6).
     """
 
     profile: str = "duplex"
@@ -67,6 +69,7 @@ class SessionConfig:
     seed: Optional[int] = None
     audio_output_available: bool = True
     limits: SessionLimits = field(default_factory=SessionLimits)
+    supports_session_resume: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in ("duplex", "compat"):
@@ -86,6 +89,14 @@ class CloseConnection:
 UNIT_PERIOD_MS = 1000
 """One duplex unit = 1 s of input (docs/model.md §3.1, docs/protocol.md §5.1 ``chunk_period_ms``)."""
 
+
+COMMIT_MERGE_MS = 20
+"""How long a client ``input_audio_buffer.commit`` keeps its early-closed unit back (ms of the
+Session clock) in case ``response.create`` follows: then that unit becomes the response's forced
+unit instead of a listen unit followed by an all-zero forced one (docs/concepts.md "Early unit
+close"). The close happens at the first ``tick`` at least this long after the commit, or at once on
+any client event other than ``response.create`` / acks / heartbeats / ``conversation.item.retrieve``.
+With the driver's 50 ms clock a lone commit's unit goes out 20-70 ms later."""
 
 MIN_COMMIT_SAMPLES = INPUT_SAMPLE_RATE // 10
 """100 ms at 16 kHz: a commit needs at least this much input since the last commit/clear (§4)."""

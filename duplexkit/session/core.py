@@ -84,7 +84,7 @@ from duplexkit.protocol import (
     new_session_id,
     parse_client_event,
 )
-from duplexkit.session.config import CloseConnection, SessionConfig, UNIT_PERIOD_MS
+from duplexkit.session.config import COMMIT_MERGE_MS, CloseConnection, SessionConfig, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response, reason_to_cancel
 from duplexkit.session.conversation import ConversationMixin
@@ -178,6 +178,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
         self._inflight_samples = 0
         self._force_listen_left = 0
+        self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
         # conversation
         self._items: "OrderedDict[str, _ConvItem]" = OrderedDict()
         self._used_ids: set = set()
@@ -326,6 +327,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
+        if self._close_pending_ms is not None and now_ms - self._close_pending_ms >= COMMIT_MERGE_MS:
+            self._close_committed(now_ms)
         self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             self._feed_silence(now_ms)
@@ -351,6 +354,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         return self._machine.fire(ev, event_id)
 
     def _dispatch(self, ev: Any, now_ms: float) -> None:
+        if self._close_pending_ms is not None and not isinstance(ev, _KEEPS_COMMIT_OPEN):
+            self._close_committed(now_ms)
         handler = self._HANDLERS[type(ev)]
         handler(self, ev, now_ms)
 
@@ -382,6 +387,10 @@ def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:
         return False
     return isinstance(data, dict) and data.get("type") == "session.update"
 
+
+_KEEPS_COMMIT_OPEN = (ResponseCreateEvent, SessionHeartbeatEvent, SessionEventAckEvent, PlaybackAckEvent,
+                      ConversationItemRetrieveEvent)
+"""Client events that do not close a commit's held-back unit (:data:`COMMIT_MERGE_MS`)."""
 
 Session._HANDLERS = {
     SessionUpdateEvent: Session._on_session_update,

@@ -264,6 +264,7 @@ class InputPipelineMixin:
         length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
         ``force_speak``: this is a requested response's forced unit, made even from zeros only.
         Returns the closed unit's index (None when nothing was pending and not forced)."""
+        self._close_pending_ms = None  # a commit's held-back unit, if any, is this one
         self._settle_debt(now_ms, keep=True)
         self._release_units(now_ms, force=True)
         u = self._framer.flush(allow_empty=force_speak)
@@ -273,22 +274,32 @@ class InputPipelineMixin:
         self._append_unit(u, now_ms, silence=u.real_samples == 0, force_speak=force_speak)
         return u.index
 
-    def _flush_input(self, now_ms: float, drop_carry: bool = True) -> None:
+    def _flush_input(self, now_ms: float, drop_carry: bool = True, defer: bool = False) -> None:
         """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
         unit close, :meth:`_close_unit`).
 
         ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (docs/protocol.md §6.1: on a
         client commit or clear). A server-VAD commit passes False: it happens at a point of the
         byte stream the client does not know, so its next append still completes that sample.
+        ``defer``: keep the closed unit back for :data:`~duplexkit.session.config.COMMIT_MERGE_MS`
+        (a client commit): a ``response.create`` in that window makes it the forced unit.
         """
         self._settle_debt(now_ms, keep=True)
         tail = self._resampler.flush()
         if tail.size:
             self._since_commit += tail.size
             self._frame(self._framer.push(tail), now_ms, silence=False)
-        self._close_unit(now_ms)
+        if defer and self._framer.pending_samples > 0:
+            self._close_pending_ms = float(now_ms)
+        else:
+            self._close_unit(now_ms)
         if drop_carry:
             self._decoder.reset()
+
+    def _close_committed(self, now_ms: float) -> None:
+        """Send a client commit's held-back unit as an ordinary (listen/decide) unit."""
+        self._close_pending_ms = None
+        self._close_unit(now_ms)
 
     def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
         if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
@@ -297,7 +308,7 @@ class InputPipelineMixin:
         item_id = self._vad_item if self._vad_item is not None and not self._vad_item_committed else None
         if item_id is not None:
             self._vad_item_committed = True
-        self._commit(now_ms, item_id)
+        self._commit(now_ms, item_id, defer=True)
 
     def _resampler_pending(self) -> int:
         r = self._resampler
@@ -306,9 +317,9 @@ class InputPipelineMixin:
         return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
-                flush: bool = True) -> str:
+                flush: bool = True, defer: bool = False) -> str:
         if flush:
-            self._flush_input(now_ms, drop_carry)
+            self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0
         uid = item_id or self._new_item_id()
         prev = self._last_item_id()

@@ -31,6 +31,13 @@ EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "sess
 class WireObjectsMixin:
     """Builds the wire objects of :class:`~duplexkit.session.Session` from its state (no state of its own)."""
 
+    def _extension_events(self) -> list[str]:
+        """``capabilities.extension_events``: none in the compat profile; ``session.resumed`` when the
+        shell offers resume (docs/protocol.md §1.6)."""
+        if not self._duplex:
+            return []
+        return EXTENSION_EVENTS + (["session.resumed"] if self.cfg.supports_session_resume else [])
+
     def _item_model(self, it: _ConvItem, truth: bool = False) -> Item:
         if it.kind == "input_audio":
             content = [ContentPart(type="input_audio")]
@@ -102,5 +109,6 @@ class WireObjectsMixin:
                 "seed": s.seed,
                 "early_unit_close": s.early_unit_close,
             },
-            capabilities=Capabilities(extension_events=EXTENSION_EVENTS if self._duplex else []),
+            capabilities=Capabilities(extension_events=self._extension_events(),
+                                      supports_session_resume=self.cfg.supports_session_resume),
         )

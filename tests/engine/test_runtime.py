@@ -226,3 +226,21 @@ async def test_open_failure_is_a_fatal_output_and_bad_input_is_typed():
     outs = await _collect(ok, _units_done(1))
     assert [o.text for o in outs if isinstance(o, TextDelta)] == ["H0 "]
     await eng.aclose()
+
+
+def test_warmup_turn_runs_one_turn_through_the_three_stages_and_frees_it():
+    toy = ToyStages(turn_units=3)
+    eng = DuplexEngine(toy, _layout())
+    ms = eng.warmup_turn(timeout_s=30)
+    assert ms is not None and ms > 0  # a forced unit 0 of zeros reached the vocoder
+    assert eng.num_streams == 0
+
+
+async def test_warmup_turn_works_under_a_running_loop():
+    eng = DuplexEngine(ToyStages(turn_units=1), _layout())
+    assert eng.warmup_turn(timeout_s=30) is not None
+    s = await eng.open_stream("a", StreamConfig())  # the engine still serves this loop's streams
+    s.submit(AppendUnit("a", 0, unit_index=0, audio=_unit(0), force_speak=True))
+    outs = await _collect(s, lambda o: any(isinstance(x, AudioChunk) for x in o))
+    assert any(isinstance(x, AudioChunk) for x in outs)
+    await s.aclose()

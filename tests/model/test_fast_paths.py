@@ -85,13 +85,31 @@ def test_fast_thinker_batch_equals_single_streams(tiny_model, fast_thinker):
     assert len(fast_thinker.pool.free) == fast_thinker.pool.n_slots  # every slot came back
 
 
-def test_fast_thinker_sampling_is_seeded(tiny_model, fast_thinker):
-    units = _units(2, 6)
-    a = [r.generated_ids for r in _run(fast_thinker, DuplexPolicy(temperature=0.7, min_unit_tokens=4), units)]
-    b = [r.generated_ids for r in _run(fast_thinker, DuplexPolicy(temperature=0.7, min_unit_tokens=4), units)]
-    assert len(a[0]) >= 6
-    # new_stream(policy=...) without a seed draws a fresh seed: only the shape of the result is fixed
-    assert [len(x) >= 6 for x in a] == [len(x) >= 6 for x in b]
+def _seeded(th, policy_kw, units, seeds):
+    """Run ``units`` on one stream per seed, all streams in each step_units call; ids per stream."""
+    sts = [th.new_stream(policy=DuplexPolicy(**policy_kw), seed=s) for s in seeds]
+    out = [[] for _ in seeds]
+    for i, u in enumerate(units):
+        for k, r in enumerate(th.step_units([UnitInput(st, u, force_speak=i == 0) for st in sts])):
+            out[k].append(r.generated_ids)
+    for st in sts:
+        th.close(st)
+    return out
+
+
+@pytest.mark.parametrize("policy_kw", [dict(temperature=0.7, min_unit_tokens=4),
+                                       dict(temperature=1.0, top_k=0, top_p=0.6, min_unit_tokens=2),
+                                       dict(temperature=1.3, top_k=5, top_p=1.0, repetition_penalty=1.3)])
+def test_fast_thinker_seeded_sampling_matches_reference(tiny_model, fast_thinker, policy_kw):
+    """Same seeds -> same sampled ids on the eager path (one stream at a time) and the batched path
+    (two streams per step), on the CPU: both run one decision rule and one sampler."""
+    units = _units(3, 6)
+    ref = [_seeded(tiny_model.thinker, policy_kw, units, [s])[0] for s in (17, 18)]
+    fast = _seeded(fast_thinker, policy_kw, units, [17, 18])
+    assert fast == ref
+    assert ref[0] != ref[1]  # the seeds matter: the ids are sampled, not forced
+    assert _seeded(fast_thinker, policy_kw, units, [17])[0] == ref[0]
+    assert sum(len(ids) for ids in ref[0]) > 4 * len(units)  # units spoke (sampled tokens, not just terminators)
 
 
 # ---------------------------------------------------------------------------------------------- talker
@@ -157,8 +175,39 @@ def test_fast_talker_batch_and_sampling(tiny_model):
     a, b = sample(1), sample(1)
     assert len(a) == 25 and (a == b).all() and ((0 <= a) & (a < 6561)).all()
     bad = ft.generate_units([TalkerInput(turn=ft.new_turn(), token_ids=units[0].token_ids, hidden=units[0].hidden,
-                                         sampling=TalkerSampling(top_k=25))])
+                                         budget=0)])
     assert isinstance(bad[0], TalkerError)
+
+
+@pytest.mark.parametrize("sampling_kw", [dict(), dict(top_k=25), dict(top_p=0.85), dict(top_k=25, top_p=0.85, min_p=0.01),
+                                         dict(temperature=1.5, repetition_penalty=1.5, repetition_window=8)])
+def test_fast_talker_seeded_sampling_matches_reference(tiny_model, sampling_kw):
+    """Same seeds -> same codes on the eager talker and the batched one (CPU), for the reference
+    sampling and with top-k / top-p / min-p (now on the batched path too); a batch of two turns
+    gives each turn's own codes."""
+    from duplexkit.models.minicpmo45.fast_talker import FastTalker
+    from duplexkit.models.minicpmo45.talker import TalkerInput, TalkerSampling
+
+    tk = tiny_model.talker
+    ft = FastTalker(tk, cuda_graphs=False, slots=2)
+    units = _talker_units(tiny_model, 3, 9)
+    s = TalkerSampling(**sampling_kw)
+
+    def run(model, seeds):
+        turns = [model.new_turn() for _ in seeds]
+        gens = [torch.Generator().manual_seed(k) for k in seeds]
+        out = [[] for _ in seeds]
+        for k, r in enumerate(units):
+            res = model.generate_units([TalkerInput(turn=t, token_ids=r.token_ids, hidden=r.hidden, generator=g,
+                                                    sampling=s, turn_start=k == 0, turn_end=k == len(units) - 1)
+                                        for t, g in zip(turns, gens)])
+            for i, codes in enumerate(res):
+                out[i].append(codes.tolist())
+        return out
+
+    ref = [run(tk, [seed])[0] for seed in (5, 6)]
+    assert run(ft, [5, 6]) == ref
+    assert ref[0] != ref[1] and len(ref[0][1]) == 25  # sampled (seed-dependent); a mid-turn unit is 25 codes
 
 
 # ---------------------------------------------------------------------------------------------- code2wav

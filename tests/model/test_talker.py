@@ -341,7 +341,7 @@ def test_weight_norm_head_is_g_v_over_row_norm():
 
 
 def test_repetition_penalty_is_sign_aware_and_counted():
-    from duplexkit.models.minicpmo45.talker import _apply_repetition_penalty
+    from duplexkit.models.minicpmo45.sampling import repetition_penalty_counted as _apply_repetition_penalty
 
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
     recent = torch.tensor([4, 0, 0, 1])  # 4 == V: padding

@@ -134,14 +134,15 @@ def test_listen_rewritten_to_tts_bos_while_turn_open(tiny_model, monkeypatch):
     sp = tiny_model.special
     st = th.new_stream(temperature=0.0)
     calls = {"n": 0}
-    real = duplex.sample_logits
+    real = duplex.choose_tokens
 
-    def scripted(x, *a, **k):
+    def scripted(*a, **k):  # the main pass's choice replaced by a script (one row)
         calls["n"] += 1
+        bnd, main = real(*a, **k)
         script = {1: sp.speak, 2: sp.listen, 3: sp.turn_eos, 4: sp.listen}
-        return script.get(calls["n"]) or real(x, *a, **k)
+        return bnd, [script.get(calls["n"], main[0])]
 
-    monkeypatch.setattr(duplex, "sample_logits", scripted)
+    monkeypatch.setattr(duplex, "choose_tokens", scripted)
     st.policy = DuplexPolicy(temperature=0.0, budget=8)
     r = th.step_units([UnitInput(stream=st, audio=_speech(16560), force_speak=True)])[0]
     # listen while open -> tts_bos; after <|turn_eos|> a listen terminates the unit
@@ -157,7 +158,7 @@ def test_listen_rewritten_to_tts_bos_while_turn_open(tiny_model, monkeypatch):
 
 
 def test_repetition_penalty_divides_whatever_the_sign(tiny_model):
-    from duplexkit.models.minicpmo45.duplex import _main_pass_logits
+    from duplexkit.models.minicpmo45.duplex import main_pass_logits
 
     th = tiny_model.thinker
     sp = tiny_model.special
@@ -165,7 +166,7 @@ def test_repetition_penalty_divides_whatever_the_sign(tiny_model):
     logits = torch.zeros(tiny_model.config.vocab_size)
     logits[5], logits[6], logits[sp.turn_eos] = 4.0, -4.0, -1.0
     st.history = [5, 6, 6]
-    x = _main_pass_logits(th, st, logits, mask_listen=True)
+    x = main_pass_logits(th, [st], logits[None], mask_listen=[True], must_continue=[False])[0]
     assert x[5] == 2.0 and x[6] == -2.0  # divided, even when negative
     assert torch.isclose(x[sp.turn_eos], torch.tensor(-1.1))
     assert x[sp.listen] == float("-inf") and x[sp.chunk_eos] == float("-inf") and x[sp.tts_pad] == float("-inf")

@@ -70,6 +70,8 @@ def test_error_code_table_matches_protocol_section_9():
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
         "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
         "model_not_found",  # a refused model id (issue 14)
+        # session.resume refusals (issue 18, docs/protocol.md §1.6)
+        "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow",
     }
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert {c for c, t in ERROR_TYPES.items() if t == "rate_limit_error"} == {
@@ -318,6 +320,7 @@ def test_session_bad_base64_and_non_finite_floats_are_bad_audio():
     new = d.send({"type": "input_audio_buffer.append", "audio": _b64(np.full(16000, 4.0, "<f4").tobytes())})
     assert not d.of("error", new)
     d.send({"type": "input_audio_buffer.commit"})
+    d.tick(50)  # the commit's unit goes out after COMMIT_MERGE_MS
     units = [c for c in d.cmds if type(c).__name__ == "AppendUnit"]
     assert len(units) == 1 and units[0].audio.max() == 1.0 and units[0].audio[:16000].min() == 1.0
 

@@ -26,7 +26,7 @@ import torch
 
 from duplexkit.errors import DuplexkitError
 
-from .duplex import sample_logits
+from . import sampling as S
 from .tokenizer import encode_control, encode_text
 
 __all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "ChatInputError"]
@@ -225,15 +225,6 @@ def prompt_embeds(th, prompt: ChatPrompt) -> torch.Tensor:
     return e
 
 
-def _rep_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> torch.Tensor:
-    if penalty == 1.0 or ids.numel() == 0:
-        return logits
-    sel = logits[ids]
-    logits = logits.clone()
-    logits[ids] = torch.where(sel > 0, sel / penalty, sel * penalty)
-    return logits
-
-
 @torch.inference_mode()
 def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
                   max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
@@ -241,8 +232,9 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
                   on_token: Optional[Callable[[int], None]] = None):
     """Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
 
-    ``temperature`` 0 = greedy. The repetition penalty is the usual sign-aware one over prompt and
-    generated ids. ``on_token(id)`` is called for each generated id (not for the final eos).
+    ``temperature`` 0 = greedy. The repetition penalty is HF's (:func:`.sampling.repetition_penalty_hf`)
+    over prompt and generated ids; sampling is :func:`.sampling.sample` with the call's seeded
+    generator. ``on_token(id)`` is called for each generated id (not for the final eos).
     Returns :class:`~.thinker.ChatThinkerResult`. Raises ChatInputError / ValueError on bad input.
     """
     from .thinker import ChatThinkerResult
@@ -266,8 +258,11 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
     finish = "length"
     eos = set(sp.eos_ids)
     for _ in range(max_tokens):
-        x = _rep_penalty(logits, seen.nonzero()[:, 0], repetition_penalty)
-        t = sample_logits(x, temperature, top_k, top_p, gen)
+        x = S.repetition_penalty_hf(logits, seen, repetition_penalty) if repetition_penalty != 1.0 else logits
+        if temperature <= 0:
+            t = int(torch.argmax(x))
+        else:
+            t = int(S.sample(x[None], [gen], temperature=temperature, top_k=top_k, top_p=top_p)[0])
         if t in eos:
             finish = "stop"
             break

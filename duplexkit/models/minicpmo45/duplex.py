@@ -17,26 +17,39 @@ Decision at each step j = 0..budget−1 (budget 20):
    main-pass choices; ``<|turn_eos|>`` length penalty (÷1.1 if positive, ×1.1 otherwise);
    ``listen_prob_scale`` multiplies the ``<|im_end|>`` logit (as the reference; no-op at 1.0);
    ``force_speak`` masks ``<|listen|>``; then temperature / top-k / top-p sampling (argmax when
-   temperature is 0);
+   temperature is 0); the main pass is computed at every step, also when the boundary pass ends the
+   unit (its draw keeps the random stream aligned between paths);
 5. ``<|listen|>`` while the turn is open becomes ``<|tts_bos|>``; terminators (listen, chunk_eos,
    chunk_tts_eos) end the unit; ``<|turn_eos|>`` is fed, recorded and ends the turn; any other
    token opens it. Tokens after the first decided one are recorded with their final-norm hidden
    state at their own input position (the talker condition, docs/model.md §6).
+
+This module is the rule's one home: :func:`start_unit` (forced listen / speak), :func:`plan_step`
+(what step j computes), :func:`decide` (one row's token and turn state) -- pure functions -- and the
+loop :func:`decode_rows` with the two passes (:func:`choose_tokens`, :func:`main_pass_logits`, on the
+samplers of :mod:`.sampling`), run by the eager :func:`run_unit` (one row) and by
+:meth:`.fast_thinker.FastThinker.step_units` (all rows of a batch). Sampling is Gumbel-max with the
+stream's generator (boundary draw first, then the main draw, every step), so both give the same ids
+for the same seed on the CPU.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from . import sampling as S
+
 if TYPE_CHECKING:  # pragma: no cover
     from .thinker import Thinker, ThinkerStream
 
-__all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "sample_logits"]
+__all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "start_unit", "plan_step", "decide", "StepPlan",
+           "Decision", "UnitStart", "main_pass_logits", "choose_tokens", "decode_rows", "begin_row", "finish_row",
+           "UnitRow"]
 
 
 @dataclass
@@ -154,146 +167,299 @@ class UnitResult:
     pending_logits: Optional[torch.Tensor] = None
 
 
-def sample_logits(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: Optional[torch.Generator],
-) -> int:
-    """Temperature → top-k → top-p sampling of float32 [V] logits; argmax when temperature ≤ 0."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    x = logits / temperature
-    if top_k and 0 < top_k < x.numel():
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p and top_p < 1.0:
-        sv, si = torch.sort(x, descending=True)
-        cp = torch.softmax(sv, dim=-1).cumsum(-1)
-        remove = cp - torch.softmax(sv, dim=-1) >= top_p  # keep the smallest prefix reaching top_p
-        remove[0] = False
-        x = x.clone()
-        x[si[remove]] = float("-inf")
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+# ------------------------------------------------------------------------------ the decision rule
+@dataclass(frozen=True)
+class UnitStart:
+    """Row state at the start of a unit (:func:`start_unit`)."""
+
+    forced_listen: bool
+    force_speak: bool
+    force_speak_pending: bool
+    turn_ended: bool
+    turn_start: bool
 
 
-def _main_pass_logits(th: "Thinker", st: "ThinkerStream", logits: torch.Tensor, mask_listen: bool,
-                      must_continue: bool = False) -> torch.Tensor:
+def start_unit(policy: DuplexPolicy, units_done: int, force_listen: bool, force_speak: bool,
+               force_speak_pending: bool, turn_ended: bool) -> UnitStart:
+    """Forced listen / forced speak of a unit (pure). A ``force_speak`` that meets a forced listen is
+    kept pending for the next unit that may speak; a forced speak opens an ended turn."""
+    forced_listen = bool(force_listen) or units_done < policy.force_listen_count
+    speak = bool(force_speak) or force_speak_pending
+    pending = False
+    if forced_listen and speak:
+        pending, speak = True, False
+    opens = bool(not forced_listen and speak and turn_ended)
+    return UnitStart(forced_listen, speak, pending, turn_ended and not opens, opens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What step ``j`` of a unit computes (:func:`plan_step`).
+
+    Attributes:
+        cut: feed ``<|chunk_eos|>`` without deciding (the unit's step limit).
+        boundary: run the boundary pass (skipped at a forced speak's first step and while
+            ``min_unit_tokens`` is not reached).
+        mask_listen: mask ``<|listen|>`` in the main pass (a forced speak's first step).
+        must_continue: mask terminators and ``<|turn_eos|>`` (``min_unit_tokens``).
+    """
+
+    cut: bool
+    boundary: bool
+    mask_listen: bool
+    must_continue: bool
+
+
+def plan_step(policy: DuplexPolicy, j: int, force_speak: bool, turn_ended: bool) -> StepPlan:
+    """The plan of decision step ``j`` (0-based) of a row (pure)."""
+    if j == policy.unit_limit() - 1:
+        return StepPlan(True, False, False, False)
+    first_forced = force_speak and j == 0
+    must = j < policy.min_unit_tokens and (j > 0 or first_forced or not turn_ended)
+    return StepPlan(False, not first_forced and not must, first_forced, must)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one decision step of a row (:func:`decide`).
+
+    Attributes:
+        token: the id chosen (fed unless ``terminator``).
+        from_main: the main pass chose it (it joins the repetition history).
+        terminator: it ends the unit (not fed now; fed at the next unit's prefill).
+        turn_ended: the row's turn state after this token.
+        turn_start / end_of_turn: this token opened / ended the model turn.
+        record: the token goes to the talker (every fed token after the unit's first decided one).
+    """
+
+    token: int
+    from_main: bool
+    terminator: bool
+    turn_ended: bool
+    turn_start: bool
+    end_of_turn: bool
+    record: bool
+
+
+def decide(sp, plan: StepPlan, j: int, boundary_tok: int, main_tok: int, turn_ended: bool) -> Decision:
+    """The per-row duplex rule (pure): the boundary pass's ``<|chunk_eos|>`` ends the unit; else the
+    main pass's token, ``<|listen|>`` becoming ``<|tts_bos|>`` while the turn is open; terminators end the
+    unit; ``<|turn_eos|>`` ends the turn, any other fed token opens it. ``sp``: the special ids."""
+    if plan.boundary and boundary_tok == sp.chunk_eos:
+        tok, from_main = sp.chunk_eos, False
+    else:
+        tok, from_main = main_tok, True
+        if tok == sp.listen and not turn_ended:
+            tok = sp.tts_bos
+    if tok in sp.terminators:
+        return Decision(tok, from_main, True, turn_ended, False, False, False)
+    if tok == sp.turn_eos:
+        return Decision(tok, from_main, False, True, False, True, j >= 1)
+    return Decision(tok, from_main, False, False, turn_ended, False, j >= 1)
+
+
+def remember(st: "ThinkerStream", tok: int) -> None:
+    """Append a main-pass choice to the stream's repetition history (kept at most 4 windows long)."""
+    st.history.append(tok)
+    w = st.policy.repetition_window
+    if len(st.history) > 4 * w:
+        del st.history[:-w]
+
+
+# ------------------------------------------------------------------------------ the two passes
+def _masks(th: "Thinker", device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bool [V] masks (forbidden set, ``min_unit_tokens`` set) on ``device``, cached on the thinker."""
+    cache = th.__dict__.setdefault("_decision_masks", {})
+    key = str(device)
+    if key not in cache:
+        V = th.config.vocab_size
+        cache[key] = (S.seen_mask_rows([th.forbidden_ids], V, device)[0],
+                      S.seen_mask_rows([[i for i in th.continue_mask_ids if 0 <= i < V]], V, device)[0])
+    return cache[key]
+
+
+def main_pass_logits(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor,
+                     mask_listen: Sequence[bool], must_continue: Sequence[bool]) -> torch.Tensor:
+    """Main-pass logits [N, V] of rows of raw logits [N, V] (module doc, step 4): forbidden set,
+    the duplex repetition penalty (:func:`.sampling.repetition_penalty_divide`), the ``<|turn_eos|>``
+    length penalty (:func:`.sampling.sign_aware_scale`), ``listen_prob_scale``, the listen and
+    ``min_unit_tokens`` masks."""
     sp = th.special
-    pol = st.policy
-    x = logits.clone()
-    x[th.forbidden_ids_tensor(x.device)] = float("-inf")
-    if pol.repetition_penalty != 1.0 and st.history:
-        ids = torch.tensor(sorted(set(st.history[-pol.repetition_window :])), dtype=torch.long, device=x.device)
-        x[ids] = x[ids] / pol.repetition_penalty
-    te = x[sp.turn_eos]
-    x[sp.turn_eos] = te / pol.length_penalty if te > 0 else te * pol.length_penalty
-    if pol.listen_prob_scale != 1.0:
-        x[sp.im_end] = x[sp.im_end] * pol.listen_prob_scale
-    if mask_listen:
-        x[sp.listen] = float("-inf")
-    if must_continue:  # DuplexPolicy.min_unit_tokens
-        x[th.continue_mask_ids_tensor(x.device)] = float("-inf")
+    n, V = logits.shape
+    dev = logits.device
+    pols = [st.policy for st in sts]
+    forbid, cont = _masks(th, dev)
+    x = logits.masked_fill(forbid, float("-inf"))
+    hist = [st.history[-p.repetition_window:] if p.repetition_penalty != 1.0 else [] for st, p in zip(sts, pols)]
+    if any(hist):
+        pen = torch.tensor([[p.repetition_penalty if h else 1.0] for p, h in zip(pols, hist)], device=dev)
+        x = S.repetition_penalty_divide(x, S.seen_mask_rows(hist, V, dev), pen)
+    lp = torch.tensor([p.length_penalty for p in pols], device=dev)
+    x[:, sp.turn_eos] = S.sign_aware_scale(x[:, sp.turn_eos], lp)
+    scale = [p.listen_prob_scale for p in pols]
+    if any(s != 1.0 for s in scale):
+        x[:, sp.im_end] = x[:, sp.im_end] * torch.tensor(scale, device=dev)
+    if any(mask_listen):
+        x[:, sp.listen] = x[:, sp.listen].masked_fill(torch.tensor(list(mask_listen), device=dev), float("-inf"))
+    if any(must_continue):
+        x = x.masked_fill(torch.tensor(list(must_continue), device=dev)[:, None] & cont[None], float("-inf"))
     return x
+
+
+def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor, plans: Sequence[StepPlan],
+                  generators: Sequence[Optional[torch.Generator]]) -> Tuple[List[int], List[int]]:
+    """Boundary-pass and main-pass choices of rows of raw logits [N, V] (one host sync).
+
+    Boundary pass: argmax of the raw logits when greedy, else one sample of their softmax. Main pass:
+    :func:`main_pass_logits`, then argmax when greedy, else temperature / top-k / top-p sampling
+    (:func:`.sampling.sample`). Row ``r`` draws its noise from ``generators[r]``: first the boundary
+    draw (when planned), then the main one, so every path that calls this draws the same numbers."""
+    n = logits.shape[0]
+    dev = logits.device
+    pols = [st.policy for st in sts]
+    bnd = torch.argmax(logits, dim=-1)
+    rs = [r for r in range(n) if plans[r].boundary and pols[r].temperature > 0]
+    if rs:
+        idx = torch.tensor(rs, device=dev)
+        bnd[idx] = S.sample(logits[idx], [generators[r] for r in rs])
+    x = main_pass_logits(th, sts, logits, [p.mask_listen for p in plans], [p.must_continue for p in plans])
+    main = torch.argmax(x, dim=-1)
+    groups: Dict[tuple, List[int]] = {}
+    for r, p in enumerate(pols):
+        if p.temperature > 0:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+    for (temp, top_k, top_p), rs in groups.items():
+        idx = torch.tensor(rs, device=dev)
+        main[idx] = S.sample(x[idx], [generators[r] for r in rs], temperature=temp, top_k=top_k, top_p=top_p)
+    both = torch.stack([bnd, main]).tolist()
+    return both[0], both[1]
+
+
+# ------------------------------------------------------------------------------ the unit loop
+@dataclass
+class UnitRow:
+    """One stream's unit in progress (shared by the eager and the batched loops)."""
+
+    index: int
+    stream: "ThinkerStream"
+    force_speak: bool
+    turn_start: bool = False
+    end_of_turn: bool = False
+    terminator: Optional[int] = None
+    logits_row: int = 0
+    steps: int = 0
+    generated: List[int] = field(default_factory=list)
+    rec_ids: List[int] = field(default_factory=list)
+    rec_hidden: List[torch.Tensor] = field(default_factory=list)
+
+
+def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> UnitRow:
+    """Apply :func:`start_unit` to the stream and return its :class:`UnitRow`."""
+    st = inp.stream
+    s = start_unit(st.policy, st.units_done, inp.force_listen, inp.force_speak, st.force_speak_pending, st.turn_ended)
+    st.force_speak_pending = s.force_speak_pending
+    st.turn_ended = s.turn_ended
+    row = UnitRow(index=index, stream=st, force_speak=s.force_speak, turn_start=s.turn_start, logits_row=logits_row)
+    if s.forced_listen:
+        row.terminator = th.special.listen
+    return row
+
+
+FeedFn = Callable[[List["ThinkerStream"], List[int]], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
+                generator: Callable[["ThinkerStream"], Optional[torch.Generator]]) -> None:
+    """The unit decode of every row in lock step (module doc): :func:`plan_step`, :func:`choose_tokens`,
+    :func:`decide`, then ``feed(streams, tokens) -> (hidden [n, H], logits [n, V])`` for the rows that
+    go on. ``logits`` [N, V]: row ``r.logits_row`` belongs to ``r``. Sets each row's terminator."""
+    sp = th.special
+    active = [r for r in rows if r.terminator is None]
+    j = 0
+    while active:
+        plans = [plan_step(r.stream.policy, j, r.force_speak, r.stream.turn_ended) for r in active]
+        for r, p in zip(active, plans):
+            if p.cut:
+                r.terminator = sp.chunk_eos
+        plans = [p for p in plans if not p.cut]
+        active = [r for r in active if r.terminator is None]
+        if not active:
+            break
+        sel = [r.logits_row for r in active]
+        lg = logits if sel == list(range(logits.shape[0])) else logits[torch.tensor(sel, device=logits.device)]
+        bnd, main = choose_tokens(th, [r.stream for r in active], lg, plans, [generator(r.stream) for r in active])
+        fed: List[Tuple[UnitRow, Decision]] = []
+        for k, r in enumerate(active):
+            d = decide(sp, plans[k], j, bnd[k], main[k], r.stream.turn_ended)
+            if d.from_main:
+                remember(r.stream, d.token)
+            if d.terminator:
+                r.terminator = d.token
+            else:
+                r.generated.append(d.token)
+                fed.append((r, d))
+        if not fed:
+            break
+        h, logits = feed([r.stream for r, _ in fed], [d.token for _, d in fed])
+        for k, (r, d) in enumerate(fed):
+            r.logits_row = k
+            r.steps += 1
+            r.stream.turn_ended = d.turn_ended
+            r.turn_start |= d.turn_start
+            r.end_of_turn |= d.end_of_turn
+            if d.record:
+                r.rec_ids.append(d.token)
+                r.rec_hidden.append(h[k])
+                mx = r.stream.policy.max_unit_chars
+                if mx is not None and len(th.tokenizer.decode(r.rec_ids, skip_special_tokens=True)) >= mx:
+                    r.terminator = sp.chunk_eos
+        active = [r for r, _ in fed if r.terminator is None]
+        j += 1
+
+
+def finish_row(th: "Thinker", row: UnitRow, timings: Dict[str, float]) -> UnitResult:
+    """Queue the row's terminator and ``</unit>`` for the next prefill and build its :class:`UnitResult`."""
+    sp = th.special
+    st = row.stream
+    term = row.terminator
+    assert term is not None
+    row.generated += [term, sp.unit_end]
+    st.pending_ids += [term, sp.unit_end]
+    st.units_done += 1
+    rec = row.rec_ids
+    hidden = torch.stack(row.rec_hidden).float() if rec else \
+        torch.zeros(0, th.hidden_size, dtype=torch.float32, device=th.device)
+    return UnitResult(
+        decision="listen" if (term == sp.listen and not row.steps) else "speak",
+        token_ids=np.asarray(rec, dtype=np.int64),
+        hidden=hidden,
+        text=th.tokenizer.decode(rec, skip_special_tokens=True) if rec else "",
+        turn_start=row.turn_start,
+        end_of_turn=row.end_of_turn,
+        n_tokens=len(rec),
+        timings=dict(timings, decode_steps=row.steps),
+        generated_ids=row.generated,
+        pending_logits=st.last_prefill_logits,
+    )
 
 
 @torch.inference_mode()
 def run_unit(th: "Thinker", inp: UnitInput) -> UnitResult:
-    """Run one duplex unit for one stream (see module doc). Raises ``ValueError`` on a closed stream."""
+    """Run one duplex unit for one stream, eagerly (the reference-checked path; module doc).
+    Raises ``ValueError`` on a closed stream."""
     st = inp.stream
     if st.closed:
         raise ValueError(f"stream {st.stream_id} is closed")
-    sp = th.special
-    pol = st.policy
     t0 = time.perf_counter()
     logits = th.prefill_unit(st, inp.audio, inp.frame)
     t1 = time.perf_counter()
+    row = begin_row(th, 0, inp, 0)
 
-    forced_listen = bool(inp.force_listen) or st.units_done < pol.force_listen_count
-    force_speak = bool(inp.force_speak) or st.force_speak_pending
-    st.force_speak_pending = False
-    if forced_listen and force_speak:
-        st.force_speak_pending = True  # applies at the next unit that may speak
-        force_speak = False
+    def feed(sts, toks):
+        h, lg = th.feed_token(sts[0], toks[0])
+        return h[None], lg[None]
 
-    turn_start = False
-    end_of_turn = False
-    generated: List[int] = []
-    rec_ids: List[int] = []
-    rec_hidden: List[torch.Tensor] = []
-    steps = 0
-    terminator: Optional[int] = None
-    text_chars = 0
-
-    if forced_listen:
-        terminator = sp.listen
-    else:
-        if force_speak and st.turn_ended:
-            st.turn_ended = False
-            turn_start = True
-        limit = pol.unit_limit()
-        for j in range(limit):
-            if j == limit - 1:
-                terminator = sp.chunk_eos
-                break
-            first_forced = force_speak and j == 0
-            must_continue = j < pol.min_unit_tokens and (j > 0 or first_forced or not st.turn_ended)
-            tok: Optional[int] = None
-            if not first_forced and not must_continue:
-                if pol.temperature <= 0:
-                    b = int(torch.argmax(logits))
-                else:
-                    b = int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=st.generator))
-                if b == sp.chunk_eos:
-                    tok = b
-            if tok is None:
-                x = _main_pass_logits(th, st, logits, mask_listen=first_forced, must_continue=must_continue)
-                tok = sample_logits(x, pol.temperature, pol.top_k, pol.top_p, st.generator)
-                if tok == sp.listen and not st.turn_ended:
-                    tok = sp.tts_bos
-                st.history.append(tok)
-                if len(st.history) > 4 * pol.repetition_window:
-                    del st.history[: -pol.repetition_window]
-            if tok in sp.terminators:
-                terminator = tok
-                break
-            generated.append(tok)
-            h, logits = th.feed_token(st, tok)
-            steps += 1
-            if tok == sp.turn_eos:
-                st.turn_ended = True
-                end_of_turn = True
-            elif st.turn_ended:
-                st.turn_ended = False
-                turn_start = True
-            if j >= 1:
-                rec_ids.append(tok)
-                rec_hidden.append(h)
-                if pol.max_unit_chars is not None:
-                    text_chars = len(th.tokenizer.decode(rec_ids, skip_special_tokens=True))
-                    if text_chars >= pol.max_unit_chars:
-                        terminator = sp.chunk_eos
-                        break
-    assert terminator is not None
-    generated += [terminator, sp.unit_end]
-    st.pending_ids += [terminator, sp.unit_end]
-    st.units_done += 1
+    decode_rows(th, [row], logits[None], feed, lambda s: s.generator)
     t2 = time.perf_counter()
-
-    H = th.hidden_size
-    hidden = torch.stack(rec_hidden).float() if rec_hidden else torch.zeros(0, H, dtype=torch.float32, device=th.device)
-    ids = np.asarray(rec_ids, dtype=np.int64)
-    return UnitResult(
-        decision="listen" if (terminator == sp.listen and not steps) else "speak",
-        token_ids=ids,
-        hidden=hidden,
-        text=th.tokenizer.decode(rec_ids, skip_special_tokens=True) if rec_ids else "",
-        turn_start=turn_start,
-        end_of_turn=end_of_turn,
-        n_tokens=len(rec_ids),
-        timings={"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0, "decode_steps": steps},
-        generated_ids=generated,
-        pending_logits=st.last_prefill_logits,
-    )
+    return finish_row(th, row, {"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0})

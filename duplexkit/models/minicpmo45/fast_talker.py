@@ -9,13 +9,13 @@ bucket with sampling on the GPU (no host sync inside the unit).
 at ``text_start_pos``, then ``budget − 1`` (25) samples, each fed back (so the KV holds exactly the
 returned codes), EOS masked for ``min_new_tokens`` steps (26 mid-turn, 0 on a turn's first and
 last unit), temperature 0.8 and the sign-aware repetition penalty 1.05 over the call's last 16
-codes, sampling the full distribution. Sampling uses the Gumbel-max trick with noise drawn
-before the graph from each turn's generator: the same distribution as ``torch.multinomial``,
-another random stream. The graph always runs all 25 steps; codes after a sampled EOS are
-discarded and their KV positions are beyond the turn's length (overwritten later, never read).
-
-``top_k`` / ``top_p`` / ``min_p`` sampling options are not on this path: such an item fails with
-:class:`~.talker.TalkerError` (the engine never sets them; use the wrapped talker).
+codes (:func:`.talker_decode.penalised_logits`), sampling the full distribution; ``top_k`` /
+``top_p`` / ``min_p`` and another penalty window are options (items are grouped by them, one graph
+per group). Sampling is :func:`.sampling.sample_with_noise` (Gumbel-max) with the noise ``[25, V]``
+drawn before the graph from each turn's generator, as the eager talker draws it for a duplex unit:
+on the CPU both give the same codes for the same seed. The graph always runs all 25 steps; codes
+after a sampled EOS are discarded and their KV positions are beyond the turn's length (overwritten
+later, never read).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from .fast_kv import CAPTURE_LOCK, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
+from .talker_decode import penalised_logits
 
 __all__ = ["FastTalker", "FastTalkerTurn"]
 
@@ -79,7 +81,7 @@ class FastTalkerTurn:
 class _UnitGraph:
     """The whole duplex decode (``steps`` samples, each fed) for a (batch, kv_len) bucket."""
 
-    def __init__(self, ft: "FastTalker", B: int, kv_len: int, steps: int) -> None:
+    def __init__(self, ft: "FastTalker", B: int, kv_len: int, steps: int, filt: tuple) -> None:
         dev = ft.device
         V = ft.config.num_audio_tokens
         self.scratch = ft.pool.scratch
@@ -88,19 +90,19 @@ class _UnitGraph:
             base=torch.zeros(B, dtype=torch.long, device=dev),
             slots=torch.full((B,), self.scratch, dtype=torch.long, device=dev),
             min_new=torch.zeros(B, dtype=torch.long, device=dev),
-            inv_temp=torch.ones(B, 1, dtype=torch.float32, device=dev),
+            temp=torch.ones(B, 1, dtype=torch.float32, device=dev),
             greedy=torch.ones(B, dtype=torch.bool, device=dev),
             penalty=torch.ones(B, 1, dtype=torch.float32, device=dev),
-            gumbel=torch.zeros(B, steps, V, dtype=torch.float32, device=dev),
+            noise=torch.ones(B, steps, V, dtype=torch.float32, device=dev),
         )
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
-            ft._decode_eager(kv_len=kv_len, steps=steps, **self.inp)
+            ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
         with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=ft.graph_pool, capture_error_mode="thread_local"):
-            self.codes = ft._decode_eager(kv_len=kv_len, steps=steps, **self.inp)
+            self.codes = ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
 
     def run(self, **kw) -> torch.Tensor:
         n = kw["base"].shape[0]
@@ -110,6 +112,7 @@ class _UnitGraph:
             self.inp["slots"][n:].fill_(self.scratch)
             self.inp["base"][n:].zero_()
             self.inp["greedy"][n:].fill_(True)
+            self.inp["noise"][n:].fill_(1.0)
         self.graph.replay()
         return self.codes[:n]
 
@@ -136,7 +139,7 @@ class FastTalker:
                            slots=slots)
         self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._graphs: Dict[Tuple[int, int, int], _UnitGraph] = {}
+        self._graphs: Dict[Tuple[int, int, int, tuple], _UnitGraph] = {}
         self._graph_version = self.pool.version
         self.stats = {"graph_captures": 0, "units": 0}
 
@@ -169,8 +172,8 @@ class FastTalker:
         with torch.no_grad():
             for B in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
                 for L in range(KV_BUCKET, min(max_kv_len, self.config.max_position_embeddings) + 1, KV_BUCKET):
-                    if (B, L, steps) not in self._graphs:
-                        self._graphs[(B, L, steps)] = _UnitGraph(self, B, L, steps)
+                    if (B, L, steps, _REFERENCE) not in self._graphs:
+                        self._graphs[(B, L, steps, _REFERENCE)] = _UnitGraph(self, B, L, steps, _REFERENCE)
                         self.stats["graph_captures"] += 1
         return self.stats["graph_captures"] - n0
 
@@ -192,10 +195,6 @@ class FastTalker:
                 s = it.sampling
                 if s is None:
                     s = GREEDY if it.temperature <= 0 else TalkerSampling(temperature=float(it.temperature))
-                if not s.greedy and (s.top_k is not None or s.top_p is not None or s.min_p is not None
-                                     or s.repetition_window != 16):
-                    raise TalkerError("the batched talker supports the reference duplex sampling only "
-                                      "(temperature + 16-code repetition penalty); top_k/top_p/min_p are not batched")
                 embeds = self.talker.prefill_embeds(it.token_ids, it.hidden)
                 need = embeds.shape[0] + it.budget - 1
                 if need > cfg.max_position_embeddings:
@@ -205,19 +204,19 @@ class FastTalker:
                 results[i] = exc
                 continue
             prep.append((i, it, s, embeds))
-        by_budget: Dict[int, list] = {}
+        groups: Dict[tuple, list] = {}
         for p in prep:
-            by_budget.setdefault(p[1].budget, []).append(p)
-        for budget, group in by_budget.items():
-            for (i, _it, _s, _e), codes in zip(group, self._run_group(group, budget)):
+            groups.setdefault((p[1].budget, _filter_key(p[2])), []).append(p)
+        for (budget, filt), group in groups.items():
+            for (i, _it, _s, _e), codes in zip(group, self._run_group(group, budget, filt)):
                 results[i] = codes
         return results
 
-    def _run_group(self, group: list, budget: int) -> List[np.ndarray]:
+    def _run_group(self, group: list, budget: int, filt: tuple) -> List[np.ndarray]:
         cfg = self.config
         dev = self.device
         turns, embeds = [], []
-        min_new, inv_temp, greedy, penalty = [], [], [], []
+        min_new, temp, greedy, penalty = [], [], [], []
         for i, it, s, e in group:
             turn: FastTalkerTurn = it.turn
             if it.turn_start and turn.units > 0:
@@ -231,7 +230,7 @@ class FastTalker:
             embeds.append(e)
             min_new.append(int(it.min_new_tokens) if it.min_new_tokens is not None
                            else (0 if (it.turn_start or it.turn_end) else budget))
-            inv_temp.append(1.0 if s.greedy else 1.0 / s.temperature)
+            temp.append(1.0 if s.greedy else s.temperature)
             greedy.append(bool(s.greedy))
             penalty.append(float(s.repetition_penalty))
         B = len(group)
@@ -250,18 +249,18 @@ class FastTalker:
         base = starts + lens  # position of the first fed code
         steps = budget - 1
         V = cfg.num_audio_tokens
-        gumbel = torch.empty(B, max(steps, 1), V, dtype=torch.float32, device=dev)
+        noise = torch.ones(B, max(steps, 1), V, dtype=torch.float32, device=dev)
         with CAPTURE_LOCK:  # the default CUDA generator may be drawn from (generator None)
-            for b, (_i, it, _s, _e) in enumerate(group):
-                gumbel[b].exponential_(generator=it.generator)
-        gumbel = -torch.log(gumbel)
+            for b, (_i, it, s, _e) in enumerate(group):
+                if not s.greedy and steps > 0:  # the eager talker's draw for a unit (talker_decode.run_jobs)
+                    noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
         kw = dict(
             logits0=logits0, base=base, slots=slots,
             min_new=torch.tensor(min_new, dtype=torch.long, device=dev),
-            inv_temp=torch.tensor(inv_temp, dtype=torch.float32, device=dev)[:, None],
+            temp=torch.tensor(temp, dtype=torch.float32, device=dev)[:, None],
             greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
             penalty=torch.tensor(penalty, dtype=torch.float32, device=dev)[:, None],
-            gumbel=gumbel,
+            noise=noise,
         )
         if steps <= 0:
             codes_t = torch.zeros(B, 0, dtype=torch.long, device=dev)
@@ -273,15 +272,15 @@ class FastTalker:
                     self._graphs.clear()
                     self._graph_version = self.pool.version
                 Bb = bucket(B, BATCH_BUCKETS)
-                key = (Bb, kvl, steps)
+                key = (Bb, kvl, steps, filt)
                 g = self._graphs.get(key)
                 if g is None:
-                    g = _UnitGraph(self, Bb, kvl, steps)
+                    g = _UnitGraph(self, Bb, kvl, steps, filt)
                     self._graphs[key] = g
                     self.stats["graph_captures"] += 1
                 codes_t = g.run(**kw)
             else:
-                codes_t = self._decode_eager(kv_len=kvl, steps=steps, **kw)
+                codes_t = self._decode_eager(kv_len=kvl, steps=steps, filt=filt, **kw)
         codes_all = codes_t.cpu().numpy()  # the one host sync of the unit
         self.stats["units"] += B
         eos = cfg.eos_code
@@ -300,25 +299,24 @@ class FastTalker:
                 turn.reset()
         return out
 
-    def _decode_eager(self, *, logits0, base, slots, min_new, inv_temp, greedy, penalty, gumbel, kv_len: int,
-                      steps: int) -> torch.Tensor:
-        """``steps`` samples, each fed back at ``base + s``; returns codes [B, steps] (long)."""
+    def _decode_eager(self, *, logits0, base, slots, min_new, temp, greedy, penalty, noise, kv_len: int,
+                      steps: int, filt: tuple) -> torch.Tensor:
+        """``steps`` samples, each fed back at ``base + s``; returns codes [B, steps] (long).
+        ``filt`` = (top_k, top_p, min_p, repetition_window) of every sampled row."""
         B, V = logits0.shape
         dev = logits0.device
         eos = self.config.eos_code
+        top_k, top_p, min_p, W = filt
         head = self.talker.head_weight()
-        window = torch.full((B, 16), V, dtype=torch.long, device=dev)
-        ones = torch.ones(B, 16, dtype=torch.float32, device=dev)
+        window = torch.full((B, W), V, dtype=torch.long, device=dev)
         eos_col = torch.arange(V, device=dev)[None] == eos
         logits = logits0
         codes = []
         for s in range(steps):
             lg = logits.masked_fill(eos_col & (min_new[:, None] > s), float("-inf"))
-            x = lg * inv_temp
-            counts = torch.zeros(B, V + 1, dtype=torch.float32, device=dev).scatter_add_(1, window, ones)[:, :V]
-            alpha = torch.pow(penalty, counts)
-            x = torch.where(x < 0, x * alpha, x / alpha)
-            code = torch.where(greedy, torch.argmax(lg, dim=-1), torch.argmax(x + gumbel[:, s], dim=-1))
+            x = penalised_logits(lg, window, temp, penalty)
+            pick = S.sample_with_noise(x, noise[:, s], top_k, top_p, min_p)
+            code = torch.where(greedy, torch.argmax(lg, dim=-1), pick)
             codes.append(code)
             window = torch.cat([window[:, 1:], code[:, None]], dim=1)
             # every returned code is fed, so the KV holds exactly the returned codes (docs/model.md §6;
@@ -327,3 +325,12 @@ class FastTalker:
             h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
             logits = F.linear(h, head).float()
         return torch.stack(codes, dim=1)
+
+
+_REFERENCE = (None, None, None, 16)
+"""The filter key of the reference duplex sampling (no filter, 16-code penalty window) and of greedy items."""
+
+
+def _filter_key(s: TalkerSampling) -> tuple:
+    """Items of one graph share (top_k, top_p, min_p, repetition_window); greedy ignores them."""
+    return _REFERENCE if s.greedy else (s.top_k, s.top_p, s.min_p, s.repetition_window)

@@ -7,20 +7,22 @@ CUDA-graph-captured decode steps and sampling on the GPU (one host sync per deco
 1. **Prefill** (per unit): each stream's Whisper streaming encode (per stream, as the reference
    path), then one batched LLM forward over ``[pending terminator, </unit>] <unit> [image] 10
    audio`` of all streams (rows padded to the longest), writing into each stream's KV slot.
-2. **Decode** (lock step over j = 0..budget−1): the decision rule of :func:`.duplex.run_unit`
-   applied row-wise on the GPU (boundary pass, forbidden set, repetition penalty, turn_eos length
-   penalty, listen mask, ``min_unit_tokens`` mask, temperature / top-k / top-p sampling by the
-   Gumbel-max trick with each stream's own CUDA generator), one ``.tolist()`` of the chosen ids,
-   then one batched decode step for the streams that go on. On CUDA that step is a captured CUDA
-   graph per (batch bucket 1/2/4/8/16/32, KV-length bucket of 256 positions).
+2. **Decode** (lock step over j = 0..budget−1): the unit loop of :mod:`.duplex` (``decode_rows``:
+   the one decision rule ``plan_step`` / ``decide`` per row, the boundary and main passes of
+   ``choose_tokens`` over all rows at once with the samplers of :mod:`.sampling`, Gumbel-max with each
+   stream's own generator, one ``.tolist()`` of the chosen ids per step), then one batched decode step
+   for the streams that go on. On CUDA that step is a captured CUDA graph per (batch bucket
+   1/2/4/8/16/32, KV-length bucket of 256 positions).
 
-Greedy decoding gives the same ids as the reference path (tests/model/test_fast_paths.py); with
-sampling the distribution is the same but the random stream differs (GPU generator, Gumbel-max).
+The eager :func:`.duplex.run_unit` runs the same loop with one row, so greedy decoding gives the same
+ids as the reference path, and seeded sampling the same ids on the CPU (tests/model/test_fast_paths.py;
+on CUDA the stream's generator is a device generator seeded like its CPU one, another random stream).
 The stream prefix (``new_stream``) is prefilled by the same batched forward.
 
 KV capacity: ``max_len`` positions per stream (default 8192, about 10 minutes of audio-only
-duplex at ≥ 780 positions/min, docs/model.md §10); a unit that would not fit fails that stream with
-:class:`~.fast_kv.ContextFullError` (the reference context window policy is not implemented).
+duplex at ≥ 780 positions/min, docs/model.md §10). The sliding window (``DuplexPolicy.window_high``)
+drops old units as on the eager path; a unit that still would not fit (window off) fails that stream
+with :class:`~.fast_kv.ContextFullError`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .duplex import UnitInput, UnitResult
+from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import CAPTURE_LOCK, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
 from .thinker import Thinker, ThinkerStream
 
@@ -126,11 +128,6 @@ class FastThinker(Thinker):
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._graphs: Dict[Tuple[int, int, int], _StepGraph] = {}
         self._graph_version = self.pool.version
-        V = config.vocab_size
-        self._forbid_mask = torch.zeros(V, dtype=torch.bool, device=self.device)
-        self._forbid_mask[self.forbidden_ids] = True
-        self._cont_mask = torch.zeros(V, dtype=torch.bool, device=self.device)
-        self._cont_mask[[i for i in self.continue_mask_ids if 0 <= i < V]] = True
         self.stats = {"graph_captures": 0, "decode_steps": 0}
 
     @classmethod
@@ -319,76 +316,6 @@ class FastThinker(Thinker):
             st._dev_gen_src = g
         return cached
 
-    def _exp_noise(self, rows: List[ThinkerStream], n: int) -> torch.Tensor:
-        """Exp(1) noise [len(rows), n], each row from its stream's generator."""
-        out = torch.empty(len(rows), n, dtype=torch.float32, device=self.device)
-        for r, st in enumerate(rows):
-            out[r].exponential_(generator=self._gen(st))
-        return out
-
-    def _decide(self, rows: List[ThinkerStream], logits: torch.Tensor, boundary: List[bool], mask_listen: List[bool],
-                must_continue: List[bool]) -> Tuple[List[int], List[int]]:
-        """Boundary-pass and main-pass choices for each row (see :func:`.duplex.run_unit`)."""
-        sp = self.special
-        n, V = logits.shape
-        dev = self.device
-        pols = [st.policy for st in rows]
-        # boundary pass: raw logits (argmax when greedy, else one sample of the raw softmax)
-        bnd = torch.argmax(logits, dim=-1)
-        samp_rows = [r for r in range(n) if boundary[r] and pols[r].temperature > 0]
-        if samp_rows:
-            idx = torch.tensor(samp_rows, device=dev)
-            e = self._exp_noise([rows[r] for r in samp_rows], V)
-            bnd[idx] = torch.argmax(logits[idx] - torch.log(e), dim=-1)
-        # main pass
-        x = logits.masked_fill(self._forbid_mask, float("-inf"))
-        hist_rows = [(r, sorted(set(st.history[-pols[r].repetition_window:]))) for r, st in enumerate(rows)
-                     if pols[r].repetition_penalty != 1.0 and st.history]
-        if hist_rows:
-            W = max(len(h) for _, h in hist_rows)
-            idx = torch.full((n, W), V, dtype=torch.long)
-            pen = torch.ones(n, 1)
-            for r, h in hist_rows:
-                idx[r, : len(h)] = torch.tensor(h)
-                pen[r, 0] = pols[r].repetition_penalty
-            m = torch.zeros(n, V + 1, dtype=torch.bool, device=dev)
-            m.scatter_(1, idx.to(dev), True)
-            x = torch.where(m[:, :V], x / pen.to(dev), x)
-        te = x[:, sp.turn_eos]
-        lp = torch.tensor([p.length_penalty for p in pols], device=dev)
-        x[:, sp.turn_eos] = torch.where(te > 0, te / lp, te * lp)
-        scale = [p.listen_prob_scale for p in pols]
-        if any(s != 1.0 for s in scale):
-            x[:, sp.im_end] = x[:, sp.im_end] * torch.tensor(scale, device=dev)
-        if any(mask_listen):
-            ml = torch.tensor(mask_listen, device=dev)
-            x[:, sp.listen] = x[:, sp.listen].masked_fill(ml, float("-inf"))
-        if any(must_continue):
-            mc = torch.tensor(must_continue, device=dev)
-            x = x.masked_fill(mc[:, None] & self._cont_mask[None], float("-inf"))
-        main = torch.argmax(x, dim=-1)
-        groups: Dict[tuple, List[int]] = {}
-        for r, p in enumerate(pols):
-            if p.temperature > 0:
-                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
-        for (temp, top_k, top_p), rs in groups.items():
-            idx = torch.tensor(rs, device=dev)
-            xs = x[idx] / temp
-            if top_k and 0 < top_k < V:
-                vals, inds = torch.topk(xs, top_k, dim=-1)
-            else:
-                vals, inds = torch.sort(xs, dim=-1, descending=True)
-            if top_p and top_p < 1.0:
-                pr = torch.softmax(vals, dim=-1)
-                remove = (pr.cumsum(-1) - pr) >= top_p
-                remove[:, 0] = False
-                vals = vals.masked_fill(remove, float("-inf"))
-            e = self._exp_noise([rows[r] for r in rs], vals.shape[1])
-            pick = torch.argmax(vals - torch.log(e), dim=-1)
-            main[idx] = inds.gather(1, pick[:, None])[:, 0]
-        both = torch.stack([bnd, main]).tolist()  # the one host sync of the step
-        return both[0], both[1]
-
     # ------------------------------------------------------------------ the batched unit loop
     @torch.inference_mode()
     def step_units(self, items: List[UnitInput]) -> list:
@@ -445,109 +372,15 @@ class FastThinker(Thinker):
         last = torch.stack([h[-1] for h in hs])
         logits_all = self.m.llm.lm_head(last).float()
         t1 = time.perf_counter()
-        # ---- per-row unit state
         rows = []
         for r, i in enumerate(live):
-            it, st = items[i], items[i].stream
+            st = items[i].stream
             st.pending_ids = []
             st.last_prefill_logits = logits_all[r]
-            pol = st.policy
-            forced_listen = bool(it.force_listen) or st.units_done < pol.force_listen_count
-            force_speak = bool(it.force_speak) or st.force_speak_pending
-            st.force_speak_pending = False
-            if forced_listen and force_speak:
-                st.force_speak_pending = True
-                force_speak = False
-            row = dict(i=i, st=st, forced_listen=forced_listen, force_speak=force_speak, turn_start=False,
-                       end_of_turn=False, generated=[], rec_ids=[], rec_h=[], steps=0, terminator=None,
-                       limit=pol.unit_limit(), logits_row=r)
-            if forced_listen:
-                row["terminator"] = sp.listen
-            elif force_speak and st.turn_ended:
-                st.turn_ended = False
-                row["turn_start"] = True
-            rows.append(row)
-        active = [row for row in rows if row["terminator"] is None]
-        logits = logits_all
-        j = 0
-        while active:
-            for row in active:
-                if j == row["limit"] - 1:
-                    row["terminator"] = sp.chunk_eos
-            active = [row for row in active if row["terminator"] is None]
-            if not active:
-                break
-            sts = [row["st"] for row in active]
-            first_forced = [row["force_speak"] and j == 0 for row in active]
-            must = [j < row["st"].policy.min_unit_tokens and (j > 0 or ff or not row["st"].turn_ended)
-                    for row, ff in zip(active, first_forced)]
-            boundary = [not ff and not mc for ff, mc in zip(first_forced, must)]
-            sel = [row["logits_row"] for row in active]
-            lg = logits if sel == list(range(logits.shape[0])) else logits[torch.tensor(sel, device=self.device)]
-            bnd, main = self._decide(sts, lg, boundary, first_forced, must)
-            feed_rows, feed_toks = [], []
-            for k, row in enumerate(active):
-                st = row["st"]
-                tok = None
-                if boundary[k] and bnd[k] == sp.chunk_eos:
-                    tok = bnd[k]
-                if tok is None:
-                    tok = main[k]
-                    if tok == sp.listen and not st.turn_ended:
-                        tok = sp.tts_bos
-                    st.history.append(tok)
-                    pol = st.policy
-                    if len(st.history) > 4 * pol.repetition_window:
-                        del st.history[: -pol.repetition_window]
-                if tok in sp.terminators:
-                    row["terminator"] = tok
-                    continue
-                row["generated"].append(tok)
-                feed_rows.append(row)
-                feed_toks.append(tok)
-            if not feed_rows:
-                break
-            h, logits = self._decode_step([row["st"].kv for row in feed_rows], feed_toks)
-            for k, (row, tok) in enumerate(zip(feed_rows, feed_toks)):
-                st = row["st"]
-                row["logits_row"] = k
-                row["steps"] += 1
-                if tok == sp.turn_eos:
-                    st.turn_ended = True
-                    row["end_of_turn"] = True
-                elif st.turn_ended:
-                    st.turn_ended = False
-                    row["turn_start"] = True
-                if j >= 1:
-                    row["rec_ids"].append(tok)
-                    row["rec_h"].append(h[k])
-                    mx = st.policy.max_unit_chars
-                    if mx is not None and len(self.tokenizer.decode(row["rec_ids"], skip_special_tokens=True)) >= mx:
-                        row["terminator"] = sp.chunk_eos
-            active = [row for row in feed_rows if row["terminator"] is None]
-            j += 1
+            rows.append(begin_row(self, i, items[i], r))
+        decode_rows(self, rows, logits_all, lambda sts, toks: self._decode_step([s.kv for s in sts], toks), self._gen)
         t2 = time.perf_counter()
-        H = self.hidden_size
+        timings = {"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0, "batch": len(live)}
         for row in rows:
-            st = row["st"]
-            term = row["terminator"]
-            assert term is not None
-            row["generated"] += [term, sp.unit_end]
-            st.pending_ids += [term, sp.unit_end]
-            st.units_done += 1
-            rec = row["rec_ids"]
-            hidden = torch.stack(row["rec_h"]).float() if rec else torch.zeros(0, H, dtype=torch.float32, device=self.device)
-            results[row["i"]] = UnitResult(
-                decision="listen" if (term == sp.listen and not row["steps"]) else "speak",
-                token_ids=np.asarray(rec, dtype=np.int64),
-                hidden=hidden,
-                text=self.tokenizer.decode(rec, skip_special_tokens=True) if rec else "",
-                turn_start=row["turn_start"],
-                end_of_turn=row["end_of_turn"],
-                n_tokens=len(rec),
-                timings={"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0,
-                         "decode_steps": row["steps"], "batch": len(live)},
-                generated_ids=row["generated"],
-                pending_logits=st.last_prefill_logits,
-            )
+            results[row.index] = finish_row(self, row, timings)
         return results

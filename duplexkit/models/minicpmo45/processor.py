@@ -21,9 +21,11 @@ from duplexkit.errors import DuplexkitError
 
 import math
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
+
+from duplexkit.engine.api import FIRST_UNIT_CONSUME, FIRST_UNIT_SAMPLES, INPUT_SAMPLE_RATE, UNIT_SAMPLES
 
 __all__ = [
     "SAMPLE_RATE",
@@ -42,17 +44,13 @@ __all__ = [
     "image_to_pixels",
 ]
 
-SAMPLE_RATE = 16_000
-"""Model input rate in Hz (docs/model.md §3.1)."""
+SAMPLE_RATE = INPUT_SAMPLE_RATE
+"""Model input rate in Hz (docs/model.md §3.1; the contract's ``INPUT_SAMPLE_RATE``)."""
 N_FFT = 400
 HOP = 160
 N_MELS = 80
-FIRST_UNIT_WINDOW = 16_560
-"""Samples read by the first duplex unit (1035 ms; parity case f)."""
-FIRST_UNIT_CONSUME = 16_480
-"""Samples consumed by the first unit (rounded down to whole hops; parity case f)."""
-UNIT_SAMPLES = 16_000
-"""Samples of every later unit (1 s)."""
+FIRST_UNIT_WINDOW = FIRST_UNIT_SAMPLES
+"""Samples read by the first duplex unit (the contract's ``FIRST_UNIT_SAMPLES``, 1035 ms; parity case f)."""
 _STREAM_FLOOR_SAMPLES = 5 * SAMPLE_RATE  # dynamic floor from 5 s of buffer on (parity README)
 _STREAM_MAX_SAMPLES = 30 * SAMPLE_RATE  # mel window slides by 10 s at 30 s (docs/model.md §3.1)
 _STREAM_SLIDE_SAMPLES = 10 * SAMPLE_RATE

@@ -23,6 +23,9 @@ only through ``inputs_embeds``:
   4096 positions (``max_position_embeddings``): when a unit would not fit, the turn's KV cache is reset
   at that unit boundary and the unit is prefilled at position 0 (``TalkerTurn.window_resets`` counts it).
 
+**Layout.** :mod:`.talker_config` holds the records (config, sampling, turn, input; re-exported here),
+:mod:`.talker_decode` the decode loop, this module the network and the public generation API.
+
 **Batching.** :meth:`Talker.generate_units` prefills each item into its own cache, then runs the decode
 steps of all items as one batch (caches left-padded to a common length plus an attention mask, per-row
 RoPE positions, per-row generators) and splits the caches back; results equal one-by-one decoding.
@@ -34,7 +37,6 @@ sequence length (the KV cache is a ``transformers.DynamicCache``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -42,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexkit.errors import DuplexkitError
-
+from . import sampling as S
 from .meta import meta_device
+from .talker_config import (CODEC_EOS, DUPLEX_BUDGET, GREEDY, SILENCE_CODE, TalkerConfig, TalkerError, TalkerInput,
+                            TalkerSampling, TalkerTurn)
+from .talker_decode import Job, _cache_arg, penalised_logits, run_jobs
 
 __all__ = [
     "TalkerConfig",
@@ -53,262 +57,14 @@ __all__ = [
     "TalkerInput",
     "Talker",
     "TalkerError",
+    "GREEDY",
     "DUPLEX_BUDGET",
     "CODEC_EOS",
     "SILENCE_CODE",
 ]
 
-#: Talker steps per duplex unit; the last sample is dropped, so 25 codes come back (docs/model.md §6).
-DUPLEX_BUDGET = 26
-#: Codec EOS id (6561 S3 codes 0..6560, then EOS; docs/model.md §2 "Codec ids").
-CODEC_EOS = 6561
-#: Silence code used to pad / prefix Code2Wav streams (docs/model.md §2).
-SILENCE_CODE = 4218
 #: L2 normalisation epsilon of the projected hidden state (parity README case e).
 _L2_EPS = 1e-12
-
-
-class TalkerError(DuplexkitError, ValueError):
-    """Bad talker input (shapes, ids out of range, prefix longer than the position budget)."""
-
-
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-@dataclass(frozen=True)
-class TalkerConfig:
-    """Talker dimensions and ids, read from the checkpoint's ``tts_config`` (docs/model.md §9).
-
-    Attributes:
-        llm_dim: thinker hidden size (input of ``projector_semantic``); 4096 real.
-        hidden_size / intermediate_size / num_attention_heads / num_key_value_heads / num_hidden_layers:
-            Llama backbone (real: 768 / 3072 / 12 / 12 / 20).
-        max_position_embeddings: trained positions, 4096.
-        num_audio_tokens: 6562 = 6561 S3 codes + EOS.
-        num_text_tokens: rows of ``emb_text`` (152064), indexed by LLM token ids.
-        audio_bos_token_id / text_eos_token_id: ``emb_text`` rows (151687 / 151692 real).
-        rope_theta / rms_norm_eps: LlamaConfig defaults the reference keeps (10000 / 1e-6).
-    """
-
-    llm_dim: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-    max_position_embeddings: int = 4096
-    num_audio_tokens: int = 6562
-    num_text_tokens: int = 152064
-    num_vq: int = 1
-    audio_bos_token_id: int = 151687
-    text_eos_token_id: int = 151692
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    projector_type: str = "mlp"
-    condition_type: str = "hidden_text_merge"
-
-    @classmethod
-    def from_tts_config(cls, tts: Any) -> "TalkerConfig":
-        """Build from the ``tts_config`` sub-config (a mapping or an attribute object).
-
-        Raises:
-            TalkerError: a required key is missing, the ids are absent (the class defaults 21132/21133
-                are stale, docs/model.md §2), or an unsupported variant is configured.
-        """
-        required = ["llm_dim", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-                    "audio_bos_token_id", "text_eos_token_id"]
-        missing = [k for k in required if _cfg_get(tts, k) is None]
-        if missing:
-            raise TalkerError(f"tts_config lacks {missing}")
-        heads = int(_cfg_get(tts, "num_attention_heads"))
-        kw = dict(
-            llm_dim=int(_cfg_get(tts, "llm_dim")),
-            hidden_size=int(_cfg_get(tts, "hidden_size")),
-            intermediate_size=int(_cfg_get(tts, "intermediate_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(_cfg_get(tts, "num_key_value_heads", heads) or heads),
-            num_hidden_layers=int(_cfg_get(tts, "num_hidden_layers")),
-            max_position_embeddings=int(_cfg_get(tts, "max_position_embeddings", 4096)),
-            num_audio_tokens=int(_cfg_get(tts, "num_audio_tokens", 6562)),
-            num_text_tokens=int(_cfg_get(tts, "num_text_tokens", 152064)),
-            num_vq=int(_cfg_get(tts, "num_vq", 1)),
-            audio_bos_token_id=int(_cfg_get(tts, "audio_bos_token_id")),
-            text_eos_token_id=int(_cfg_get(tts, "text_eos_token_id")),
-            projector_type=str(_cfg_get(tts, "projector_type", "mlp")),
-            condition_type=str(_cfg_get(tts, "condition_type", "hidden_text_merge")),
-        )
-        cfg = cls(**kw)
-        if cfg.num_vq != 1:
-            raise TalkerError(f"num_vq={cfg.num_vq} is not supported (MiniCPM-o 4.5 has one codebook)")
-        if cfg.projector_type != "mlp":
-            raise TalkerError(f"projector_type={cfg.projector_type!r} is not supported (expected 'mlp')")
-        if cfg.condition_type != "hidden_text_merge":
-            raise TalkerError(f"condition_type={cfg.condition_type!r} is not supported")
-        for name in ("audio_bos_token_id", "text_eos_token_id"):
-            if not 0 <= getattr(cfg, name) < cfg.num_text_tokens:
-                raise TalkerError(f"{name}={getattr(cfg, name)} outside emb_text ({cfg.num_text_tokens} rows)")
-        return cfg
-
-    @property
-    def eos_code(self) -> int:
-        """Codec EOS id = ``num_audio_tokens - 1`` (6561)."""
-        return self.num_audio_tokens - 1
-
-    def llama_config(self):
-        """The :class:`transformers.LlamaConfig` of the backbone (defaults for everything not in tts_config)."""
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            vocab_size=1,  # tts.model.embed_tokens is never read (always fed inputs_embeds); not loaded
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            tie_word_embeddings=False,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-
-
-@dataclass(frozen=True)
-class TalkerSampling:
-    """Codec-token sampling parameters (docs/model.md §6 "Sampling").
-
-    Default = the reference duplex ``generate_chunk`` path: temperature 0.8, repetition penalty 1.05
-    over the last 16 codes of the current call (sign-aware, ``penalty ** count``), full distribution.
-
-    Attributes:
-        temperature: > 0; logits are divided by it.
-        repetition_penalty: 1.0 disables the penalty.
-        repetition_window: number of most recent codes of this call that are counted.
-        top_k: keep the k most likely codes (None = off; the reference TTSSamplingParams uses 25).
-        top_p: nucleus mass (None = off; reference 0.85).
-        min_p: drop codes below ``min_p * max_prob`` (None = off; reference 0.01, never applied by the Demo).
-        greedy: argmax of the raw logits, no penalty/temperature (parity case e "greedy").
-    """
-
-    temperature: float = 0.8
-    repetition_penalty: float = 1.05
-    repetition_window: int = 16
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
-    greedy: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.greedy and not self.temperature > 0:
-            raise TalkerError(f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax")
-        if self.repetition_penalty <= 0:
-            raise TalkerError("repetition_penalty must be > 0")
-        if self.repetition_window < 1:
-            raise TalkerError("repetition_window must be >= 1")
-        if self.top_k is not None and self.top_k < 1:
-            raise TalkerError("top_k must be >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise TalkerError("top_p must be in (0, 1]")
-        if self.min_p is not None and not 0 <= self.min_p < 1:
-            raise TalkerError("min_p must be in [0, 1)")
-
-
-GREEDY = TalkerSampling(greedy=True)
-
-
-@dataclass
-class TalkerTurn:
-    """Per-stream talker state for one model turn (docs/model.md §6 "State").
-
-    Attributes:
-        cache: the Llama KV cache (``None`` until the first unit).
-        text_start_pos: next free position = condition rows + returned codes of earlier units.
-        units: units generated in this turn.
-        window_resets: times the 4096-position limit forced a KV reset inside this turn.
-        finished_codes: True once the talker sampled EOS in this turn (informational).
-    """
-
-    cache: Any = None
-    text_start_pos: int = 0
-    units: int = 0
-    window_resets: int = 0
-    finished_codes: bool = False
-
-    def reset(self) -> None:
-        """Drop the KV cache and rewind ``text_start_pos`` to 0 (turn end)."""
-        self.cache = None
-        self.text_start_pos = 0
-        self.units = 0
-        self.finished_codes = False
-
-
-@dataclass
-class TalkerInput:
-    """One speaking unit (or simplex chunk) for :meth:`Talker.generate_units`.
-
-    Attributes:
-        turn: the stream's :class:`TalkerTurn`.
-        token_ids: int [L] spoken LLM token ids of the unit (may be empty: ``[audio_bos]`` alone is fed).
-        hidden: float [L, llm_dim] final-norm thinker hidden states, input-position aligned (docs/model.md §8).
-        turn_start / turn_end: first / last unit of the turn (``min_new_tokens`` 0 instead of 26; the turn
-            state is reset after a ``turn_end`` unit).
-        temperature: sampling temperature (default 0.8); ``<= 0`` selects greedy decoding.
-        generator: optional ``torch.Generator`` on the talker's device for reproducible sampling.
-        budget: talker steps (26 -> at most 25 codes; docs/model.md §6).
-        min_new_tokens: override of the 26/0 rule (None = the rule).
-        sampling: full sampling override (None = :class:`TalkerSampling` with ``temperature``).
-    """
-
-    turn: TalkerTurn
-    token_ids: Any
-    hidden: Any
-    turn_start: bool = False
-    turn_end: bool = False
-    temperature: float = 0.8
-    generator: Optional[torch.Generator] = None
-    budget: int = DUPLEX_BUDGET
-    min_new_tokens: Optional[int] = None
-    sampling: Optional[TalkerSampling] = None
-
-
-
-def _cache_arg(model) -> str:
-    """Name of the KV-cache keyword of ``LlamaModel.forward``: ``cache`` in recent transformers 5.x,
-    ``past_key_values`` before (e.g. 5.17 on the GPU image, where a ``cache=`` keyword is silently
-    swallowed by ``**kwargs`` and the model runs without our cache)."""
-    import inspect
-
-    fwd = type(model).forward
-    name = _CACHE_ARG.get(fwd)
-    if name is None:
-        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
-        _CACHE_ARG[fwd] = name
-    return name
-
-
-_CACHE_ARG: dict = {}
-
-
-def _cache_from(data: list):
-    """A ``DynamicCache`` holding the given per-layer ``(keys, values)`` [B, H, T, D] tensors.
-
-    Built with ``DynamicCache.update`` layer by layer, which every transformers release since 4.36
-    supports (the ``ddp_cache_data`` constructor argument is not stable across 5.x releases: on the
-    GPU image's transformers 5.17 it produced caches without layers, IndexError in batched decode)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for li, (k, v) in enumerate(data):
-        cache.update(k, v, li)
-    return cache
 
 
 class Talker(nn.Module):
@@ -502,10 +258,8 @@ class Talker(nn.Module):
         Returns:
             float32 [V] probabilities.
         """
-        x = logits.float() / sampling.temperature
-        if sampling.repetition_penalty != 1.0:
-            x = _apply_repetition_penalty(x, recent_codes, sampling.repetition_penalty)
-        return _filtered_softmax(x, sampling)
+        x = penalised_logits(logits, recent_codes, sampling.temperature, sampling.repetition_penalty)
+        return S.filtered_probs(x, sampling.top_k, sampling.top_p, sampling.min_p)
 
     # ------------------------------------------------------------------ public generation API
     def new_turn(self) -> TalkerTurn:
@@ -533,7 +287,7 @@ class Talker(nn.Module):
             raise TalkerError("the same TalkerTurn appears twice in one generate_units call")
         for j in jobs:
             self._start(j)
-        codes = self._run(jobs)
+        codes = run_jobs(self, jobs)
         for j in jobs:
             j.turn.units += 1
             if j.turn_end:
@@ -574,12 +328,12 @@ class Talker(nn.Module):
                               f"{self.config.max_position_embeddings} positions")
         max_codes = min(int(max_codes), room + 1)
         min_codes = min(int(min_codes), max_codes)
-        job = _Job(turn=turn, embeds=embeds, steps=max_codes, min_new=min_codes, sampling=sampling,
+        job = Job(turn=turn, embeds=embeds, steps=max_codes, min_new=min_codes, sampling=sampling,
                    generator=generator, drop_last=False)
-        return self._run([job])[0]
+        return run_jobs(self, [job])[0]
 
     # ------------------------------------------------------------------ internals
-    def _prepare(self, it: TalkerInput) -> "_Job":
+    def _prepare(self, it: TalkerInput) -> "Job":
         """Validate one item and plan its decode (no state change)."""
         if not isinstance(it.turn, TalkerTurn):
             raise TalkerError("TalkerInput.turn must be a TalkerTurn (from Talker.new_turn())")
@@ -597,11 +351,11 @@ class Talker(nn.Module):
             min_new = int(it.min_new_tokens)
         else:
             min_new = 0 if (it.turn_start or it.turn_end) else it.budget
-        return _Job(turn=it.turn, embeds=embeds, steps=int(it.budget), min_new=min_new, sampling=sampling,
+        return Job(turn=it.turn, embeds=embeds, steps=int(it.budget), min_new=min_new, sampling=sampling,
                     generator=it.generator, drop_last=True, turn_start=bool(it.turn_start),
                     turn_end=bool(it.turn_end))
 
-    def _start(self, job: "_Job") -> None:
+    def _start(self, job: "Job") -> None:
         turn = job.turn
         if job.turn_start and turn.units > 0:
             turn.reset()
@@ -611,113 +365,6 @@ class Talker(nn.Module):
             turn.cache = None
             turn.text_start_pos = 0
             turn.window_resets += 1
-
-    def _run(self, jobs: list) -> list[np.ndarray]:
-        """Prefill each job, then decode all jobs together.
-
-        With ``drop_last`` the ``steps``-th sample is never drawn nor fed (the reference draws and drops
-        it): at most ``steps - 1`` codes come back and every returned code is in the KV cache. Without it
-        (offline) up to ``steps`` codes come back and the last one is not fed.
-        """
-        from transformers import DynamicCache
-
-        B = len(jobs)
-        if B == 0:
-            return []
-        V = self.config.num_audio_tokens
-        eos = self.config.eos_code
-        dev = self.device
-        logits = torch.stack([self.forward_embeds(j.turn, j.embeds)[-1] for j in jobs])  # [B, V]
-        n_samples = [j.steps - 1 if j.drop_last else j.steps for j in jobs]
-        max_steps = max(n_samples)
-        W = max(j.sampling.repetition_window for j in jobs)
-        window = torch.full((B, W), V, dtype=torch.long, device=dev)
-        out = torch.zeros(B, max(max_steps, 1), dtype=torch.long, device=dev)
-        n = [0] * B
-        active = [s > 0 for s in n_samples]
-        min_new = torch.tensor([j.min_new for j in jobs], device=dev)
-        if B == 1:
-            cache, mask, pads = jobs[0].turn.cache, None, [0]
-        else:
-            lens = [j.turn.cache.get_seq_length() for j in jobs]
-            lmax = max(lens)
-            pads = [lmax - ln for ln in lens]
-            data = []
-            for li in range(self.config.num_hidden_layers):
-                ks = [F.pad(j.turn.cache.layers[li].keys, (0, 0, p, 0)) for j, p in zip(jobs, pads)]
-                vs = [F.pad(j.turn.cache.layers[li].values, (0, 0, p, 0)) for j, p in zip(jobs, pads)]
-                data.append((torch.cat(ks, 0), torch.cat(vs, 0)))
-            cache = _cache_from(data)
-            mask = torch.ones(B, lmax, dtype=torch.long, device=dev)
-            for i, p in enumerate(pads):
-                mask[i, :p] = 0
-        pos = torch.tensor([j.turn.text_start_pos for j in jobs], dtype=torch.long, device=dev)
-        fed = [0] * B
-        for step in range(max_steps):
-            logits = logits.masked_fill(((step < min_new)[:, None]) & (torch.arange(V, device=dev) == eos)[None],
-                                        float("-inf"))
-            picks = []
-            for i, j in enumerate(jobs):
-                if not active[i]:
-                    picks.append(torch.zeros((), dtype=torch.long, device=dev))
-                elif j.sampling.greedy:
-                    picks.append(torch.argmax(logits[i]))
-                else:
-                    probs = self.sampling_probs(logits[i], window[i, -j.sampling.repetition_window:], j.sampling)
-                    picks.append(torch.multinomial(probs, 1, generator=j.generator)[0])
-            code = torch.stack(picks)
-            code_host = code.tolist()  # one host sync per step (EOS / budget bookkeeping)
-            feed = [False] * B
-            for i, j in enumerate(jobs):
-                if not active[i]:
-                    continue
-                if code_host[i] == eos:
-                    j.turn.finished_codes = True
-                    active[i] = False
-                    continue
-                out[i, n[i]] = code[i]
-                n[i] += 1
-                if n[i] >= n_samples[i]:
-                    active[i] = False
-                feed[i] = step + 1 < j.steps
-            window = torch.cat([window[:, 1:], code[:, None]], dim=1)
-            if not any(feed) or not any(active):
-                # nothing left to sample; still feed the last kept codes (they belong in the KV)
-                if any(feed):
-                    self._feed(jobs, cache, mask, pos, code, feed, fed, B)
-                break
-            logits = self._feed(jobs, cache, mask, pos, code, feed, fed, B)
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
-        if B == 1:
-            jobs[0].turn.cache = cache
-        else:
-            lmax = max(pads[i] + jobs[i].turn.cache.get_seq_length() for i in range(B))
-            for i, j in enumerate(jobs):
-                data = []
-                for li in range(self.config.num_hidden_layers):
-                    layer = cache.layers[li]
-                    data.append((layer.keys[i:i + 1, :, pads[i]:lmax + fed[i]].clone(),
-                                 layer.values[i:i + 1, :, pads[i]:lmax + fed[i]].clone()))
-                j.turn.cache = _cache_from(data)
-        for i, j in enumerate(jobs):
-            if B > 1:
-                j.turn.text_start_pos += fed[i]
-        return [out[i, :n[i]].cpu().numpy().astype(np.int64) for i in range(B)]
-
-    def _feed(self, jobs, cache, mask, pos, code, feed, fed, B) -> torch.Tensor:
-        """Feed ``emb_code[0](code)`` for every row at its next position; returns the next logits [B, V].
-        Rows not in ``feed`` are fed a placeholder that is cut off when the caches are split back."""
-        if B == 1:
-            return self.forward_embeds(jobs[0].turn, self.code_embed(code.view(1)))[-1:]
-        positions = pos + torch.tensor(fed, dtype=torch.long, device=pos.device)
-        out = self.model(inputs_embeds=self.code_embed(code)[:, None].to(self.dtype), position_ids=positions[:, None],
-                         attention_mask=torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1),
-                         use_cache=True, **{_cache_arg(self.model): cache})
-        for i in range(B):
-            if feed[i]:
-                fed[i] += 1
-        return F.linear(out.last_hidden_state[:, -1], self.head_weight()).float()
 
     def _as_ids(self, token_ids: Any) -> torch.Tensor:
         ids = torch.as_tensor(np.asarray(token_ids) if not torch.is_tensor(token_ids) else token_ids)
@@ -739,19 +386,6 @@ class Talker(nn.Module):
         return h.to(device=self.device, dtype=self.dtype)
 
 
-@dataclass
-class _Job:
-    turn: TalkerTurn
-    embeds: torch.Tensor
-    steps: int
-    min_new: int
-    sampling: TalkerSampling
-    generator: Optional[torch.Generator]
-    drop_last: bool
-    turn_start: bool = False
-    turn_end: bool = False
-
-
 class _MLPProjector(nn.Module):
     """``linear1`` -> ReLU -> ``linear2`` (keys ``projector_semantic.linear1/2``)."""
 
@@ -763,31 +397,3 @@ class _MLPProjector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear2(self.relu(self.linear1(x)))
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Sign-aware penalty ``penalty ** count`` (negative logits multiplied, positive divided).
-
-    ``recent`` is a fixed-size window of codes; entries equal to ``V`` are padding and ignored.
-    """
-    V = logits.shape[-1]
-    counts = torch.zeros(V + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(0, recent, torch.ones_like(recent, dtype=logits.dtype))
-    alpha = torch.pow(torch.tensor(penalty, dtype=logits.dtype, device=logits.device), counts[:V])
-    return torch.where(logits < 0, logits * alpha, logits / alpha)
-
-
-def _filtered_softmax(x: torch.Tensor, s: TalkerSampling) -> torch.Tensor:
-    if s.top_k is not None and s.top_k < x.shape[-1]:
-        kth = torch.topk(x, s.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p is not None and s.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        remove = cum - torch.softmax(sorted_x, dim=-1) >= s.top_p  # keep the token that crosses top_p
-        x = x.masked_fill(torch.zeros_like(remove).scatter(0, idx, remove), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if s.min_p is not None and s.min_p > 0:
-        probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    return probs

@@ -21,6 +21,16 @@ def _engine_audio(c) -> np.ndarray:
     return np.concatenate([u.audio for u in c.stream.units_seen])
 
 
+async def _commit_sent(c, timeout_s: float = 10.0) -> None:
+    """Wait until the Session has sent the last commit's unit (held back COMMIT_MERGE_MS for a
+    possible response.create, then closed at the next clock tick)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while c.session_machine._close_pending_ms is not None and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)
+
+
 async def test_an_odd_trailing_byte_is_dropped_at_commit_and_clear():
     """A stray byte must not shift every later append (it would turn the speech into noise)."""
     async with InlineDuplexClient(ScriptedEngine(units_per_turn=None), session={"turn_detection": None}) as c:
@@ -31,7 +41,7 @@ async def test_an_odd_trailing_byte_is_dropped_at_commit_and_clear():
         await c.clear_input()
         await c.send_audio(tone * 10)  # 1 s of a constant +0.25
         await c.commit()
-        await asyncio.sleep(0.05)
+        await _commit_sent(c)
         y = _engine_audio(c)
     voiced = y[np.abs(y) > 0.1]
     assert voiced.size >= 16_000 + 1600 - 10
@@ -59,7 +69,7 @@ async def test_int16_arrays_are_pcm16_samples_and_rates_are_checked():
             with pytest.raises(ValueError):
                 await c.send_audio(np.zeros(160, np.float32), rate=rate)
         await c.commit()
-        await asyncio.sleep(0.05)
+        await _commit_sent(c)
         y = _engine_audio(c)
         with pytest.raises(ValueError):
             await c.ack_playback("resp_x", 1.5)

@@ -27,7 +27,9 @@ def test_error_table_covers_protocol_section_9():
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
         "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
-        "model_not_found"}  # a refused model id (handshake and chat, issue 14)
+        "model_not_found",  # a refused model id (handshake and chat, issue 14)
+        # session.resume refusals (issue 18, docs/protocol.md §1.6)
+        "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow"}
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert ERROR_TYPES[ErrorCode.INPUT_BACKPRESSURE] == "rate_limit_error"
 

@@ -111,15 +111,59 @@ def test_speech_inside_the_padding_forgives_the_rest_no_speech_is_dropped():
     assert d.s._pad_debt == 0
 
 
-def test_commit_then_create_forced_unit_of_padding_only():
+def test_commit_then_create_is_one_forced_unit():
+    """commit + response.create back to back: the commit's partial unit IS the forced unit (one
+    unit, not a padded listen unit and then an all-zero forced one)."""
+    speech = q16(fixture_audio("question_16k.wav"))
     d = Driver()
     d.send({"type": "session.update", "session": {"turn_detection": None}})
-    append(d, q16(fixture_audio("question_16k.wav"))[: SR + 560 + 3000])
-    c = units(d.send({"type": "input_audio_buffer.commit"}))
-    assert len(c) == 1 and not c[0].force_speak and c[0].audio[:3000].any() and not c[0].audio[3000:].any()
+    x = speech[: SR + 560 + 3000]
+    append(d, x)
+    n0 = len(units(d.cmds))
+    c = d.send({"type": "input_audio_buffer.commit"})
+    assert "input_audio_buffer.committed" in d.types(c) and units(c) == []
+    d.t += 5
+    d.send({"type": "session.heartbeat"})  # acks/heartbeats keep the window open
     f = units(d.send({"type": "response.create"}))
-    assert len(f) == 1 and f[0].force_speak and f[0].is_silence and f[0].unit_index == c[0].unit_index + 1
-    assert d.s._pad_debt == 13000 + 16000
+    assert len(f) == 1 and f[0].force_speak and not f[0].is_silence and f[0].unit_index == 1
+    np.testing.assert_array_equal(f[0].audio[:3000], x[SR + 560:])
+    assert not f[0].audio[3000:].any()
+    assert len(units(d.cmds)) == n0 + 1
+    assert d.s._pad_debt == 13000
+    # nothing more goes out for that commit
+    assert units(d.tick(100)) == []
+
+
+def test_lone_commit_closes_its_unit_at_the_next_tick():
+    speech = q16(fixture_audio("question_16k.wav"))
+    d = Driver()
+    d.send({"type": "session.update", "session": {"turn_detection": None}})
+    append(d, speech[: SR + 560 + 3000])
+    assert units(d.send({"type": "input_audio_buffer.commit"})) == []
+    assert units(d.tick(5)) == [], "held back for COMMIT_MERGE_MS"
+    u = units(d.tick(50))
+    assert len(u) == 1 and not u[0].force_speak and u[0].unit_index == 1
+    assert u[0].audio[:3000].any() and not u[0].audio[3000:].any()
+    assert d.s._pad_debt == 13000
+
+
+def test_commit_then_append_closes_the_unit_before_the_new_audio():
+    """Any other client event sends the commit's unit first: the audio after the commit is never
+    mixed into the committed unit."""
+    speech = q16(fixture_audio("question_16k.wav"))
+    d = Driver()
+    d.send({"type": "session.update", "session": {"turn_detection": None}})
+    x = speech[: SR + 560 + 3000]
+    append(d, x)
+    d.send({"type": "input_audio_buffer.commit"})
+    new = append(d, speech[SR:SR + 1600])
+    u = units(new)
+    assert len(u) == 1 and u[0].unit_index == 1
+    np.testing.assert_array_equal(u[0].audio[:3000], x[SR + 560:])
+    assert not u[0].audio[3000:].any()
+    # the committed unit is a listen unit; a create now forces a unit of its own
+    f = units(d.send({"type": "response.create"}))
+    assert len(f) == 1 and f[0].force_speak and f[0].unit_index == 2
 
 
 # ------------------------------------------------------------------------------- deliverable B

@@ -92,10 +92,11 @@ def test_commit_create_speak_full_envelope():
     new = d.send({"type": "response.create"})
     assert d.types(new) == ["response.created"]
     assert new[0]["response"]["trigger"] == "client" and new[0]["response"]["epoch"] == 0
-    # the forced unit runs at once (issue 11): the commit closed the partial unit, so the forced
-    # unit is made of padding only and goes out in the same call
+    # the forced unit runs at once (issue 11): the commit's partial unit (2 640 real samples after
+    # unit 0's 16 560) is held back for COMMIT_MERGE_MS and becomes the forced unit, zero-padded
     forced = [c for c in new if isinstance(c, AppendUnit)]
-    assert len(forced) == 1 and forced[0].force_speak and not forced[0].force_listen and not forced[0].audio.any()
+    assert len(forced) == 1 and forced[0].force_speak and not forced[0].force_listen
+    assert forced[0].audio[:2640].any() and not forced[0].audio[2640:].any()
     assert not any(isinstance(c, ForceSpeak) for c in new)
     new = d.speak(["Hi ", "there."])
     assert d.types(new) == [
@@ -263,7 +264,7 @@ def test_commit_needs_100ms():
     d.append(second(0.06))
     new = d.send({"type": "input_audio_buffer.commit"})
     assert d.types(new) == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
-    units = [c for c in new if isinstance(c, AppendUnit)]
+    units = [c for c in new + d.tick(50) if isinstance(c, AppendUnit)]  # after COMMIT_MERGE_MS
     assert len(units) == 1 and units[0].audio.shape == (16560,) and units[0].unit_index == 0
     assert new[-1]["item"]["role"] == "user" and new[-1]["item"]["content"] == [{"type": "input_audio"}]
 
@@ -327,7 +328,8 @@ def test_silence_feeding_never_stalls_an_answer():
     d.send({"type": "input_audio_buffer.commit"})
     n0 = len([c for c in d.cmds if isinstance(c, AppendUnit)])
     forced = [c for c in d.send({"type": "response.create"}) if isinstance(c, AppendUnit)]
-    assert [(u.unit_index, u.force_speak, u.is_silence) for u in forced] == [(n0, True, True)]
+    # the commit's 0.5 s partial unit is the forced unit (COMMIT_MERGE_MS)
+    assert [(u.unit_index, u.force_speak, u.is_silence) for u in forced] == [(n0, True, False)]
     assert not [c for c in d.tick(500) if isinstance(c, AppendUnit)]  # deadline not yet passed
     new = d.tick(1000)
     units = [c for c in new if isinstance(c, AppendUnit)]

@@ -73,6 +73,7 @@ def test_stereo_speech_reaches_the_engine_as_the_mono_downmix(update, append_byt
         new = d.send({"type": "input_audio_buffer.append", "audio": _b64(raw[i:i + append_bytes])})
         assert not d.of("error", new), d.of("error", new)
     d.send({"type": "input_audio_buffer.commit"})
+    d.tick(50)  # the commit's unit goes out after COMMIT_MERGE_MS
     got = _engine_audio(d)
     want = (left.astype(np.float32) + right.astype(np.float32)) / 2 / 32768
     n = len(left)
@@ -94,6 +95,7 @@ def test_stereo_48k_is_downmixed_then_resampled():
     for i in range(0, len(raw), step):
         d.send({"type": "input_audio_buffer.append", "audio": _b64(raw[i:i + step])})
     d.send({"type": "input_audio_buffer.commit"})
+    d.tick(50)  # the commit's unit goes out after COMMIT_MERGE_MS
     got = _engine_audio(d)
     mono48 = (l48.astype(np.float32) + r48.astype(np.float32)) / 2 / 32768
     rs = StreamResampler(48000, 16000)

@@ -1,0 +1,258 @@
+"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``.
+
+Every subcommand has ``--help``. Heavy imports (torch, the model port, the server) happen only
+inside the command that needs them, so ``duplexkit --help`` is instant.
+
+Model argument (``serve``, ``demo``, ``mic``, ``chat``):
+  * a MiniCPM-o 4.5 checkpoint directory;
+  * ``tiny``: a small random-weight checkpoint in the real layout (built once, cached). Random
+    weights never choose to listen or to end a turn, so with ``tiny`` sessions default to the
+    ``on_request`` answer policy and a small token cap (``TINY_MAX_OUTPUT_TOKENS``);
+  * ``scripted``: the torch-free :class:`duplexkit.testing.ScriptedEngine` (tests, protocol work).
+
+The package: ``common`` (exit codes, errors, engine helpers), one module per subcommand
+(``serve``, ``demo``, ``chat``, ``mic``), and here the parser, ``bench`` and :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .common import (
+    CliError,
+    DEFAULT_DEMO_WAV,
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    TINY_MAX_OUTPUT_TOKENS,
+    _debug,
+    _eprint,
+    _error_line,
+    _float_min,
+    _int_range,
+)
+from .serve import (_add_hardening_args, cmd_serve)
+from .demo import (cmd_demo)
+from .chat import (cmd_chat)
+from .mic import (cmd_mic)
+
+from .common import (  # re-exported: the documented exit codes and helpers callers use
+    DEBUG_ENV,
+    EXIT_CODES,
+    EXIT_CONNECTION,
+    EXIT_DEVICE,
+    EXIT_FAILURE,
+    EXIT_LOAD,
+    EXIT_OK,
+    load_engine,
+)
+from .chat import _chat_body
+from .demo import run_wav_turn
+from .mic import _echo_config
+
+__all__ = [
+    "main", "build_parser", "load_engine", "run_wav_turn", "TINY_MAX_OUTPUT_TOKENS", "CliError", "DEBUG_ENV",
+    "EXIT_CODES", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_CONNECTION", "EXIT_LOAD",
+    "EXIT_DEVICE", "EXIT_INTERRUPTED", "_chat_body", "_echo_config", "_error_line",
+]
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    scripts = sorted(p.stem for p in root.glob("*.py") if not p.name.startswith("_")) if root.is_dir() else []
+    if not args.name:
+        print("available benchmarks:", ", ".join(scripts) or "(none found in a source checkout)")
+        return 0
+    path = root / f"{args.name}.py"
+    if not path.is_file():
+        raise CliError(f"unknown benchmark {args.name!r}; available: {', '.join(scripts) or 'none'}", EXIT_USAGE)
+    sys.argv = [str(path), *args.rest]
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tiny", session: bool = True) -> None:
+    p.add_argument("model", nargs="?" if default else None, default=default,
+                   help="checkpoint directory, 'tiny' (random weights, built once and cached) or 'scripted' "
+                        f"(torch-free fake engine){' (default: ' + default + ')' if default else ''}")
+    p.add_argument("--layout", default=None,
+                   help="device layout: 'cpu', '1gpu', '2gpu', ... or a YAML path (default: 1gpu with CUDA, else cpu)")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="seed of the tiny checkpoint's random weights (default 0; ignored for real checkpoints)")
+    if not session:
+        return
+    p.add_argument("--answer-policy", choices=["model", "on_request"], default=None,
+                   help="when the model may speak: 'model' decides per unit, 'on_request' only answers "
+                        "response.create / VAD commits (default: on_request for tiny, else the profile default)")
+    p.add_argument("--max-output-tokens", type=_int_range(1, 8192, allow_inf=True), default=None,
+                   help=f"per-response token cap, 1..8192 or inf (default: {TINY_MAX_OUTPUT_TOKENS} for tiny, "
+                        "else 1024)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: …``, exit 2), like every other CLI failure."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="duplexkit", description="Realtime full-duplex voice agents "
+                                     "(MiniCPM-o 4.5): server, demos and tools.")
+    parser.add_argument("--version", action="version", version=f"duplexkit {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("serve", help="run the OpenAI-Realtime-compatible server",
+                       description="Serve /v1/realtime, /v1/duplex, /v1/chat/completions, /v1/models and /health.")
+    _add_model_args(p, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=_int_range(0, 65535), default=8000, help="TCP port, 0..65535 (default 8000)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted API key (repeatable; also $DUPLEXKIT_API_KEY); none = auth off")
+    p.add_argument("--max-sessions", type=_int_range(1), default=8,
+                   help="session slots shared by realtime sessions and chat requests (default 8)")
+    p.add_argument("--ref-audio-dir", default=None,
+                   help="directory whose files may be named as ref_audio paths (default: paths refused)")
+    p.add_argument("--max-ref-audio-s", type=_float_min(0.5), default=30.0, help="longest reference voice in s (default 30)")
+    p.add_argument("--max-input-audio-s", type=_float_min(0, strict=True), default=60.0,
+                   help="longest chat-completions input audio in s (default 60)")
+    p.add_argument("--max-event-bytes", type=_int_range(1024), default=16 * 2**20,
+                   help="largest client event in bytes (default 16 MiB; frames over twice this close with 1009)")
+    p.add_argument("--max-pending-input-s", type=_float_min(0, strict=True), default=10.0,
+                   help="unconsumed input before input_backpressure, in s (default 10)")
+    p.add_argument("--silence-slack-ms", type=_int_range(0, 3_600_000), default=250,
+                   help="grace after a unit deadline before silence is fed to an active response, ms (default 250)")
+    p.add_argument("--idle-timeout-s", type=_float_min(0, strict=True), default=300.0,
+                   help="close sessions without client events after this many s (default 300)")
+    p.add_argument("--ping-interval-s", type=_float_min(0, strict=True), default=20.0, help="WebSocket ping period in s (default 20)")
+    p.add_argument("--default-input-rate", type=_int_range(8000, 48000), default=16_000,
+                   help="rate of a bare 'pcm16' input format in the duplex profile, Hz (default 16000)")
+    p.add_argument("--instructions", default=None, help="default system prompt (default: the model's own)")
+    p.add_argument("--default-voice", default=None, metavar="WAV",
+                   help="default reference voice clip, 0.5-30 s (default: the checkpoint's bundled voice)")
+    p.add_argument("--voice", action="append", default=None, metavar="NAME=WAV",
+                   help="register a named voice selectable with session.voice (repeatable)")
+    p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the engine's)")
+    p.add_argument("--alias", action="append", default=None, help="another accepted model id (repeatable)")
+    p.add_argument("--openai-model-ids", default="map", choices=["map", "refuse"],
+                   help="gpt-realtime*/gpt-4o* model ids: serve them with this model, logged (map, default) "
+                        "or refuse them with model_not_found")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="thinker dtype override (default: the layout's)")
+    p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",
+                   help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level (default info)")
+    _add_hardening_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="WAV in -> transcript + WAV out + timing table",
+                       description="Send a WAV as one user turn, request an answer, save it, print timings. "
+                                   "Default: the tiny random-weight model and the bundled question.")
+    _add_model_args(p)
+    p.add_argument("--input", "-i", default=str(DEFAULT_DEMO_WAV),
+                   help="input WAV (any rate; default: the bundled 'What is the weather like today in Paris?')")
+    p.add_argument("--output", "-o", default="demo_output.wav", help="output WAV, 24 kHz (default demo_output.wav)")
+    p.add_argument("--url", default=None, help="talk to a running server instead of loading the model in-process")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--instructions", default=None, help="system prompt")
+    p.add_argument("--pace", type=_float_min(0), default=0.0,
+                   help="send the input at this multiple of real time (0 = as fast as possible, default)")
+    p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0,
+                   help="seconds to wait for the answer (default 600)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("mic", help="talk to the model: microphone in, speaker out, barge-in by speaking",
+                       description="Live conversation with local barge-in (webrtcvad) and a live transcript.")
+    _add_model_args(p)
+    p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--input-device", default=None, help="sounddevice input device (index or name substring)")
+    p.add_argument("--output-device", default=None, help="sounddevice output device (index or name substring)")
+    p.add_argument("--block-ms", type=_int_range(10, 1000), default=100, help="microphone block size in ms (default 100)")
+    p.add_argument("--no-barge-in", action="store_true", help="do not interrupt the assistant when you speak")
+    p.add_argument("--no-vad-responses", dest="vad_responses", action="store_false",
+                   help="do not ask for an answer after each utterance (let the model decide)")
+    p.add_argument("--silence-ms", type=_int_range(0), default=500, help="silence that ends an utterance, ms (default 500)")
+    p.add_argument("--echo", choices=["off", "gate", "aec", "auto"], default="auto",
+                   help="echo control for speakers without headphones: 'gate' = barge-in needs speech well above "
+                        "the playback echo level; 'aec' = WebRTC echo cancellation (pip install 'duplexkit[echo]') "
+                        "plus the gate; 'auto' = aec when installed, else gate; 'off' = none (headphones). "
+                        "Default auto: a headset cannot be detected reliably, so echo control is always on "
+                        "unless you pass --echo off")
+    p.add_argument("--instructions", default=None, help="system prompt")
+    p.add_argument("--duration", type=_float_min(0, strict=True), default=None, help="stop after this many seconds (default: Ctrl+C)")
+    p.add_argument("--save-output", default=None, help="also write everything the assistant said to this WAV")
+    p.add_argument("--summary", default=None, help="write a JSON summary (responses, barge-ins) here at exit")
+    p.set_defaults(func=cmd_mic)
+
+    p = sub.add_parser("chat", help="one /v1/chat/completions call (text and/or audio in, text + WAV out)",
+                       description="Send one chat-completions request (text and/or a WAV) and print the answer; "
+                                   "the spoken answer is saved as a 24 kHz WAV. Runs the model in-process, or "
+                                   "talks to a running server with --url. Default: the tiny random-weight model.")
+    _add_model_args(p, session=False)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed sent with the request (repeatable answers on the same hardware; default: none)")
+    p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--text", "-t", default=None, help="user text")
+    p.add_argument("--audio", "-a", default=None, help="user audio WAV")
+    p.add_argument("--output", "-o", default="chat_output.wav", help="where to save the spoken answer (24 kHz WAV)")
+    p.add_argument("--no-audio", action="store_true", help="text answer only")
+    p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
+    p.add_argument("--max-tokens", type=_int_range(1, 8192), default=None,
+                   help="max answer tokens, 1..8192 (default: not sent; the server's default applies, which keeps "
+                        f"its --max-output-tokens cap: {TINY_MAX_OUTPUT_TOKENS} for tiny, else up to 256)")
+    p.add_argument("--served-model", default=None, help="model id to send (default: the server's)")
+    p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0, help="HTTP timeout in s (default 600)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/ (prints tables)")
+    p.add_argument("name", nargs="?", default=None, help="benchmark name (omit to list them)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _version() -> str:
+    from duplexkit import __version__
+
+    return __version__
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        _eprint("interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except Exception as exc:
+        # one clean line (and a documented status, see EXIT_*); DUPLEXKIT_DEBUG=1 shows the traceback
+        message, code = _error_line(exc)
+        if _debug():
+            import traceback
+
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        _eprint(f"error: {message}")
+        return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m duplexkit.cli``."""
+
+import sys
+
+from duplexkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,262 @@
+"""Shared pieces of the ``duplexkit`` command: exit codes, the one-line error report, model/engine helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from duplexkit.errors import DuplexkitError
+
+
+TINY_MAX_OUTPUT_TOKENS = 40
+"""Default per-response token cap with the ``tiny`` model: random weights never emit
+``<|turn_eos|>``; at up to 19 decoded tokens per unit (docs/model.md §5.3) this ends a response after
+2-3 units (docs/protocol.md §4.1)."""
+
+MIN_TURN_SAMPLES = 1600
+"""The shortest input ``demo`` sends, in 16 kHz samples: 100 ms, the least a commit accepts
+(``input_audio_buffer_empty`` below it, docs/protocol.md §9)."""
+
+ASSET_DIR = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_DEMO_WAV = ASSET_DIR / "question_16k.wav"
+
+
+def _eprint(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+DEBUG_ENV = "DUPLEXKIT_DEBUG"
+"""Set to 1 to let errors show their full traceback instead of one ``error: …`` line."""
+
+EXIT_OK = 0
+"""Success (``demo``: the answer ended ``completed`` or ``incomplete``)."""
+EXIT_FAILURE = 1
+"""The run failed: the answer ended ``cancelled``/``failed``, a timeout, a server-side error, an
+unexpected exception."""
+EXIT_USAGE = 2
+"""Bad arguments or input, refused before anything heavy runs: an option out of range, a missing or
+invalid checkpoint directory (no/bad ``config.json``, no weight files), an unknown or invalid
+``--layout``, a GPU layout on a machine without a visible GPU, an unreadable WAV, input under 100 ms."""
+EXIT_BAD_INPUT = EXIT_USAGE  # the older name
+EXIT_CONNECTION = 3
+"""Network: a client cannot reach the server or is refused (connection refused, unauthorized, no
+free session slot); ``serve`` cannot listen on ``--host``/``--port`` (port in use, address not
+available)."""
+EXIT_LOAD = 4
+"""The model or engine failed to load after the pre-load checks passed (``CheckpointError``, out of
+memory, a missing package such as torch)."""
+EXIT_DEVICE = 5
+"""``mic``: no usable audio device (none found, the named one missing, or it cannot be opened)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl+C (SIGINT) stopped a command that ends by itself (``demo``, ``chat``, ``bench``). For the
+commands that run until stopped (``serve``, ``mic`` without ``--duration``) Ctrl+C / SIGTERM is the
+normal way to end them: they shut down cleanly and exit 0."""
+
+EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURE: "run failed", EXIT_USAGE: "usage or invalid input",
+              EXIT_CONNECTION: "network (connect / listen)", EXIT_LOAD: "model load failed",
+              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted"}
+"""The one exit-status table every subcommand uses (docs/cli.md)."""
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _int_range(lo: int, hi: Optional[int] = None, *, allow_inf: bool = False):
+    """An argparse type: an integer in ``lo..hi`` (the wire's limits), optionally the string ``inf``."""
+    def parse(text: str):
+        if allow_inf and text.strip().lower() == "inf":
+            return "inf"
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer{' or inf' if allow_inf else ''}, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {rng}{' or inf' if allow_inf else ''}, got {v}")
+        return v
+    return parse
+
+
+def _float_min(lo: float, *, strict: bool = False):
+    """An argparse type: a finite float ``>= lo`` (``> lo`` when ``strict``)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}, got {text}")
+        return v
+    return parse
+
+
+class CliError(DuplexkitError):
+    """A failure reported as one ``error: <message>`` line with exit status ``exit_status``."""
+
+    default_code = "cli_error"
+
+    def __init__(self, message: str, exit_status: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _error_line(exc: BaseException) -> tuple[str, int]:
+    """The message and exit status for an exception that ends a command (see EXIT_*)."""
+    from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
+                                  DuplexTimeout, EngineLoadError, LayoutError)
+    from duplexkit.preflight import PreflightError
+
+    if isinstance(exc, CliError):
+        return str(exc), exc.exit_status
+    if isinstance(exc, EngineLoadError):
+        return str(exc), EXIT_LOAD
+    if isinstance(exc, PreflightError):
+        return str(exc), EXIT_USAGE
+    if isinstance(exc, FileNotFoundError):
+        return str(exc), EXIT_BAD_INPUT
+    if isinstance(exc, DuplexTimeout):
+        return f"timed out: {exc.message}", EXIT_FAILURE
+    if isinstance(exc, DuplexConnectionError):
+        hints = {"unauthorized": "the server refused the API key (pass --api-key KEY)",
+                 "session_capacity_exhausted": "the server has no free session slot; retry later"}
+        msg = hints.get(exc.code, exc.message or exc.code)
+        return (f"{msg} ({exc.message})" if exc.code in hints and exc.message else msg), EXIT_CONNECTION
+    if isinstance(exc, DuplexError):
+        if exc.code == "input_audio_buffer_empty":
+            return "input too short: need at least 100 ms of audio", EXIT_BAD_INPUT
+        return f"the server rejected the request: {exc.code}: {exc.message}", EXIT_FAILURE
+    if isinstance(exc, AudioFormatError):
+        return f"bad audio: {exc}", EXIT_BAD_INPUT
+    if isinstance(exc, LayoutError):
+        return f"bad layout: {exc}", EXIT_BAD_INPUT
+    if isinstance(exc, DeviceError):
+        return f"audio device error: {exc}", EXIT_DEVICE
+    chat_mod = sys.modules.get("duplexkit_server.chat")
+    if chat_mod is not None and isinstance(exc, getattr(chat_mod, "ChatRequestError", ())):
+        return f"bad chat request: {exc}", EXIT_BAD_INPUT
+    httpx = sys.modules.get("httpx")
+    if httpx is not None:
+        if isinstance(exc, httpx.TimeoutException):
+            return f"timed out: {exc}", EXIT_FAILURE
+        if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
+            return f"cannot connect: {exc}", EXIT_CONNECTION
+        if isinstance(exc, httpx.HTTPError):
+            return f"HTTP request failed: {exc}", EXIT_CONNECTION
+    if isinstance(exc, (ConnectionError, OSError)):
+        return f"{type(exc).__name__}: {exc}", EXIT_CONNECTION if isinstance(exc, ConnectionError) else EXIT_FAILURE
+    return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
+
+
+# ---------------------------------------------------------------------------------------------
+# engine loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_voice(spec: str) -> tuple[str, Path]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise CliError(f"--voice expects NAME=PATH, got {spec!r}", EXIT_BAD_INPUT)
+    return name, Path(path)
+
+
+def _parse_scripted(pairs: list[str]) -> dict:
+    out: dict[str, Any] = {}
+    for p in pairs or []:
+        key, sep, val = p.partition("=")
+        if not sep:
+            raise CliError(f"--scripted expects KEY=VALUE, got {p!r}", EXIT_BAD_INPUT)
+        try:
+            out[key] = json.loads(val)
+        except ValueError:
+            out[key] = val
+    return out
+
+
+def load_engine(model: str, **kwargs):
+    """:func:`duplexkit.engine.load_engine` for the CLI: a load failure becomes a :class:`CliError`
+    with :data:`EXIT_LOAD` (the message keeps the loader's text). Other code imports
+    ``load_engine`` from :mod:`duplexkit.engine`."""
+    from duplexkit.engine.loading import load_engine as _load
+    from duplexkit.errors import EngineLoadError
+
+    try:
+        return _load(model, **kwargs)
+    except EngineLoadError as exc:
+        raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
+
+
+def _check_model_arg(model: str, layout: Optional[str]) -> None:
+    """Cheap checks before anything heavy loads and before ``serve`` binds its port
+    (:func:`duplexkit.engine.loading.check_model_arg`)."""
+    from duplexkit.engine.loading import check_model_arg
+
+    check_model_arg(model, layout)
+
+
+def _random_weights_notice(engine) -> None:
+    from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE
+
+    if getattr(engine, "random_weights", False):
+        _eprint(RANDOM_WEIGHTS_NOTICE)
+    if not getattr(engine, "supports_audio", True):
+        _eprint("NOTE: the checkpoint has no assets/token2wav (no vocoder): answers are text only.")
+
+
+def _remote_notice(url: str) -> bool:
+    """Print the random-weights notice when the server at ``url`` reports ``random_weights`` in
+    ``/health``. Returns whether it did."""
+    from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+
+    if remote_random_weights(url):
+        _eprint(RANDOM_WEIGHTS_NOTICE.replace("this model has", "the server's model has"))
+        return True
+    return False
+
+
+def _bind(host: str, port: int):
+    """Bind the listening socket before the banner and before the engine loads, so a port in use is
+    one error line (exit :data:`EXIT_CONNECTION`) and nothing else. Returns the bound socket."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})", EXIT_CONNECTION) from exc
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: allows TIME_WAIT, not a live listener
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        import errno
+
+        why = {errno.EADDRINUSE: "the port is already in use (another server? stop it or pass --port N)",
+               errno.EADDRNOTAVAIL: "this machine has no such address (check --host)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges; pass --port N)"}
+        raise CliError(f"cannot listen on {host}:{port}: {why.get(exc.errno, exc.strerror or exc)}",
+                       EXIT_CONNECTION) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _session_defaults(args, engine_name: str) -> dict:
+    """SessionConfig overrides implied by the model choice and flags."""
+    out: dict[str, Any] = {}
+    policy = getattr(args, "answer_policy", None)
+    if policy is None and engine_name == "tiny":
+        policy = "on_request"
+    if policy is not None:
+        out["answer_policy"] = policy
+    cap = getattr(args, "max_output_tokens", None)
+    if cap is None and engine_name == "tiny":
+        cap = TINY_MAX_OUTPUT_TOKENS
+    if cap is not None:
+        out["max_output_tokens"] = cap
+    return out

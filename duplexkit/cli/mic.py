@@ -1,0 +1,229 @@
+"""``duplexkit mic``: talk to the model through the microphone and speaker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+from .common import (
+    CliError,
+    EXIT_DEVICE,
+    _check_model_arg,
+    _eprint,
+    _random_weights_notice,
+    _remote_notice,
+    _session_defaults,
+    load_engine,
+)
+
+
+def _echo_config(choice: str):
+    """``--echo`` -> the client's ``echo=`` option: an ``EchoConfig``, or None for ``off``.
+
+    ``auto`` is ``aec`` when the AEC package (``duplexkit[echo]``) imports, else ``gate``.
+    Raises CliError for ``aec`` without the package.
+    """
+    if choice == "off":
+        return None
+    from duplexkit.audio.echo import EchoConfig, aec_available
+
+    if choice == "auto":
+        choice = "aec" if aec_available() else "gate"
+    elif choice == "aec" and not aec_available():
+        raise CliError("--echo aec needs the AEC package: pip install 'duplexkit[echo]' (or use --echo gate)")
+    return EchoConfig(mode=choice)
+
+
+MIC_DEVICE_HELP = ("Fix: on a headless machine or in a container, start a PulseAudio server with virtual devices "
+                   "(docs/troubleshooting.md, 'Audio devices'); or run `duplexkit mic --url ws://SERVER:PORT` on a "
+                   "machine that has a microphone and speakers; or pick devices with --input-device / "
+                   "--output-device (an index or a name substring from the list above).")
+
+
+def _describe_devices(devices: list[dict]) -> str:
+    if not devices:
+        return "PortAudio sees no audio device at all."
+    lines = ["PortAudio sees:"]
+    for d in devices:
+        mark = (" (default input)" if d["is_default_input"] else "") + (" (default output)" if d["is_default_output"] else "")
+        lines.append(f"  [{d['index']}] {d['name']} ({d['hostapi']}, {d['max_input_channels']} in / "
+                     f"{d['max_output_channels']} out){mark}")
+    return "\n".join(lines)
+
+
+def _check_audio_devices(input_spec: Optional[str], output_spec: Optional[str]) -> None:
+    """Before loading anything: is there an input and an output device (the named ones, or defaults)?
+
+    Raises:
+        CliError(EXIT_DEVICE) naming what is missing, the fix, and every device PortAudio lists;
+        DeviceError (also exit 5) when sounddevice/PortAudio itself is missing.
+    """
+    from duplexkit.audio import list_devices
+
+    devices = list_devices()
+    problems = []
+    for kind, spec, chan in (("input", input_spec, "max_input_channels"), ("output", output_spec, "max_output_channels")):
+        usable = [d for d in devices if d[chan] > 0]
+        if spec is None:
+            if not any(d[f"is_default_{kind}"] for d in usable):
+                problems.append(f"no default audio {kind} device" if usable else f"no audio {kind} device")
+        elif spec.strip().isdigit():
+            if not any(d["index"] == int(spec) for d in usable):
+                problems.append(f"--{kind}-device {spec} is not an {kind} device")
+        elif not any(spec.lower() in d["name"].lower() for d in usable):
+            problems.append(f"no {kind} device matching --{kind}-device {spec!r}")
+    if problems:
+        raise CliError(f"{', '.join(problems)}.\n{_describe_devices(devices)}\n{MIC_DEVICE_HELP}", EXIT_DEVICE)
+
+
+async def _mic_async(args) -> int:
+    import signal
+
+    import numpy as np
+
+    if not args.url:
+        _check_model_arg(args.model, args.layout)  # before the device query and before loading the model
+    _check_audio_devices(args.input_device, args.output_device)
+
+    from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream
+    from duplexkit.clients import DuplexClient, InlineDuplexClient
+
+    player = PlaybackBuffer(24_000)
+    session: dict[str, Any] = {}
+    if args.instructions:
+        session["instructions"] = args.instructions
+    if args.vad_responses:
+        session["turn_detection"] = {"type": "server_vad", "create_response": True, "interrupt_response": True,
+                                     "silence_duration_ms": args.silence_ms}
+    common = dict(session=session, player=player, barge_in=not args.no_barge_in, input_rate=16_000,
+                  request_timeout_s=60.0)
+    echo = _echo_config(args.echo)
+    if echo is not None:  # the client's echo option (EchoConfig); "off" leaves the client as it was
+        common["echo"] = echo
+    engine = None
+    if args.url:
+        _remote_notice(args.url)
+        client = DuplexClient(args.url, api_key=args.api_key, **common)
+    else:  # Ctrl+C while loading interrupts (status 130)
+        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
+        _random_weights_notice(engine)
+        client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here Ctrl+C / SIGTERM end the conversation (exit 0)
+        loop.add_signal_handler(sig, stop.set)
+    ready = [False]
+
+    mic_q: asyncio.Queue = asyncio.Queue()
+    out_audio: list = []
+    transcript_lines: list[str] = []
+    heard = [0]
+    tty = sys.stdout.isatty()
+    level = [0.0]
+
+    def on_block(block):  # called from the audio thread: hand the samples to the event loop
+        loop.call_soon_threadsafe(mic_q.put_nowait, block.audio)
+
+    speaker = SpeakerStream(player, rate=24_000, device=_device(args.output_device))
+    mic = MicStream(rate=16_000, block_ms=args.block_ms, device=_device(args.input_device), on_block=on_block)
+    try:
+        async with client:
+
+            async def pump_mic():
+                while True:
+                    x = await mic_q.get()
+                    level[0] = float(np.sqrt(np.mean(x * x))) if len(x) else 0.0
+                    await client.send_audio(x, rate=16_000)
+
+            async def show_events():
+                current = ""
+                async for ev in client.events():
+                    t = ev.type
+                    if t == "response.output_audio_transcript.delta" or t == "response.output_text.delta":
+                        current += ev.delta or ""
+                        if tty:
+                            print(f"\rassistant: {current[-70:]}  [mic {20 * np.log10(level[0] + 1e-9):6.1f} dBFS]",
+                                  end="", flush=True)
+                    elif t == "response.done":
+                        line = f"assistant ({ev.response.status}): {current}"
+                        transcript_lines.append(line)
+                        print(("\r" if tty else "") + line, flush=True)
+                        current = ""
+                    elif t == "input_audio_buffer.speech_started":
+                        heard[0] += 1
+                        print(("\n" if tty and current else "") + "[you are speaking]", flush=True)
+                    elif t == "error":
+                        print(f"[error] {ev.error.code}: {ev.error.message}", flush=True)
+
+            async def collect_output():
+                async for h in client.responses():
+                    async def grab(h=h):
+                        try:
+                            async for pcm in h.audio():
+                                out_audio.append(pcm)
+                        except Exception:
+                            pass
+                    asyncio.ensure_future(grab())
+
+            speaker.start()
+            mic.start()
+            tasks = [asyncio.ensure_future(pump_mic()), asyncio.ensure_future(show_events()),
+                     asyncio.ensure_future(collect_output())]
+            # "ready" only once the model is loaded, the session is open and the microphone records:
+            # audio played from now on is heard. --duration counts from here.
+            _eprint(f"session {client.session_id} ready; speak (Ctrl+C to quit)")
+            ready[0] = True
+            t_end = time.monotonic() + args.duration if args.duration else None
+            try:
+                while not stop.is_set() and (t_end is None or time.monotonic() < t_end):
+                    try:
+                        await asyncio.wait_for(stop.wait(), 0.1)
+                    except asyncio.TimeoutError:
+                        pass
+                    if any(t.done() for t in tasks):
+                        break
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        mic.stop()
+        speaker.stop()
+        if engine is not None:
+            await engine.aclose()
+        if ready[0]:
+            _mic_outputs(args, out_audio, transcript_lines, client, heard[0])
+    return 0
+
+
+def _mic_outputs(args, out_audio: list, transcript_lines: list, client, heard: int) -> None:
+    """Write ``--save-output`` and ``--summary`` (also after Ctrl+C) and a closing line on stderr."""
+    import numpy as np
+
+    if args.save_output and out_audio:
+        from duplexkit.audio import write_wav
+        write_wav(args.save_output, np.concatenate(out_audio), 24_000)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps({
+            "responses": transcript_lines, "output_samples": int(sum(len(a) for a in out_audio)),
+            "speech_started": heard, "barge_ins": getattr(client, "barge_ins", 0)}, indent=2))
+    _eprint(f"mic: heard speech {heard} time(s), {len(transcript_lines)} response(s)"
+            + ("" if heard else " (nothing heard: check the input device and its level, see --input-device)"))
+
+
+def _device(spec: Optional[str]):
+    """A sounddevice device argument: an index when numeric, else a name substring (None = default)."""
+    if spec is None:
+        return None
+    return int(spec) if spec.strip().isdigit() else spec
+
+
+def cmd_mic(args) -> int:
+    # Ctrl+C / SIGTERM end the conversation with status 0 (signal handlers in _mic_async); DeviceError
+    # and device checks -> 5, a server that cannot be reached -> 3: reported by main() (_error_line)
+    return asyncio.run(_mic_async(args))

@@ -1,0 +1,124 @@
+"""``duplexkit serve``: the bundled server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from .common import (
+    CliError,
+    EXIT_LOAD,
+    EXIT_USAGE,
+    _bind,
+    _check_model_arg,
+    _eprint,
+    _float_min,
+    _int_range,
+    _parse_scripted,
+    _parse_voice,
+    _random_weights_notice,
+    _session_defaults,
+    load_engine,
+)
+
+
+def _add_hardening_args(p) -> None:
+    """``serve`` options of the server's security and quota layer (docs/server.md, "Security")."""
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="browser origin allowed to open sessions and POST, e.g. https://app.example.com "
+                        "(repeatable; '*' = any; default: the server's own origin only)")
+    p.add_argument("--max-body-bytes", type=_int_range(1024), default=16 * 2**20,
+                   help="largest HTTP request body in bytes (default 16 MiB; larger: HTTP 413)")
+    p.add_argument("--max-sessions-per-client", type=_int_range(0), default=None,
+                   help="slots one client (API key, or address when auth is off) may hold; 0 = no limit "
+                        "(default: half of --max-sessions, at least 1)")
+    p.add_argument("--header-timeout-s", type=_float_min(0, strict=True), default=10.0,
+                   help="close a connection whose request head is not complete after this many s (default 10)")
+    p.add_argument("--no-session-resume", dest="session_resume", action="store_false",
+                   help="do not offer session resume (capabilities.supports_session_resume: false)")
+    p.add_argument("--resume-window-s", type=_float_min(0, strict=True), default=30.0,
+                   help="how long a session whose connection dropped waits for session.resume, s (default 30)")
+    p.add_argument("--resume-journal-events", type=_int_range(1), default=4096,
+                   help="server events kept per session for replay on resume (default 4096)")
+    p.add_argument("--resume-journal-bytes", type=_int_range(1024), default=16 * 2**20,
+                   help="bytes of server events kept per session for replay on resume (default 16 MiB)")
+
+
+    # operability (docs/deployment.md, "Probes", "Metrics", "Runbook")
+    p.add_argument("--drain-s", type=_duration, default=300.0, metavar="DURATION",
+                   help="on SIGTERM, let live sessions go on this long (new ones refused, /ready 503) before "
+                        "closing them with session.closed{shutdown}: seconds, or 10m / 1h (default 300; "
+                        "SIGINT or a second signal closes at once)")
+    p.add_argument("--metrics", default="auth", choices=["auth", "public", "off"],
+                   help="GET /metrics (Prometheus): auth = needs the API key when keys are set (default), "
+                        "public = no key (scrapers on a private network), off = no route")
+
+
+def _duration(text: str) -> float:
+    """An argparse type: seconds, or a number with s/m/h (``duplexkit_server.lifecycle.parse_duration``)."""
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:])
+    try:
+        v = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or a number with s/m/h (e.g. 300, 5m), got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite duration >= 0, got {text}")
+    return v
+
+
+def _hardening_settings(args) -> dict:
+    return {"allow_origins": list(args.allow_origin or []), "max_body_bytes": args.max_body_bytes,
+            "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s,
+            "session_resume": args.session_resume, "resume_window_s": args.resume_window_s,
+            "resume_journal_events": args.resume_journal_events, "resume_journal_bytes": args.resume_journal_bytes,
+            "drain_s": args.drain_s, "metrics": args.metrics}
+
+
+def cmd_serve(args) -> int:
+    _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    sock = _bind(args.host, args.port)
+    import logging
+
+    from duplexkit_server import ServerSettings, create_app, serve
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    defaults = _session_defaults(args, args.model)
+    settings = ServerSettings(
+        model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
+        openai_model_ids=args.openai_model_ids,
+        max_sessions=args.max_sessions, max_event_bytes=args.max_event_bytes, idle_timeout_s=args.idle_timeout_s,
+        ping_interval_s=args.ping_interval_s, max_pending_input_s=args.max_pending_input_s,
+        silence_slack_ms=args.silence_slack_ms,
+        max_ref_audio_s=args.max_ref_audio_s, max_input_audio_s=args.max_input_audio_s,
+        ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
+        max_output_tokens=defaults.get("max_output_tokens", 1024), answer_policy=defaults.get("answer_policy"),
+        default_input_rate=args.default_input_rate, default_instructions=args.instructions,
+        default_voice=Path(args.default_voice) if args.default_voice else None,
+        voices=dict(_parse_voice(v) for v in (args.voice or [])),
+        **_hardening_settings(args))
+    scripted = _parse_scripted(args.scripted)
+
+    def loader():
+        try:
+            engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
+                                 scripted=scripted, checked=True)
+        except CliError as exc:  # the server prints "error: engine failed to load: <message>"
+            prefix = "engine failed to load: "
+            raise type(exc)(str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc),
+                            exc.exit_status) from exc.__cause__
+        _random_weights_notice(engine)
+        return engine
+
+    app = create_app(engine_loader=loader, settings=settings)
+    port = sock.getsockname()[1]
+    _eprint(f"duplexkit serving {args.model} on http://{args.host}:{port} "
+            f"(realtime: ws://{args.host}:{port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: "
+            f"/v1/realtime; auth {'on' if settings.api_keys else 'off'})")
+    rc = serve(app, host=args.host, port=port, log_level=args.log_level, sockets=[sock])
+    err = app.state.duplexkit.load_error
+    if err is not None:
+        from duplexkit.errors import LayoutError
+
+        return EXIT_USAGE if isinstance(err, LayoutError) else EXIT_LOAD
+    return rc

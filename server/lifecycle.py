@@ -1,0 +1,166 @@
+"""Probes, drain and the uvicorn runner of the bundled server (docs/deployment.md, "Probes" and
+"Runbook"; docs/server.md, "Graceful shutdown").
+
+* ``GET /ready``: 200 while the replica accepts a new session; 503 with a JSON ``status`` of
+  ``loading``, ``error``, ``draining`` or ``full`` otherwise (a load balancer's readiness probe).
+* ``GET /live``: 200 while the process and its event loop run (a liveness probe: it needs nothing
+  else, so a busy engine never gets the pod restarted).
+* :func:`drain`: refuse new sessions (WebSocket close 1013 ``session_capacity_exhausted``, chat HTTP
+  503), wait up to ``drain_s`` for the live sessions to end by themselves, then close the rest with
+  ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5).
+* :func:`serve`: uvicorn with duplexkit's transport limits; SIGTERM drains for
+  ``ServerSettings.drain_s``; SIGINT (Ctrl+C), or a second signal during a drain, closes the
+  sessions at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger("duplexkit.server")
+
+__all__ = ["not_ready_reason", "install", "drain", "serve"]
+
+
+def not_ready_reason(state) -> Optional[str]:
+    """Why the replica takes no new session now: ``error`` (the model failed to load), ``loading``,
+    ``draining`` (SIGTERM received, or shutting down), ``full`` (every slot in use); None when it does."""
+    if state.load_error is not None:
+        return "error"
+    if state.engine is None:
+        return "loading"
+    if state.shutting_down or getattr(state, "draining", False):
+        return "draining"
+    if state.slots.used >= state.slots.size:
+        return "full"
+    return None
+
+
+_MESSAGES = {
+    "error": "the model failed to load",
+    "loading": "the model is loading",
+    "draining": "this replica is draining for shutdown: new sessions go to another replica",
+    "full": "every session slot is in use",
+}
+
+
+def install(app, state) -> None:
+    """Add ``GET /ready`` and ``GET /live`` (no authentication: probes carry no key, and the bodies
+    hold only the states above and slot counts)."""
+    from fastapi.responses import JSONResponse
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready():
+        reason = not_ready_reason(state)
+        body = {"status": reason or "ready", "sessions_active": state.slots.used, "sessions_max": state.slots.size}
+        if reason is None:
+            return body
+        body["reason"] = _MESSAGES[reason]
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
+
+    @app.get("/live", include_in_schema=False)
+    async def live():
+        return {"status": "alive", "uptime_s": int(time.time()) - state.started_at}
+
+
+async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: False, poll_s: float = 0.1) -> int:
+    """Drain: refuse new sessions, wait up to ``drain_s`` seconds while slots are in use (stop early
+    when ``force()`` turns true), then close what is left with ``session.closed{reason:"shutdown"}``.
+
+    Returns the number of sessions that were still open when the wait ended (0: all finished).
+    """
+    state.draining = True
+    state.shutting_down = True  # /health 503 shutting_down; the handshake and chat refuse (state.ready)
+    open_now = state.slots.used
+    if open_now and drain_s > 0:
+        logger.info("draining: %d session slot(s) in use; waiting up to %g s for them to end "
+                    "(send the signal again to close them now)", open_now, drain_s)
+        deadline = time.monotonic() + drain_s
+        while state.slots.used and time.monotonic() < deadline and not force():
+            await asyncio.sleep(poll_s)
+    left = len(state.connections)
+    if left:
+        logger.info("drain over: closing %d open session(s) with session.closed{reason:\"shutdown\"}", left)
+    await state.shutdown_sessions("shutdown")
+    return left
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+          sockets: Optional[list] = None) -> int:
+    """Run ``app`` under uvicorn with duplexkit's transport limits, drain and graceful shutdown.
+
+    ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
+    ``ping_interval_s`` without a pong deadline (a late pong on a busy loop must not drop a live
+    session); a request head must be complete within ``header_timeout_s``.
+
+    SIGTERM starts a drain of ``settings.drain_s`` seconds (:func:`drain`): the listening socket stays
+    open so ``/ready`` answers 503 ``draining`` and new sessions are refused, live sessions may finish,
+    and the rest get ``session.closed{reason:"shutdown"}`` and close 1001. SIGINT, or a second
+    SIGTERM/SIGINT during the drain, closes the sessions at once. Then uvicorn shuts down.
+
+    ``sockets``: already bound listening sockets (``duplexkit serve`` binds before loading, so a
+    port in use fails at once); ``host``/``port`` then only name them in logs.
+
+    Returns 0 after a clean stop, 1 when the engine failed to load (the server then stops itself).
+    """
+    import uvicorn
+
+    state = app.state.duplexkit
+    s = state.settings
+    s.bind_host, s.bind_port = host, (port or None)
+    from .security import header_timeout_protocol, is_loopback_host
+
+    if not s.api_keys and not is_loopback_host(host):
+        logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                       "model; pass --api-key (or set DUPLEXKIT_API_KEY), or bind 127.0.0.1", host)
+
+    class _Server(uvicorn.Server):
+        first_signal: Optional[int] = None
+        signals_seen = 0
+
+        def handle_exit(self, sig, frame):  # type: ignore[override]
+            self.signals_seen += 1
+            if self.first_signal is None:
+                self.first_signal = sig
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):  # type: ignore[override]
+            drain_s = s.drain_s if self.first_signal == signal.SIGTERM else 0.0
+            try:
+                await drain(state, drain_s, force=lambda: self.signals_seen > 1)
+            except Exception:  # pragma: no cover
+                logger.exception("graceful session shutdown failed")
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            http=header_timeout_protocol(s.header_timeout_s),
+                            h11_max_incomplete_event_size=64 * 1024,  # request head size cap
+                            ws_max_size=2 * s.max_event_bytes,
+                            ws_ping_interval=s.ping_interval_s,
+                            # no ping timeout: a loop slowed by engine threads reads pongs late and
+                            # uvicorn would close live sessions with 1011 and no session.closed; dead
+                            # peers end by TCP errors or the idle timeout (session.closed{timeout})
+                            ws_ping_timeout=None,
+                            timeout_graceful_shutdown=s.shutdown_grace_s + 5)
+
+    # uvicorn re-raises the captured signal after its graceful shutdown; a clean stop exits 0.
+    server = _Server(config)
+
+    def _stop_on_load_error(exc: BaseException) -> None:
+        print(f"error: engine failed to load: {exc}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    state.on_load_error = _stop_on_load_error
+    prev_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, prev_term)
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,225 @@
+"""Session resume within one replica (docs/protocol.md §1.6): the replay journal, resume tokens
+and the registry of resumable sessions.
+
+When the WebSocket of a session drops (any close but a normal 1000, or no close frame at all),
+the session is not closed: it is *parked* for ``resume_window_s`` while its engine stream keeps
+running, and every server event it emits goes into its :class:`ReplayJournal` (bounded by
+``resume_journal_events`` events and ``resume_journal_bytes`` bytes). A new connection whose first
+frame is ``session.resume{session_id, resume_token, last_server_event_seq}`` gets
+``session.resumed``, then every journaled event after ``last_server_event_seq`` in order, then live
+events. The token is handed out with ``session.created`` and rotated by each ``session.resumed``
+(the old one stops working); it is bound to the API key the session was opened with.
+
+Refusals (one ``error`` event, then close 1008; 1011 for the journal):
+
+* ``resume_not_found``: no such session on this replica (never existed, or resumed sessions of
+  another principal: the two are not told apart);
+* ``resume_unauthorized``: the token or the API key does not match;
+* ``resume_expired``: the session was parked longer than the window and has been closed;
+* ``resume_journal_overflow``: events the client has not seen were dropped from the journal; the
+  session ends with ``session.closed{reason:"server_error"}``.
+
+This module holds no sockets; :mod:`duplexkit_server.realtime` moves the frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from collections import OrderedDict, deque
+from typing import Any, Optional
+
+from duplexkit.errors import DuplexkitError
+
+__all__ = ["ReplayJournal", "JournalOverflow", "ResumeRegistry", "ResumeRefused", "parse_resume",
+           "principal_of", "new_token", "EVENT_OVERHEAD_BYTES"]
+
+EVENT_OVERHEAD_BYTES = 256
+"""Bytes counted per journaled event besides its string fields (an estimate of the JSON keys and
+numbers; the string fields, e.g. a base64 audio ``delta``, are counted exactly)."""
+
+_TOMBSTONE_KEEP = 1024
+
+
+class JournalOverflow(DuplexkitError):
+    """Events after the requested sequence number were already dropped from the journal."""
+
+    default_code = "resume_journal_overflow"
+
+
+class ResumeRefused(DuplexkitError):
+    """A ``session.resume`` that is refused: ``code`` (docs/protocol.md §9), ``message``, and
+    ``close_code`` of the WebSocket close that follows."""
+
+    def __init__(self, code: str, message: str, close_code: int = 1008) -> None:
+        super().__init__(message, code=code)
+        self.close_code = close_code
+
+
+def _event_bytes(ev: dict) -> int:
+    return EVENT_OVERHEAD_BYTES + sum(len(v) for v in ev.values() if isinstance(v, str))
+
+
+class ReplayJournal:
+    """The last server events of one session, by ``server_event_seq`` (oldest dropped first).
+
+    Args:
+        max_events: events kept at most (>= 1).
+        max_bytes: bytes kept at most (string fields + :data:`EVENT_OVERHEAD_BYTES` per event).
+
+    Events are JSON-ready dicts with an integer ``server_event_seq`` (increasing by 1).
+    """
+
+    def __init__(self, max_events: int, max_bytes: int) -> None:
+        if max_events < 1 or max_bytes < 1:
+            raise ValueError("the resume journal needs room for at least one event and one byte")
+        self.max_events = int(max_events)
+        self.max_bytes = int(max_bytes)
+        self._events: deque = deque()  # (seq, event, size)
+        self.bytes = 0
+        #: the highest sequence number dropped so far (0: nothing dropped)
+        self.dropped_through = 0
+        #: the highest sequence number appended so far
+        self.last_seq = 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def append(self, event: dict) -> None:
+        """Keep ``event`` (events without an integer ``server_event_seq`` are not journaled)."""
+        seq = event.get("server_event_seq")
+        if not isinstance(seq, int):
+            return
+        size = _event_bytes(event)
+        self._events.append((seq, event, size))
+        self.bytes += size
+        self.last_seq = max(self.last_seq, seq)
+        while self._events and (len(self._events) > self.max_events or self.bytes > self.max_bytes):
+            old_seq, _, old_size = self._events.popleft()
+            self.bytes -= old_size
+            self.dropped_through = max(self.dropped_through, old_seq)
+
+    def since(self, seq: int) -> list[dict]:
+        """Every kept event with ``server_event_seq > seq``, in order.
+
+        Raises:
+            JournalOverflow: an event after ``seq`` was already dropped.
+        """
+        if seq < self.dropped_through:
+            raise JournalOverflow(f"events {seq + 1}..{self.dropped_through} were dropped from the journal "
+                                  f"({self.max_events} events / {self.max_bytes} bytes kept)")
+        return [ev for s, ev, _ in self._events if s > seq]
+
+
+def principal_of(key: Optional[str]) -> Optional[str]:
+    """The principal a session is bound to: the SHA-256 of its API key (None when auth is off)."""
+    return hashlib.sha256(key.encode()).hexdigest() if key else None
+
+
+def new_token() -> str:
+    """A fresh resume token: 32 URL-safe characters (192 random bits)."""
+    return secrets.token_urlsafe(24)
+
+
+def parse_resume(text: str) -> Optional[dict]:
+    """The ``session.resume`` event of a text frame, or None when the frame is something else."""
+    if '"session.resume"' not in text:
+        return None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or data.get("type") != "session.resume":
+        return None
+    return data
+
+
+def check_resume_fields(ev: dict) -> tuple[str, str, int]:
+    """``(session_id, resume_token, last_server_event_seq)`` of a ``session.resume``.
+
+    Raises ResumeRefused(``bad_event``) for missing or mistyped fields."""
+    sid, token, seq = ev.get("session_id"), ev.get("resume_token"), ev.get("last_server_event_seq", 0)
+    if not isinstance(sid, str) or not sid:
+        raise ResumeRefused("bad_event", "session.resume needs a string session_id")
+    if not isinstance(token, str) or not token:
+        raise ResumeRefused("resume_unauthorized", "session.resume needs the resume_token of the session "
+                                                   "(sent with session.created and each session.resumed)")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise ResumeRefused("bad_event", "last_server_event_seq must be an integer >= 0")
+    return sid, token, seq
+
+
+class ResumeRegistry:
+    """The resumable sessions of one replica, and tombstones of those that ended while parked.
+
+    Args:
+        window_s: how long a dropped session waits for a resume (seconds).
+        journal_events / journal_bytes: bounds of each session's :class:`ReplayJournal`.
+    """
+
+    def __init__(self, window_s: float, journal_events: int, journal_bytes: int) -> None:
+        self.window_s = float(window_s)
+        self.journal_events = int(journal_events)
+        self.journal_bytes = int(journal_bytes)
+        self._live: dict[str, Any] = {}  # session_id -> RealtimeConnection
+        self._tombstones: "OrderedDict[str, tuple[str, Optional[str], float, str]]" = OrderedDict()
+        self.resumes = 0
+        self.refused: dict[str, int] = {}
+
+    def new_journal(self) -> ReplayJournal:
+        return ReplayJournal(self.journal_events, self.journal_bytes)
+
+    # -- membership ------------------------------------------------------------------------------
+    def add(self, conn) -> None:
+        self._live[conn.session.session_id] = conn
+
+    def remove(self, conn) -> None:
+        if self._live.get(conn.session.session_id) is conn:
+            del self._live[conn.session.session_id]
+
+    def bury(self, conn, code: str, message: str) -> None:
+        """``conn``'s session ended while parked: later resumes of it get ``code``."""
+        self._tombstones[conn.session.session_id] = (code, conn.principal, time.monotonic() + self.window_s, message)
+        while len(self._tombstones) > _TOMBSTONE_KEEP:
+            self._tombstones.popitem(last=False)
+
+    @property
+    def parked(self) -> int:
+        """Sessions now parked (their connection dropped, waiting for a resume)."""
+        return sum(1 for c in self._live.values() if c.parked)
+
+    def has_parked(self, principal: Optional[str]) -> bool:
+        """Whether a session of ``principal`` is parked (a resume may then come in over capacity)."""
+        return any(c.parked and c.principal == principal for c in self._live.values())
+
+    # -- the resume itself -------------------------------------------------------------------------
+    def find(self, session_id: str, token: str, principal: Optional[str]):
+        """The connection a ``session.resume`` names, checked. Raises :class:`ResumeRefused`."""
+        conn = self._live.get(session_id)
+        if conn is None:
+            tomb = self._tombstones.get(session_id)
+            if tomb is not None and tomb[2] >= time.monotonic() and tomb[1] == principal:
+                code, _, _, message = tomb
+                raise ResumeRefused(code, message, 1011 if code == "resume_journal_overflow" else 1008)
+            raise ResumeRefused("resume_not_found", f"no resumable session {session_id[:64]!r} on this server")
+        if conn.principal != principal:  # another API key: do not confirm that the session exists
+            raise ResumeRefused("resume_not_found", f"no resumable session {session_id[:64]!r} on this server")
+        if not conn.check_token(token):
+            raise ResumeRefused("resume_unauthorized", "the resume token does not match (tokens are rotated "
+                                                       "by each session.resumed)")
+        return conn
+
+    def count_refusal(self, code: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+
+
+def token_matches(token: str, digest: str) -> bool:
+    """Constant-time check of ``token`` against the stored SHA-256 ``digest``."""
+    return hmac.compare_digest(hashlib.sha256(token.encode()).hexdigest(), digest)
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()

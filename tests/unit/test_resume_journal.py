@@ -1,0 +1,77 @@
+"""The replay journal and resume bookkeeping of the server (server/resume.py) and the client's
+side of a resume (ClientState: de-duplication by seq, reconnecting/resumed notices)."""
+
+from __future__ import annotations
+
+import pytest
+
+from duplexkit.audio import VirtualPlayer
+from duplexkit.clients.state import ClientState
+from duplexkit_server.resume import (EVENT_OVERHEAD_BYTES, JournalOverflow, ReplayJournal, ResumeRefused,
+                                     check_resume_fields, parse_resume, token_digest, token_matches)
+
+
+def _ev(seq: int, delta: str = "") -> dict:
+    return {"type": "response.output_audio.delta", "server_event_seq": seq, "delta": delta}
+
+
+def test_journal_keeps_the_last_events_by_count():
+    j = ReplayJournal(max_events=3, max_bytes=10**9)
+    for s in range(1, 6):
+        j.append(_ev(s))
+    assert [e["server_event_seq"] for e in j.since(2)] == [3, 4, 5]
+    assert j.since(5) == [] and j.last_seq == 5 and j.dropped_through == 2
+    with pytest.raises(JournalOverflow) as ei:
+        j.since(1)  # event 2 is gone
+    assert ei.value.code == "resume_journal_overflow"
+
+
+def test_journal_bounded_by_bytes_of_the_audio_it_holds():
+    j = ReplayJournal(max_events=100, max_bytes=3 * (EVENT_OVERHEAD_BYTES + 1000))
+    for s in range(1, 5):
+        j.append(_ev(s, "A" * 1000))  # "A"*1000 + "response.output_audio.delta" > 1000 bytes
+    assert len(j) == 2 and j.dropped_through == 2 and j.bytes <= j.max_bytes
+    j.append({"type": "x"})  # no seq: not journaled
+    assert len(j) == 2
+
+
+def test_resume_frame_parsing_and_tokens():
+    assert parse_resume('{"type":"session.update"}') is None
+    assert parse_resume('{"type":"session.resume"') is None  # truncated JSON
+    ev = parse_resume('{"type":"session.resume","session_id":"s","resume_token":"t","last_server_event_seq":4}')
+    assert check_resume_fields(ev) == ("s", "t", 4)
+    for bad, code in [({"session_id": "s", "resume_token": "t", "last_server_event_seq": -1}, "bad_event"),
+                      ({"session_id": "s", "resume_token": "t", "last_server_event_seq": True}, "bad_event"),
+                      ({"session_id": "s"}, "resume_unauthorized"), ({"resume_token": "t"}, "bad_event")]:
+        with pytest.raises(ResumeRefused) as ei:
+            check_resume_fields(bad)
+        assert ei.value.code == code
+    d = token_digest("abc")
+    assert token_matches("abc", d) and not token_matches("abd", d)
+
+
+def _state() -> ClientState:
+    return ClientState(VirtualPlayer())
+
+
+def test_client_state_drops_replayed_events_only_after_a_resume():
+    st = _state()
+    st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 1})
+    st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 2})
+    acts = st.transport_interrupted(1006)
+    assert acts[0].event.type == "client.reconnecting" and acts[0].event.close_code == 1006
+    assert st.reconnecting
+    acts = st.receive({"type": "session.resumed", "session_id": "s", "last_server_event_seq": 1, "replayed": 1})
+    assert acts[0].event.type == "session.resumed" and st.resumes == 1 and not st.reconnecting
+    assert st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 2}) == []  # seen
+    acts = st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 3})
+    assert acts and st.last_server_event_seq == 3
+
+
+def test_client_state_resume_without_a_resumed_event():
+    st = _state()
+    st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 1})
+    st.transport_interrupted(None)
+    acts = st.resume_accepted()
+    assert acts[0].event.type == "client.resumed" and st.resumes == 1
+    assert st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 1}) == []
