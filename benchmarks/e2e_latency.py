@@ -340,7 +340,7 @@ def _serve_inprocess(engine, max_sessions: int):
     from duplexkit_server import ServerSettings, create_app
 
     app = create_app(engine, ServerSettings(max_sessions=max_sessions + 2, answer_policy="on_request",
-                                            max_output_tokens=200))
+                                            max_output_tokens=200, max_sessions_per_client=0))  # one address
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
@@ -379,8 +379,8 @@ def _start_random(a, max_sessions: int):
         every = list(range(1, max_sessions + 3))
         model.thinker.warmup(every, 512)
         model.talker.warmup(every, 512)
-        if hasattr(model.code2wav, "warmup"):
-            model.code2wav.warmup()
+        if hasattr(model.code2wav, "warmup"):  # every encoder/HiFT batch bucket a level can form
+            model.code2wav.warmup(batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * (max_sessions + 2)))
     engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
     if dev.type == "cuda" and not a.no_warm_turn:
         ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
