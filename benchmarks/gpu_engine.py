@@ -333,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-len", type=int, default=4096, help="thinker KV positions per stream (fast)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--c2w-hift", choices=("batched", "per-stream"), default="batched",
+                    help="Code2Wav HiFT: one call for all streams of a round (per-row noise) or one per stream")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend
@@ -360,8 +362,12 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     every = list(range(1, max(levels) + 1))  # every batch bucket the runtime can form (no capture mid-run)
     nt = fast_th.warmup(every, 512) + fast_tk.warmup(every, 512)
+    if model.code2wav is not None and hasattr(model.code2wav, "hift_batched"):
+        model.code2wav.hift_batched = a.c2w_hift == "batched"
     if model.code2wav is not None and hasattr(model.code2wav, "warmup"):
-        nt += model.code2wav.warmup()
+        # the encoder graph and HiFT batch buckets (1, 2, 4, ... 64) up to the largest level
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max(levels))
+        nt += model.code2wav.warmup(batch_sizes=buckets)
     print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
 
     if a.profile and dev.type == "cuda":
@@ -385,6 +391,10 @@ def main(argv=None) -> int:
             await bench_mode(view, mode, a, lv, fl, results)
 
     asyncio.run(go())
+    if model.code2wav is not None and hasattr(model.code2wav, "stats"):
+        st = model.code2wav.stats
+        print(f"code2wav calls: {st}", flush=True)
+        results["code2wav_stats"] = dict(st)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1, default=str))
     return 0

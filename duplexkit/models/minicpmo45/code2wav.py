@@ -59,11 +59,6 @@ function of (voice, codes, seed): the same codes after a turn reset give the sam
 from __future__ import annotations
 
 import contextlib
-
-from duplexkit.errors import DuplexkitError
-
-import hashlib
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -71,6 +66,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
+
+from .code2wav_assets import (  # noqa: F401 - re-exported (public names of this module)
+    CHUNK_CODES, FILES_5, FILES_7_MARKERS, FLOW_CACHE_TAIL_FRAMES, HOLDBACK_SAMPLES, LOOKAHEAD_CODES,
+    MEL_CACHE_FRAMES, MODEL_FILES, NUM_CODES, ONNX_FILES, PROMPT_RATE, SAMPLE_RATE, SAMPLES_PER_CODE,
+    SILENCE_CODE, TINY_MARKER, ChunkBelowLookaheadError, Code2WavError, Code2WavInputError, Code2WavLayoutError,
+    StreamClosedError, _TINY_FLOW_YAML, _build_hift, _cpu_disable_dynamo, _load_flow_yaml, _torch,
+    detect_token2wav_layout,
+    find_token2wav_dir, write_tiny_token2wav)
+from .code2wav_prompt import (  # noqa: F401 - re-exported
+    OnnxPromptEncoder, PromptFeatures, StandinPromptEncoder, _prompt_mel_24k, _read_audio_16k, audio_sha256)
 
 __all__ = [
     "Code2Wav",
@@ -94,328 +99,6 @@ __all__ = [
     "LOOKAHEAD_CODES",
     "HOLDBACK_SAMPLES",
 ]
-
-#: output sample rate (Hz)
-SAMPLE_RATE = 24_000
-#: prompt-audio sample rate of the S3 tokenizer / CAM++ branch (Hz)
-PROMPT_RATE = 16_000
-#: silence code: pad and first carry (docs/model.md §2)
-SILENCE_CODE = 4218
-#: valid S3 codes are 0..NUM_CODES-1; 6561 (EOS) and anything else is refused
-NUM_CODES = 6561
-#: 25 Hz codes -> 50 Hz mel (x2) -> HiFT 480 samples/frame: 960 samples per code (docs/model.md §7.2)
-SAMPLES_PER_CODE = 960
-#: new codes per non-final synthesis call (docs/model.md §7.1)
-CHUNK_CODES = 25
-#: pre-lookahead / carry codes (docs/model.md §7.1)
-LOOKAHEAD_CODES = 3
-#: HiFT cache: 8 mel frames -> 3840 source/speech samples withheld and cross-faded (docs/model.md §7.3)
-MEL_CACHE_FRAMES = 8
-HOLDBACK_SAMPLES = MEL_CACHE_FRAMES * 480
-#: flow caches keep prompt frames + this many (Token2wav 0.1.1)
-FLOW_CACHE_TAIL_FRAMES = 100
-#: files of the 5-file layout (docs/model.md §1.2)
-FILES_5 = ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "hift.pt")
-ONNX_FILES = FILES_5[:2]
-MODEL_FILES = FILES_5[2:]
-#: files that only the minicpmo-utils 1.0.7 (7-file, CosyVoice3 vocoder) layout has
-FILES_7_MARKERS = ("hift_original.pt", "config.yaml")
-TINY_MARKER = "TINY_RANDOM_WEIGHTS"
-
-
-class Code2WavError(DuplexkitError, RuntimeError):
-    """Base class of Code2Wav errors."""
-
-
-class Code2WavLayoutError(Code2WavError):
-    """The token2wav asset folder is missing files or has an unsupported layout."""
-
-
-class Code2WavInputError(Code2WavError, ValueError):
-    """Bad codes (EOS 6561, audio_bos, negative, not 1-D integers) or bad reference audio."""
-
-
-class ChunkBelowLookaheadError(Code2WavInputError):
-    """A non-final synthesis call was asked for with fewer than 4 new codes (more than the 3-code
-    lookahead are needed; docs/model.md §7.1, vO #7633)."""
-
-    code = "chunk_below_lookahead_window"
-
-
-class StreamClosedError(Code2WavError):
-    """The stream was closed."""
-
-
-# ----------------------------------------------------------------------------- layout
-def find_token2wav_dir(path: Union[str, Path]) -> Path:
-    """Resolve a checkpoint root, its ``assets/`` folder or ``assets/token2wav/`` to the token2wav folder."""
-    p = Path(path)
-    for cand in (p, p / "token2wav", p / "assets" / "token2wav"):
-        if (cand / "flow.yaml").is_file() or any((cand / f).exists() for f in FILES_5 + FILES_7_MARKERS):
-            return cand
-    raise Code2WavLayoutError(f"no token2wav assets under {p} (looked for flow.yaml in {p}, {p}/token2wav, "
-                              f"{p}/assets/token2wav)")
-
-
-def detect_token2wav_layout(folder: Union[str, Path]) -> str:
-    """Classify a token2wav folder.
-
-    Returns:
-        ``"5-file"`` (released layout: ONNX prompt encoders + flow + HiFT) or ``"tiny"`` (flow.yaml,
-        flow.pt, hift.pt and the ``TINY_RANDOM_WEIGHTS`` marker, no ONNX).
-
-    Raises:
-        Code2WavLayoutError: the 7-file minicpmo-utils 1.0.7 layout (its ``hift.pt`` is a CosyVoice3
-            vocoder, docs/model.md §1.2), or missing files.
-    """
-    d = Path(folder)
-    present = {f for f in FILES_5 + FILES_7_MARKERS + (TINY_MARKER,) if (d / f).exists()}
-    seven = [f for f in FILES_7_MARKERS if f in present]
-    if seven:
-        raise Code2WavLayoutError(
-            f"{d} holds the 7-file token2wav layout of minicpmo-utils 1.0.7 ({', '.join(seven)} present): its "
-            "hift.pt is a causal CosyVoice3 vocoder, not the HiFT of the released 5-file layout. Use the "
-            "checkpoint's original assets/token2wav (speech_tokenizer_v2_25hz.onnx, campplus.onnx, flow.yaml, "
-            "flow.pt, hift.pt).")
-    missing_models = [f for f in MODEL_FILES if f not in present]
-    if missing_models:
-        raise Code2WavLayoutError(f"token2wav folder {d} lacks {missing_models} (5-file layout: {list(FILES_5)})")
-    onnx = [f for f in ONNX_FILES if f in present]
-    if len(onnx) == 2:
-        return "5-file"
-    if not onnx and TINY_MARKER in present:
-        return "tiny"
-    raise Code2WavLayoutError(
-        f"token2wav folder {d} lacks the prompt encoders {[f for f in ONNX_FILES if f not in present]} "
-        "(needed to compute reference-voice features; only a tiny random asset set marked "
-        f"{TINY_MARKER} may omit both)")
-
-
-# ----------------------------------------------------------------------------- torch helpers
-def _torch():
-    import torch
-
-    return torch
-
-
-def _cpu_disable_dynamo(device) -> None:
-    """On CPU set ``TORCHDYNAMO_DISABLE=1`` (unless the caller chose) before stepaudio2 is imported:
-    retracing of compiled paths dominates there (docs/model.md §7.5). GPU processes are left alone."""
-    if getattr(device, "type", str(device)) == "cpu":
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-
-def _register_cosyvoice2_aliases() -> None:
-    """Make ``cosyvoice2.*`` (the module paths named in flow.yaml) resolve to stepaudio2's modules, the
-    way the package itself does before it parses flow.yaml."""
-    from stepaudio2 import token2wav as _t2w
-
-    _t2w._setup_cosyvoice2_alias()
-
-
-def _load_flow_yaml(path: Path, device, dtype):
-    """Construct the flow from flow.yaml on the meta device and materialise it without the fixed
-    multi-GB scratch buffers (see module docstring). Parameters are uninitialised until loaded."""
-    torch = _torch()
-    from hyperpyyaml import load_hyperpyyaml
-
-    from .meta import meta_device
-
-    _register_cosyvoice2_aliases()
-    with meta_device(), open(path, "r") as f:
-        cfg = load_hyperpyyaml(f)
-    flow = cfg.get("flow") if isinstance(cfg, dict) else None
-    from stepaudio2.cosyvoice2.flow.flow import CausalMaskedDiffWithXvec
-
-    if not isinstance(flow, CausalMaskedDiffWithXvec):
-        raise Code2WavLayoutError(f"{path} does not define `flow: !new:...CausalMaskedDiffWithXvec`")
-    flow.to_empty(device=device)
-    _rebuild_nonpersistent(flow, device)
-    flow.to(dtype=dtype)
-    return flow
-
-
-def _rebuild_nonpersistent(flow, device) -> None:
-    torch = _torch()
-    from stepaudio2.cosyvoice2.transformer.embedding import EspnetRelPositionalEncoding
-
-    for m in flow.modules():
-        if isinstance(m, EspnetRelPositionalEncoding):
-            n = m.pe.shape[1] // 2 + 1 if m.pe is not None else 5000
-            m.pe = None
-            m.extend_pe(torch.zeros(1, n, device=device))
-    dec = flow.decoder
-    # tiny placeholders; _FlowRunner sizes them before use
-    dec.cnn_cache_buffer = torch.zeros(0, device=device)
-    dec.att_cache_buffer = torch.zeros(0, device=device)
-    dec.estimator.cnn_cache_buffer = torch.zeros(0, device=device)
-    dec.estimator.att_cache_buffer = torch.zeros(0, device=device)
-    dec.rand_noise = torch.zeros(0, device=device)
-    leftovers = []
-    for name, m in flow.named_modules():
-        for k, v in list(vars(m).items()):
-            if torch.is_tensor(v) and v.is_meta:
-                leftovers.append(f"{name}.{k}")
-        for k, v in list(m._buffers.items()) + list(m._parameters.items()):
-            if v is not None and v.is_meta:
-                leftovers.append(f"{name}.{k}")
-    if leftovers:
-        raise Code2WavLayoutError(f"flow tensors not materialised (unsupported stepaudio2 version?): {leftovers}")
-
-
-def _build_hift(sd: dict, device, dtype):
-    """HiFTGenerator whose widths are read from the tensors (the real hift.pt gives the package defaults,
-    base 512 / F0 predictor 512; the tiny asset set uses smaller widths)."""
-    torch = _torch()
-    from stepaudio2.flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator
-
-    def width(prefix):
-        for suffix in ("parametrizations.weight.original1", "weight_v", "weight"):
-            if prefix + suffix in sd:
-                return int(sd[prefix + suffix].shape[0])
-        raise Code2WavLayoutError(f"hift.pt lacks {prefix}weight")
-
-    base = width("conv_pre.")
-    cond = width("f0_predictor.condnet.0.")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        hift = HiFTGenerator(base_channels=base, f0_predictor=ConvRNNF0Predictor(cond_channels=cond))
-    try:
-        hift.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        raise Code2WavLayoutError(f"hift.pt does not match HiFTGenerator(base_channels={base}): {e}") from e
-    return hift.to(device=device, dtype=dtype).eval()
-
-
-# ----------------------------------------------------------------------------- prompt features
-@dataclass(frozen=True)
-class PromptFeatures:
-    """Reference-voice prompt features of the flow (docs/model.md §7.4).
-
-    Attributes:
-        tokens: int32 [1, P] S3 prompt tokens (25 Hz).
-        mel: float32 [1, 2P, 80] 24 kHz log-mel, replicate-padded to 2P frames.
-        spk: float32 [1, 192] speaker x-vector.
-        key: sha256 hex of the 16 kHz float32 audio bytes.
-        source: ``"onnx"`` (real encoders), ``"standin"`` (tiny assets) or ``"injected"``.
-    """
-
-    tokens: Any
-    mel: Any
-    spk: Any
-    key: str
-    source: str
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.shape[1])
-
-
-def audio_sha256(audio: np.ndarray) -> str:
-    """sha256 hex of ``float32`` mono audio bytes (same rule as ``ReferenceVoice.sha256``)."""
-    return hashlib.sha256(np.ascontiguousarray(audio, dtype=np.float32).tobytes()).hexdigest()
-
-
-def _prompt_mel_24k(audio16: np.ndarray, n_frames: int):
-    torch = _torch()
-    import soxr
-    from stepaudio2.flashcosyvoice.utils.audio import mel_spectrogram
-
-    a24 = soxr.resample(audio16.astype(np.float32), PROMPT_RATE, SAMPLE_RATE).astype(np.float32)
-    mel = mel_spectrogram(torch.from_numpy(a24)[None])  # [1, 80, T]
-    mel = mel.transpose(1, 2)  # [1, T, 80]
-    if mel.shape[1] == 0:
-        raise Code2WavInputError("reference audio too short for a prompt mel")
-    if mel.shape[1] < n_frames:
-        mel = torch.nn.functional.pad(mel, (0, 0, 0, n_frames - mel.shape[1]), mode="replicate")
-    return mel[:, :n_frames].contiguous().float()
-
-
-def _fbank(audio16: np.ndarray):
-    torch = _torch()
-    import torchaudio.compliance.kaldi as kaldi
-
-    return kaldi.fbank(torch.from_numpy(audio16.astype(np.float32))[None], num_mel_bins=80, dither=0,
-                       sample_frequency=PROMPT_RATE)
-
-
-class StandinPromptEncoder:
-    """Deterministic stand-in for the two ONNX prompt encoders of the tiny asset set (module docstring)."""
-
-    source = "standin"
-
-    def __init__(self) -> None:
-        rng = np.random.default_rng(0)
-        self.proj = (rng.standard_normal((160, 192)) / np.sqrt(160)).astype(np.float32)
-
-    def __call__(self, audio16: np.ndarray, key: str):
-        torch = _torch()
-        p = len(audio16) // 640
-        rng = np.random.default_rng(int.from_bytes(bytes.fromhex(key)[:8], "little"))
-        tokens = torch.from_numpy(rng.integers(0, NUM_CODES, size=(1, p)).astype(np.int32))
-        fb = _fbank(audio16).numpy()
-        stats = np.concatenate([fb.mean(0), fb.std(0)]).astype(np.float32)
-        spk = stats @ self.proj
-        spk = spk / max(float(np.linalg.norm(spk)), 1e-6)
-        return tokens, torch.from_numpy(spk[None].astype(np.float32))
-
-
-class OnnxPromptEncoder:
-    """The released prompt encoders (docs/model.md §7.4): the S3 tokenizer v2 (``speech_tokenizer_v2_25hz.onnx``,
-    converted to torch by ``s3tokenizer``; 128-bin log-mel at 16 kHz, 25 tokens/s) and CAM++
-    (``campplus.onnx`` through onnxruntime on CPU: 80-bin Kaldi fbank at 16 kHz, dither 0, mean-normalised
-    over time -> 192-d x-vector).
-
-    Call: ``(audio16 float32 [N], key) -> (tokens int32 [1, P], spk float32 [1, 192])``.
-    """
-
-    source = "onnx"
-
-    def __init__(self, tokenizer, campplus_session) -> None:
-        self.tokenizer = tokenizer.eval()
-        self.campplus = campplus_session
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "OnnxPromptEncoder":
-        """Load both encoders from a 5-file token2wav folder.
-
-        Raises:
-            Code2WavLayoutError: a file is missing or cannot be loaded.
-        """
-        import onnxruntime
-        import s3tokenizer
-
-        for f in ONNX_FILES:
-            if not (folder / f).is_file():
-                raise Code2WavLayoutError(f"{folder / f} is missing (needed for reference-voice prompt features)")
-        try:
-            tok = s3tokenizer.load_model(str(folder / "speech_tokenizer_v2_25hz.onnx"))
-        except Exception as e:  # noqa: BLE001 - third-party loaders raise many types
-            raise Code2WavLayoutError(f"cannot load {folder / 'speech_tokenizer_v2_25hz.onnx'}: {e}") from e
-        opt = onnxruntime.SessionOptions()
-        opt.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opt.intra_op_num_threads = 1
-        try:
-            sess = onnxruntime.InferenceSession(str(folder / "campplus.onnx"), sess_options=opt,
-                                                providers=["CPUExecutionProvider"])
-        except Exception as e:  # noqa: BLE001
-            raise Code2WavLayoutError(f"cannot load {folder / 'campplus.onnx'}: {e}") from e
-        return cls(tok, sess)
-
-    def __call__(self, audio16: np.ndarray, key: str):
-        torch = _torch()
-        import s3tokenizer
-
-        with torch.inference_mode():
-            mels = s3tokenizer.log_mel_spectrogram(torch.from_numpy(audio16.astype(np.float32)))
-            mels, mel_lens = s3tokenizer.padding([mels])
-            dev = next(self.tokenizer.parameters()).device
-            tokens, tok_lens = self.tokenizer.quantize(mels.to(dev), mel_lens.to(dev))
-        tokens = tokens[:, : int(tok_lens[0])].to(torch.int32).cpu()
-        feat = _fbank(audio16)
-        feat = feat - feat.mean(dim=0, keepdim=True)
-        spk = self.campplus.run(None, {self.campplus.get_inputs()[0].name: feat[None].numpy()})[0]
-        return tokens, torch.from_numpy(np.asarray(spk, dtype=np.float32).reshape(1, -1))
 
 
 # ----------------------------------------------------------------------------- streams
@@ -700,6 +383,11 @@ class Code2Wav:
 
     def _synth(self, stream: Code2WavStream, new: np.ndarray, last: bool) -> np.ndarray:
         """One flow + HiFT call on ``carry ++ new`` (caller holds the lock)."""
+        mel, cache, tokens = self._flow_one(stream, new, last)
+        return self._finish(stream, mel, cache, tokens, last)
+
+    def _flow_one(self, stream: Code2WavStream, new: np.ndarray, last: bool):
+        """The flow for one stream: (mel [1, 80, T], new flow caches (cloned), tokens int64 [3 + n])."""
         torch = self.torch
         pf = stream.prompt
         self._ensure_capacity(pf.mel.shape[1])
@@ -709,7 +397,7 @@ class Code2Wav:
             mel, cache = self.flow.inference_chunk(token=tok, spk=pf.spk, cache=stream.flow_cache,
                                                    last_chunk=last, n_timesteps=self.n_timesteps)
             cache = {k: v.clone() for k, v in cache.items()}
-        return self._finish(stream, mel, cache, tokens, last)
+        return mel, cache, tokens
 
     def _hift_guard(self, last: bool):
         """Context around the HiFT call (its NSF source draws random phase). Subclasses add locks or
@@ -718,48 +406,75 @@ class Code2Wav:
 
     def _finish(self, stream: Code2WavStream, mel, cache: dict, tokens: np.ndarray, last: bool) -> np.ndarray:
         """Everything after the flow for one stream: flow-cache trim (prompt + last 100 frames, as
-        Token2wav 0.1.1), HiFT with its mel/source cache, the 3840-sample holdback and Hamming
-        cross-fade, the 3-code carry (docs/model.md §7.3). Returns float32 24 kHz audio."""
+        Token2wav 0.1.1), the package's HiFT with its mel/source cache under the stream's (seed, chunk)
+        global seed, the 3840-sample holdback and Hamming cross-fade, the 3-code carry (docs/model.md
+        §7.3). Returns float32 24 kHz audio. (:mod:`.fast_code2wav` runs HiFT for many streams in one
+        call with the same per-stream noise: :mod:`.code2wav_hift`.)"""
         torch = self.torch
-        pf = stream.prompt
         with torch.inference_mode():
-            keep = pf.mel.shape[1]
-            att = cache["estimator_att_cache"]
-            if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["estimator_att_cache"] = torch.cat(
-                    [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
-            catt = cache["conformer_att_cache"]
-            if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
-                cache["conformer_att_cache"] = torch.cat(
-                    [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
-            mel = mel.float()
-            hc = stream.hift_cache
-            if hc is not None:
-                mel = torch.cat([hc["mel"], mel], dim=2)
-                src_cache = hc["source"]
-            else:
-                src_cache = torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
-            seed = (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
+            cache = self._trim_flow_cache(stream, cache)
+            mel, src_cache = self._hift_input(stream, mel)
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
             with self._hift_guard(last), torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+                torch.manual_seed(self._hift_seed(stream))
                 speech, source = self.hift(mel, src_cache)
-            if hc is not None:
-                n = HOLDBACK_SAMPLES
-                speech = speech.clone()
-                speech[..., :n] = speech[..., :n] * self.speech_window[:n] + hc["speech"][..., -n:] * self.speech_window[n:]
-            stream.hift_cache = dict(
-                mel=mel[..., -MEL_CACHE_FRAMES:].clone(),
-                source=source[:, :, -HOLDBACK_SAMPLES:].clone(),
-                speech=speech[:, -HOLDBACK_SAMPLES:].clone(),
-            )
-            if not last:
-                speech = speech[:, :-HOLDBACK_SAMPLES]
+            speech = self._crossfade_and_hold(stream, mel, speech, source, last)
+        return self._commit_chunk(stream, cache, tokens, last, speech[0].float().cpu().numpy())
+
+    # pieces of _finish, shared with the batched path (mel/speech/source may be B-row tensors there)
+    def _trim_flow_cache(self, stream: Code2WavStream, cache: dict) -> dict:
+        """Keep the prompt frames + the last 100 of the estimator and conformer caches (Token2wav 0.1.1)."""
+        torch = self.torch
+        keep = stream.prompt.mel.shape[1]
+        att = cache["estimator_att_cache"]
+        if att.shape[4] > keep + FLOW_CACHE_TAIL_FRAMES:
+            cache["estimator_att_cache"] = torch.cat(
+                [att[:, :, :, :, :keep], att[:, :, :, :, -FLOW_CACHE_TAIL_FRAMES:]], dim=4)
+        catt = cache["conformer_att_cache"]
+        if catt.shape[3] > keep + FLOW_CACHE_TAIL_FRAMES:
+            cache["conformer_att_cache"] = torch.cat(
+                [catt[:, :, :, :keep, :], catt[:, :, :, -FLOW_CACHE_TAIL_FRAMES:, :]], dim=3)
+        return cache
+
+    def _hift_input(self, stream: Code2WavStream, mel):
+        """(mel float32 [1, 80, 8 + T] with the cached 8 frames prepended, source cache [1, 1, 3840 or 0])."""
+        torch = self.torch
+        mel = mel.float()
+        hc = stream.hift_cache
+        if hc is None:
+            return mel, torch.zeros(1, 1, 0, device=self.device, dtype=torch.float32)
+        return torch.cat([hc["mel"], mel], dim=2), hc["source"]
+
+    @staticmethod
+    def _hift_seed(stream: Code2WavStream) -> int:
+        """Seed of the stream's HiFT noise for its current chunk (stream seed, chunk index in the turn)."""
+        return (stream.seed * 1_000_003 + stream.chunks) % (2 ** 63)
+
+    def _crossfade_and_hold(self, streams, mel, speech, source, last: bool):
+        """Cross-fade the first 3840 samples with each row's held tail (rows that have a HiFT cache:
+        all or none of them), store each row's new HiFT cache (8 mel frames, 3840 source and speech
+        samples) and, unless ``last``, withhold the last 3840 samples. ``streams``: one stream or a
+        list (one per row). Returns speech [B, n]."""
+        streams = streams if isinstance(streams, list) else [streams]
+        n = HOLDBACK_SAMPLES
+        if streams[0].hift_cache is not None:
+            torch = self.torch
+            held = streams[0].hift_cache["speech"] if len(streams) == 1 else \
+                torch.cat([st.hift_cache["speech"] for st in streams], dim=0)
+            speech = speech.clone()
+            speech[..., :n] = speech[..., :n] * self.speech_window[:n] + held[..., -n:] * self.speech_window[n:]
+        tails = (mel[..., -MEL_CACHE_FRAMES:].clone(), source[:, :, -n:].clone(), speech[:, -n:].clone())
+        for b, st in enumerate(streams):
+            st.hift_cache = dict(mel=tails[0][b:b + 1], source=tails[1][b:b + 1], speech=tails[2][b:b + 1])
+        return speech if last else speech[:, :-n]
+
+    @staticmethod
+    def _commit_chunk(stream: Code2WavStream, cache: dict, tokens: np.ndarray, last: bool, audio: np.ndarray):
+        """Store the new flow cache and the 3-code carry, count the chunk; returns ``audio``."""
         stream.flow_cache = cache
         if not last:
             stream.carry = tokens[-LOOKAHEAD_CODES:].astype(np.int64)
         stream.chunks += 1
-        audio = speech[0].float().cpu().numpy()
         stream.samples_out += len(audio)
         return audio
 
@@ -778,110 +493,3 @@ def _check_codes(codes: Any) -> np.ndarray:
             f"codes must be S3 codes 0..{NUM_CODES - 1}; got {sorted(set(bad.tolist()))[:5]} (EOS 6561 and "
             "audio_bos are never passed to Code2Wav, docs/model.md §7.1)")
     return a.astype(np.int64)
-
-
-def _read_audio_16k(path: Path) -> np.ndarray:
-    import soundfile as sf
-    import soxr
-
-    data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    mono = data.mean(axis=1)
-    if rate != PROMPT_RATE:
-        mono = soxr.resample(mono, rate, PROMPT_RATE)
-    return np.ascontiguousarray(mono, dtype=np.float32)
-
-
-# ----------------------------------------------------------------------------- tiny assets
-_TINY_FLOW_YAML = """\
-# Tiny random-weight token2wav flow for duplexkit tests (write_tiny_token2wav, seed {seed}).
-# Same classes and streaming geometry as the released flow.yaml (512 wide, 8 heads x 64, pre-lookahead 3,
-# up-rate 2, 80-bin mel, 192-d x-vector, 6561 codes); depth shrunk: {enc} + {up} conformer blocks, DiT
-# depth {dit}, FFN {ffn}.
-flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
-    input_size: 512
-    output_size: 80
-    spk_embed_dim: 192
-    output_type: mel
-    vocab_size: 6561
-    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2
-        input_size: 512
-        output_size: 512
-        input_layer: linear
-        pre_lookahead_len: 3
-        num_blocks: {enc}
-        num_up_blocks: {up}
-        up_stride: 2
-        up_scale_factor: 2
-        attention_heads: 8
-        pos_enc_layer_type: rel_pos_espnet
-        selfattention_layer_type: rel_selfattn
-        key_bias: true
-        linear_units: {ffn}
-        dropout_rate: 0.1
-        positional_dropout_rate: 0.1
-        attention_dropout_rate: 0.1
-        normalize_before: true
-    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM
-        inference_cfg_rate: 0.7
-        estimator: !new:cosyvoice2.flow.decoder_dit.DiT
-            in_channels: 320
-            out_channels: 80
-            mlp_ratio: {mlp_ratio}
-            depth: {dit}
-            num_heads: 8
-            head_dim: 64
-            hidden_size: 512
-"""
-
-
-def write_tiny_token2wav(assets_dir: Union[str, Path], seed: int = 0, *, dit_depth: int = 2,
-                         encoder_blocks: int = 1, up_blocks: int = 1, ffn: int = 256,
-                         hift_channels: int = 64) -> Path:
-    """Write a tiny random-weight token2wav asset set (flow.yaml, flow.pt, hift.pt, ``TINY_RANDOM_WEIGHTS``).
-
-    Args:
-        assets_dir: the checkpoint's ``assets/`` folder (files go to ``assets/token2wav/``) or the
-            ``token2wav`` folder itself (a path whose name is ``token2wav``).
-        seed: weight seed (deterministic output for a given seed).
-
-    The streaming geometry stays the released one (512 wide, 8 heads x 64; docs/model.md §7.5, §9); only depth,
-    FFN width and the HiFT widths shrink (about 15 M parameters). No ONNX prompt encoders are written:
-    :class:`Code2Wav` uses the documented stand-in prompt features for such a folder.
-
-    Returns:
-        the token2wav folder.
-    """
-    torch = _torch()
-    _cpu_disable_dynamo(torch.device("cpu"))
-    from stepaudio2.flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator
-
-    d = Path(assets_dir)
-    if d.name != "token2wav":
-        d = d / "token2wav"
-    d.mkdir(parents=True, exist_ok=True)
-    yaml_text = _TINY_FLOW_YAML.format(seed=seed, enc=encoder_blocks, up=up_blocks, dit=dit_depth, ffn=ffn,
-                                       mlp_ratio=float(ffn) / 512.0)
-    (d / "flow.yaml").write_text(yaml_text)
-    flow = _load_flow_yaml(d / "flow.yaml", torch.device("cpu"), torch.float32)
-    g = torch.Generator().manual_seed(int(seed))
-    with torch.no_grad():
-        for name, p in sorted(flow.named_parameters()):
-            if p.ndim == 1 and name.endswith("weight"):
-                p.fill_(1.0)  # LayerNorm gains
-            elif name.endswith("bias") or p.ndim == 1:
-                p.copy_(0.01 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = int(np.prod(p.shape[1:]))
-                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(fan_in))
-    sd = {k: v.detach().clone().contiguous() for k, v in flow.state_dict().items()}
-    torch.save(sd, d / "flow.pt")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed) + 1)
-        hift = HiFTGenerator(base_channels=hift_channels, f0_predictor=ConvRNNF0Predictor(cond_channels=hift_channels))
-    torch.save({"generator." + k: v.detach().clone().contiguous() for k, v in hift.state_dict().items()},
-               d / "hift.pt")
-    (d / TINY_MARKER).write_text(
-        "Random-weight token2wav asset set written by duplexkit.models.minicpmo45.code2wav.write_tiny_token2wav "
-        f"(seed {seed}). It produces noise, not speech. No ONNX prompt encoders: Code2Wav derives stand-in "
-        "prompt features from the reference audio (see the code2wav module docstring).\n")
-    return d

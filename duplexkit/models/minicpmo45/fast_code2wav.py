@@ -1,110 +1,88 @@
-"""Batched Code2Wav: one flow call (encoder + 10-step Euler loop over the DiT) for several streams.
+"""Batched Code2Wav: one flow call and one HiFT call for the streams of a step.
 
 :class:`BatchedCode2Wav` is a :class:`~.code2wav.Code2Wav` (same streams, chunk contract, holdback,
 carry and turn resets, docs/model.md §7) with ``batched = True`` and :meth:`push_batch`, which the
-engine's code2wav stage calls with all its streams at once. Synthesis calls whose flow caches have
-the same shapes (streams in step: same prompt length, same position in the turn, same chunk size)
-run as ONE flow call: the conformer encoder on a batch of B, then our own Euler loop (the
-package's ``solve_euler_chunk`` arithmetic: cosine schedule, CFG 0.7, conditional rows first then
-the unconditional ones) over the package's DiT ``forward_chunk`` on a batch of 2B, with the DiT's
-cache buffers sized for 2B. The CFM noise table is shared by all streams (as in the single-stream
-path: a fixed table indexed by the cache offset), so each stream gets the same flow output as its
-own call. HiFT then runs per stream (its NSF noise is seeded per stream and chunk, as in
-:meth:`Code2Wav._synth`). Calls that match no other stream take the single-stream path.
+engine's code2wav stage calls with all its streams at once. Per round (one synthesis call per stream):
 
-On CUDA the Euler loop of non-final chunks is replayed from a captured CUDA graph per (batch bucket
-<= 4, chunk frames, cached frames) — a few shapes per voice, since the cache grows to prompt + 100
-frames and is then trimmed; larger groups are split into such sub-batches. The DiT's time embedding
-(built on the CPU by the package) is precomputed once per batch size outside the graph. HiFT and
-every capture run under :data:`~.fast_kv.CAPTURE_LOCK` (HiFT draws from the default CUDA generator).
-:meth:`BatchedCode2Wav.warmup` captures the default voice's shapes at start-up.
+* **Flow.** Calls whose flow caches have the same shapes (same prompt length, same position in the
+  turn, same chunk size) run as ONE flow call: the conformer encoder on the whole group, then our own
+  Euler loop (the package's ``solve_euler_chunk`` arithmetic: cosine schedule, CFG 0.7, conditional
+  rows first then the unconditional ones) over the package's DiT ``forward_chunk`` on 2B rows. The CFM
+  noise table is shared by all streams (as in the single-stream path: a fixed table indexed by the
+  cache offset), so each stream gets its own call's flow output.
+* **HiFT.** All streams of the round whose HiFT input has the same length (first chunk 50 mel
+  frames, later chunks 8 cached + 50; the turn's last chunk varies) run as ONE HiFT call across flow
+  groups, each row with its own NSF noise (:mod:`.code2wav_hift`: row ``i`` draws what the stream's own
+  seeded call draws) and its own HiFT cache / cross-fade tail.
 
-Why: one flow call costs ~0.3-0.4 s of CPU (launch and dispatch bound, ~12,500 kernels with the GPU
-~13 % busy; benchmarks/NOTES.md); batching shares that cost among the streams of a step, and the
-graph takes a 1-stream chunk from ~0.4 s to ~0.1 s on the H200.
+On CUDA (:mod:`.code2wav_graphs`) the encoder of non-final chunks replays a graph per (batch bucket
+1..32, cache shape), and the Euler loop a graph per (batch bucket <= 4, chunk frames, cached frames);
+larger groups run the loop as sub-batches of 4 replays. A voice has a few cache shapes (the caches
+grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
+package) is precomputed per batch size outside the graph. Captures hold
+:data:`~.fast_kv.CAPTURE_LOCK`. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
+
+Why: one flow call costs ~0.3-0.4 s of CPU (launch bound); HiFT per stream cost ~25 ms of CPU each,
+so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
+from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
+from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH"]
+__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS"]
+
+HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
 
 GRAPH_MAX_BATCH = 4
 """Flow calls of at most this many streams replay a captured Euler-loop graph on CUDA (bigger
-batches already share the launch cost; their fp32 per-step caches would cost ~10 GB per graph)."""
-
-
-class _DiTGraph:
-    """The 10-step Euler loop over the DiT for (Bb streams, T chunk frames, L cached frames)."""
-
-    def __init__(self, c2w: "BatchedCode2Wav", Bb: int, T: int, L: int) -> None:
-        torch = c2w.torch
-        dec = c2w.flow.decoder
-        kw = dict(device=c2w.device, dtype=c2w.dtype)
-        n, depth, h, hd2 = c2w.n_timesteps, c2w._depth, c2w._heads, 2 * c2w._head_dim
-        self.Bb = Bb
-        self.x0 = torch.zeros(Bb, dec.out_channels, T, **kw)
-        self.mu_in = torch.zeros(2 * Bb, dec.out_channels, T, **kw)
-        self.spks_in = torch.zeros(2 * Bb, dec.out_channels, **kw)
-        self.cond_in = torch.zeros(2 * Bb, dec.out_channels, T, **kw)
-        self.cnn = torch.zeros(n, depth, 2 * Bb, c2w._conv_ch, 2, **kw)
-        self.att = torch.zeros(n, depth, 2 * Bb, h, L, hd2, **kw)
-        self.att_out = torch.empty(n, depth, 2 * Bb, h, L + T, hd2, **kw)
-        self.cnn_out = torch.empty(n, depth, 2 * Bb, c2w._conv_ch, 2, **kw)
-        args = (Bb, self.x0, self.mu_in, self.spks_in, self.cond_in, self.cnn, self.att, self.att_out, self.cnn_out)
-        s = torch.cuda.Stream(c2w.device)
-        s.wait_stream(torch.cuda.current_stream(c2w.device))
-        with torch.cuda.stream(s):
-            c2w._euler(*args)
-        torch.cuda.current_stream(c2w.device).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        from .fast_kv import CAPTURE_LOCK
-
-        with CAPTURE_LOCK, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.x, self.new_cnn, self.new_att = c2w._euler(*args)
-
-    def run(self, B: int, x0, mu_in, spks_in, cnn, att):
-        import torch
-
-        Bb = self.Bb
-        self.x0[:B].copy_(x0)
-        for dst, src, dim in ((self.mu_in, mu_in, 0), (self.spks_in, spks_in, 0), (self.cnn, cnn, 2), (self.att, att, 2)):
-            dst.narrow(dim, 0, B).copy_(src.narrow(dim, 0, B))
-            dst.narrow(dim, Bb, B).copy_(src.narrow(dim, B, B))
-        self.graph.replay()
-        x = self.x[:B]
-        if B == Bb:
-            return x, self.new_cnn, self.new_att
-        sel = lambda t: torch.cat([t.narrow(2, 0, B), t.narrow(2, Bb, B)], dim=2)  # noqa: E731
-        return x, sel(self.new_cnn), sel(self.new_att)
+groups run as sub-batches of this size; fp32 per-step caches would cost ~10 GB per graph of 16)."""
 
 
 class BatchedCode2Wav(Code2Wav):
-    """:class:`Code2Wav` with a batched :meth:`push_batch` (see module doc)."""
+    """:class:`Code2Wav` with a batched :meth:`push_batch` (see module doc).
+
+    Attributes:
+        hift_batched: one HiFT call per round for all streams of equal HiFT input length (default);
+            ``False`` runs the package's HiFT per stream (the previous path, for A/B measurements).
+        stats: ``flow_calls``, ``batched_streams``, ``hift_calls``, ``hift_rows``, graph captures.
+    """
 
     batched = True
 
-    def __init__(self, *a, **kw) -> None:
+    def __init__(self, *a, hift_batched: bool = True, **kw) -> None:
         super().__init__(*a, **kw)
+        self.hift_batched = bool(hift_batched)
         self._batch_buffers: Dict[Tuple[int, int], tuple] = {}
-        self._dit_graphs: Dict[Tuple[int, int, int], _DiTGraph] = {}
+        self._dit_graphs: Dict[Tuple[int, int, int], DiTGraph] = {}
+        self._enc_graphs: Dict[tuple, EncoderGraph] = {}
         self._time_tables: Dict[int, tuple] = {}
-        import os
-
+        self._row_noise = RowNoise(self.device, self.hift.m_source.l_sin_gen.dim)
         self._use_graphs = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CUDA_GRAPHS", "1") != "0"
-        self.stats = {"flow_calls": 0, "batched_streams": 0}
+        #: non-final Euler loops run in sub-batches of this many streams (None: the whole group);
+        #: the captured graphs' size on CUDA
+        self.euler_sub_batch = GRAPH_MAX_BATCH if self._use_graphs else None
+        #: HiFT calls are padded to these row counts (None: no padding). On CUDA the conv plans are
+        #: autotuned per shape (cudnn.benchmark): padding keeps the shapes to the few that warmup()
+        #: tunes, instead of a new tuning for each batch size met mid-run
+        self.hift_buckets = HIFT_BUCKETS if self.device.type == "cuda" else None
+        self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
 
     # ------------------------------------------------------------------ public
     def push_batch(self, items: Sequence[Any]) -> list:
         """``push`` for several streams at once. ``items``: objects with ``handle``
         (:class:`Code2WavStream`), ``codes`` (int [n]) and ``last`` (bool), each a different stream.
         Returns one float32 24 kHz array per item (maybe empty), or the exception of an item that
-        failed (bad codes, closed stream; nothing consumed for it)."""
+        failed (bad codes, closed stream: nothing consumed for it; a failed flow or HiFT call: the
+        exception of every stream in that call)."""
         results: list = [None] * len(items)
         plans = []
         for i, w in enumerate(items):
@@ -132,25 +110,21 @@ class BatchedCode2Wav(Code2Wav):
                 for p in live:
                     new, last = p["jobs"][r]
                     groups.setdefault(self._key(p["st"], new, last), []).append(p)
-                if self._use_graphs:  # graph-sized sub-batches: replaying 4 graphs beats one eager loop of 16
-                    split = {}
-                    for key, g in groups.items():
-                        for k in range(0, len(g), GRAPH_MAX_BATCH):
-                            split[key + (k,)] = g[k:k + GRAPH_MAX_BATCH]
-                    groups = split
+                ready = []  # (plan, mel [1, 80, T], flow caches, tokens, last) of this round
                 for key, g in groups.items():
+                    last = key[1]
                     try:
                         if len(g) == 1 and not self._use_graphs:
                             p = g[0]
-                            new, last = p["jobs"][r]
-                            p["out"].append(self._synth(p["st"], new, last=last))
+                            flows = [self._flow_one(p["st"], p["jobs"][r][0], last)]
                         else:
-                            outs = self._synth_batch([(p["st"], p["jobs"][r][0]) for p in g], last=key[1])
-                            for p, o in zip(g, outs):
-                                p["out"].append(o)
+                            flows = self._flow_group([(p["st"], p["jobs"][r][0]) for p in g], last)
                     except Exception as exc:  # noqa: BLE001 - the streams of this group
                         for p in g:
                             p["err"] = exc
+                        continue
+                    ready.extend((p, *f, last) for p, f in zip(g, flows))
+                self._vocode(ready)
                 r += 1
             for p in plans:
                 if p["err"] is not None:
@@ -164,16 +138,17 @@ class BatchedCode2Wav(Code2Wav):
         return results
 
     def warmup(self, batch_sizes=(1, 2, 4), chunks: int = 3, ref_voice: Any = None) -> int:
-        """Capture the Euler-loop graphs (and tune HiFT's conv plans) for the default voice at
-        these batch sizes now (engine start-up): ``chunks`` chunks of silence codes per size cover
+        """Capture the encoder and Euler-loop graphs (and tune HiFT's conv plans) for the default voice
+        at these batch sizes now (engine start-up): ``chunks`` chunks of silence codes per size cover
         the growing-then-trimmed cache shapes. Returns the number of graphs captured."""
         from types import SimpleNamespace
 
-        n0 = self.stats.get("dit_graph_captures", 0)
+        def captured():
+            return self.stats.get("dit_graph_captures", 0) + self.stats.get("encoder_graph_captures", 0)
+
+        n0 = captured()
         codes = np.full(CHUNK_CODES, 4218, np.int64)
         for B in batch_sizes:
-            if B > GRAPH_MAX_BATCH:
-                continue
             sts = [self.new_stream(ref_voice, seed=k) for k in range(B)]
             try:
                 for _ in range(chunks):
@@ -181,7 +156,7 @@ class BatchedCode2Wav(Code2Wav):
             finally:
                 for st in sts:
                     self.close(st)
-        return self.stats.get("dit_graph_captures", 0) - n0
+        return captured() - n0
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -256,93 +231,161 @@ class BatchedCode2Wav(Code2Wav):
             x = x + dts[step - 1] * ((1.0 + rate) * dc - rate * du)
         return x, cnn_out, att_out[:, :, :, :, :LT]
 
-    def _flow_batch(self, tok, spk, cache: dict, last: bool):
-        """``flow.inference_chunk`` for a batch (see module doc). Returns (mel [B, 80, T], caches).
-        On CUDA, non-final chunks of up to :data:`GRAPH_MAX_BATCH` streams replay a captured graph
-        of the 10-step Euler loop (the DiT is ~8,000 small kernels per chunk)."""
-        torch = self.torch
-        F = torch.nn.functional
+    def _encode(self, tok, cnn, att, last: bool):
+        """Token embedding + conformer encoder + projection for B rows: (mu [B, 80, T'], new conformer
+        cnn / att caches). Non-final chunks of <= 32 rows replay a captured graph on CUDA (outputs are
+        graph buffers: copy before the next call)."""
         flow = self.flow
-        spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
+        B = tok.shape[0]
+        if self._use_graphs and not last and B <= ENCODER_BUCKETS[-1]:
+            Bb = next(b for b in ENCODER_BUCKETS if b >= B)
+            key = (Bb, tok.shape[1], tuple(cnn.shape[1:]), att.shape[0], tuple(att.shape[2:]))
+            g = self._enc_graphs.get(key)
+            if g is None:
+                g = self._capture(EncoderGraph, self, Bb, tok.shape, cnn.shape, att.shape)
+                if g is not None:
+                    self._enc_graphs[key] = g
+                    self.stats["encoder_graph_captures"] = self.stats.get("encoder_graph_captures", 0) + 1
+            if g is not None:
+                return g.run(tok, cnn, att)
         h, c_cnn, c_att = flow.encoder.forward_chunk(xs=flow.input_embedding(tok), last_chunk=last,
-                                                     cnn_cache=cache["conformer_cnn_cache"],
-                                                     att_cache=cache["conformer_att_cache"])
-        mu = flow.encoder_proj(h).transpose(1, 2).contiguous()
+                                                     cnn_cache=cnn, att_cache=att)
+        return flow.encoder_proj(h).transpose(1, 2).contiguous(), c_cnn, c_att
+
+    def _capture(self, cls, *args):
+        """Build a graph object; on failure log once and run eagerly from now on."""
+        try:
+            return cls(*args)
+        except Exception as exc:  # noqa: BLE001 - fall back to the eager path for good
+            import logging
+
+            logging.getLogger("duplexkit.code2wav").warning("%s capture failed (%s); eager from now", cls.__name__, exc)
+            self._use_graphs = False
+            self.euler_sub_batch = None
+            return None
+
+    def _euler_batch(self, mu, spk, cnn, att, last: bool):
+        """The CFM Euler loop for B rows (``mu`` [B, 80, T], projected ``spk`` [B, 80], DiT caches
+        [n, depth, 2B, ...] with the B conditional rows first). Returns (x [B, 80, T], cnn, att)."""
+        torch = self.torch
         B = mu.shape[0]
-        dec = flow.decoder
-        att, cnn = cache["estimator_att_cache"], cache["estimator_cnn_cache"]
+        dec = self.flow.decoder
         offset = att.shape[4]
         x0 = dec.rand_noise[:, :, offset:offset + mu.size(2)].expand(B, -1, -1)
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spk, torch.zeros_like(spk)], dim=0)
-        g = None
         if self._use_graphs and not last and B <= GRAPH_MAX_BATCH:
-            Bb = next(b for b in (1, 2, 4, 8, 16, 32) if b >= B)
+            Bb = next(b for b in (1, 2, 4) if b >= B)
             key = (Bb, mu.shape[2], att.shape[4])
             g = self._dit_graphs.get(key)
             if g is None:
-                try:
-                    g = _DiTGraph(self, Bb, mu.shape[2], att.shape[4])
-                except Exception as exc:  # noqa: BLE001 - fall back to the eager loop for good
-                    import logging
-
-                    logging.getLogger("duplexkit.code2wav").warning("Euler-loop graph capture failed (%s); eager from now", exc)
-                    self._use_graphs = False
-                else:
+                g = self._capture(DiTGraph, self, Bb, mu.shape[2], att.shape[4])
+                if g is not None:
                     self._dit_graphs[key] = g
                     self.stats["dit_graph_captures"] = self.stats.get("dit_graph_captures", 0) + 1
-        if self._use_graphs and not last and B <= GRAPH_MAX_BATCH and g is not None:
-            x, new_cnn, new_att = g.run(B, x0, mu_in, spks_in, cnn, att)
-        else:
-            n = self.n_timesteps
-            att_out = torch.empty(n, *att.shape[1:4], att.shape[4] + mu.shape[2], att.shape[5], device=mu.device,
-                                  dtype=att.dtype)
-            cnn_out = torch.empty_like(cnn)
-            x, new_cnn, new_att = self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, att_out, cnn_out)
-        return x, {"conformer_cnn_cache": c_cnn, "conformer_att_cache": c_att,
-                   "estimator_cnn_cache": new_cnn, "estimator_att_cache": new_att}
+            if g is not None:
+                return g.run(B, x0, mu_in, spks_in, cnn, att)
+        n = self.n_timesteps
+        att_out = torch.empty(n, *att.shape[1:4], att.shape[4] + mu.shape[2], att.shape[5], device=mu.device,
+                              dtype=att.dtype)
+        cnn_out = torch.empty_like(cnn)
+        return self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, att_out, cnn_out)
 
-    def _synth_batch(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> List[np.ndarray]:
-        """:meth:`Code2Wav._synth` for streams with equal cache shapes (caller holds the lock)."""
+    def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
+        """The flow for streams with equal cache shapes (caller holds the lock): one encoder call for
+        the group, the Euler loop in sub-batches of <= 4 when graphs are on. Returns per stream
+        (mel [1, 80, T], its new flow caches, tokens), all copies (no graph buffers)."""
         torch = self.torch
+        F = torch.nn.functional
+        flow = self.flow
         B = len(group)
         for st, _ in group:
             self._ensure_capacity(st.prompt.mel.shape[1])
         tokens = [np.concatenate([st.carry, new]) for st, new in group]
-        tok = torch.from_numpy(np.stack(tokens).astype(np.int64)).to(self.device)
-        spk = torch.cat([st.prompt.spk for st, _ in group], dim=0)
         cs = [st.flow_cache for st, _ in group]
-        cache = {
-            "conformer_cnn_cache": torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),
-            "conformer_att_cache": torch.cat([c["conformer_att_cache"] for c in cs], dim=1),
-            # CFG layout: the B conditional rows, then the B unconditional rows
-            "estimator_cnn_cache": torch.cat([c["estimator_cnn_cache"][:, :, 0:1] for c in cs]
-                                             + [c["estimator_cnn_cache"][:, :, 1:2] for c in cs], dim=2),
-            "estimator_att_cache": torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in cs]
-                                             + [c["estimator_att_cache"][:, :, 1:2] for c in cs], dim=2),
-        }
+        out = []
         with torch.inference_mode():
-            mel_all, nc = self._flow_batch(tok, spk, cache, last)
+            tok = torch.from_numpy(np.stack(tokens).astype(np.int64)).to(self.device)
+            spk = flow.spk_embed_affine_layer(F.normalize(torch.cat([st.prompt.spk for st, _ in group], dim=0), dim=1))
+            mu, c_cnn, c_att = self._encode(tok, torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),
+                                            torch.cat([c["conformer_att_cache"] for c in cs], dim=1), last)
+            step = (self.euler_sub_batch or B) if not last else B
+            for k in range(0, B, step):
+                sub = cs[k:k + step]
+                b = len(sub)
+                # CFG layout: the b conditional rows, then the b unconditional rows
+                cnn = torch.cat([c["estimator_cnn_cache"][:, :, 0:1] for c in sub]
+                                + [c["estimator_cnn_cache"][:, :, 1:2] for c in sub], dim=2)
+                att = torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in sub]
+                                + [c["estimator_att_cache"][:, :, 1:2] for c in sub], dim=2)
+                x, new_cnn, new_att = self._euler_batch(mu[k:k + b], spk[k:k + b], cnn, att, last)
+                for j in range(b):
+                    i = k + j
+                    cache = {
+                        "conformer_cnn_cache": c_cnn[i:i + 1].clone(),
+                        "conformer_att_cache": c_att[:, i:i + 1].clone(),
+                        "estimator_cnn_cache": torch.cat([new_cnn[:, :, j:j + 1], new_cnn[:, :, b + j:b + j + 1]], dim=2),
+                        "estimator_att_cache": torch.cat([new_att[:, :, j:j + 1], new_att[:, :, b + j:b + j + 1]], dim=2),
+                    }
+                    out.append((x[j:j + 1].clone(), cache, tokens[i]))
         self.stats["flow_calls"] += 1
         self.stats["batched_streams"] += B
-        out = []
-        for b, (st, _new) in enumerate(group):
-            c = {
-                "conformer_cnn_cache": nc["conformer_cnn_cache"][b:b + 1].clone(),
-                "conformer_att_cache": nc["conformer_att_cache"][:, b:b + 1].clone(),
-                "estimator_cnn_cache": torch.cat([nc["estimator_cnn_cache"][:, :, b:b + 1],
-                                                  nc["estimator_cnn_cache"][:, :, B + b:B + b + 1]], dim=2),
-                "estimator_att_cache": torch.cat([nc["estimator_att_cache"][:, :, b:b + 1],
-                                                  nc["estimator_att_cache"][:, :, B + b:B + b + 1]], dim=2),
-            }
-            out.append(self._finish(st, mel_all[b:b + 1], c, tokens[b], last))
         return out
 
+    def _vocode(self, ready: list) -> None:
+        """HiFT + cross-fade + state commit for this round's flow outputs ``(plan, mel, cache, tokens,
+        last)``: one batched HiFT call per equal input length (or per stream when ``hift_batched`` is
+        off). Appends audio to ``plan["out"]`` or sets ``plan["err"]`` for the streams of a failed call."""
+        torch = self.torch
+        if not self.hift_batched:
+            for p, mel, cache, tokens, last in ready:
+                try:
+                    p["out"].append(self._finish(p["st"], mel, cache, tokens, last))
+                except Exception as exc:  # noqa: BLE001 - this stream
+                    p["err"] = exc
+                self.stats["hift_calls"] += 1
+                self.stats["hift_rows"] += 1
+            return
+        prepared, keys = [], []
+        for p, mel, cache, tokens, last in ready:
+            with torch.inference_mode():
+                cache = self._trim_flow_cache(p["st"], cache)
+                mel_in, src = self._hift_input(p["st"], mel)
+            prepared.append((p, mel_in, src, cache, tokens, last))
+            keys.append((mel_in.shape[2], src.shape[2], last))
+        for rows in group_rows(keys):
+            group = [prepared[i] for i in rows]
+            sts = [g[0]["st"] for g in group]
+            last = group[0][5]
+            try:
+                with torch.inference_mode():
+                    B = len(group)
+                    pad = next((b for b in self.hift_buckets or () if b >= B), B) - B
+                    mels = [g[1] for g in group] + [torch.zeros_like(group[0][1])] * pad
+                    mel = torch.cat(mels, dim=0)
+                    src = None
+                    if group[0][2].shape[2]:
+                        src = torch.cat([g[2] for g in group] + [torch.zeros_like(group[0][2])] * pad, dim=0)
+                    seeds = [self._hift_seed(st) for st in sts] + [0] * pad
+                    with self._hift_guard(last):
+                        speech, source = hift_rows(self.hift, mel, src, seeds, self._row_noise)
+                    speech = self._crossfade_and_hold(sts, mel[:B], speech[:B], source[:B], last)
+                audio = speech.float().cpu().numpy()
+            except Exception as exc:  # noqa: BLE001 - the streams of this HiFT call
+                for g in group:
+                    g[0]["err"] = exc
+                continue
+            self.stats["hift_calls"] += 1
+            self.stats["hift_rows"] += len(group)
+            for b, (p, _m, _s, cache, tokens, _l) in enumerate(group):
+                p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
+
     def _hift_guard(self, last: bool):
-        """HiFT under the CUDA-graph capture lock (it draws from the default CUDA generator, which a
-        capture on another thread would break), with cuDNN autotuned conv plans for the steady chunk
-        shapes (~25 % less CPU per chunk on the H200, benchmarks/NOTES.md); the turn's variable-length
-        last chunk keeps the heuristics."""
+        """HiFT under the CUDA-graph capture lock (the per-stream path, ``push`` or ``hift_batched``
+        off, draws from the default CUDA generator, which a capture on another thread would break; the
+        batched path's private generators do not need it but keep the same order), with cuDNN
+        autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk on the H200,
+        benchmarks/NOTES.md); the turn's variable-length last chunk keeps the heuristics."""
         import contextlib
 
         from .fast_kv import CAPTURE_LOCK

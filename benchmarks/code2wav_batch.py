@@ -1,0 +1,98 @@
+"""Code2Wav per stream vs batched, side by side in one run (issue 19).
+
+For each stream count N, N streams (default voice, different seeds and random codes) push one
+25-code block per round, in steady state (two warm-up rounds: the flow caches are trimmed after the
+second). Three ways, alternated round by round on the same object so machine load hits them alike:
+
+* ``per-stream``: ``Code2Wav.push`` for each stream (the package's HiFT, one flow call per stream);
+* ``flow-batched``: ``push_batch`` with HiFT per stream (``hift_batched = False``: the previous path);
+* ``batched``: ``push_batch`` with one HiFT call for all rows (per-row noise).
+
+Prints ms per round (median over ``--rounds``) and the ratios. CPU by default with the tiny flow
+(``--size tiny``); ``--device cuda --size real`` measures the real-size flow and HiFT with random weights.
+
+    python benchmarks/code2wav_batch.py --streams 1,4,8 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    a = ap.parse_args()
+
+    import torch
+
+    from duplexkit.models.minicpmo45.random_init import _random_code2wav
+
+    dev = torch.device(a.device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    c2w = _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=a.size == "real", batched=True)
+    levels = [int(x) for x in a.streams.split(",") if x.strip()]
+    if hasattr(c2w, "warmup") and dev.type == "cuda":
+        c2w.warmup(batch_sizes=tuple(levels))
+    rng = np.random.default_rng(0)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def per_stream(sts, codes):
+        for st, c in zip(sts, codes):
+            c2w.push(st, c)
+
+    def batched(flag):
+        def run(sts, codes):
+            c2w.hift_batched = flag
+            try:
+                res = c2w.push_batch([SimpleNamespace(handle=st, codes=c, last=False) for st, c in zip(sts, codes)])
+            finally:
+                c2w.hift_batched = True
+            bad = [r for r in res if isinstance(r, BaseException)]
+            if bad:
+                raise bad[0]
+        return run
+
+    ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True))]
+    print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    print(f"{'streams':>7} {'per-stream ms':>14} {'flow-batched ms':>16} {'batched ms':>11} "
+          f"{'per-stream/batched':>19} {'flow-batched/batched':>21}", flush=True)
+    for n in levels:
+        sts = {name: [c2w.new_stream(None, seed=k) for k in range(n)] for name, _ in ways}
+        times = {name: [] for name, _ in ways}
+        for r in range(a.rounds + 2):
+            codes = [rng.integers(0, 6561, 25) for _ in range(n)]
+            for name, fn in ways:
+                sync()
+                t = time.perf_counter()
+                fn(sts[name], codes)
+                sync()
+                if r >= 2:
+                    times[name].append((time.perf_counter() - t) * 1000.0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{n:>7} {med['per-stream']:>14.1f} {med['flow-batched']:>16.1f} {med['batched']:>11.1f} "
+              f"{med['per-stream'] / med['batched']:>18.2f}x {med['flow-batched'] / med['batched']:>20.2f}x", flush=True)
+        for v in sts.values():
+            for st in v:
+                c2w.close(st)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

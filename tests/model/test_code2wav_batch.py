@@ -1,0 +1,197 @@
+"""Batched Code2Wav (one flow call per cache-shape group, one HiFT call per input length) equals each
+stream's own path, on CPU float32 with the tiny random-weight flow (docs/model.md §7).
+
+The reference is :meth:`Code2Wav.push` on the same object: the package's ``HiFTGenerator.forward``
+under the stream's (seed, chunk) global seed. One tiny flow per test module (its cache buffers are
+sized to use: tens of MB, not the package's 2.24 GB).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("stepaudio2")
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "audio"
+# rows of batched GEMMs/convs round differently from single-row calls; measured max |diff| 1.7e-7
+# over the scenario below (tiny flow, CPU float32)
+ATOL = 1e-5
+# on CUDA, cuDNN convolutions run TF32 by default and pick algorithms per batch size
+ATOL_CUDA = 2e-2
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def c2w(request):
+    """The tiny flow on CPU, and on CUDA where a GPU is present (there push_batch replays the
+    captured encoder and Euler-loop graphs)."""
+    from duplexkit.models.minicpmo45.random_init import _random_code2wav
+
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device(request.param)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    return _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=False, batched=True)
+
+
+def _voice_b() -> np.ndarray:
+    import soundfile as sf
+
+    data, rate = sf.read(str(FIXTURES / "question_16k.wav"), dtype="float32")
+    return np.ascontiguousarray(data[int(0.2 * rate):int(1.8 * rate)], dtype=np.float32)
+
+
+def test_hift_rows_one_row_is_the_package_call_bit_for_bit(c2w):
+    from duplexkit.models.minicpmo45.code2wav_hift import RowNoise, hift_rows
+
+    dev = c2w.device
+    rng = torch.Generator().manual_seed(3)
+    mel = torch.randn(3, 80, 58, generator=rng).to(dev)
+    cache = (0.1 * torch.randn(3, 1, 3840, generator=rng)).to(dev)
+    noise = RowNoise(dev, c2w.hift.m_source.l_sin_gen.dim)
+    seeds = [5, 1_000_003 * 7 + 2, 2 ** 62 + 11]
+    refs = []
+    for i, s in enumerate(seeds):
+        with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+            torch.manual_seed(s)
+            refs.append(c2w.hift(mel[i:i + 1], cache[i:i + 1]))
+    for i, s in enumerate(seeds):
+        speech, source = hift_rows(c2w.hift, mel[i:i + 1], cache[i:i + 1], [s], noise)
+        assert torch.equal(source, refs[i][1])  # the noise draws are the package's, bit for bit
+        if dev.type == "cpu":
+            assert torch.equal(speech, refs[i][0])
+        else:  # cuDNN may pick another conv algorithm per call
+            torch.testing.assert_close(speech, refs[i][0], atol=1e-5, rtol=0)
+    speech, source = hift_rows(c2w.hift, mel, cache, seeds, noise)
+    for i in range(3):  # batched convolutions round differently in the last bits, nothing more
+        torch.testing.assert_close(speech[i:i + 1], refs[i][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(source[i:i + 1], refs[i][1], atol=1e-5, rtol=0)
+    # different seeds give different noise (the rows do not share one draw)
+    assert not torch.allclose(speech[0], hift_rows(c2w.hift, mel[:1], cache[:1], [6], noise)[0][0], atol=1e-4)
+
+
+def _scenario():
+    """Rounds of 5 streams: (codes, last) or None (idle). Streams differ in voice, seed, codes and
+    position: s1 starts a round late (first chunk while others are on later chunks), s2 ends its turn
+    in round 1 and starts a new one, s3 pushes two blocks at once then ends with 30 codes, s4 buffers
+    10 codes, idles, and ends with a terminal flush of 11; s0 ends with 12."""
+    rng = np.random.default_rng(7)
+    c = lambda n: rng.integers(0, 6561, n)  # noqa: E731
+    return [
+        [(c(25), False), None, (c(25), False), (c(50), False), (c(10), False)],
+        [(c(25), False), (c(25), False), (c(7), True), (c(25), False), None],
+        [(c(25), False), (c(25), False), (c(25), False), (c(30), True), (c(25), False)],
+        [(c(12), True), (c(25), False), (c(25), False), (c(3), False), (c(1), True)],
+    ]
+
+
+def _run(c2w, batched: bool):
+    voices = [None, None, _voice_b(), None, _voice_b()]
+    sts = [c2w.new_stream(v, seed=k) for k, v in enumerate(voices)]
+    outs = []
+    for rnd in _scenario():
+        items = [SimpleNamespace(handle=sts[k], codes=w[0], last=w[1]) for k, w in enumerate(rnd) if w is not None]
+        if batched:
+            res = c2w.push_batch(items)
+        else:
+            res = [c2w.push(w.handle, w.codes, last=w.last) for w in items]
+        outs.append([np.asarray(r) for r in res])
+    for st in sts:
+        c2w.close(st)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def per_stream_outputs(c2w):
+    return _run(c2w, batched=False)
+
+
+@pytest.mark.parametrize("variant", ["whole", "sub1", "pad"])
+def test_batched_code2wav_equals_per_stream_path(c2w, per_stream_outputs, variant):
+    """All streams of a round in one call. ``sub1``: the Euler loop of a flow group runs stream by
+    stream after one encoder call for the group (the CUDA layout, where the loop replays graphs of
+    <= 4 streams: CFG rows regrouped per sub-batch, encoder rows picked by offset). ``pad``: HiFT
+    calls padded to 4 or 8 rows (the CUDA default pads to powers of two)."""
+    if c2w.device.type == "cuda" and variant != "whole":
+        pytest.skip("CUDA runs its own defaults")
+    ref = per_stream_outputs
+    s0 = dict(c2w.stats)
+    saved = (c2w.euler_sub_batch, c2w.hift_buckets)
+    if variant == "sub1":
+        c2w.euler_sub_batch = 1
+    if variant == "pad":
+        c2w.hift_buckets = (4, 8)
+    try:
+        got = _run(c2w, batched=True)
+    finally:
+        c2w.euler_sub_batch, c2w.hift_buckets = saved
+    n_chunks = 0
+    for r, (a, b) in enumerate(zip(ref, got)):
+        assert len(a) == len(b)
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert x.shape == y.shape, (r, k)
+            n_chunks += x.size > 0
+            tol = ATOL if c2w.device.type == "cpu" else ATOL_CUDA
+            np.testing.assert_allclose(y, x, atol=tol, rtol=0, err_msg=f"round {r} item {k}")
+    calls = c2w.stats["hift_calls"] - s0["hift_calls"]
+    rows = c2w.stats["hift_rows"] - s0["hift_rows"]
+    assert rows >= n_chunks and calls < rows  # several streams shared HiFT calls
+    assert c2w.stats["flow_calls"] - s0["flow_calls"] < rows
+    if c2w.device.type == "cuda":
+        assert c2w.stats.get("encoder_graph_captures", 0) > 0 and c2w._use_graphs
+
+
+def test_hift_failure_fails_only_its_call(c2w, monkeypatch):
+    """A HiFT call that raises fails the streams of that call; the stream in another call (other
+    input length) gets its audio."""
+    st_a, st_b, st_c = (c2w.new_stream(None, seed=k) for k in range(3))
+    try:
+        c2w.push(st_c, np.full(25, 4218))  # st_c is on its second chunk: another HiFT input length
+        from duplexkit.models.minicpmo45 import fast_code2wav
+
+        real = fast_code2wav.hift_rows
+
+        def flaky(hift, mel, *a, **kw):
+            if mel.shape[0] == 2:
+                raise RuntimeError("injected")
+            return real(hift, mel, *a, **kw)
+
+        monkeypatch.setattr(fast_code2wav, "hift_rows", flaky)
+        res = c2w.push_batch([SimpleNamespace(handle=s, codes=np.arange(25) + 100 * k, last=False)
+                              for k, s in enumerate((st_a, st_b, st_c))])
+        assert isinstance(res[0], RuntimeError) and isinstance(res[1], RuntimeError)
+        assert res[2].shape == (24000,)
+    finally:
+        for s in (st_a, st_b, st_c):
+            c2w.close(s)
+
+
+def test_encoder_rows_are_independent_of_padding_rows(c2w):
+    """The captured encoder runs on a bucket of Bb >= B rows whose extra rows hold stale data: the
+    live rows must not depend on them (checked here eagerly, on the same call the graph captures)."""
+    if c2w.device.type != "cpu":
+        pytest.skip("eager check on CPU")
+    sts = [c2w.new_stream(None, seed=k) for k in range(3)]
+    try:
+        for st in sts:  # one chunk each: caches past the prompt-only base
+            c2w.push(st, np.random.default_rng(1).integers(0, 6561, 25))
+        tok = torch.from_numpy(np.random.default_rng(2).integers(0, 6561, (3, 28)))
+        cnn = torch.cat([st.flow_cache["conformer_cnn_cache"] for st in sts], dim=0)
+        att = torch.cat([st.flow_cache["conformer_att_cache"] for st in sts], dim=1)
+        live = c2w._encode(tok, cnn, att, last=False)
+        junk = torch.Generator().manual_seed(9)
+        padded = c2w._encode(torch.cat([tok, tok[:1] + 7]), torch.cat([cnn, torch.randn(cnn[:1].shape, generator=junk)]),
+                             torch.cat([att, torch.randn(att[:, :1].shape, generator=junk)], dim=1), last=False)
+        torch.testing.assert_close(padded[0][:3], live[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(padded[1][:3], live[1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(padded[2][:, :3], live[2], atol=1e-5, rtol=0)
+    finally:
+        for st in sts:
+            c2w.close(st)
