@@ -86,6 +86,10 @@ class ServerSettings:
         max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
             address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
         header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
+        replica_id: this replica's identity when it is one of many (set by
+            :mod:`duplexkit_server.ray_serve` from Ray Serve's replica context); reported as
+            ``replica`` by ``/health`` and ``/ready`` and in the ``x-duplexkit-replica`` response and
+            WebSocket-handshake header. None: not reported.
     """
 
     model_id: Optional[str] = None
@@ -118,6 +122,7 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_sessions_per_client: Optional[int] = None
     header_timeout_s: float = 10.0
+    replica_id: Optional[str] = None
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -452,7 +457,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
                 "sessions_max": state.slots.size,
                 "random_weights": bool(getattr(state.engine, "random_weights", False)),
-                **state.counters()}
+                **state.counters(), **({"replica": settings.replica_id} if settings.replica_id else {})}
 
     @app.get("/v1/models")
     async def models(request: Request):

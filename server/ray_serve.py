@@ -1,0 +1,265 @@
+"""Many duplexkit replicas behind one endpoint, on Ray Serve (docs/deployment.md, "Ray Serve").
+
+Each Serve replica builds its own engine (``model``, ``layout``, ``dtype``, ``scripted`` options, as
+``duplexkit serve`` does) and serves the bundled FastAPI app (:func:`duplexkit_server.create_app`) as
+Serve's ingress, so ``/v1/realtime``, ``/v1/duplex`` (WebSocket) and ``/v1/chat/completions``,
+``/health``, ``/ready``, ``/live``, ``/metrics`` (HTTP) go through Serve's proxy. A session is placed
+once, when its WebSocket connects, by Serve's router (power of two choices on ongoing requests), and
+stays on that replica for its whole life.
+
+* Identity: each replica sets :attr:`ServerSettings.replica_id` to Serve's replica tag
+  (``serve.get_replica_context().replica_tag``); ``/health`` and ``/ready`` report it as
+  ``replica`` and every HTTP response and WebSocket handshake carries it in the
+  :data:`REPLICA_HEADER` header.
+* Capacity: the session cap stays duplexkit's (``max_sessions``; a full replica refuses a WebSocket
+  with ``error{session_capacity_exhausted}`` + close 1013 and chat with HTTP 503). Serve's
+  ``max_ongoing_requests`` is ``max_sessions + probe_headroom``, so probes, metrics scrapes and
+  refusals still reach a replica whose slots are all taken instead of waiting in Serve's queue, and
+  ``max_queued_requests`` bounds what waits in that queue (beyond it the proxy answers 503).
+* Drain: when Serve stops a replica (scale-in, redeploy, ``serve delete``, ``serve shutdown``) it
+  first takes it out of routing, then waits up to ``graceful_shutdown_timeout_s`` for its ongoing
+  requests (= live sessions) and then kills it. The replica notices the stop and runs the server's
+  own drain (:func:`duplexkit_server.lifecycle.drain`): new sessions are refused, live ones go on for
+  up to ``drain_s``, then get ``session.closed{reason:"shutdown"}`` and close 1001, all inside
+  Serve's timeout (set to ``drain_s + shutdown_grace_s + DRAIN_MARGIN_S``).
+
+  Serve has no public hook for "this replica is stopping": the replica reads the ``_shutting_down``
+  flag of Ray Serve's internal ``Replica`` object (checked with Ray 2.60). When that object
+  cannot be found (another Ray version), a warning is logged and a stopping replica's live sessions
+  end when Serve kills it, without ``session.closed``.
+
+Start it with ``duplexkit serve MODEL --ray-replicas N`` (:func:`run_cli`) or
+``serve run deploy/ray/duplexkit.yaml`` (:func:`app_builder`). Ray is imported only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from .app import ServerSettings, create_app
+
+logger = logging.getLogger("duplexkit.server.ray")
+
+__all__ = ["REPLICA_HEADER", "DRAIN_MARGIN_S", "RayOptions", "build_app", "app_builder", "deployment_options"]
+
+#: Response / WebSocket-handshake header naming the replica that served it.
+REPLICA_HEADER = "x-duplexkit-replica"
+#: Seconds of Serve's ``graceful_shutdown_timeout_s`` beyond ``drain_s + shutdown_grace_s``: Serve's
+#: drain loop polls every ``graceful_shutdown_wait_loop_s`` (1 s here) and then closes the engine.
+DRAIN_MARGIN_S = 5.0
+#: Serve's name for the deployment and the default application name.
+DEPLOYMENT_NAME = "duplexkit"
+
+
+@dataclass
+class RayOptions:
+    """How the replicas are run (each maps to a ``duplexkit serve --ray-*`` flag).
+
+    Attributes:
+        replicas: fixed number of replicas, or the minimum with autoscaling (``max_replicas`` set).
+        max_replicas: autoscale between ``replicas`` and this on Serve's ongoing-requests signal
+            (None: a fixed count).
+        target_sessions: the autoscaler's ``target_ongoing_requests`` per replica (None:
+            ``0.75 * max_sessions``, at least 1). One live session is one ongoing request.
+        gpus_per_replica: Ray ``num_gpus`` of each replica (Ray sets ``CUDA_VISIBLE_DEVICES``,
+            so the layout's ``cuda:0`` is the replica's first GPU).
+        cpus_per_replica: Ray ``num_cpus`` of each replica (a scheduling reservation).
+        probe_headroom: Serve ``max_ongoing_requests`` is ``max_sessions`` plus this.
+        max_queued_requests: requests that may wait in each proxy's queue when every replica is at
+            ``max_ongoing_requests``; beyond that the proxy answers HTTP 503.
+    """
+
+    replicas: int = 1
+    max_replicas: Optional[int] = None
+    target_sessions: Optional[float] = None
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    probe_headroom: int = 4
+    max_queued_requests: int = 16
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 and not self.max_replicas:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.max_replicas is not None and self.max_replicas < max(1, self.replicas):
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= replicas ({self.replicas}) and >= 1")
+        if self.probe_headroom < 1:
+            raise ValueError("probe_headroom must be >= 1: probes must reach a full replica")
+
+
+def deployment_options(settings: ServerSettings, ray: RayOptions) -> dict:
+    """The ``serve.deployment`` options for ``settings`` and ``ray`` (documented in
+    docs/deployment.md, "Ray Serve"). Pure: needs no Ray."""
+    opts: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "max_ongoing_requests": settings.max_sessions + ray.probe_headroom,
+        "max_queued_requests": ray.max_queued_requests,
+        "graceful_shutdown_timeout_s": settings.drain_s + settings.shutdown_grace_s + DRAIN_MARGIN_S,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "ray_actor_options": {"num_cpus": ray.cpus_per_replica, "num_gpus": ray.gpus_per_replica},
+    }
+    if ray.max_replicas is None:
+        opts["num_replicas"] = ray.replicas
+    else:
+        target = ray.target_sessions or ceil_target(settings.max_sessions)
+        opts["autoscaling_config"] = {
+            "min_replicas": ray.replicas, "max_replicas": ray.max_replicas,
+            "target_ongoing_requests": target,
+            # sessions last minutes: scale out after 30 s of load, scale in (a drain) only after 10 min
+            "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
+        }
+    return opts
+
+
+def _stopping_probe():
+    """A callable telling whether Serve has begun stopping this replica, or None when Ray Serve's
+    internal ``Replica`` object (its ``_shutting_down`` flag, Ray 2.60) cannot be found."""
+    import gc
+
+    from ray import serve
+
+    try:
+        from ray.serve._private.replica import Replica
+    except ImportError:
+        return None
+    me = serve.get_replica_context().replica_id
+    for obj in gc.get_objects():
+        if isinstance(obj, Replica) and getattr(obj, "_replica_id", None) == me \
+                and isinstance(getattr(obj, "_shutting_down", None), bool):
+            return lambda: bool(obj._shutting_down)
+    return None
+
+
+class _ReplicaHeader:
+    """ASGI middleware: adds :data:`REPLICA_HEADER` to HTTP responses and WebSocket accepts."""
+
+    def __init__(self, app, replica_id: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                message = {**message, "headers": [*(message.get("headers") or []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class DuplexkitReplica:
+    """One Serve replica: one engine, one :func:`create_app` app (the class Serve instantiates;
+    wrapped by ``serve.ingress()`` in :func:`build_app`)."""
+
+    async def __init__(self, engine: dict, settings: dict, watch_period_s: float = 0.25) -> None:
+        from ray import serve
+
+        from duplexkit.engine.loading import load_engine
+
+        from . import lifecycle
+
+        self.replica_id = serve.get_replica_context().replica_tag
+        self.settings = ServerSettings(**{**settings, "replica_id": self.replica_id})
+        # load before joining: Serve routes to a replica only once its constructor has returned
+        spec = dict(engine)
+        self.engine = await asyncio.to_thread(load_engine, spec.pop("model"), progress=False, **spec)
+        self._fastapi = create_app(self.engine, self.settings)
+        self._fastapi.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
+        self.state = self._fastapi.state.duplexkit
+        self._drain = lifecycle.drain
+        self._stopping = _stopping_probe()
+        if self._stopping is None:
+            logger.warning("cannot see Ray Serve's replica shutdown flag (Ray version?): when Serve stops "
+                           "this replica, live sessions end without session.closed{shutdown}")
+        else:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_stop(watch_period_s))
+        logger.info("duplexkit replica %s ready (%s, %d session slots)", self.replica_id,
+                    getattr(self.engine, "model_id", "?"), self.settings.max_sessions)
+
+    async def _watch_stop(self, period_s: float) -> None:
+        while not self._stopping():
+            await asyncio.sleep(period_s)
+        logger.info("replica %s: Serve is stopping it; draining up to %g s", self.replica_id, self.settings.drain_s)
+        await self._drain(self.state, self.settings.drain_s)
+
+    def __serve_build_asgi_app__(self):
+        return self._fastapi
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when the engine failed (Serve then replaces the replica)."""
+        err = self.state.load_error or getattr(self.engine, "error", None)
+        if isinstance(err, BaseException):
+            raise RuntimeError(f"duplexkit engine failed: {err!r}")
+
+
+def build_app(engine: dict, settings: ServerSettings, ray: Optional[RayOptions] = None):
+    """The Serve application (``serve.run(build_app(...))``).
+
+    Args:
+        engine: keyword arguments of :func:`duplexkit.engine.load_engine`, with ``model``
+            (a checkpoint path, ``tiny`` or ``scripted``), e.g. ``{"model": "scripted",
+            "scripted": {"units_per_turn": 3}}``.
+        settings: the server options of every replica (``replica_id`` is set per replica).
+        ray: replica count, autoscaling and resources (:class:`RayOptions`).
+
+    Raises:
+        ImportError: Ray Serve is not installed (``pip install 'duplexkit[ray]'``).
+    """
+    from ray import serve
+
+    ray = ray or RayOptions()
+    cls = serve.ingress()(DuplexkitReplica)
+    dep = serve.deployment(cls, **deployment_options(settings, ray))
+    settings_d = {k: v for k, v in asdict(settings).items() if k != "replica_id"}
+    return dep.bind(dict(engine), settings_d)
+
+
+def app_builder(args: dict):
+    """Serve application builder for ``serve run`` / ``serve deploy`` config files
+    (``import_path: duplexkit_server.ray_serve:app_builder``; deploy/ray/duplexkit.yaml).
+
+    ``args``: ``model`` (required), ``layout``, ``dtype``, ``scripted`` (engine options), any
+    :class:`ServerSettings` field (e.g. ``max_sessions``, ``drain_s``, ``api_keys``), and any
+    :class:`RayOptions` field (e.g. ``replicas``, ``max_replicas``, ``gpus_per_replica``).
+    Unknown keys raise ``ValueError``.
+    """
+    from dataclasses import fields
+
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("app_builder needs args.model (a checkpoint path, 'tiny' or 'scripted')")
+    engine = {k: args.pop(k) for k in ("model", "layout", "dtype", "scripted", "seed") if k in args}
+    s_names = {f.name for f in fields(ServerSettings)} - {"replica_id"}
+    r_names = {f.name for f in fields(RayOptions)}
+    unknown = set(args) - s_names - r_names
+    if unknown:
+        raise ValueError(f"unknown app_builder args: {sorted(unknown)}")
+    settings = ServerSettings(**{k: v for k, v in args.items() if k in s_names})
+    return build_app(engine, settings, RayOptions(**{k: v for k, v in args.items() if k in r_names}))
+
+
+def gpus_of_layout(layout: Optional[str], model: str) -> int:
+    """How many GPUs a replica of ``layout`` needs: the distinct CUDA devices it names (0 for the
+    CPU layout, ``scripted`` and ``tiny`` without a CUDA layout). ``layout`` None means ``1gpu``
+    for a checkpoint (the default with CUDA)."""
+    if model in ("scripted",):
+        return 0
+    if layout is None:
+        return 0 if model == "tiny" else 1
+    from duplexkit.engine import load_layout
+
+    devices = set()
+    for stage in load_layout(layout).stages.values():
+        devs = stage.device if isinstance(stage.device, (list, tuple)) else [stage.device]
+        devices.update(d for d in devs if str(d).startswith("cuda"))
+    return len(devices)
+
+
+def ceil_target(max_sessions: int) -> float:
+    """The default autoscaling target: ``0.75 * max_sessions`` rounded up, at least 1."""
+    return float(max(1, math.ceil(0.75 * max_sessions)))
