@@ -45,6 +45,30 @@ def _add_hardening_args(p) -> None:
                         "public = no key (scrapers on a private network), off = no route")
 
 
+def _add_ray_args(p) -> None:
+    """``serve`` options of the Ray Serve deployment (docs/deployment.md, "Ray Serve")."""
+    p.add_argument("--ray-replicas", type=_replica_range, default=None, metavar="N|MIN-MAX",
+                   help="serve N replicas on Ray Serve (one engine each, one endpoint), or autoscale between "
+                        "MIN and MAX on ongoing sessions; needs Ray Serve (pip install 'duplexkit[ray]')")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a new local cluster)")
+    p.add_argument("--ray-gpus-per-replica", type=_float_min(0), default=None,
+                   help="GPUs per replica (default: the CUDA devices the layout names; 0 for scripted and cpu)")
+    p.add_argument("--ray-cpus-per-replica", type=_float_min(0), default=1.0,
+                   help="CPUs Ray reserves per replica (default 1)")
+
+
+def _replica_range(text: str) -> tuple:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), (int(hi) if sep else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {text!r}") from None
+    if a < 1 or (b is not None and b < a):
+        raise argparse.ArgumentTypeError(f"expected N >= 1 or 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
 def _duration(text: str) -> float:
     """An argparse type: seconds, or a number with s/m/h (``duplexkit_server.lifecycle.parse_duration``)."""
     t = text.strip().lower()
@@ -88,6 +112,9 @@ def cmd_serve(args) -> int:
         voices=dict(_parse_voice(v) for v in (args.voice or [])),
         **_hardening_settings(args))
     scripted = _parse_scripted(args.scripted)
+    if getattr(args, "ray_replicas", None) is not None:
+        sock.close()  # the port was free; Serve's proxy binds it
+        return _serve_on_ray(args, settings, scripted)
 
     def loader():
         try:
@@ -112,3 +139,48 @@ def cmd_serve(args) -> int:
 
         return EXIT_USAGE if isinstance(err, LayoutError) else EXIT_LOAD
     return rc
+
+
+def _serve_on_ray(args, settings, scripted: dict) -> int:
+    """``duplexkit serve MODEL --ray-replicas N``: the replicas on Ray Serve behind its proxy at
+    ``--host:--port``, until SIGTERM or SIGINT; then Serve stops every replica, each draining for
+    ``--drain-s`` (:mod:`duplexkit_server.ray_serve`). Exit 2 when Ray Serve is not installed."""
+    import signal
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise CliError(f"--ray-replicas needs Ray Serve, which is not installed ({exc}); install it with "
+                       "python -m pip install 'duplexkit[ray]'", EXIT_USAGE) from None
+    from duplexkit_server.ray_serve import DEPLOYMENT_NAME, RayOptions, build_app, gpus_of_layout
+
+    lo, hi = args.ray_replicas
+    gpus = args.ray_gpus_per_replica
+    if gpus is None:
+        gpus = gpus_of_layout(args.layout, args.model)
+    options = RayOptions(replicas=lo, max_replicas=hi, gpus_per_replica=gpus,
+                         cpus_per_replica=args.ray_cpus_per_replica)
+    settings.bind_host, settings.bind_port = args.host, args.port
+    engine = {"model": args.model, "layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
+              "scripted": scripted}
+    ray.init(address=args.ray_address, include_dashboard=False)
+    stop = threading.Event()
+    prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(engine, settings, options), name=DEPLOYMENT_NAME, route_prefix="/")
+        scale = f"{lo}" if hi is None else f"{lo}-{hi} (autoscaling)"
+        _eprint(f"duplexkit serving {args.model} on Ray Serve, {scale} replica(s), at http://{args.host}:{args.port} "
+                f"(realtime: /v1/realtime, /v1/duplex; auth {'on' if settings.api_keys else 'off'}); "
+                "SIGTERM/Ctrl+C drains and stops")
+        stop.wait()
+        _eprint(f"stopping: each replica drains for up to {settings.drain_s:g} s")
+        serve.delete(DEPLOYMENT_NAME)
+    finally:
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
