@@ -1,0 +1,51 @@
+"""The Ray Serve deployment options duplexkit derives (docs/deployment.md, "Ray Serve") and the CLI's
+answer when Ray is missing. Needs no Ray cluster."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from duplexkit.cli import EXIT_USAGE, main
+from duplexkit_server import ServerSettings
+from duplexkit_server.ray_serve import DRAIN_MARGIN_S, RayOptions, deployment_options, gpus_of_layout
+
+
+def test_capacity_drain_and_autoscaling_options():
+    s = ServerSettings(max_sessions=8, drain_s=300)
+    fixed = deployment_options(s, RayOptions(replicas=3))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    # probes and refusals still reach a full replica; the queue in front is bounded
+    assert fixed["max_ongoing_requests"] == 8 + 4 and fixed["max_queued_requests"] == 16
+    # Serve's kill comes only after duplexkit's drain and its session.closed
+    assert fixed["graceful_shutdown_timeout_s"] == 300 + s.shutdown_grace_s + DRAIN_MARGIN_S
+    auto = deployment_options(s, RayOptions(replicas=2, max_replicas=6, gpus_per_replica=1))
+    assert "num_replicas" not in auto
+    assert auto["autoscaling_config"]["min_replicas"] == 2 and auto["autoscaling_config"]["max_replicas"] == 6
+    assert auto["autoscaling_config"]["target_ongoing_requests"] == 6.0  # 0.75 * 8 sessions
+    assert auto["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    with pytest.raises(ValueError):
+        RayOptions(replicas=3, max_replicas=2)
+
+
+def test_gpus_per_replica_follow_the_layout():
+    assert gpus_of_layout(None, "scripted") == 0
+    assert gpus_of_layout("cpu", "tiny") == 0
+    assert gpus_of_layout("1gpu", "/ckpt") == 1
+    assert gpus_of_layout("2gpu", "/ckpt") == 2
+    assert gpus_of_layout("3gpu", "/ckpt") == 3
+
+
+def test_ray_replicas_without_ray_is_one_error_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError, as when not installed
+    rc = main(["serve", "scripted", "--ray-replicas", "2", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_USAGE
+    assert "--ray-replicas needs Ray Serve" in err and "duplexkit[ray]" in err
+
+
+def test_ray_replicas_range_is_validated(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["serve", "scripted", "--ray-replicas", "3-2"])
+    assert ei.value.code == EXIT_USAGE and "MIN <= MAX" in capsys.readouterr().err
