@@ -51,6 +51,8 @@ REPLICA_HEADER = "x-duplexkit-replica"
 #: Seconds of Serve's ``graceful_shutdown_timeout_s`` beyond ``drain_s + shutdown_grace_s``: Serve's
 #: drain loop polls every ``graceful_shutdown_wait_loop_s`` (1 s here) and then closes the engine.
 DRAIN_MARGIN_S = 5.0
+#: Seconds between copies of a replica's metrics into Ray's metrics (:func:`_mirror_metrics`).
+MIRROR_PERIOD_S = 5.0
 #: Serve's name for the deployment and the default application name.
 DEPLOYMENT_NAME = "duplexkit"
 
@@ -133,6 +135,31 @@ def _stopping_probe():
     return None
 
 
+async def _mirror_metrics(registry, replica_id: str, period_s: float) -> None:
+    """Copy every sample of the replica's ``/metrics`` registry into Ray's metrics every
+    ``period_s`` seconds, as gauges with a ``replica`` tag (exported by each Ray node's metrics agent
+    as ``ray_<sample name>``; counters and histogram buckets keep their cumulative values).
+    Through Serve's proxy ``/metrics`` answers from one replica at a time; these series show all."""
+    from ray.util.metrics import Gauge
+
+    gauges: dict = {}
+    while True:
+        try:
+            for fam in registry.collect():
+                for sample in fam.samples:
+                    if sample.name.endswith("_created"):
+                        continue
+                    keys = tuple(sorted({*sample.labels, "replica"}))
+                    g = gauges.get((sample.name, keys))
+                    if g is None:
+                        g = gauges[(sample.name, keys)] = Gauge(
+                            sample.name, description=fam.documentation or sample.name, tag_keys=keys)
+                    g.set(float(sample.value), tags={**sample.labels, "replica": replica_id})
+        except Exception:  # pragma: no cover - never let metrics break the replica
+            logger.exception("mirroring metrics into Ray failed; retrying")
+        await asyncio.sleep(period_s)
+
+
 class _ReplicaHeader:
     """ASGI middleware: adds :data:`REPLICA_HEADER` to HTTP responses and WebSocket accepts."""
 
@@ -156,7 +183,8 @@ class DuplexkitReplica:
     """One Serve replica: one engine, one :func:`create_app` app (the class Serve instantiates;
     wrapped by ``serve.ingress()`` in :func:`build_app`)."""
 
-    async def __init__(self, engine: dict, settings: dict, watch_period_s: float = 0.25) -> None:
+    async def __init__(self, engine: dict, settings: dict, watch_period_s: float = 0.25,
+                       mirror_period_s: float = MIRROR_PERIOD_S) -> None:
         from ray import serve
 
         from duplexkit.engine.loading import load_engine
@@ -178,6 +206,9 @@ class DuplexkitReplica:
                            "this replica, live sessions end without session.closed{shutdown}")
         else:
             self._watch = asyncio.get_running_loop().create_task(self._watch_stop(watch_period_s))
+        if self.state.metrics is not None and mirror_period_s > 0:
+            self._mirror = asyncio.get_running_loop().create_task(
+                _mirror_metrics(self.state.metrics.registry, self.replica_id, mirror_period_s))
         logger.info("duplexkit replica %s ready (%s, %d session slots)", self.replica_id,
                     getattr(self.engine, "model_id", "?"), self.settings.max_sessions)
 

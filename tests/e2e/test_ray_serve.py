@@ -20,6 +20,7 @@ import socket
 import httpx
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (python -m pip install 'duplexkit[ray]')")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (python -m pip install 'duplexkit[ray]')")
@@ -49,9 +50,13 @@ def _deploy(replicas: int) -> None:
               name=DEPLOYMENT_NAME, route_prefix="/")
 
 
+METRICS_PORT = _free_port()  # the Ray node's metrics agent (ray_duplexkit_* series of every replica)
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -106,6 +111,23 @@ async def test_sessions_spread_across_replicas_and_a_turn_goes_through_the_proxy
         assert health.json()["replica"] == health.headers[REPLICA_HEADER] in {tag_a, tag_b}
         assert health.json()["sessions_active"] == 1 and health.json()["sessions_max"] == 3
         await _spoken_turn(cluster, question_wav)
+        # every replica's /metrics samples reach Ray's metrics with a replica tag
+        capacity = {}
+        spoken = 0.0
+        async with httpx.AsyncClient() as http:
+            while len(capacity) < 2 or spoken < 3:  # the mirror copies every 5 s; the test timeout bounds it
+                await asyncio.sleep(1)
+                try:
+                    text = (await http.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30)).text
+                except httpx.HTTPError:
+                    continue
+                for fam in text_string_to_metric_families(text):
+                    for smp in fam.samples:
+                        if smp.name == "ray_duplexkit_sessions_capacity" and smp.labels.get("replica") in (tag_a, tag_b):
+                            capacity[smp.labels["replica"]] = smp.value
+                        if smp.name == "ray_duplexkit_units_decided_total" and smp.labels.get("decision") == "speak":
+                            spoken = max(spoken, smp.value)
+        assert capacity == {tag_a: 3.0, tag_b: 3.0} and spoken == 3.0  # the turn's 3 scripted units
     finally:
         await a.close()
         await b.close()
@@ -164,7 +186,7 @@ async def test_a_killed_replicas_clients_get_a_close_and_reconnect_to_a_live_rep
         victim = ray.get_actor(f"SERVE_REPLICA::{DEPLOYMENT_NAME}#{DEPLOYMENT_NAME}#{tag_a}", namespace="serve")
         ray.kill(victim, no_restart=True)
         await _until_closed(a)  # the client is told: its connection ends
-        assert a.close_code is not None
+        assert a.close_code == 1006  # the proxy drops the connection without a close frame
         # the other replica's session goes on
         assert b.close_code is None
         await b.send(json.dumps({"type": "session.heartbeat"}))
