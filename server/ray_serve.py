@@ -221,12 +221,6 @@ class DuplexkitReplica:
     def __serve_build_asgi_app__(self):
         return self._fastapi
 
-    def check_health(self) -> None:
-        """Serve's health check: raises when the engine failed (Serve then replaces the replica)."""
-        err = self.state.load_error or getattr(self.engine, "error", None)
-        if isinstance(err, BaseException):
-            raise RuntimeError(f"duplexkit engine failed: {err!r}")
-
 
 def build_app(engine: dict, settings: ServerSettings, ray: Optional[RayOptions] = None):
     """The Serve application (``serve.run(build_app(...))``).

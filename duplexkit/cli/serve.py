@@ -145,6 +145,7 @@ def _serve_on_ray(args, settings, scripted: dict) -> int:
     """``duplexkit serve MODEL --ray-replicas N``: the replicas on Ray Serve behind its proxy at
     ``--host:--port``, until SIGTERM or SIGINT; then Serve stops every replica, each draining for
     ``--drain-s`` (:mod:`duplexkit_server.ray_serve`). Exit 2 when Ray Serve is not installed."""
+    import os
     import signal
     import threading
 
@@ -165,12 +166,20 @@ def _serve_on_ray(args, settings, scripted: dict) -> int:
     settings.bind_host, settings.bind_port = args.host, args.port
     engine = {"model": args.model, "layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
               "scripted": scripted}
-    ray.init(address=args.ray_address, include_dashboard=False)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:  # a new local cluster, never one some other `ray start` left on this machine
+        ray.init(address="local", include_dashboard=False)
     stop = threading.Event()
     prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(engine, settings, options), name=DEPLOYMENT_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(engine, settings, options), name=DEPLOYMENT_NAME, route_prefix="/")
+        except RuntimeError as exc:  # Serve gave up constructing replicas (the engine failed to load)
+            raise CliError(f"engine failed to load on Ray Serve: {str(exc).strip().splitlines()[0]} "
+                           "(the replicas' errors are in the log above)", EXIT_LOAD) from exc
         scale = f"{lo}" if hi is None else f"{lo}-{hi} (autoscaling)"
         _eprint(f"duplexkit serving {args.model} on Ray Serve, {scale} replica(s), at http://{args.host}:{args.port} "
                 f"(realtime: /v1/realtime, /v1/duplex; auth {'on' if settings.api_keys else 'off'}); "
