@@ -44,7 +44,8 @@ from .app import ServerSettings, create_app
 
 logger = logging.getLogger("duplexkit.server.ray")
 
-__all__ = ["REPLICA_HEADER", "DRAIN_MARGIN_S", "RayOptions", "build_app", "app_builder", "deployment_options"]
+__all__ = ["REPLICA_HEADER", "DRAIN_MARGIN_S", "RayOptions", "build_app", "app_builder", "deployment_options",
+           "drain_budget", "gpus_of_layout"]
 
 #: Response / WebSocket-handshake header naming the replica that served it.
 REPLICA_HEADER = "x-duplexkit-replica"
@@ -160,6 +161,25 @@ async def _mirror_metrics(registry, replica_id: str, period_s: float) -> None:
         await asyncio.sleep(period_s)
 
 
+def drain_budget(settings: ServerSettings, graceful_shutdown_timeout_s: Optional[float]) -> float:
+    """How long a stopping replica lets live sessions go on: ``settings.drain_s``, cut so that
+    ``session.closed`` (``shutdown_grace_s``) and Serve's drain poll still fit in Serve's
+    ``graceful_shutdown_timeout_s`` (a config file may set it lower than duplexkit does)."""
+    if graceful_shutdown_timeout_s is None:
+        return settings.drain_s
+    room = graceful_shutdown_timeout_s - settings.shutdown_grace_s - DRAIN_MARGIN_S / 2
+    return max(0.0, min(settings.drain_s, room))
+
+
+def _graceful_shutdown_timeout_s() -> Optional[float]:
+    """This deployment's ``graceful_shutdown_timeout_s`` as Serve runs it (None if unknown)."""
+    from ray import serve
+
+    config = getattr(serve.get_replica_context(), "_deployment_config", None)
+    value = getattr(config, "graceful_shutdown_timeout_s", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 class _ReplicaHeader:
     """ASGI middleware: adds :data:`REPLICA_HEADER` to HTTP responses and WebSocket accepts."""
 
@@ -215,8 +235,9 @@ class DuplexkitReplica:
     async def _watch_stop(self, period_s: float) -> None:
         while not self._stopping():
             await asyncio.sleep(period_s)
-        logger.info("replica %s: Serve is stopping it; draining up to %g s", self.replica_id, self.settings.drain_s)
-        await self._drain(self.state, self.settings.drain_s)
+        drain_s = drain_budget(self.settings, _graceful_shutdown_timeout_s())
+        logger.info("replica %s: Serve is stopping it; draining up to %g s", self.replica_id, drain_s)
+        await self._drain(self.state, drain_s)
 
     def __serve_build_asgi_app__(self):
         return self._fastapi

@@ -9,7 +9,7 @@ import pytest
 
 from duplexkit.cli import EXIT_USAGE, main
 from duplexkit_server import ServerSettings
-from duplexkit_server.ray_serve import DRAIN_MARGIN_S, RayOptions, deployment_options, gpus_of_layout
+from duplexkit_server.ray_serve import DRAIN_MARGIN_S, RayOptions, deployment_options, drain_budget, gpus_of_layout
 
 
 def test_capacity_drain_and_autoscaling_options():
@@ -27,6 +27,14 @@ def test_capacity_drain_and_autoscaling_options():
     assert auto["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
     with pytest.raises(ValueError):
         RayOptions(replicas=3, max_replicas=2)
+
+
+def test_the_drain_fits_in_serves_shutdown_timeout():
+    s = ServerSettings(drain_s=300)
+    ours = deployment_options(s, RayOptions())["graceful_shutdown_timeout_s"]
+    assert drain_budget(s, ours) == 300  # duplexkit's own timeout leaves the whole drain
+    assert drain_budget(s, 60) == 60 - s.shutdown_grace_s - DRAIN_MARGIN_S / 2  # a config file's lower one
+    assert drain_budget(s, 3) == 0.0 and drain_budget(s, None) == 300
 
 
 def test_gpus_per_replica_follow_the_layout():
