@@ -2,7 +2,8 @@
 torch-free scripted engine behind Serve's proxy, real WebSocket clients and real speech.
 
 Shown here: sessions spread across replicas (each reports its identity in the
-``x-duplexkit-replica`` handshake header and ``/health``), a spoken turn through the proxy, a
+``x-duplexkit-replica`` handshake header and ``/health``), a spoken turn through the proxy, full
+replicas refusing with 1013 rather than queueing, a
 replica stopped by Serve drains (new sessions go to another replica, the live ones get
 ``session.closed{reason:"shutdown"}``), and a killed replica's clients get a close and reconnect
 through the same endpoint to a live replica.
@@ -131,6 +132,26 @@ async def test_sessions_spread_across_replicas_and_a_turn_goes_through_the_proxy
     finally:
         await a.close()
         await b.close()
+
+
+async def test_full_replicas_refuse_with_1013_instead_of_queueing(cluster):
+    """2 replicas x 3 slots: 6 sessions spread 3/3; the 7th is refused by duplexkit at once
+    (Serve's max_ongoing_requests is above the cap, so it is not held in Serve's queue)."""
+    _deploy(2)
+    held = [await _open(cluster) for _ in range(6)]
+    try:
+        tags = [t for _, t, _ in held]
+        assert sorted(tags.count(t) for t in set(tags)) == [3, 3]
+        ws = await websockets.connect(f"ws://{cluster}/v1/realtime?duplex=1", open_timeout=60)
+        events = await _until_closed(ws, timeout=60)
+        assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "session_capacity_exhausted"
+        assert ws.close_code == 1013
+        # /ready through the proxy says full, whichever replica answers
+        r = httpx.get(f"http://{cluster}/ready", timeout=60)
+        assert r.status_code == 503 and r.json()["status"] == "full" and r.json()["replica"] in tags
+    finally:
+        for ws, _, _ in held:
+            await ws.close()
 
 
 async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(cluster):

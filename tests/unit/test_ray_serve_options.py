@@ -57,3 +57,26 @@ def test_ray_replicas_range_is_validated(capsys):
     with pytest.raises(SystemExit) as ei:
         main(["serve", "scripted", "--ray-replicas", "3-2"])
     assert ei.value.code == EXIT_USAGE and "MIN <= MAX" in capsys.readouterr().err
+
+
+def test_the_serve_config_file_validates_and_builds():
+    """deploy/ray/duplexkit.yaml against Ray Serve's own config schema; its args build the app."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (python -m pip install 'duplexkit[ray]')")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from duplexkit_server.ray_serve import app_builder
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "duplexkit.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "duplexkit_server.ray_serve:app_builder" and app.route_prefix == "/"
+    built = app_builder({**app.args, "model": "scripted"})
+    opts = built._bound_deployment._deployment_config
+    assert opts.max_ongoing_requests == app.args["max_sessions"] + 4
+    assert opts.autoscaling_config.min_replicas == app.args["replicas"]
+    assert opts.autoscaling_config.max_replicas == app.args["max_replicas"]
+    with pytest.raises(ValueError, match="unknown app_builder args"):
+        app_builder({"model": "scripted", "max_sesions": 8})
