@@ -1,7 +1,8 @@
 """Many duplexkit replicas behind one endpoint, on Ray Serve (docs/deployment.md, "Ray Serve").
 
-Each Serve replica builds its own engine (``model``, ``layout``, ``dtype``, ``scripted`` options, as
-``duplexkit serve`` does) and serves the bundled FastAPI app (:func:`duplexkit_server.create_app`) as
+Each Serve replica builds its own engine (a picklable loader, run once per replica;
+:mod:`duplexkit.cli.ray_serve` makes the one of ``duplexkit serve``: ``model``, ``layout``,
+``dtype``, ``scripted`` options) and serves the bundled FastAPI app (:func:`duplexkit_server.create_app`) as
 Serve's ingress, so ``/v1/realtime``, ``/v1/duplex`` (WebSocket) and ``/v1/chat/completions``,
 ``/health``, ``/ready``, ``/live``, ``/metrics`` (HTTP) go through Serve's proxy. A session is placed
 once, when its WebSocket connects, by Serve's router (power of two choices on ongoing requests), and
@@ -28,8 +29,8 @@ stays on that replica for its whole life.
   cannot be found (another Ray version), a warning is logged and a stopping replica's live sessions
   end when Serve kills it, without ``session.closed``.
 
-Start it with ``duplexkit serve MODEL --ray-replicas N`` (:func:`run_cli`) or
-``serve run deploy/ray/duplexkit.yaml`` (:func:`app_builder`). Ray is imported only here.
+Start it with ``duplexkit serve MODEL --ray-replicas N`` or ``serve run deploy/ray/duplexkit.yaml``
+(both in :mod:`duplexkit.cli.ray_serve`). Ray is imported only inside functions.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ import asyncio
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .app import ServerSettings, create_app
 
 logger = logging.getLogger("duplexkit.server.ray")
 
-__all__ = ["REPLICA_HEADER", "DRAIN_MARGIN_S", "RayOptions", "build_app", "app_builder", "deployment_options",
-           "drain_budget", "gpus_of_layout"]
+__all__ = ["REPLICA_HEADER", "DRAIN_MARGIN_S", "RayOptions", "build_app", "deployment_options", "drain_budget"]
 
 #: Response / WebSocket-handshake header naming the replica that served it.
 REPLICA_HEADER = "x-duplexkit-replica"
@@ -203,19 +203,16 @@ class DuplexkitReplica:
     """One Serve replica: one engine, one :func:`create_app` app (the class Serve instantiates;
     wrapped by ``serve.ingress()`` in :func:`build_app`)."""
 
-    async def __init__(self, engine: dict, settings: dict, watch_period_s: float = 0.25,
+    async def __init__(self, engine_loader: Callable[[], Any], settings: dict, watch_period_s: float = 0.25,
                        mirror_period_s: float = MIRROR_PERIOD_S) -> None:
         from ray import serve
-
-        from duplexkit.engine.loading import load_engine
 
         from . import lifecycle
 
         self.replica_id = serve.get_replica_context().replica_tag
         self.settings = ServerSettings(**{**settings, "replica_id": self.replica_id})
         # load before joining: Serve routes to a replica only once its constructor has returned
-        spec = dict(engine)
-        self.engine = await asyncio.to_thread(load_engine, spec.pop("model"), progress=False, **spec)
+        self.engine = await asyncio.to_thread(engine_loader)
         self._fastapi = create_app(self.engine, self.settings)
         self._fastapi.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
         self.state = self._fastapi.state.duplexkit
@@ -243,13 +240,13 @@ class DuplexkitReplica:
         return self._fastapi
 
 
-def build_app(engine: dict, settings: ServerSettings, ray: Optional[RayOptions] = None):
+def build_app(engine_loader: Callable[[], Any], settings: ServerSettings, ray: Optional[RayOptions] = None):
     """The Serve application (``serve.run(build_app(...))``).
 
     Args:
-        engine: keyword arguments of :func:`duplexkit.engine.load_engine`, with ``model``
-            (a checkpoint path, ``tiny`` or ``scripted``), e.g. ``{"model": "scripted",
-            "scripted": {"units_per_turn": 3}}``.
+        engine_loader: a picklable zero-argument callable that returns the replica's engine, run
+            once in each replica (e.g. ``functools.partial(duplexkit.engine.load_engine, "scripted")``;
+            :func:`duplexkit.cli.ray_serve.engine_loader` builds the one of ``duplexkit serve``).
         settings: the server options of every replica (``replica_id`` is set per replica).
         ray: replica count, autoscaling and resources (:class:`RayOptions`).
 
@@ -262,48 +259,7 @@ def build_app(engine: dict, settings: ServerSettings, ray: Optional[RayOptions] 
     cls = serve.ingress()(DuplexkitReplica)
     dep = serve.deployment(cls, **deployment_options(settings, ray))
     settings_d = {k: v for k, v in asdict(settings).items() if k != "replica_id"}
-    return dep.bind(dict(engine), settings_d)
-
-
-def app_builder(args: dict):
-    """Serve application builder for ``serve run`` / ``serve deploy`` config files
-    (``import_path: duplexkit_server.ray_serve:app_builder``; deploy/ray/duplexkit.yaml).
-
-    ``args``: ``model`` (required), ``layout``, ``dtype``, ``scripted`` (engine options), any
-    :class:`ServerSettings` field (e.g. ``max_sessions``, ``drain_s``, ``api_keys``), and any
-    :class:`RayOptions` field (e.g. ``replicas``, ``max_replicas``, ``gpus_per_replica``).
-    Unknown keys raise ``ValueError``.
-    """
-    from dataclasses import fields
-
-    args = dict(args)
-    if "model" not in args:
-        raise ValueError("app_builder needs args.model (a checkpoint path, 'tiny' or 'scripted')")
-    engine = {k: args.pop(k) for k in ("model", "layout", "dtype", "scripted", "seed") if k in args}
-    s_names = {f.name for f in fields(ServerSettings)} - {"replica_id"}
-    r_names = {f.name for f in fields(RayOptions)}
-    unknown = set(args) - s_names - r_names
-    if unknown:
-        raise ValueError(f"unknown app_builder args: {sorted(unknown)}")
-    settings = ServerSettings(**{k: v for k, v in args.items() if k in s_names})
-    return build_app(engine, settings, RayOptions(**{k: v for k, v in args.items() if k in r_names}))
-
-
-def gpus_of_layout(layout: Optional[str], model: str) -> int:
-    """How many GPUs a replica of ``layout`` needs: the distinct CUDA devices it names (0 for the
-    CPU layout, ``scripted`` and ``tiny`` without a CUDA layout). ``layout`` None means ``1gpu``
-    for a checkpoint (the default with CUDA)."""
-    if model in ("scripted",):
-        return 0
-    if layout is None:
-        return 0 if model == "tiny" else 1
-    from duplexkit.engine import load_layout
-
-    devices = set()
-    for stage in load_layout(layout).stages.values():
-        devs = stage.device if isinstance(stage.device, (list, tuple)) else [stage.device]
-        devices.update(d for d in devs if str(d).startswith("cuda"))
-    return len(devices)
+    return dep.bind(engine_loader, settings_d)
 
 
 def ceil_target(max_sessions: int) -> float:

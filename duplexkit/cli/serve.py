@@ -114,7 +114,9 @@ def cmd_serve(args) -> int:
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:
         sock.close()  # the port was free; Serve's proxy binds it
-        return _serve_on_ray(args, settings, scripted)
+        from .ray_serve import serve_on_ray
+
+        return serve_on_ray(args, settings, scripted)
 
     def loader():
         try:
@@ -140,56 +142,3 @@ def cmd_serve(args) -> int:
         return EXIT_USAGE if isinstance(err, LayoutError) else EXIT_LOAD
     return rc
 
-
-def _serve_on_ray(args, settings, scripted: dict) -> int:
-    """``duplexkit serve MODEL --ray-replicas N``: the replicas on Ray Serve behind its proxy at
-    ``--host:--port``, until SIGTERM or SIGINT; then Serve stops every replica, each draining for
-    ``--drain-s`` (:mod:`duplexkit_server.ray_serve`). Exit 2 when Ray Serve is not installed."""
-    import os
-    import signal
-    import threading
-
-    try:
-        import ray
-        from ray import serve
-    except ImportError as exc:
-        raise CliError(f"--ray-replicas needs Ray Serve, which is not installed ({exc}); install it with "
-                       "python -m pip install 'duplexkit[ray]'", EXIT_USAGE) from None
-    from duplexkit_server.ray_serve import DEPLOYMENT_NAME, RayOptions, build_app, gpus_of_layout
-
-    lo, hi = args.ray_replicas
-    gpus = args.ray_gpus_per_replica
-    if gpus is None:
-        gpus = gpus_of_layout(args.layout, args.model)
-    options = RayOptions(replicas=lo, max_replicas=hi, gpus_per_replica=gpus,
-                         cpus_per_replica=args.ray_cpus_per_replica)
-    settings.bind_host, settings.bind_port = args.host, args.port
-    engine = {"model": args.model, "layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
-              "scripted": scripted}
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:  # a new local cluster, never one some other `ray start` left on this machine
-        ray.init(address="local", include_dashboard=False)
-    stop = threading.Event()
-    prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        try:
-            serve.run(build_app(engine, settings, options), name=DEPLOYMENT_NAME, route_prefix="/")
-        except RuntimeError as exc:  # Serve gave up constructing replicas (the engine failed to load)
-            raise CliError(f"engine failed to load on Ray Serve: {str(exc).strip().splitlines()[0]} "
-                           "(the replicas' errors are in the log above)", EXIT_LOAD) from exc
-        scale = f"{lo}" if hi is None else f"{lo}-{hi} (autoscaling)"
-        _eprint(f"duplexkit serving {args.model} on Ray Serve, {scale} replica(s), at http://{args.host}:{args.port} "
-                f"(realtime: /v1/realtime, /v1/duplex; auth {'on' if settings.api_keys else 'off'}); "
-                "SIGTERM/Ctrl+C drains and stops")
-        stop.wait()
-        _eprint(f"stopping: each replica drains for up to {settings.drain_s:g} s")
-        serve.delete(DEPLOYMENT_NAME)
-    finally:
-        for sig, handler in prev.items():
-            signal.signal(sig, handler)
-        serve.shutdown()
-        ray.shutdown()
-    return 0

@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (python -m p
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (python -m pip install 'duplexkit[ray]')")
 
 from duplexkit.audio import read_wav  # noqa: E402
+from duplexkit.cli.ray_serve import engine_loader  # noqa: E402
 from duplexkit.clients import DuplexClient  # noqa: E402
 from duplexkit_server import ServerSettings  # noqa: E402
 from duplexkit_server.ray_serve import DEPLOYMENT_NAME, REPLICA_HEADER, RayOptions, build_app  # noqa: E402
@@ -36,7 +37,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 DRAIN_S = 8.0
 # every test client comes from 127.0.0.1: no per-client cap
 SETTINGS = ServerSettings(max_sessions=3, max_sessions_per_client=0, drain_s=DRAIN_S, answer_policy="on_request")
-ENGINE = {"model": "scripted", "scripted": {"units_per_turn": 3}}
+ENGINE = engine_loader("scripted", scripted={"units_per_turn": 3})
 
 
 def _free_port() -> int:

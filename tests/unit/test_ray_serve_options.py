@@ -9,7 +9,8 @@ import pytest
 
 from duplexkit.cli import EXIT_USAGE, main
 from duplexkit_server import ServerSettings
-from duplexkit_server.ray_serve import DRAIN_MARGIN_S, RayOptions, deployment_options, drain_budget, gpus_of_layout
+from duplexkit.cli.ray_serve import gpus_of_layout
+from duplexkit_server.ray_serve import DRAIN_MARGIN_S, RayOptions, deployment_options, drain_budget
 
 
 def test_capacity_drain_and_autoscaling_options():
@@ -67,12 +68,12 @@ def test_the_serve_config_file_validates_and_builds():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from duplexkit_server.ray_serve import app_builder
+    from duplexkit.cli.ray_serve import app_builder
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "duplexkit.yaml"
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     (app,) = config.applications
-    assert app.import_path == "duplexkit_server.ray_serve:app_builder" and app.route_prefix == "/"
+    assert app.import_path == "duplexkit.cli.ray_serve:app_builder" and app.route_prefix == "/"
     built = app_builder({**app.args, "model": "scripted"})
     opts = built._bound_deployment._deployment_config
     assert opts.max_ongoing_requests == app.args["max_sessions"] + 4
