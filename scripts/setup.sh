@@ -80,7 +80,7 @@ import duplexkit, duplexkit_server
 root = os.path.realpath(sys.argv[1])
 assert os.path.realpath(duplexkit.__file__).startswith(root + os.sep), duplexkit.__file__
 for mod in ("torch", "torchaudio", "stepaudio2", "transformers", "fastapi", "prometheus_client", "sounddevice", "pytest",
-            "kubernetes_validate"):
+            "kubernetes_validate", "ray"):
     assert importlib.util.find_spec(mod) is not None, mod
 PY
 }

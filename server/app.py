@@ -90,6 +90,10 @@ class ServerSettings:
         resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
         resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
             bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
+        replica_id: this replica's identity when it is one of many (set by
+            :mod:`duplexkit_server.ray_serve` from Ray Serve's replica context); reported as
+            ``replica`` by ``/health`` and ``/ready`` and in the ``x-duplexkit-replica`` response and
+            WebSocket-handshake header. None: not reported.
     """
 
     model_id: Optional[str] = None
@@ -126,6 +130,7 @@ class ServerSettings:
     resume_window_s: float = 30.0
     resume_journal_events: int = 4096
     resume_journal_bytes: int = 16 * 1024 * 1024
+    replica_id: Optional[str] = None
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -464,7 +469,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
                 "sessions_max": state.slots.size,
                 "random_weights": bool(getattr(state.engine, "random_weights", False)),
-                **state.counters()}
+                **state.counters(), **({"replica": settings.replica_id} if settings.replica_id else {})}
 
     @app.get("/v1/models")
     async def models(request: Request):

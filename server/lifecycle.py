@@ -58,6 +58,8 @@ def install(app, state) -> None:
     async def ready():
         reason = not_ready_reason(state)
         body = {"status": reason or "ready", "sessions_active": state.slots.used, "sessions_max": state.slots.size}
+        if state.settings.replica_id:
+            body["replica"] = state.settings.replica_id
         if reason is None:
             return body
         body["reason"] = _MESSAGES[reason]

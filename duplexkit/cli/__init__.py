@@ -34,7 +34,7 @@ from .common import (
     _float_min,
     _int_range,
 )
-from .serve import (_add_hardening_args, cmd_serve)
+from .serve import (_add_hardening_args, _add_ray_args, cmd_serve)
 from .demo import (cmd_demo)
 from .chat import (cmd_chat)
 from .mic import (cmd_mic)
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
     _add_hardening_args(p)
+    _add_ray_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="WAV in -> transcript + WAV out + timing table",

@@ -53,6 +53,30 @@ def _add_hardening_args(p) -> None:
                         "public = no key (scrapers on a private network), off = no route")
 
 
+def _add_ray_args(p) -> None:
+    """``serve`` options of the Ray Serve deployment (docs/deployment.md, "Ray Serve")."""
+    p.add_argument("--ray-replicas", type=_replica_range, default=None, metavar="N|MIN-MAX",
+                   help="serve N replicas on Ray Serve (one engine each, one endpoint), or autoscale between "
+                        "MIN and MAX on ongoing sessions; needs Ray Serve (pip install 'duplexkit[ray]')")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a new local cluster)")
+    p.add_argument("--ray-gpus-per-replica", type=_float_min(0), default=None,
+                   help="GPUs per replica (default: the CUDA devices the layout names; 0 for scripted and cpu)")
+    p.add_argument("--ray-cpus-per-replica", type=_float_min(0), default=1.0,
+                   help="CPUs Ray reserves per replica (default 1)")
+
+
+def _replica_range(text: str) -> tuple:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), (int(hi) if sep else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {text!r}") from None
+    if a < 1 or (b is not None and b < a):
+        raise argparse.ArgumentTypeError(f"expected N >= 1 or 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
 def _duration(text: str) -> float:
     """An argparse type: seconds, or a number with s/m/h (``duplexkit_server.lifecycle.parse_duration``)."""
     t = text.strip().lower()
@@ -98,6 +122,11 @@ def cmd_serve(args) -> int:
         voices=dict(_parse_voice(v) for v in (args.voice or [])),
         **_hardening_settings(args))
     scripted = _parse_scripted(args.scripted)
+    if getattr(args, "ray_replicas", None) is not None:
+        sock.close()  # the port was free; Serve's proxy binds it
+        from .ray_serve import serve_on_ray
+
+        return serve_on_ray(args, settings, scripted)
 
     def loader():
         try:
@@ -122,3 +151,4 @@ def cmd_serve(args) -> int:
 
         return EXIT_USAGE if isinstance(err, LayoutError) else EXIT_LOAD
     return rc
+
