@@ -1,0 +1,213 @@
+"""vLLM thinker backend, first slice: the thinker's language model as a plain Qwen3 checkpoint, and one
+vLLM streaming-input session per duplex stream (docs/vllm.md).
+
+What is here:
+
+* :func:`export_thinker_llm` writes the ``llm.`` part of a MiniCPM-o 4.5 checkpoint (the Qwen3
+  language model of the thinker, docs/model.md §1.1) as a standalone Hugging Face ``Qwen3ForCausalLM``
+  directory that vLLM loads with its stock Qwen3 class (tensor-parallel capable). Why not vLLM's own
+  MiniCPM-o class: it needs the checkpoint's remote code (``configuration_minicpm.py`` and
+  ``processing_minicpmo.py``), which duplexkit's tiny checkpoints do not carry (docs/vllm.md, "Probe").
+* :class:`VllmSession` drives one vLLM streaming-input request (``AsyncLLM.generate`` with an async
+  generator of ``StreamingInput``, vLLM >= 0.15): each :meth:`VllmSession.unit` appends token ids to
+  the session's context and greedily decodes up to ``max_tokens`` tokens on top of it, reusing the
+  session's KV. Barge-in follows the runtime's epochs: a unit always runs to its end, its tokens are
+  dropped by the caller (vLLM's ``abort`` would free the whole session's KV).
+
+What is not here yet: audio and image embeddings (``prompt_embeds`` is refused for streaming inputs,
+and multimodal embeddings need vLLM's MiniCPM-o processor), the duplex decision rule as a logits
+processor, the hidden rows for the talker, the sliding window. Those keep the stage on the native
+thinker; the layout accepts ``backend: vllm`` and plans it (:mod:`duplexkit.engine.placement`).
+
+This module imports neither torch nor vllm at load time: the export runs with numpy and safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+from duplexkit.errors import DuplexkitError
+
+__all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "generation_config.json")
+
+
+class VllmBackendError(DuplexkitError, RuntimeError):
+    """The vLLM thinker backend cannot run: a checkpoint without an ``llm.`` part, or a failed session."""
+
+
+def qwen3_config_dict(config: dict) -> dict:
+    """The Hugging Face ``Qwen3ForCausalLM`` config of a MiniCPM-o 4.5 ``config.json`` dict.
+
+    Field names and defaults are those of :class:`duplexkit.models.minicpmo45.config.MiniCPMOConfig`
+    (docs/model.md §1.1); ``rope_scaling`` is carried over when set.
+    """
+    heads = int(config.get("num_attention_heads", 32))
+    hidden = int(config.get("hidden_size", 4096))
+    out = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": int(config.get("vocab_size", 151748)),
+        "hidden_size": hidden,
+        "intermediate_size": int(config.get("intermediate_size", 12288)),
+        "num_hidden_layers": int(config.get("num_hidden_layers", 36)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads", heads)),
+        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "hidden_act": str(config.get("hidden_act", "silu")),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(config.get("rope_theta", 1e6)),
+        "max_position_embeddings": int(config.get("max_position_embeddings", 40960)),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "use_sliding_window": False,
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
+        "pad_token_id": config.get("pad_token_id"),
+        "torch_dtype": str(config.get("torch_dtype", "bfloat16")),
+    }
+    if config.get("rope_scaling"):
+        out["rope_scaling"] = dict(config["rope_scaling"])
+    return out
+
+
+def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path]) -> Path:
+    """Write the thinker's language model as a standalone Qwen3 checkpoint for vLLM.
+
+    Args:
+        checkpoint: a MiniCPM-o 4.5 checkpoint directory (``config.json``, ``*.safetensors`` with
+            ``llm.``-prefixed tensors, tokenizer files).
+        out_dir: created if missing; gets ``config.json`` (:func:`qwen3_config_dict`),
+            ``model.safetensors`` (the ``llm.`` tensors with the prefix removed, dtypes unchanged)
+            and the tokenizer files found in ``checkpoint``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        VllmBackendError: no ``config.json``, no safetensors file, or no ``llm.`` tensor.
+    """
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src, out = Path(checkpoint), Path(out_dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise VllmBackendError(f"{src}: no config.json")
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise VllmBackendError(f"{src}: no *.safetensors weights")
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(shard), "np") as f:
+            for key in f.keys():
+                if key.startswith("llm."):
+                    tensors[key[len("llm."):]] = f.get_tensor(key)
+    if not tensors:
+        raise VllmBackendError(f"{src}: no 'llm.' tensors (not a MiniCPM-o 4.5 checkpoint?)")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_config_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+@dataclass
+class UnitTokens:
+    """Greedy tokens of one unit: ``token_ids`` (decoded this unit, in order) and ``epoch`` (the
+    stream's epoch when the unit was submitted; a caller drops a unit whose epoch is stale)."""
+
+    token_ids: List[int] = field(default_factory=list)
+    epoch: int = 0
+
+
+class VllmSession:
+    """One vLLM streaming-input request: the KV of one duplex stream, grown unit by unit.
+
+    Args:
+        engine: a started ``vllm.v1.engine.async_llm.AsyncLLM`` (any event loop; all calls must
+            come from that loop).
+        request_id: unique per engine.
+
+    Context rule (vLLM's, checked by tests/engine/test_vllm_thinker.py against the native thinker):
+    after a unit decoded tokens ``t1..tk``, the session keeps ``t1..t(k-1)`` (those that were fed)
+    and drops ``tk``; the next unit's ids are appended after them. A caller that wants ``tk`` in
+    the context puts it first in the next unit's ids.
+    """
+
+    def __init__(self, engine: Any, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._inputs: "asyncio.Queue" = asyncio.Queue()
+        self._outputs = None
+        self._closed = False
+        self.epoch = 0
+
+    async def _input_stream(self):
+        from vllm.inputs import TokensPrompt
+        from vllm.engine.protocol import StreamingInput
+
+        while True:
+            item = await self._inputs.get()
+            if item is None:
+                return
+            ids, params = item
+            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=list(ids)), sampling_params=params)
+
+    @staticmethod
+    def greedy(max_tokens: int):
+        """Greedy ``SamplingParams`` for one unit: ``max_tokens`` tokens, EOS ignored (the duplex
+        unit ends on its own tokens, docs/model.md §5), one token per output (DELTA)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True,
+                              output_kind=RequestOutputKind.DELTA)
+
+    async def unit(self, ids: Sequence[int], max_tokens: int) -> UnitTokens:
+        """Append ``ids`` and greedily decode ``max_tokens`` tokens on top of the session's context.
+
+        Raises:
+            VllmBackendError: the session is closed, or the engine ended the request early.
+        """
+        if self._closed:
+            raise VllmBackendError(f"session {self.request_id} is closed")
+        epoch = self.epoch
+        params = self.greedy(max_tokens)
+        await self._inputs.put((list(ids), params))
+        if self._outputs is None:
+            self._outputs = self.engine.generate(self._input_stream(), params, self.request_id).__aiter__()
+        got: List[int] = []
+        while len(got) < max_tokens:
+            try:
+                out = await self._outputs.__anext__()
+            except StopAsyncIteration as exc:
+                raise VllmBackendError(f"session {self.request_id} ended after {len(got)} of {max_tokens} tokens") from exc
+            got.extend(int(t) for t in out.outputs[0].token_ids)
+        return UnitTokens(token_ids=got[:max_tokens], epoch=epoch)
+
+    def barge_in(self) -> int:
+        """Start a new epoch (docs/architecture.md, epochs): units submitted before it still run to
+        their end (their KV stays), their tokens carry the old epoch for the caller to drop."""
+        self.epoch += 1
+        return self.epoch
+
+    async def close(self) -> None:
+        """End the input stream; the engine then frees the session's KV."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._inputs.put(None)
+        if self._outputs is not None:
+            async for _ in self._outputs:
+                pass

