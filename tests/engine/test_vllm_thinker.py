@@ -61,7 +61,8 @@ def test_export_writes_a_qwen3_checkpoint(tmp_path):
 
 def _native_reference(ckpt: Path, steps: list) -> list:
     """The same steps on the native thinker's language model (greedy, float32, its own KV): per
-    unit, feed the ids, decode n tokens feeding each but the last (vLLM's session rule)."""
+    unit, feed the ids, decode n tokens feeding each but the last (vLLM's session rule). Per unit
+    also the final-norm hidden rows of every position it computed (``forward_embeds``)."""
     import torch
 
     from duplexkit.models.minicpmo45 import load
@@ -70,22 +71,22 @@ def _native_reference(ckpt: Path, steps: list) -> list:
 
     def decode(kv, ids, n):
         with torch.inference_mode():
-            h = th.forward_embeds(th.embed_ids(ids), kv)[-1]
+            rows = [th.forward_embeds(th.embed_ids(ids), kv)]
             got = []
             for i in range(n):
-                tok = int(torch.argmax(th.logits(h)))
+                tok = int(torch.argmax(th.logits(rows[-1][-1])))
                 got.append(tok)
                 if i < n - 1:
-                    h = th.forward_embeds(th.embed_ids([tok]), kv)[-1]
-        return got
+                    rows.append(th.forward_embeds(th.embed_ids([tok]), kv))
+        return {"tokens": got, "hidden": torch.cat(rows).float().numpy()}
 
     out = []
     for step in steps:
         if step["op"] == "plain":
-            out.append({"tokens": decode(th.new_cache(), step["ids"], step["n"])})
+            out.append({"tokens": decode(th.new_cache(), step["ids"], step["n"])["tokens"]})
         else:
             kv = th.new_cache()
-            out.append({"units": [{"tokens": decode(kv, u["ids"], u["n"])} for u in step["units"]]})
+            out.append({"units": [decode(kv, u["ids"], u["n"]) for u in step["units"]]})
     return out
 
 
@@ -94,7 +95,7 @@ def _ids(rng, n, vocab):
 
 
 @pytest.mark.timeout(900)
-def test_vllm_session_matches_native_thinker_over_units_with_a_barge_in(tmp_path):
+def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barge_in(tmp_path):
     py = _need_vllm()
     pytest.importorskip("torch")
     from duplexkit.models.minicpmo45.tiny import tiny_checkpoint
@@ -108,8 +109,7 @@ def test_vllm_session_matches_native_thinker_over_units_with_a_barge_in(tmp_path
     units = [{"ids": prefix + _ids(rng, 12, vocab) if i == 0 else _ids(rng, 12, vocab), "n": 5,
               "barge_in_after": i == 3} for i in range(8)]
     steps = [
-        {"op": "plain", "ids": prefix, "n": 6},
-        {"op": "session", "units": units},
+        {"op": "session", "units": units, "hidden": True},  # first: no prefix-cache hits, every row computed
         # after a multi-chunk session ended: an ordinary request, one sharing the session's prefix
         # (prefix-cache hits on the session's blocks) and a second session (issue 17's wrong-token report)
         {"op": "plain", "ids": prefix, "n": 6},
@@ -130,7 +130,11 @@ def test_vllm_session_matches_native_thinker_over_units_with_a_barge_in(tmp_path
     for g, w in zip(got, want):
         if "units" in w:
             assert [u["tokens"] for u in g["units"]] == [u["tokens"] for u in w["units"]]
-    session = got[1]["units"]
+    session = got[0]["units"]
     assert [u["dropped"] for u in session] == [i == 3 for i in range(8)]
     assert [u["epoch"] for u in session] == [0] * 4 + [1] * 4
-    assert got[0]["tokens"] == got[2]["tokens"]  # the same request before and after the session
+    # the talker's input: final-norm hidden rows of every computed position, unit by unit
+    rows = np.load(got[0]["hidden_file"])
+    for i, u in enumerate(want[0]["units"]):
+        assert rows[f"unit{i}"].shape == u["hidden"].shape == (len(units[i]["ids"]) + 4, u["hidden"].shape[1])
+        np.testing.assert_allclose(rows[f"unit{i}"], u["hidden"], rtol=0, atol=1e-4)
