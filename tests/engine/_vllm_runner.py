@@ -12,6 +12,9 @@ each step one of
   each unit computed (:class:`duplexkit.engine.vllm_thinker.HiddenRowsExtension`) into
   ``OUT.stepI.npz`` (arrays ``unit0``, ``unit1``, ...).
 
+* ``{"op": "concurrent", "sessions": [[unit, ...], ...]}``: several sessions at once (one
+  streaming request per duplex stream, batched by the engine), units as above without barge-in.
+
 OUT: ``{"init_s": float, "steps": [...]}``, per plain step ``{"tokens": [...]}``, per session step
 ``{"units": [{"tokens": [...], "epoch": int, "dropped": bool}, ...]}``, plus per-step ``"s"``.
 """
@@ -37,13 +40,20 @@ async def _run(spec: dict, out_path: str) -> dict:
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype="float32", max_model_len=int(spec.get("max_model_len", 512)), enforce_eager=True,
-        max_num_seqs=2, enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        max_num_seqs=int(spec.get("max_num_seqs", 4)), enable_prefix_caching=bool(spec.get("prefix_caching", True)),
         worker_extension_cls="duplexkit.engine.vllm_thinker.HiddenRowsExtension"))
     out = {"init_s": round(time.perf_counter() - t0, 2), "steps": []}
     try:
         for i, step in enumerate(spec["steps"]):
             ts = time.perf_counter()
-            if step["op"] == "plain":
+            if step["op"] == "concurrent":
+                async def one(j, us):
+                    s = VllmSession(eng, f"conc-{i}-{j}")
+                    got = [(await s.unit(u["ids"], int(u["n"]))).token_ids for u in us]
+                    await s.close()
+                    return got
+                res = {"sessions": list(await asyncio.gather(*(one(j, us) for j, us in enumerate(step["sessions"]))))}
+            elif step["op"] == "plain":
                 sp = SamplingParams(temperature=0.0, max_tokens=int(step["n"]), ignore_eos=True)
                 last = None
                 async for o in eng.generate({"prompt_token_ids": list(step["ids"])}, sp, f"plain-{i}"):

@@ -82,7 +82,13 @@ def _native_reference(ckpt: Path, steps: list) -> list:
 
     out = []
     for step in steps:
-        if step["op"] == "plain":
+        if step["op"] == "concurrent":
+            res = []
+            for us in step["sessions"]:
+                kv = th.new_cache()
+                res.append([decode(kv, u["ids"], u["n"])["tokens"] for u in us])
+            out.append({"sessions": res})
+        elif step["op"] == "plain":
             out.append({"tokens": decode(th.new_cache(), step["ids"], step["n"])["tokens"]})
         else:
             kv = th.new_cache()
@@ -115,6 +121,8 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
         {"op": "plain", "ids": prefix, "n": 6},
         {"op": "plain", "ids": units[0]["ids"] + [7, 8, 9], "n": 6},
         {"op": "session", "units": units[:4]},
+        # three streams at once, each its own streaming request, batched by the engine
+        {"op": "concurrent", "sessions": [[dict(u, barge_in_after=False) for u in units[k:k + 3]] for k in (0, 2, 4)]},
     ]
     spec = {"model": str(export_thinker_llm(ckpt, tmp_path / "llm")), "max_model_len": 512,
             "prefix_caching": True, "steps": steps}
@@ -130,6 +138,7 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     for g, w in zip(got, want):
         if "units" in w:
             assert [u["tokens"] for u in g["units"]] == [u["tokens"] for u in w["units"]]
+    assert got[-1]["sessions"] == want[-1]["sessions"]
     session = got[0]["units"]
     assert [u["dropped"] for u in session] == [i == 3 for i in range(8)]
     assert [u["epoch"] for u in session] == [0] * 4 + [1] * 4
