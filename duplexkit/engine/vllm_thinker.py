@@ -34,7 +34,7 @@ from typing import Any, List, Optional, Sequence, Union
 from duplexkit.errors import DuplexkitError
 
 __all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens",
-           "HiddenRowsExtension", "hidden_rows"]
+           "HiddenRowsExtension", "hidden_rows", "chat_sampling_params", "chat_prompt_ids"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "generation_config.json")
@@ -212,6 +212,38 @@ class VllmSession:
         if self._outputs is not None:
             async for _ in self._outputs:
                 pass
+
+
+def chat_sampling_params(max_tokens: int, stop_ids: Sequence[int], repetition_penalty: float = 1.02,
+                         temperature: float = 0.0, seed: Optional[int] = None):
+    """vLLM ``SamplingParams`` of a turn-based chat reply with the native thinker's rule
+    (``duplexkit.models.minicpmo45.chat.chat_generate``, docs/model.md §4): stop on the thinker's
+    EOS ids, the sign-aware repetition penalty over prompt and reply (vLLM applies the same form),
+    ``temperature`` 0 = greedy. The final stop id is part of the output token ids; strip it.
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                          stop_token_ids=[int(t) for t in stop_ids], repetition_penalty=float(repetition_penalty),
+                          seed=seed)
+
+
+def chat_prompt_ids(thinker: Any, messages: Sequence[Any], *, use_tts_template: Optional[bool] = None,
+                    enable_thinking: bool = False) -> List[int]:
+    """Token ids of a text-only chat prompt, built by the native thinker's prompt builder
+    (``build_chat_prompt``), for a vLLM request. Runs where duplexkit's model port runs (torch).
+
+    Raises:
+        VllmBackendError: the messages carry audio or images (their embeddings cannot enter vLLM
+            yet, docs/vllm.md "Not done").
+        ChatInputError: bad messages (from the builder).
+    """
+    from duplexkit.models.minicpmo45.chat import build_chat_prompt
+
+    prompt = build_chat_prompt(thinker, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking)
+    if prompt.replacements:
+        raise VllmBackendError("audio or image content cannot be sent to the vLLM thinker yet (docs/vllm.md)")
+    return [int(t) for t in prompt.ids]
 
 
 class HiddenRowsExtension:

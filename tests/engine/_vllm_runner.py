@@ -12,6 +12,9 @@ each step one of
   each unit computed (:class:`duplexkit.engine.vllm_thinker.HiddenRowsExtension`) into
   ``OUT.stepI.npz`` (arrays ``unit0``, ``unit1``, ...).
 
+* ``{"op": "chat", "ids": [...], "n": int, "stop": [...], "repetition_penalty": float}``: one
+  greedy chat completion (:func:`duplexkit.engine.vllm_thinker.chat_sampling_params`); reports the
+  tokens without the final stop id, the finish reason, and the hidden rows (``rows``) it computed.
 * ``{"op": "concurrent", "sessions": [[unit, ...], ...]}``: several sessions at once (one
   streaming request per duplex stream, batched by the engine), units as above without barge-in.
 
@@ -35,7 +38,7 @@ async def _run(spec: dict, out_path: str) -> dict:
 
     import numpy as np
 
-    from duplexkit.engine.vllm_thinker import VllmSession, hidden_rows
+    from duplexkit.engine.vllm_thinker import VllmSession, chat_sampling_params, hidden_rows
 
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
@@ -59,6 +62,17 @@ async def _run(spec: dict, out_path: str) -> dict:
                 async for o in eng.generate({"prompt_token_ids": list(step["ids"])}, sp, f"plain-{i}"):
                     last = o
                 res = {"tokens": [int(t) for t in last.outputs[0].token_ids]}
+            elif step["op"] == "chat":
+                await eng.collective_rpc("dk_hidden_start")
+                sp = chat_sampling_params(int(step["n"]), step["stop"], float(step["repetition_penalty"]))
+                last = None
+                async for o in eng.generate({"prompt_token_ids": list(step["ids"])}, sp, f"chat-{i}"):
+                    last = o
+                toks = [int(t) for t in last.outputs[0].token_ids]
+                res = {"tokens": toks[:-1] if toks and toks[-1] in step["stop"] else toks,
+                       "finish_reason": last.outputs[0].finish_reason,
+                       "hidden_file": f"{out_path}.step{i}.npz"}
+                np.savez(res["hidden_file"], rows=hidden_rows((await eng.collective_rpc("dk_hidden_take"))[0]))
             else:
                 s = VllmSession(eng, f"session-{i}")
                 units, rows = [], {}

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from duplexkit.engine.vllm_thinker import VllmBackendError, export_thinker_llm, qwen3_config_dict
+from duplexkit.engine.vllm_thinker import VllmBackendError, chat_prompt_ids, export_thinker_llm, qwen3_config_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,15 +59,24 @@ def test_export_writes_a_qwen3_checkpoint(tmp_path):
     assert qwen3_config_dict({"num_attention_heads": 32, "hidden_size": 4096})["head_dim"] == 128
 
 
+_THINKERS: dict = {}
+
+
+def _native_thinker(ckpt: Path):
+    from duplexkit.models.minicpmo45 import load
+
+    if str(ckpt) not in _THINKERS:
+        _THINKERS[str(ckpt)] = load(ckpt, devices="cpu", with_code2wav=False, with_talker=False, progress=False).thinker
+    return _THINKERS[str(ckpt)]
+
+
 def _native_reference(ckpt: Path, steps: list) -> list:
     """The same steps on the native thinker's language model (greedy, float32, its own KV): per
     unit, feed the ids, decode n tokens feeding each but the last (vLLM's session rule). Per unit
     also the final-norm hidden rows of every position it computed (``forward_embeds``)."""
     import torch
 
-    from duplexkit.models.minicpmo45 import load
-
-    th = load(ckpt, devices="cpu", with_code2wav=False, with_talker=False, progress=False).thinker
+    th = _native_thinker(ckpt)
 
     def decode(kv, ids, n):
         with torch.inference_mode():
@@ -82,7 +91,11 @@ def _native_reference(ckpt: Path, steps: list) -> list:
 
     out = []
     for step in steps:
-        if step["op"] == "concurrent":
+        if step["op"] == "chat":
+            r = th.chat(step["messages"], use_tts_template=step["use_tts_template"], max_tokens=step["n"], temperature=0.0)
+            out.append({"tokens": [int(t) for t in r.token_ids], "finish_reason": r.finish_reason,
+                        "tts_ids": [int(t) for t in r.tts_token_ids], "tts_hidden": np.asarray(r.tts_hidden, np.float32)})
+        elif step["op"] == "concurrent":
             res = []
             for us in step["sessions"]:
                 kv = th.new_cache()
@@ -124,6 +137,13 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
         # three streams at once, each its own streaming request, batched by the engine
         {"op": "concurrent", "sessions": [[dict(u, barge_in_after=False) for u in units[k:k + 3]] for k in (0, 2, 4)]},
     ]
+    # turn-based chat through the same engine: prompt ids from the native prompt builder
+    th = _native_thinker(ckpt)
+    for msg, tts in ((["Hello there, how are you today?"], False), (["Tell me about the sea."], True)):
+        messages = [{"role": "user", "content": msg[0]}]
+        steps.append({"op": "chat", "ids": chat_prompt_ids(th, messages, use_tts_template=tts), "n": 24,
+                      "stop": list(th.special.eos_ids), "repetition_penalty": 1.02,
+                      "messages": messages, "use_tts_template": tts})
     spec = {"model": str(export_thinker_llm(ckpt, tmp_path / "llm")), "max_model_len": 512,
             "prefix_caching": True, "steps": steps}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -138,7 +158,19 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     for g, w in zip(got, want):
         if "units" in w:
             assert [u["tokens"] for u in g["units"]] == [u["tokens"] for u in w["units"]]
-    assert got[-1]["sessions"] == want[-1]["sessions"]
+    conc = [g for g in got if "sessions" in g]
+    assert len(conc) == 1 and conc[0]["sessions"] == [w for w in want if "sessions" in w][0]["sessions"]
+    # chat: the same reply tokens and finish reason; the talker's rows of the spoken span
+    chats = [(g, w, st) for g, w, st in zip(got, want, steps) if st["op"] == "chat"]
+    assert len(chats) == 2
+    for g, w, st in chats:
+        assert g["tokens"] == w["tokens"] and len(w["tokens"]) > 0
+        assert g["finish_reason"] == w["finish_reason"]
+    g, w, st = chats[1]  # use_tts_template: the spoken span starts at the reply's first token
+    assert len(w["tts_ids"]) > 0 and w["tokens"][:len(w["tts_ids"])] == w["tts_ids"]
+    rows = np.load(g["hidden_file"])["rows"]
+    n_prompt, n_span = len(st["ids"]), len(w["tts_ids"])
+    np.testing.assert_allclose(rows[n_prompt:n_prompt + n_span], w["tts_hidden"], rtol=0, atol=1e-4)
     session = got[0]["units"]
     assert [u["dropped"] for u in session] == [i == 3 for i in range(8)]
     assert [u["epoch"] for u in session] == [0] * 4 + [1] * 4
