@@ -137,6 +137,11 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
         # three streams at once, each its own streaming request, batched by the engine
         {"op": "concurrent", "sessions": [[dict(u, barge_in_after=False) for u in units[k:k + 3]] for k in (0, 2, 4)]},
     ]
+    # a request whose prompt is the session's own context after 4 units (its kept decoded tokens
+    # included) plus new ids: prefix-cache hits on blocks that hold session-generated tokens
+    first = _native_reference(ckpt, steps[:1])[0]["units"]
+    ctx = [t for k in range(4) for t in units[k]["ids"] + first[k]["tokens"][:4]] + _ids(rng, 9, vocab)
+    steps.insert(3, {"op": "plain", "ids": ctx, "n": 6})
     # turn-based chat through the same engine: prompt ids from the native prompt builder
     th = _native_thinker(ckpt)
     for msg, tts in ((["Hello there, how are you today?"], False), (["Tell me about the sea."], True)):
