@@ -1,7 +1,8 @@
 """Runs a scripted sequence of vLLM requests for tests/engine/test_vllm_thinker.py, inside the vLLM venv.
 
 Usage: ``<vllm python> tests/engine/_vllm_runner.py SPEC.json OUT.json`` with the worktree on
-PYTHONPATH. SPEC: ``{"model": dir, "max_model_len": int, "prefix_caching": bool, "steps": [...]}``,
+PYTHONPATH. SPEC: ``{"model": dir, "max_model_len": int, "prefix_caching": bool, "block_size": int (optional),
+"steps": [...]}``,
 each step one of
 
 * ``{"op": "plain", "ids": [...], "n": int}``: one ordinary greedy request,
@@ -45,7 +46,8 @@ async def _run(spec: dict, out_path: str) -> dict:
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype="float32", max_model_len=int(spec.get("max_model_len", 512)), enforce_eager=True,
         max_num_seqs=int(spec.get("max_num_seqs", 4)), enable_prefix_caching=bool(spec.get("prefix_caching", True)),
-        worker_extension_cls="duplexkit.engine.vllm_thinker.HiddenRowsExtension"))
+        worker_extension_cls="duplexkit.engine.vllm_thinker.HiddenRowsExtension",
+        **({"block_size": int(spec["block_size"])} if spec.get("block_size") else {})))
     out = {"init_s": round(time.perf_counter() - t0, 2), "steps": []}
     try:
         for i, step in enumerate(spec["steps"]):

