@@ -105,7 +105,7 @@ def check_layout(layout: str, *, cuda_devices: Optional[int] = None) -> None:
     Raises:
         LayoutError: unknown name, unreadable or invalid YAML.
         LayoutNotSupportedError: a stage wants a CUDA device that is not visible (e.g. ``1gpu`` on a
-            CPU-only machine), or thinker tensor parallelism.
+            CPU-only machine), or a ``vllm`` thinker backend while vllm cannot be imported.
     """
     from duplexkit.engine.layout import check_supported, load_layout
 

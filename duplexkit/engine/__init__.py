@@ -27,6 +27,8 @@ _LAZY = {
     "StageLayout": ".layout",
     "available_layouts": ".layout",
     "load_layout": ".layout",
+    "PlacementPlan": ".placement",
+    "plan_placement": ".placement",
     "load_engine": ".loading",
 }
 

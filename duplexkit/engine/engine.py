@@ -24,7 +24,7 @@ import numpy as np
 
 from .api import (AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
                   TurnEnd)
-from .layout import Layout, LayoutError, check_supported, load_layout
+from .layout import Layout, LayoutError, LayoutNotSupportedError, check_supported, load_layout
 from .runtime import FIRST_UNIT_SAMPLES, RuntimeStream, StageRuntime
 from .stages import StageModel, VocoderWork
 
@@ -105,8 +105,8 @@ class DuplexEngine:
             in proportion to the reply instead of running to this cap.
 
     Raises:
-        LayoutError / LayoutNotSupportedError: invalid layout, thinker tensor parallelism > 1, or
-            CUDA devices that are not there.
+        LayoutError / LayoutNotSupportedError: invalid layout, a ``vllm`` thinker backend without an
+            importable vllm, or CUDA devices that are not there.
     """
 
     def __init__(self, model: Any, layout: Union[Layout, str, Path, None] = None, *,
@@ -255,6 +255,13 @@ class DuplexEngine:
         from duplexkit.models.minicpmo45 import load
 
         ckpt = tiny_checkpoint_dir(seed, cache_dir) if str(path) == "tiny" else Path(path)
+        if lay.thinker.backend == "vllm":
+            from .placement import plan_placement
+
+            plan_placement(lay, ckpt)  # head count vs tensor_parallel_size, before any weight is read
+            raise LayoutNotSupportedError(
+                "stages.thinker.backend 'vllm' validates and plans (duplexkit.engine.placement) but DuplexEngine "
+                "does not build a vLLM thinker yet (docs/vllm.md); use 'backend: native'", lay.source or lay.name)
         dname = dtype or lay.thinker.dtype
         if dname not in ("float32", "bfloat16", "float16"):
             raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")

