@@ -243,3 +243,41 @@ def test_batched_code2wav_matches_single_streams():
     assert c2w.stats["flow_calls"] - calls == 3  # one batched flow call per round
     bad = c2w.push_batch([SimpleNamespace(handle=sts[0], codes=np.array([6561]), last=False)])
     assert isinstance(bad[0], ValueError)
+
+
+def test_fast_thinker_step_that_raises_leaves_every_stream_as_it_was(tiny_model, fast_thinker, monkeypatch):
+    """A batch-level failure mid-decode (after the prefill wrote KV and tokens were drawn) is undone
+    for every stream, so the runtime's retry in halves (duplexkit/engine/steps.py) gives exactly the
+    ids of a run that never failed, seeded sampling included."""
+    policy_kw = dict(temperature=0.7, min_unit_tokens=4)
+    units = _units(3, 6)
+    ref = _seeded(fast_thinker, policy_kw, units, [17, 18])
+    sts = [fast_thinker.new_stream(policy=DuplexPolicy(**policy_kw), seed=s) for s in (17, 18)]
+    got = [[], []]
+    real_step = fast_thinker._decode_step
+    for i, u in enumerate(units):
+        inputs = [UnitInput(st, u, force_speak=i == 0) for st in sts]
+        if i == 1:
+            calls = {"n": 0}
+
+            def failing(kvs, toks):
+                calls["n"] += 1
+                if calls["n"] == 3:  # two decode steps of the batch already ran
+                    raise RuntimeError("injected batch failure")
+                return real_step(kvs, toks)
+
+            monkeypatch.setattr(fast_thinker, "_decode_step", failing)
+            before = [(st.kv.length, list(st.history), list(st.unit_starts)) for st in sts]
+            with pytest.raises(RuntimeError, match="injected"):
+                fast_thinker.step_units(inputs)
+            assert [(st.kv.length, list(st.history), list(st.unit_starts)) for st in sts] == before
+            monkeypatch.setattr(fast_thinker, "_decode_step", real_step)
+            # the runtime's retry: each half alone
+            results = fast_thinker.step_units(inputs[:1]) + fast_thinker.step_units(inputs[1:])
+        else:
+            results = fast_thinker.step_units(inputs)
+        for k, r in enumerate(results):
+            got[k].append(r.generated_ids)
+    for st in sts:
+        fast_thinker.close(st)
+    assert got == ref

@@ -27,6 +27,7 @@ with :class:`~.fast_kv.ContextFullError`.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -337,6 +338,17 @@ class FastThinker(Thinker):
                 live.append(i)
         if not live:
             return results
+        snaps = {i: _StepSnapshot(items[i].stream) for i in live}
+        try:
+            return self._step_units(items, live, results, snaps)
+        except Exception:
+            # the runtime retries a raising batch in halves to find the stream at fault
+            # (duplexkit/engine/steps.py): undo what this call did to every stream first
+            for i, snap in snaps.items():
+                snap.restore(items[i].stream)
+            raise
+
+    def _step_units(self, items: List[UnitInput], live: list, results: list, snaps: dict) -> list:
         sp = self.special
         t0 = time.perf_counter()
         # ---- prefill: audio, sliding window (as Thinker.prefill_unit), one batched LLM forward
@@ -350,6 +362,7 @@ class FastThinker(Thinker):
                 + st.policy.unit_limit() - 1
             try:
                 self.slide_window(st, upcoming)
+                snaps[i].after_slide(st)  # a slide rewrote the KV cache in place: keep its result
                 need = st.kv.length + len(st.pending_ids) + max(upcoming, PREFILL_TOKENS) + 1
                 if need > self.pool.max_len:
                     raise ContextFullError(f"stream {st.stream_id}: thinker context full ({st.kv.length} of "
@@ -384,3 +397,40 @@ class FastThinker(Thinker):
         for row in rows:
             results[row.index] = finish_row(self, row, timings)
         return results
+
+
+class _StepSnapshot:
+    """What one batched unit step changes in a stream, kept to undo it when the batch call raises.
+
+    The audio front end's state (streaming mel, Whisper cache) and the sampling generators are
+    taken before the audio is encoded; everything else (KV length, pending ids, history, unit
+    starts, turn flags, window counters) after the sliding window, because a slide rewrites the KV
+    cache in place and its result must stay. Positions written past the restored KV length are
+    overwritten by the next prefill and never read. Costs a shallow copy of the stream's fields and
+    of three id lists per stream and step."""
+
+    _FRONT = ("mel", "whisper", "last_mel")
+    _LISTS = ("pending_ids", "history", "unit_starts")
+
+    def __init__(self, st: ThinkerStream) -> None:
+        self.front = {k: copy.copy(getattr(st, k)) for k in self._FRONT}
+        self.gens = [(g, g.get_state()) for g in (st.generator, getattr(st, "_dev_gen", None)) if g is not None]
+        self.after_slide(st)
+
+    def after_slide(self, st: ThinkerStream) -> None:
+        d = {k: v for k, v in vars(st).items() if k not in self._FRONT}
+        for k in self._LISTS:
+            d[k] = list(d[k])
+        self.state = d
+        self.kv_length = st.kv.length
+
+    def restore(self, st: ThinkerStream) -> None:
+        for k in set(vars(st)) - set(self.state) - set(self._FRONT):
+            delattr(st, k)  # made during the step (e.g. a device generator): made again on retry
+        for k, v in self.state.items():
+            setattr(st, k, v)
+        for k, v in self.front.items():
+            setattr(st, k, v)
+        st.kv.length = self.kv_length
+        for g, state in self.gens:
+            g.set_state(state)
