@@ -71,14 +71,23 @@ async def test_sdk_semantic_vad_update_applies_everything(server):
     assert "input_audio_buffer.speech_stopped" in s["types"]
 
 
-async def test_sdk_server_vad_barge_in_with_client_truncate(server):
+@pytest.fixture(scope="module")
+def long_server():
+    # 6-unit answers: between the answer's first audio and the user's speech over it the server feeds
+    # silence once input runs dry (one unit per ~1.25 s of wall time); a 2-unit answer could finish
+    # before a client slowed by a loaded machine speaks, a 6-unit one cannot (~6 s)
+    with ServerProc("scripted", "--scripted", "units_per_turn=6") as srv:
+        yield srv
+
+
+async def test_sdk_server_vad_barge_in_with_client_truncate(long_server):
     from openai_sdk_turns import server_vad_barge_in
 
-    s = await server_vad_barge_in(server.url, "gpt-realtime", FIXTURES / "question_16k.wav",
-                                  FIXTURES / "interrupt_16k.wav", timeout=60)
+    s = await server_vad_barge_in(long_server.url, "gpt-realtime", FIXTURES / "question_16k.wav",
+                                  FIXTURES / "interrupt_16k.wav", timeout=90)
     assert s["statuses"] == ["cancelled", "completed"]
     cut, answer = s["audio_samples"]
-    assert 0 < cut < 48000 and answer == 48000  # the first answer cut inside its 2 s; the second whole
+    assert 0 < cut < 144000 and answer == 144000  # the first answer cut inside its 6 s; the second whole
     assert s["items"][0] == s["first_item"] and s["items"][1] != s["first_item"]
     t = s["truncated"]
     assert t != "sent" and t.item_id == s["first_item"] and 0 <= t.audio_end_ms <= cut * 1000 // 24000
