@@ -14,6 +14,22 @@ from typing import Any, Optional
 
 from .common import EXIT_LOAD, EXIT_USAGE, CliError, _eprint
 
+#: Serve's proxy checks, patient enough for a loaded host (Ray 2.60 defaults: ready check 5 s,
+#: health check 10 s, 3 misses). On a machine whose cores are busy (the engine's own threads, CI),
+#: Serve otherwise kills a proxy that is merely slow to start and the deployment never comes up.
+#: Applied to local clusters this command starts; set the variables yourself to override them.
+SERVE_PATIENCE = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def patient_serve_checks() -> None:
+    """Set :data:`SERVE_PATIENCE` in the environment (unless already set) before ``ray.init``
+    starts a local cluster, whose processes inherit it."""
+    for key, value in SERVE_PATIENCE.items():
+        os.environ.setdefault(key, value)
+
 __all__ = ["engine_loader", "gpus_of_layout", "app_builder", "serve_on_ray"]
 
 #: ``app_builder`` args that go to the engine loader; the rest are ServerSettings or RayOptions fields.
@@ -108,6 +124,7 @@ def serve_on_ray(args, settings, scripted: dict) -> int:
     if address:
         ray.init(address=address)
     else:  # a new local cluster, never one some other `ray start` left on this machine
+        patient_serve_checks()
         ray.init(address="local", include_dashboard=False)
     stop = threading.Event()
     prev: dict[Any, Any] = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
