@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
@@ -198,8 +199,6 @@ class DuplexEngine:
                 asyncio.run(turn())
             except BaseException as exc:  # re-raised in the caller's thread
                 err.append(exc)
-
-        import threading
 
         th = threading.Thread(target=run, name="duplexkit-warmup-turn", daemon=True)
         th.start()

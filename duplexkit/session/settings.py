@@ -76,6 +76,14 @@ def _config_key(c: StreamConfig) -> tuple:
             c.temperature, c.seed, c.force_listen_count, c.seed_text)
 
 
+_PLAIN_FIELDS = (
+    ("temperature", float), ("max_output_tokens", lambda v: v), ("force_listen_count", int),
+    ("answer_policy", lambda v: v), ("seed", int), ("playback_commit_policy", lambda v: v),
+    ("early_unit_close", bool),
+)
+"""``session.update`` fields applied as they come (the pydantic model validated them), with the
+conversion each gets."""
+
 class SettingsMixin:
     """The ``session.update`` job of :class:`~duplexkit.session.Session` (state: ``settings``,
     ``_seed_text``, ``_system_text``, the VAD/decoder objects it rebuilds)."""
@@ -138,20 +146,9 @@ class SettingsMixin:
                 raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, "output is fixed at 24 kHz PCM16 ('pcm16' or {type:'audio/pcm', rate:24000})", "output_format")
         if "turn_detection" in given:
             s.turn_detection = self._parse_turn_detection(p.turn_detection, err)
-        if "temperature" in given:
-            s.temperature = float(p.temperature)
-        if "max_output_tokens" in given:
-            s.max_output_tokens = p.max_output_tokens
-        if "force_listen_count" in given:
-            s.force_listen_count = int(p.force_listen_count)
-        if "answer_policy" in given:
-            s.answer_policy = p.answer_policy
-        if "seed" in given:
-            s.seed = int(p.seed)
-        if "playback_commit_policy" in given:
-            s.playback_commit_policy = p.playback_commit_policy
-        if "early_unit_close" in given:
-            s.early_unit_close = bool(p.early_unit_close)
+        for name, conv in _PLAIN_FIELDS:  # validated by the pydantic model; copied as given
+            if name in given:
+                setattr(s, name, conv(getattr(p, name)))
         self._apply_vllm_omni_fields(p, s, given, err, warn)
         # voice and reference audio (docs/protocol.md §8)
         voice_changed = False
