@@ -14,6 +14,8 @@ import torch
 
 from duplexkit.errors import DuplexkitError
 
+from .config import TTSConfig
+
 __all__ = [
     "TalkerConfig",
     "TalkerSampling",
@@ -38,6 +40,12 @@ _L2_EPS = 1e-12
 
 class TalkerError(DuplexkitError, ValueError):
     """Bad talker input (shapes, ids out of range, prefix longer than the position budget)."""
+
+
+_TTS_KEYS = ("llm_dim", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "num_hidden_layers", "max_position_embeddings", "num_audio_tokens", "num_text_tokens", "num_vq",
+             "audio_bos_token_id", "text_eos_token_id", "projector_type", "condition_type")
+"""The ``tts_config`` fields a :class:`TalkerConfig` takes from :class:`~.config.TTSConfig`."""
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -91,23 +99,11 @@ class TalkerConfig:
         missing = [k for k in required if _cfg_get(tts, k) is None]
         if missing:
             raise TalkerError(f"tts_config lacks {missing}")
-        heads = int(_cfg_get(tts, "num_attention_heads"))
-        kw = dict(
-            llm_dim=int(_cfg_get(tts, "llm_dim")),
-            hidden_size=int(_cfg_get(tts, "hidden_size")),
-            intermediate_size=int(_cfg_get(tts, "intermediate_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(_cfg_get(tts, "num_key_value_heads", heads) or heads),
-            num_hidden_layers=int(_cfg_get(tts, "num_hidden_layers")),
-            max_position_embeddings=int(_cfg_get(tts, "max_position_embeddings", 4096)),
-            num_audio_tokens=int(_cfg_get(tts, "num_audio_tokens", 6562)),
-            num_text_tokens=int(_cfg_get(tts, "num_text_tokens", 152064)),
-            num_vq=int(_cfg_get(tts, "num_vq", 1)),
-            audio_bos_token_id=int(_cfg_get(tts, "audio_bos_token_id")),
-            text_eos_token_id=int(_cfg_get(tts, "text_eos_token_id")),
-            projector_type=str(_cfg_get(tts, "projector_type", "mlp")),
-            condition_type=str(_cfg_get(tts, "condition_type", "hidden_text_merge")),
-        )
+        # one parser of tts_config: the top-level config's (docs/model.md §9); this class adds the
+        # required keys above and the talker's own checks below
+        t = tts if isinstance(tts, TTSConfig) else TTSConfig.from_dict(
+            {k: _cfg_get(tts, k) for k in _TTS_KEYS if _cfg_get(tts, k) is not None})
+        kw = {k: getattr(t, k) for k in _TTS_KEYS}
         cfg = cls(**kw)
         if cfg.num_vq != 1:
             raise TalkerError(f"num_vq={cfg.num_vq} is not supported (MiniCPM-o 4.5 has one codebook)")
