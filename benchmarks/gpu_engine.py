@@ -14,7 +14,9 @@ decided tokens of every speaking unit (N = 19 is the full 20-step budget, docs/m
 short unit). Units are fed in real time (one 1-s unit per second per stream).
 
 Printed per mode (``baseline`` = the reference-checked eager path: transformers DynamicCache,
-per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling) and N:
+per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling, each stage
+on its own CUDA stream; ``fast-one-stream`` = the same with every stage on the default CUDA stream,
+for the A/B of per-stage streams) and N:
 
 * per-stage time per unit (medians over all units, ms): thinker prefill and decode, talker (26
   steps), code2wav chunk; their floors (weight bytes per step / HBM copy bandwidth measured in
@@ -294,7 +296,16 @@ def make_layout(device: str, max_seqs: int) -> Layout:
 
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
-    engine = DuplexEngine(model, make_layout(args.device, max(levels)))
+    saved = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS")
+    if mode == "fast-one-stream":  # every stage on the default CUDA stream (before per-stage streams)
+        os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = "0"
+    try:
+        engine = DuplexEngine(model, make_layout(args.device, max(levels)))
+    finally:
+        if saved is None:
+            os.environ.pop("DUPLEXKIT_CUDA_STAGE_STREAMS", None)
+        else:
+            os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = saved
     try:
         for n_tok in [int(x) for x in args.tokens.split(",")]:
             model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
@@ -306,7 +317,7 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
             rows = []
             for n in levels:
                 t = time.perf_counter()
-                rows.append(await run_level(engine, n, args.units if mode == "fast" else args.baseline_units,
+                rows.append(await run_level(engine, n, args.units if mode != "baseline" else args.baseline_units,
                                             args.pace, not args.no_audio))
                 print(f"[{mode} N={n_tok}] {n} streams done in {time.perf_counter() - t:.1f} s", flush=True)
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
@@ -325,7 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--units", type=int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", default="19,5", help="decided tokens per speaking unit (comma list)")
-    ap.add_argument("--modes", default="fast", help="comma list of fast, baseline")
+    ap.add_argument("--modes", default="fast",
+                    help="comma list of fast, fast-one-stream (all stages on one CUDA stream), baseline")
     ap.add_argument("--baseline-streams", default="1,4")
     ap.add_argument("--baseline-units", type=int, default=3)
     ap.add_argument("--pace", choices=("realtime", "burst"), default="realtime")
@@ -378,7 +390,7 @@ def main(argv=None) -> int:
 
     async def go():
         for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-            if mode == "fast":
+            if mode in ("fast", "fast-one-stream"):
                 view = model
                 lv = levels
             elif mode == "baseline":

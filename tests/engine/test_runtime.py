@@ -244,3 +244,51 @@ async def test_warmup_turn_works_under_a_running_loop():
     outs = await _collect(s, lambda o: any(isinstance(x, AudioChunk) for x in o))
     assert any(isinstance(x, AudioChunk) for x in outs)
     await s.aclose()
+
+
+async def test_stage_thread_init_runs_once_on_each_stage_thread_before_its_work():
+    """A model's optional ``stage_thread_init(stage)`` (the built-in model's per-stage CUDA streams)
+    runs on that stage's own worker thread, once, before the stage's first step."""
+    import threading
+
+    class Recording(ToyStages):
+        def __init__(self) -> None:
+            super().__init__(turn_units=1)
+            self.inits: dict = {}
+            self.step_threads: dict = {}
+
+        def stage_thread_init(self, stage: str) -> None:
+            assert stage not in self.inits
+            self.inits[stage] = threading.current_thread().name
+
+        def thinker_step(self, items):
+            self.step_threads.setdefault("thinker", threading.current_thread().name)
+            return super().thinker_step(items)
+
+        def code2wav_step(self, items):
+            self.step_threads.setdefault("code2wav", threading.current_thread().name)
+            return super().code2wav_step(items)
+
+    toy = Recording()
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("a", StreamConfig())
+    s.submit(AppendUnit("a", 0, unit_index=0, audio=_unit(0), force_speak=True))
+    await _collect(s, lambda o: any(isinstance(x, AudioChunk) for x in o))
+    await s.aclose()
+    await eng.aclose()
+    assert toy.inits == {st: f"duplexkit-{st}" for st in ("thinker", "talker", "code2wav")}
+    assert toy.step_threads == {"thinker": "duplexkit-thinker", "code2wav": "duplexkit-code2wav"}
+
+
+def test_stage_thread_init_of_the_built_in_model_is_a_no_op_off_cuda():
+    from types import SimpleNamespace
+
+    from duplexkit.engine.minicpmo45 import MiniCPMO45Stages
+
+    import torch
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    st = MiniCPMO45Stages(SimpleNamespace(thinker=cpu, talker=cpu, code2wav=None))
+    for stage in ("thinker", "talker", "code2wav"):
+        st.stage_thread_init(stage)
+    assert st.cuda_streams == {}
