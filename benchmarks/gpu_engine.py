@@ -164,7 +164,8 @@ async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool
     row = {"streams": n_streams, "units": len(timings), "errors": len(errors), "error_msgs": errors[:3]}
     for name, key in (("total", "total_ms"), ("queue", "queue_ms"), ("prefill", "thinker_prefill_ms"),
                       ("decode", "thinker_decode_ms"), ("thinker", "thinker_ms"), ("talker", "talker_ms"),
-                      ("c2w", "code2wav_ms")):
+                      ("c2w", "code2wav_ms"), ("q_thinker", "thinker_queue_ms"), ("q_talker", "talker_queue_ms"),
+                      ("q_c2w", "code2wav_queue_ms")):
         v = g(key)
         row[name] = (_pct(v, 0.5), _pct(v, 0.9))
     comp = [t.get("thinker_ms", 0) + t.get("talker_ms", 0) + t.get("code2wav_ms", 0) for t in timings]
@@ -181,14 +182,15 @@ async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool
 
 
 def print_level_table(rows: list, title: str) -> None:
-    head = ["streams", "units", "TTFP p50/max", "unit p50/p90", "compute p50", "prefill", "decode", "steps",
-            "talker", "c2w", "queue p50", "tok/s", "RTF", "err"]
+    head = ["streams", "units", "TTFP p50/max", "unit p50/p90", "compute p50", "thinker", "prefill", "decode",
+            "steps", "talker", "c2w", "queue p50 th/tk/c2w", "tok/s", "RTF", "err"]
     lines = []
     for r in rows:
         lines.append([str(r["streams"]), str(r["units"]), f"{r['ttfp'][0]:.0f}/{r['ttfp'][1]:.0f}",
                       f"{r['total'][0]:.0f}/{r['total'][1]:.0f}", f"{r['compute'][0]:.0f}",
-                      f"{r['prefill'][0]:.1f}", f"{r['decode'][0]:.1f}", f"{r['steps']:.0f}",
-                      f"{r['talker'][0]:.1f}", f"{r['c2w'][0]:.1f}", f"{r['queue'][0]:.0f}", f"{r['tok_s']:.0f}",
+                      f"{r['thinker'][0]:.1f}", f"{r['prefill'][0]:.1f}", f"{r['decode'][0]:.1f}", f"{r['steps']:.0f}",
+                      f"{r['talker'][0]:.1f}", f"{r['c2w'][0]:.1f}",
+                      f"{r['q_thinker'][0]:.0f}/{r['q_talker'][0]:.0f}/{r['q_c2w'][0]:.0f}", f"{r['tok_s']:.0f}",
                       f"{r['rtf']:.2f}", str(r["errors"])])
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     print(title)

@@ -110,6 +110,9 @@ class MiniCPMO45Stages:
             return
         import torch
 
+        dev = torch.device(dev)
+        if dev.index is None:  # "cuda" = the current device
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
         stream = torch.cuda.Stream(dev, priority=STAGE_STREAM_PRIORITY.get(stage, 0))
         torch.cuda.set_stream(stream)
