@@ -288,6 +288,61 @@ def profile_stages(model, out_path, n_tok: int = 19) -> None:
         Path(out_path).write_text("\n".join(text))
 
 
+class StackSampler:
+    """Where the engine's stage threads spend wall time: every ``interval_s`` the innermost frame of
+    each ``duplexkit-*`` thread (``sys._current_frames``) is counted, with the innermost frame inside
+    duplexkit. A thread blocked in C code shows its Python call site; one waiting for the GIL shows
+    where it last ran Python. Diagnostics only (``--sample-stacks``)."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        import threading
+        from collections import Counter
+
+        self.interval_s = interval_s
+        self.counts: dict = {}
+        self._Counter = Counter
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def _run(self) -> None:
+        import threading
+
+        names = {}
+        while not self._stop.wait(self.interval_s):
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, "")
+                if not name.startswith("duplexkit-"):
+                    continue
+                inner = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+                f, own = frame, None
+                while f is not None:
+                    if "duplexkit" in f.f_code.co_filename:
+                        own = f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"
+                        break
+                    f = f.f_back
+                self.counts.setdefault(name, self._Counter())[f"{inner}  <-  {own}"] += 1
+
+    def __enter__(self) -> "StackSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 12) -> str:
+        lines = []
+        for name in sorted(self.counts):
+            c = self.counts[name]
+            n = sum(c.values())
+            lines.append(f"  {name}: {n} samples")
+            for where, k in c.most_common(top):
+                lines.append(f"    {100.0 * k / n:5.1f}%  {where}")
+        return "\n".join(lines)
+
+
 def make_layout(device: str, max_seqs: int) -> Layout:
     st = lambda dt, frac: {"device": device, "dtype": dt, "max_num_seqs": max_seqs,  # noqa: E731
                            **({"memory_fraction": frac} if device != "cpu" else {})}
@@ -319,8 +374,14 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
             rows = []
             for n in levels:
                 t = time.perf_counter()
+                sampler = StackSampler() if args.sample_stacks else None
+                if sampler:
+                    sampler.__enter__()
                 rows.append(await run_level(engine, n, args.units if mode != "baseline" else args.baseline_units,
                                             args.pace, not args.no_audio))
+                if sampler:
+                    sampler.__exit__(None, None, None)
+                    print(f"[{mode} N={n_tok}] {n} streams: stage-thread stacks\n{sampler.report()}", flush=True)
                 print(f"[{mode} N={n_tok}] {n} streams done in {time.perf_counter() - t:.1f} s", flush=True)
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
             print_level_table(rows, f"\n== {mode}: N={n_tok} decided tokens per speaking unit, size={args.size}, "
@@ -347,6 +408,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-len", type=int, default=4096, help="thinker KV positions per stream (fast)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sample-stacks", action="store_true",
+                    help="print where each stage thread spent its wall time per level (stack sampling)")
     ap.add_argument("--c2w-hift", choices=("batched", "per-stream"), default="batched",
                     help="Code2Wav HiFT: one call for all streams of a round (per-row noise) or one per stream")
     a = ap.parse_args(argv)
