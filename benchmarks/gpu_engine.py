@@ -14,9 +14,9 @@ decided tokens of every speaking unit (N = 19 is the full 20-step budget, docs/m
 short unit). Units are fed in real time (one 1-s unit per second per stream).
 
 Printed per mode (``baseline`` = the reference-checked eager path: transformers DynamicCache,
-per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling, each stage
-on its own CUDA stream; ``fast-one-stream`` = the same with every stage on the default CUDA stream,
-for the A/B of per-stage streams) and N:
+per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling;
+``fast-stage-streams`` = the same with each stage on its own CUDA stream, the opt-in
+``DUPLEXKIT_CUDA_STAGE_STREAMS=1``) and N:
 
 * per-stage time per unit (medians over all units, ms): thinker prefill and decode, talker (26
   steps), code2wav chunk; their floors (weight bytes per step / HBM copy bandwidth measured in
@@ -354,8 +354,8 @@ def make_layout(device: str, max_seqs: int) -> Layout:
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
     saved = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS")
-    if mode == "fast-one-stream":  # every stage on the default CUDA stream (before per-stage streams)
-        os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = "0"
+    if mode in ("fast", "fast-stage-streams"):  # each stage on its own CUDA stream, or all on the default one
+        os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = "1" if mode == "fast-stage-streams" else "0"
     try:
         engine = DuplexEngine(model, make_layout(args.device, max(levels)))
     finally:
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--units", type=int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", default="19,5", help="decided tokens per speaking unit (comma list)")
     ap.add_argument("--modes", default="fast",
-                    help="comma list of fast, fast-one-stream (all stages on one CUDA stream), baseline")
+                    help="comma list of fast, fast-stage-streams (each stage on its own CUDA stream), baseline")
     ap.add_argument("--baseline-streams", default="1,4")
     ap.add_argument("--baseline-units", type=int, default=3)
     ap.add_argument("--pace", choices=("realtime", "burst"), default="realtime")
@@ -455,7 +455,7 @@ def main(argv=None) -> int:
 
     async def go():
         for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-            if mode in ("fast", "fast-one-stream"):
+            if mode in ("fast", "fast-stage-streams"):
                 view = model
                 lv = levels
             elif mode == "baseline":

@@ -14,13 +14,15 @@ call (the GPU path), and an exception then fails the whole batch.
 
 Every method here runs on the owning stage's worker thread (never on the event loop).
 
-CUDA streams: on a CUDA device each stage thread issues its work on a CUDA stream of its own
-(:meth:`MiniCPMO45Stages.stage_thread_init`), so the three stages overlap on the GPU; on the one
-default stream every stage's host sync (``.cpu()``) waited for the other stages' queued kernels too.
-Tensors that cross stages on the GPU (the thinker's hidden rows for the talker) are complete before
-they are handed over (the thinker stream is synchronized at the end of its step) and are marked used
-by the talker's stream (``record_stream``) so the allocator cannot reuse them early.
-``DUPLEXKIT_CUDA_STAGE_STREAMS=0`` keeps every stage on the default stream (for A/B measurements).
+CUDA streams (opt-in, ``DUPLEXKIT_CUDA_STAGE_STREAMS=1``): each stage thread issues its work on a
+CUDA stream of its own (:meth:`MiniCPMO45Stages.stage_thread_init`), so a stage's host syncs
+(``.cpu()``, the thinker's per-token sync) wait only for its own kernels, not for the other stages'
+queued work as on the one default stream. Tensors that cross stages on the GPU (the thinker's hidden
+rows for the talker) are complete before they are handed over (the thinker stream is synchronized at
+the end of its step) and are marked used by the talker's stream (``record_stream``) so the allocator
+cannot reuse them early. Off by default: the caching allocator keeps one pool per stream, and at 32
+streams on one H200 the three pools together ran out of memory where one stream did not
+(benchmarks/NOTES.md, issue 19 step 8).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class MiniCPMO45Stages:
         self.model_id = model_id
         self.random_weights = bool(getattr(model, "random_weights", False))
         self.talker_temperature = float(talker_temperature)
-        self.stage_streams = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS", "1") != "0"
+        self.stage_streams = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS", "0") == "1"
         self.cuda_streams: dict = {}
 
     # ------------------------------------------------------------------ threads

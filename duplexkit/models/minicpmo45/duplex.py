@@ -293,17 +293,17 @@ def main_pass_logits(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torc
     x = logits.masked_fill(forbid, float("-inf"))
     hist = [st.history[-p.repetition_window:] if p.repetition_penalty != 1.0 else [] for st, p in zip(sts, pols)]
     if any(hist):
-        pen = torch.tensor([[p.repetition_penalty if h else 1.0] for p, h in zip(pols, hist)], device=dev)
+        pen = S.device_tensor([[p.repetition_penalty if h else 1.0] for p, h in zip(pols, hist)], dev)
         x = S.repetition_penalty_divide(x, S.seen_mask_rows(hist, V, dev), pen)
-    lp = torch.tensor([p.length_penalty for p in pols], device=dev)
+    lp = S.device_tensor([p.length_penalty for p in pols], dev)
     x[:, sp.turn_eos] = S.sign_aware_scale(x[:, sp.turn_eos], lp)
     scale = [p.listen_prob_scale for p in pols]
     if any(s != 1.0 for s in scale):
-        x[:, sp.im_end] = x[:, sp.im_end] * torch.tensor(scale, device=dev)
+        x[:, sp.im_end] = x[:, sp.im_end] * S.device_tensor(scale, dev)
     if any(mask_listen):
-        x[:, sp.listen] = x[:, sp.listen].masked_fill(torch.tensor(list(mask_listen), device=dev), float("-inf"))
+        x[:, sp.listen] = x[:, sp.listen].masked_fill(S.device_tensor(list(mask_listen), dev), float("-inf"))
     if any(must_continue):
-        x = x.masked_fill(torch.tensor(list(must_continue), device=dev)[:, None] & cont[None], float("-inf"))
+        x = x.masked_fill(S.device_tensor(list(must_continue), dev)[:, None] & cont[None], float("-inf"))
     return x
 
 
@@ -321,7 +321,7 @@ def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.T
     bnd = torch.argmax(logits, dim=-1)
     rs = [r for r in range(n) if plans[r].boundary and pols[r].temperature > 0]
     if rs:
-        idx = torch.tensor(rs, device=dev)
+        idx = S.device_tensor(rs, dev)
         bnd[idx] = S.sample(logits[idx], [generators[r] for r in rs])
     x = main_pass_logits(th, sts, logits, [p.mask_listen for p in plans], [p.must_continue for p in plans])
     main = torch.argmax(x, dim=-1)
@@ -330,7 +330,7 @@ def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.T
         if p.temperature > 0:
             groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
     for (temp, top_k, top_p), rs in groups.items():
-        idx = torch.tensor(rs, device=dev)
+        idx = S.device_tensor(rs, dev)
         main[idx] = S.sample(x[idx], [generators[r] for r in rs], temperature=temp, top_k=top_k, top_p=top_p)
     both = torch.stack([bnd, main]).tolist()
     return both[0], both[1]

@@ -367,7 +367,7 @@ class BatchedCode2Wav(Code2Wav):
                     if group[0][2].shape[2]:
                         src = torch.cat([g[2] for g in group] + [torch.zeros_like(group[0][2])] * pad, dim=0)
                     seeds = [self._hift_seed(st) for st in sts] + [0] * pad
-                    with self._hift_guard(last):
+                    with self._hift_guard(last, lock=False):  # private per-row generators
                         speech, source = hift_rows(self.hift, mel, src, seeds, self._row_noise)
                     speech = self._crossfade_and_hold(sts, mel[:B], speech[:B], source[:B], last)
                 audio = speech.float().cpu().numpy()
@@ -380,18 +380,21 @@ class BatchedCode2Wav(Code2Wav):
             for b, (p, _m, _s, cache, tokens, _l) in enumerate(group):
                 p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
 
-    def _hift_guard(self, last: bool):
-        """HiFT under the CUDA-graph capture lock (the per-stream path, ``push`` or ``hift_batched``
-        off, draws from the default CUDA generator, which a capture on another thread would break; the
-        batched path's private generators do not need it but keep the same order), with cuDNN
-        autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk on the H200,
-        benchmarks/NOTES.md); the turn's variable-length last chunk keeps the heuristics."""
+    def _hift_guard(self, last: bool, lock: bool = True):
+        """HiFT with cuDNN autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk
+        on the H200, benchmarks/NOTES.md; the turn's variable-length last chunk keeps the heuristics),
+        under the CUDA-graph capture lock when ``lock``: the per-stream path (``push``, or
+        ``hift_batched`` off) draws from the default CUDA generator, which a capture on another thread
+        would break. The batched path draws from private per-row generators and runs without the
+        lock: holding it through every batched HiFT call made the talker wait for the vocoder
+        (benchmarks/NOTES.md, issue 19 step 8)."""
         import contextlib
 
         from .fast_kv import CAPTURE_LOCK
 
         torch = self.torch
         stack = contextlib.ExitStack()
-        stack.enter_context(CAPTURE_LOCK)
+        if lock:
+            stack.enter_context(CAPTURE_LOCK)
         stack.enter_context(torch.backends.cudnn.flags(enabled=True, benchmark=not last and self.device.type == "cuda"))
         return stack

@@ -20,6 +20,8 @@ later, never read).
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -250,10 +252,14 @@ class FastTalker:
         steps = budget - 1
         V = cfg.num_audio_tokens
         noise = torch.ones(B, max(steps, 1), V, dtype=torch.float32, device=dev)
-        with CAPTURE_LOCK:  # the default CUDA generator may be drawn from (generator None)
-            for b, (_i, it, s, _e) in enumerate(group):
-                if not s.greedy and steps > 0:  # the eager talker's draw for a unit (talker_decode.run_jobs)
-                    noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
+        draws = [(b, it) for b, (_i, it, s, _e) in enumerate(group) if not s.greedy and steps > 0]
+        # the default CUDA generator (an unseeded turn, generator None) must not be drawn from while
+        # another thread captures a graph; a turn's own generator needs no lock (the Code2Wav thread
+        # holds the lock through its HiFT calls, so taking it only when needed keeps the talker from
+        # waiting for the vocoder)
+        with CAPTURE_LOCK if any(it.generator is None for _b, it in draws) else contextlib.nullcontext():
+            for b, it in draws:  # the eager talker's draw for a unit (talker_decode.run_jobs)
+                noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
         kw = dict(
             logits0=logits0, base=base, slots=slots,
             min_new=torch.tensor(min_new, dtype=torch.long, device=dev),

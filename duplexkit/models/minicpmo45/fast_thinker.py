@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import CAPTURE_LOCK, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
 from .thinker import Thinker, ThinkerStream
@@ -181,9 +182,9 @@ class FastThinker(Thinker):
         x = torch.zeros(B, T, H, dtype=self.dtype, device=self.device)
         for b, e in enumerate(embeds):
             x[b, : e.shape[0]] = e.to(self.dtype)
-        base = torch.tensor([kv.length for kv in kvs], dtype=torch.long, device=self.device)
+        base = S.device_tensor([kv.length for kv in kvs], self.device, torch.long)
         pos = base[:, None] + torch.arange(T, device=self.device)[None]
-        slots = torch.tensor([kv.slot for kv in kvs], dtype=torch.long, device=self.device)
+        slots = S.device_tensor([kv.slot for kv in kvs], self.device, torch.long)
         if self.use_graphs and T <= PREFILL_TOKENS and B <= BATCH_BUCKETS[-1] \
                 and max(kv.length for kv in kvs) + PREFILL_TOKENS <= self.pool.max_len:
             kv_len = min(-(-(max(kv.length for kv in kvs) + PREFILL_TOKENS) // KV_BUCKET) * KV_BUCKET, self.pool.max_len)

@@ -34,12 +34,13 @@ draw the same numbers pick the same id unless their logits differ by more than t
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = [
     "Factor",
+    "device_tensor",
     "sign_aware_scale",
     "repetition_penalty_hf",
     "repetition_penalty_divide",
@@ -97,6 +98,18 @@ def repetition_penalty_counted(logits: torch.Tensor, window: torch.Tensor, penal
     return sign_aware_scale(logits, torch.pow(penalty, counts[..., :V]))
 
 
+def device_tensor(data: Any, device: Union[str, torch.device], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.tensor(data)`` on ``device`` without a host sync: on CUDA the host copy is pinned and
+    copied with ``non_blocking=True`` (a plain ``torch.tensor(..., device="cuda")`` from pageable
+    memory waits until the stream's queued kernels are done, once per call, which on a stream shared
+    with other stages means waiting for their work too)."""
+    device = torch.device(device)
+    host = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def seen_mask_rows(id_lists: Sequence[Sequence[int]], vocab_size: int,
                    device: Union[str, torch.device] = "cpu") -> torch.Tensor:
     """Bool ``[len(id_lists), vocab_size]``: row ``r`` marks the ids of ``id_lists[r]`` (repeats and
@@ -108,7 +121,9 @@ def seen_mask_rows(id_lists: Sequence[Sequence[int]], vocab_size: int,
         if len(ids):
             idx[r, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
     m = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
-    m.scatter_(1, idx.to(device), True)
+    if torch.device(device).type == "cuda":
+        idx = idx.pin_memory()
+    m.scatter_(1, idx.to(device, non_blocking=True), True)
     return m[:, :vocab_size]
 
 

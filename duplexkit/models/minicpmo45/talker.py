@@ -372,10 +372,12 @@ class Talker(nn.Module):
             raise TalkerError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
         if ids.numel() and ids.dtype.is_floating_point:
             raise TalkerError("token_ids must be integers")
-        ids = ids.to(device=self.device, dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.num_text_tokens):
-            raise TalkerError(f"token id outside emb_text range [0, {self.config.num_text_tokens})")
-        return ids
+        if ids.numel():
+            # range-checked where the ids are (host ids, the engine's case: no device sync per item)
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= self.config.num_text_tokens:
+                raise TalkerError(f"token id outside emb_text range [0, {self.config.num_text_tokens})")
+        return ids.to(device=self.device, dtype=torch.long, non_blocking=True)
 
     def _as_hidden(self, hidden: Any, n: int) -> torch.Tensor:
         h = hidden if torch.is_tensor(hidden) else torch.as_tensor(np.asarray(hidden, dtype=np.float32))
