@@ -14,9 +14,7 @@ decided tokens of every speaking unit (N = 19 is the full 20-step budget, docs/m
 short unit). Units are fed in real time (one 1-s unit per second per stream).
 
 Printed per mode (``baseline`` = the reference-checked eager path: transformers DynamicCache,
-per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling;
-``fast-stage-streams`` = the same with each stage on its own CUDA stream, the opt-in
-``DUPLEXKIT_CUDA_STAGE_STREAMS=1``) and N:
+per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU sampling) and N:
 
 * per-stage time per unit (medians over all units, ms): thinker prefill and decode, talker (26
   steps), code2wav chunk; their floors (weight bytes per step / HBM copy bandwidth measured in
@@ -353,16 +351,7 @@ def make_layout(device: str, max_seqs: int) -> Layout:
 
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
-    saved = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS")
-    if mode in ("fast", "fast-stage-streams"):  # each stage on its own CUDA stream, or all on the default one
-        os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = "1" if mode == "fast-stage-streams" else "0"
-    try:
-        engine = DuplexEngine(model, make_layout(args.device, max(levels)))
-    finally:
-        if saved is None:
-            os.environ.pop("DUPLEXKIT_CUDA_STAGE_STREAMS", None)
-        else:
-            os.environ["DUPLEXKIT_CUDA_STAGE_STREAMS"] = saved
+    engine = DuplexEngine(model, make_layout(args.device, max(levels)))
     try:
         for n_tok in [int(x) for x in args.tokens.split(",")]:
             model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
@@ -400,7 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--units", type=int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", default="19,5", help="decided tokens per speaking unit (comma list)")
     ap.add_argument("--modes", default="fast",
-                    help="comma list of fast, fast-stage-streams (each stage on its own CUDA stream), baseline")
+                    help="comma list of fast, baseline")
     ap.add_argument("--baseline-streams", default="1,4")
     ap.add_argument("--baseline-units", type=int, default=3)
     ap.add_argument("--pace", choices=("realtime", "burst"), default="realtime")
@@ -455,7 +444,7 @@ def main(argv=None) -> int:
 
     async def go():
         for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-            if mode in ("fast", "fast-stage-streams"):
+            if mode == "fast":
                 view = model
                 lv = levels
             elif mode == "baseline":

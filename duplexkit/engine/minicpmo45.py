@@ -13,21 +13,10 @@ only that item's stream. A component that declares ``batched = True`` gets the w
 call (the GPU path), and an exception then fails the whole batch.
 
 Every method here runs on the owning stage's worker thread (never on the event loop).
-
-CUDA streams (opt-in, ``DUPLEXKIT_CUDA_STAGE_STREAMS=1``): each stage thread issues its work on a
-CUDA stream of its own (:meth:`MiniCPMO45Stages.stage_thread_init`), so a stage's host syncs
-(``.cpu()``, the thinker's per-token sync) wait only for its own kernels, not for the other stages'
-queued work as on the one default stream. Tensors that cross stages on the GPU (the thinker's hidden
-rows for the talker) are complete before they are handed over (the thinker stream is synchronized at
-the end of its step) and are marked used by the talker's stream (``record_stream``) so the allocator
-cannot reuse them early. Off by default: the caching allocator keeps one pool per stream, and at 32
-streams on one H200 the three pools together ran out of memory where one stream did not
-(benchmarks/NOTES.md, issue 19 step 8).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -36,11 +25,7 @@ import numpy as np
 from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
 from .stages import TalkerOut, ThinkerOut, VocoderOut
 
-__all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK", "STAGE_STREAM_PRIORITY"]
-
-STAGE_STREAM_PRIORITY = {"thinker": -1, "talker": -1, "code2wav": 0}
-"""CUDA stream priority of each stage's own stream (lower = higher priority): the thinker's and the
-talker's small latency-bound kernels are scheduled ahead of Code2Wav's large batched ones."""
+__all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
 
 TALKER_TEMPERATURE = 0.8
 """Talker sampling temperature of the reference duplex path (docs/model.md §6 "Sampling")."""
@@ -96,47 +81,6 @@ class MiniCPMO45Stages:
         self.model_id = model_id
         self.random_weights = bool(getattr(model, "random_weights", False))
         self.talker_temperature = float(talker_temperature)
-        self.stage_streams = os.environ.get("DUPLEXKIT_CUDA_STAGE_STREAMS", "0") == "1"
-        self.cuda_streams: dict = {}
-
-    # ------------------------------------------------------------------ threads
-    def _stage_device(self, stage: str) -> Any:
-        comp = getattr(self.model, stage, None)
-        return getattr(comp, "device", None)
-
-    def stage_thread_init(self, stage: str) -> None:
-        """Give this stage's worker thread its own CUDA stream (priority
-        :data:`STAGE_STREAM_PRIORITY`) when the stage runs on a CUDA device; nothing on a CPU."""
-        dev = self._stage_device(stage)
-        if not self.stage_streams or dev is None or getattr(dev, "type", None) != "cuda":
-            return
-        import torch
-
-        dev = torch.device(dev)
-        if dev.index is None:  # "cuda" = the current device
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-        stream = torch.cuda.Stream(dev, priority=STAGE_STREAM_PRIORITY.get(stage, 0))
-        torch.cuda.set_stream(stream)
-        self.cuda_streams[stage] = stream
-
-    @staticmethod
-    def _handoff(hidden: Any) -> None:
-        """Producer side of a GPU tensor crossing stages: wait until this thread's queued work on
-        ``hidden``'s device is done (a no-op for CPU tensors)."""
-        if getattr(hidden, "is_cuda", False):
-            import torch
-
-            torch.cuda.current_stream(hidden.device).synchronize()
-
-    @staticmethod
-    def _adopt(hidden: Any) -> None:
-        """Consumer side: mark ``hidden`` used by this thread's current stream, so the caching
-        allocator does not hand its memory to the producer stage while this stage still reads it."""
-        if getattr(hidden, "is_cuda", False):
-            import torch
-
-            hidden.record_stream(torch.cuda.current_stream(hidden.device))
 
     # ------------------------------------------------------------------ thinker
     def thinker_open(self, config: StreamConfig) -> Any:
@@ -177,10 +121,6 @@ class MiniCPMO45Stages:
         inputs = [UnitInput(stream=w.handle, audio=w.audio, force_listen=w.force_listen,
                             force_speak=w.force_speak, frame=w.frame) for w in items]
         results = _loop_or_batch(th, th.step_units, inputs)
-        for r in results:
-            if not isinstance(r, BaseException) and r.decision == "speak":
-                self._handoff(r.hidden)
-                break
         out = []
         for r in results:
             if isinstance(r, BaseException):
@@ -221,7 +161,6 @@ class MiniCPMO45Stages:
         inputs = []
         for w in items:
             token_ids, hidden = w.talker_input
-            self._adopt(hidden)
             inputs.append(TalkerInput(turn=w.turn.turn, token_ids=token_ids, hidden=hidden,
                                       turn_start=w.turn_start, turn_end=w.turn_end,
                                       temperature=self.talker_temperature, generator=w.turn.generator))
@@ -296,7 +235,6 @@ class MiniCPMO45Stages:
         r = self.model.thinker.chat(list(request.messages), use_tts_template=use_tts,
                                     enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
                                     temperature=float(request.temperature), seed=request.seed, **kw)
-        self._handoff(r.tts_hidden)
         return ChatThinkerOut(text=r.text, talker_input=(r.tts_token_ids, r.tts_hidden),
                               finish_reason="length" if r.finish_reason == "length" else "stop",
                               prompt_tokens=int(r.prompt_tokens), completion_tokens=int(len(r.token_ids)))
@@ -307,7 +245,6 @@ class MiniCPMO45Stages:
         token_ids, hidden = talker_input
         if token_ids is None or len(token_ids) == 0:
             return np.zeros(0, np.int64)
-        self._adopt(hidden)
         codes = self.model.talker.generate_offline(token_ids, hidden, max_codes=int(max_codes),
                                                   generator=self._generator(seed))
         return np.asarray(codes, np.int64).reshape(-1)

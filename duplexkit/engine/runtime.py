@@ -380,12 +380,6 @@ class StageRuntime(StageSteps):
 
     def _worker(self, stage: str) -> None:
         step = {"thinker": self._thinker_step, "talker": self._talker_step, "code2wav": self._code2wav_step}[stage]
-        init = getattr(self.model, "stage_thread_init", None)
-        if init is not None:
-            try:
-                init(stage)
-            except Exception:  # noqa: BLE001 - the stage still runs, on the thread's defaults
-                log.exception("%s worker: stage_thread_init failed; running on the default CUDA stream", stage)
         while True:
             job = None
             with self._cond:

@@ -116,12 +116,7 @@ class VocoderOut:
 
 @runtime_checkable
 class StageModel(Protocol):
-    """What the runtime needs from a model. All methods run on the owning stage's worker thread.
-
-    Optional: ``stage_thread_init(stage: str) -> None``, called once on each stage's worker thread
-    before its first step (``stage`` is ``"thinker"``, ``"talker"`` or ``"code2wav"``); the built-in
-    model uses it to give each stage its own CUDA stream.
-    """
+    """What the runtime needs from a model. All methods run on the owning stage's worker thread."""
 
     model_id: str
     random_weights: bool
