@@ -129,3 +129,11 @@ def test_mic_with_usable_devices_passes(monkeypatch):
                         lambda kind=None: [_dev(0, "Mic", 1, 0, d_in=True), _dev(1, "Speakers", 0, 2, d_out=True)])
     mic._check_audio_devices(None, None)
     mic._check_audio_devices("0", "speak")
+
+
+def test_readme_explains_status_incomplete_with_the_real_cap():
+    readme = (REPO / "README.md").read_text()
+    demo = readme.index("bash scripts/demo.sh")
+    note = readme[demo:readme.index("bash scripts/test.sh")]  # next to the demo command, before the tests
+    assert "status=incomplete" in note and "status=completed" in note
+    assert f"{cli.TINY_MAX_OUTPUT_TOKENS}-token cap" in note
