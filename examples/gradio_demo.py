@@ -20,6 +20,11 @@ import numpy as np
 from duplexkit.audio import read_wav
 from duplexkit.audio.resample import resample
 from duplexkit.clients import DuplexClient, InlineDuplexClient
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+
+TINY_CAP = 40
+"""Token cap per answer for a random-weight engine in-process, as ``duplexkit serve tiny`` applies:
+random weights never end a turn, so without a cap an answer runs for minutes."""
 
 try:
     import gradio as gr
@@ -40,7 +45,11 @@ async def answer(audio_in, url: str, engine=None) -> tuple[str, tuple[int, np.nd
             data = data.mean(axis=1)
         x = data.astype(np.float32) / 32768.0 if data.dtype == np.int16 else data.astype(np.float32)
         x = resample(x, int(rate), 16_000) if rate != 16_000 else x
-    client = InlineDuplexClient(engine, answer_policy="on_request") if engine is not None else DuplexClient(url)
+    if engine is not None:
+        cap = {"max_output_tokens": TINY_CAP} if getattr(engine, "random_weights", False) else {}
+        client = InlineDuplexClient(engine, answer_policy="on_request", **cap)
+    else:
+        client = DuplexClient(url)  # the server applies its own cap
     async with client:
         for i in range(0, len(x), 3200):
             await client.send_audio(x[i:i + 3200], rate=16_000)
@@ -50,7 +59,7 @@ async def answer(audio_in, url: str, engine=None) -> tuple[str, tuple[int, np.nd
     return f"[{h.status}] {h.transcript}", (24_000, h.audio_array())
 
 
-def build(url: str, engine=None):
+def build(url: str, engine=None, notice: str = ""):
     if gr is None:
         raise SystemExit("this demo needs gradio: pip install gradio")
 
@@ -59,7 +68,7 @@ def build(url: str, engine=None):
 
     return gr.Interface(fn=run, inputs=gr.Audio(sources=["microphone", "upload"], type="numpy"),
                         outputs=[gr.Textbox(label="transcript"), gr.Audio(label="answer", type="numpy")],
-                        title="duplexkit", description="Ask a question; the model answers in speech.")
+                        title="duplexkit", description="Ask a question; the model answers in speech." + notice)
 
 
 if __name__ == "__main__":
@@ -73,5 +82,8 @@ if __name__ == "__main__":
         from duplexkit.engine import load_engine
 
         eng = load_engine(a.inline)
-    build(a.url, eng).launch(server_port=a.port)
+    random_weights = getattr(eng, "random_weights", False) if eng is not None else remote_random_weights(a.url)
+    if random_weights:  # in-process: the engine says so; remote: the server's /health
+        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
+    build(a.url, eng, " " + RANDOM_WEIGHTS_NOTICE if random_weights else "").launch(server_port=a.port)
     sys.exit(0)

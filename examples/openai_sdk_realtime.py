@@ -41,6 +41,9 @@ async def main(args: argparse.Namespace) -> int:
     failed = False
     async with client.realtime.connect(model=args.model) as conn:
         ev = await conn.recv()
+        if ev.type == "error":  # refused at the handshake (e.g. model_not_found): the server's text
+            print(f"error: {ev.error.code}: {ev.error.message}", file=sys.stderr)
+            return 1
         print("connected:", ev.type, ev.session.id if hasattr(ev, "session") else "")
         if not args.vad:
             await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
@@ -75,4 +78,19 @@ if __name__ == "__main__":
     p.add_argument("--input", default=str(DEFAULT_WAV))
     p.add_argument("--output", default="sdk_answer.wav")
     p.add_argument("--vad", action="store_true", help="let the server VAD end the turn and answer")
-    sys.exit(asyncio.run(main(p.parse_args())))
+    args = p.parse_args()
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    try:
+        sys.exit(asyncio.run(main(args)))
+    except InvalidStatus as exc:  # refused before the WebSocket opened (e.g. 401 without a valid key)
+        print(f"error: the server refused the connection: HTTP {exc.response.status_code} "
+              f"{exc.response.body.decode(errors='replace').strip()}", file=sys.stderr)
+        sys.exit(3)
+    except ConnectionClosed as exc:  # the server ended the session (its close reason is the error code)
+        print(f"error: the server closed the connection: {exc.rcvd.code if exc.rcvd else 1006} "
+              f"{exc.rcvd.reason if exc.rcvd else ''}".rstrip(), file=sys.stderr)
+        sys.exit(1)
+    except OSError as exc:  # cannot connect (refused, unknown host)
+        print(f"error: cannot connect to {args.url}: {exc}", file=sys.stderr)
+        sys.exit(3)

@@ -17,8 +17,12 @@
 #                          Unset: torch 2.9.1 from PyPI (CUDA 12.8 build; it also runs on a CPU).
 #   DUPLEXKIT_SKIP_APT=1   do not check or install system packages (no apt, no sudo)
 #   DUPLEXKIT_FORCE=1      ignore the stamp and run every install step
+#   pip's own variables apply to every pip step: HTTPS_PROXY, PIP_INDEX_URL (a mirror),
+#   PIP_NO_INDEX=1 + PIP_FIND_LINKS=DIR (offline, from downloaded wheels).
 # Options:
 #   --print-stamp          print the stamp this checkout would write, and exit
+# Exit status: 0 done; 3 a pip step could not download from its package index (unreachable, or
+# the package is not there: one "[setup] error:" line names the fix); 1 any other failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,8 +70,12 @@ if [[ ${DUPLEXKIT_SKIP_APT:-0} != 1 ]]; then
     SUDO=""
     if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
     echo "[setup] apt-get install ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+           $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }; then
+      echo "[setup] error: apt-get could not install ${missing[*]} (its message is above: no network, no sudo, or" \
+        "another distribution?): install them another way and re-run with DUPLEXKIT_SKIP_APT=1" >&2
+      exit 1
+    fi
   fi
 fi
 
@@ -96,7 +104,29 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 rm -f "$STAMP_FILE"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+
+# Every pip install goes through pip_install: pip's messages stay on screen, and when pip fails one
+# "[setup] error:" line says why and what to do. A failure whose messages show a connection error,
+# or no matching distribution on the index, is an index problem (exit 3); anything else exits 1.
+PIP_LOG=$(mktemp)
+trap 'rm -f "$PIP_LOG"' EXIT
+pip_install() {
+  local index_name=$1 rc=0
+  shift
+  "$VENV/bin/python" -m pip install "$@" 2>&1 | tee "$PIP_LOG" || rc=$?
+  ((rc == 0)) && return 0
+  if grep -qiE 'NewConnectionError|Failed to establish a new connection|Max retries exceeded|ProxyError|Tunnel connection failed|Name or service not known|Temporary failure in name resolution|Network is unreachable|Connection refused|Read timed out|ConnectTimeout|SSLError|CERTIFICATE_VERIFY_FAILED|No matching distribution found|from versions: none' "$PIP_LOG"; then
+    echo "[setup] error: pip could not download from $index_name (unreachable from this machine, or the package is not on it):" \
+      "behind a proxy, export HTTPS_PROXY=http://HOST:PORT; with a mirror, PIP_INDEX_URL=URL (torch: DUPLEXKIT_TORCH_INDEX=URL);" \
+      "offline, PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR with the wheels downloaded elsewhere (pip download); then re-run bash scripts/setup.sh" >&2
+    exit 3
+  fi
+  echo "[setup] error: pip install $* failed (exit $rc; pip's message is above); fix that and re-run bash scripts/setup.sh" >&2
+  exit 1
+}
+PYPI_NAME="the package index (${PIP_INDEX_URL:-PyPI})"
+
+pip_install "$PYPI_NAME" -q --upgrade pip
 
 # torch and torchaudio must be a matching pair (docs/model.md §7.6); install them first so the
 # resolver never pulls a mismatched torchaudio. With DUPLEXKIT_TORCH_INDEX the build must come
@@ -118,17 +148,17 @@ PY
 if ! torch_ok; then
   if [[ -n $TORCH_INDEX ]]; then
     echo "[setup] installing torch $TORCH_VERSION + torchaudio $TORCH_VERSION from $TORCH_INDEX"
-    "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps --index-url "$TORCH_INDEX" \
-      "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
+    pip_install "the torch index DUPLEXKIT_TORCH_INDEX ($TORCH_INDEX)" -q --force-reinstall --no-deps \
+      --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
     # torch's own small dependencies (filelock, sympy, ...) from the regular index.
-    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
+    pip_install "$PYPI_NAME" -q "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
   else
     echo "[setup] installing torch $TORCH_VERSION + torchaudio $TORCH_VERSION (large download, once)"
-    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
+    pip_install "$PYPI_NAME" -q "torch==$TORCH_VERSION" "torchaudio==$TORCH_VERSION"
   fi
 fi
 echo "[setup] installing duplexkit[all]"
-"$VENV/bin/python" -m pip install -q -e ".[all]"
+pip_install "$PYPI_NAME" -q -e ".[all]"
 if ! venv_ok; then
   echo "[setup] error: duplexkit[all] was installed but does not import from $PWD" >&2
   exit 1

@@ -302,9 +302,12 @@ class ServerState:
         c["input_audio_ms"] += session.input_audio_ms
 
     def counters(self) -> dict:
-        """Read-only totals since start (``/health``): ``sessions_open`` (realtime sessions now open),
-        ``sessions_opened`` (all accepted so far), ``input_appends`` (accepted
-        ``input_audio_buffer.append`` events) and ``input_audio_ms`` (input audio they carried, ms)."""
+        """Read-only totals since start (``/health``): ``sessions_open`` (realtime sessions that exist
+        now, parked ones included: the :attr:`connections` set), ``sessions_opened`` (all created so
+        far), ``input_appends`` (accepted ``input_audio_buffer.append`` events) and ``input_audio_ms``
+        (input audio they carried, ms). ``sessions_open`` is not ``/health``'s ``sessions_active``
+        (:attr:`slots` in use), which also counts chat-completions requests in progress and
+        ``autostart=0`` sockets awaiting their first frame (docs/server.md, ``/health``)."""
         out = dict(self._closed_counts)
         conns = list(self.connections)
         out["sessions_open"] = len(conns)
@@ -466,6 +469,9 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
             return JSONResponse({"status": "loading"}, status_code=503)
         if state.shutting_down:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
+        # sessions_active: slots in use (realtime sessions, chat requests, autostart=0 sockets not yet
+        # started), as /ready and the duplexkit_sessions_active gauge; sessions_open (from counters()):
+        # realtime sessions only (docs/server.md, "/health")
         return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
                 "sessions_max": state.slots.size,
                 "random_weights": bool(getattr(state.engine, "random_weights", False)),

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = (REPO / ".." / "shared").resolve()
 FIXTURES_AUDIO = REPO / "tests" / "fixtures" / "audio"
 
 
@@ -16,10 +15,3 @@ def fixtures_audio() -> Path:
     """Folder of real speech WAVs (16 kHz mono pcm16; onsets/offsets in its README.md)."""
     return FIXTURES_AUDIO
 
-
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    """``../shared`` next to the checkout; tests that need it skip with a clear reason when absent."""
-    if not SHARED.is_dir():
-        pytest.skip(f"../shared not found at {SHARED}: parity data unavailable")
-    return SHARED

@@ -100,10 +100,25 @@ def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tin
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``error: …``, exit 2), like every other CLI failure."""
+    """argparse with one-line errors (``error: …``, exit 2), like every other CLI failure.
+
+    Each error names the help of the (sub)command it concerns: ``see duplexkit serve --help``.
+    """
+
+    commands: dict = {}
+    """The subcommand parsers by name (set by :func:`build_parser` on the top-level parser)."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse hands a subcommand's unknown arguments back to the top-level parser, whose error
+        # would point at `duplexkit --help`; report them from the subcommand's parser instead
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.commands.get(getattr(ns, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None, help="benchmark name (omit to list them)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -235,7 +251,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
-        parser.print_help()
+        # a usage error like any other (docs/cli.md, "Exit status"): the help on stderr, then one
+        # error line, status 2; `duplexkit --help` prints the help on stdout with status 0
+        parser.print_help(sys.stderr)
+        _eprint(f"error: duplexkit: a command is required: {', '.join(parser.commands)} "
+                "(see duplexkit COMMAND --help)")
         return EXIT_USAGE
     try:
         return int(args.func(args) or 0)

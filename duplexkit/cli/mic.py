@@ -39,14 +39,23 @@ def _echo_config(choice: str):
 
 MIC_DEVICE_HELP = ("Fix: on a headless machine or in a container, start a PulseAudio server with virtual devices "
                    "(docs/troubleshooting.md, 'Audio devices'); or run `duplexkit mic --url ws://SERVER:PORT` on a "
-                   "machine that has a microphone and speakers; or pick devices with --input-device / "
-                   "--output-device (an index or a name substring from the list above).")
+                   "machine that has a microphone and speakers")
+"""The fix printed after the device list; :func:`_device_fix` adds the device options when there is
+a device to pick."""
+
+
+def _device_fix(devices: list[dict]) -> str:
+    """The ``Fix:`` line: with devices listed, also how to pick one of them."""
+    if not devices:
+        return MIC_DEVICE_HELP + "."
+    return (MIC_DEVICE_HELP + "; or pick a device from the list above with --input-device / --output-device "
+            "(its index or a part of its name).")
 
 
 def _describe_devices(devices: list[dict]) -> str:
     if not devices:
         return "PortAudio sees no audio device at all."
-    lines = ["PortAudio sees:"]
+    lines = [f"PortAudio sees {len(devices)} device(s):"]
     for d in devices:
         mark = (" (default input)" if d["is_default_input"] else "") + (" (default output)" if d["is_default_output"] else "")
         lines.append(f"  [{d['index']}] {d['name']} ({d['hostapi']}, {d['max_input_channels']} in / "
@@ -76,7 +85,7 @@ def _check_audio_devices(input_spec: Optional[str], output_spec: Optional[str]) 
         elif not any(spec.lower() in d["name"].lower() for d in usable):
             problems.append(f"no {kind} device matching --{kind}-device {spec!r}")
     if problems:
-        raise CliError(f"{', '.join(problems)}.\n{_describe_devices(devices)}\n{MIC_DEVICE_HELP}", EXIT_DEVICE)
+        raise CliError(f"{', '.join(problems)}.\n{_describe_devices(devices)}\n{_device_fix(devices)}", EXIT_DEVICE)
 
 
 async def _mic_async(args) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -204,10 +205,16 @@ def random_server():
     ["examples/realtime_wav_demo.py", "--url", "{ws}", "--output", "{tmp}/r.wav", "--no-realtime"],
     ["examples/chat_completions_client.py", "--url", "{http}", "--output", "{tmp}/e.wav"],
     ["examples/barge_in_client.py", "--url", "{ws}", "--out-dir", "{tmp}/b"],
+    ["examples/openai_sdk_realtime.py", "--url", "{http}", "--model", "scripted", "--output", "{tmp}/s.wav"],
+    ["bash", "examples/curl_chat.sh", "{http}", "hi", "{tmp}/curl.wav"],
 ])
 def test_remote_clients_print_the_random_weights_notice(random_server, tmp_path, argv):
+    if "openai_sdk_realtime.py" in argv[0]:
+        pytest.importorskip("openai")
+    if argv[0] == "bash" and shutil.which("curl") is None:
+        pytest.skip("curl not installed")
     argv = [a.format(ws=random_server.ws_url, http=random_server.url, tmp=tmp_path) for a in argv]
-    r = run(PY, *argv)
+    r = run(*argv) if argv[0] == "bash" else run(PY, *argv)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "RANDOM weights" in r.stderr
 
@@ -258,3 +265,23 @@ def test_realtime_example_prints_the_server_error(scripted_server, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: input_audio_buffer_empty: ")
+
+
+def test_openai_sdk_example_prints_the_server_error(scripted_server, tmp_path):
+    pytest.importorskip("openai")
+    r = run(PY, "examples/openai_sdk_realtime.py", "--url", scripted_server.url, "--model", "nope",
+            "--output", str(tmp_path / "s.wav"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: model_not_found: model 'nope' is not served")
+
+
+def test_openai_sdk_example_cannot_connect_is_one_line(tmp_path):
+    pytest.importorskip("openai")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once closed
+    r = run(PY, "examples/openai_sdk_realtime.py", "--url", f"http://127.0.0.1:{port}", "--output", str(tmp_path / "s.wav"))
+    assert r.returncode == cli.EXIT_CONNECTION, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot connect to http://127.0.0.1:{port}")

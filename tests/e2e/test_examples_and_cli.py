@@ -155,3 +155,15 @@ def test_cli_serve_exits_when_the_engine_fails_to_load():
     assert r.returncode == 4, r.stdout + r.stderr
     assert "error: engine failed to load: unknown ScriptConfig field 'no_such_option'" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_gradio_example_caps_a_random_weight_engine_in_process():
+    # the tiny cap (as `serve tiny` applies) ends a random-weight answer; a real engine is not capped
+    r = run(PY, "-c", "import sys, asyncio; sys.path.insert(0, 'examples'); import gradio_demo\n"
+                      "from duplexkit.testing import ScriptedEngine\n"
+                      "for rw in (True, False):\n"
+                      "    e = ScriptedEngine(random_weights=rw, units_per_turn=4, tokens_per_unit=20)\n"
+                      "    print(asyncio.run(gradio_demo.answer('duplexkit/assets/question_16k.wav', None, e))[0].split()[0])")
+    assert r.returncode == 0, r.stderr
+    # 40 tokens at 20 per unit: the capped answer ends after 2 of its 4 units
+    assert r.stdout.split() == ["[incomplete]", "[completed]"], r.stdout

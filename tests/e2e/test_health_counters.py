@@ -52,3 +52,34 @@ async def test_health_counts_accepted_appends_and_sessions(scripted_server):
         await asyncio.sleep(0.1)
     # a closed session's counts stay in the totals
     assert _counts(scripted_server) == (0, n + 1, a + 3, ms + 300)
+
+
+def _health(srv) -> dict:
+    return httpx.get(srv.url + "/health", timeout=10).json()
+
+
+async def _until(srv, pred, what: str) -> dict:
+    for _ in range(300):  # the server updates its state when the socket's handler runs; generous bound
+        h = _health(srv)
+        if pred(h):
+            return h
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what}: {h}")
+
+
+async def test_sessions_active_counts_slots_sessions_open_counts_sessions(scripted_server):
+    """``sessions_active`` is slots in use; ``sessions_open`` is realtime sessions that exist. An
+    ``autostart=0`` socket holds a slot before its first frame creates the session (docs/server.md)."""
+    h0 = await _until(scripted_server, lambda h: h["sessions_active"] == 0 and h["sessions_open"] == 0, "idle")
+    url = scripted_server.ws_url + "/v1/realtime?duplex=1&autostart=0"
+    async with websockets.connect(url) as ws:
+        # accepted, nothing sent yet: a slot is reserved, no session exists
+        h = _health(scripted_server)
+        assert (h["sessions_active"], h["sessions_open"], h["sessions_opened"]) == (1, 0, h0["sessions_opened"])
+        await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "hi"}}))
+        await _recv_until(ws, "session.created")
+        h = _health(scripted_server)
+        assert (h["sessions_active"], h["sessions_open"], h["sessions_opened"]) == (1, 1, h0["sessions_opened"] + 1)
+        await ws.send(json.dumps({"type": "session.close"}))
+        await _recv_until(ws, "session.closed")
+    await _until(scripted_server, lambda h: h["sessions_active"] == 0 and h["sessions_open"] == 0, "not released")

@@ -118,3 +118,22 @@ def test_doc_anchors_resolve():
                 if dest in heads and anchor not in heads[dest]:
                     bad.append(f"{page.relative_to(ROOT)}:{lineno}: {target}#{anchor}")
     assert not bad, "links to headings that do not exist:\n" + "\n".join(bad)
+
+
+#: the only tests that may name ``../shared``: the model parity tests and their fixtures, which the
+#: README's "Tests and ../shared" paragraph explains (they skip without it).
+PARITY_TEST_DIR = "tests/model/"
+
+
+def test_tests_name_shared_only_for_the_parity_pack_the_readme_explains():
+    outside = []
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel == "tests/unit/test_docs_refs.py" or rel.startswith(PARITY_TEST_DIR):
+            continue
+        for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            outside += [f"{rel}:{lineno}: {ref}" for ref in OUTSIDE_REF.findall(line)]
+    assert not outside, "tests outside the parity pack that name files outside the repository:\n" + "\n".join(outside)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    note = readme[readme.index("**Tests and `../shared`.**"):]
+    assert "tests/model/test_parity_" in note and "skip" in note
