@@ -144,6 +144,13 @@ class Code2Wav:
         self.dtype = dtype or torch.float32
         self.flow = flow.eval()
         self.hift = hift.eval()
+        window = getattr(hift, "stft_window", None)
+        if torch.is_tensor(window):
+            # a plain attribute (not a buffer) that the package's ``_stft`` / ``_istft`` move with
+            # ``.to(x.device)`` on every call: from the CPU that is a pageable copy that waits for every
+            # kernel queued on the stream (twice per HiFT call, benchmarks/NOTES.md issue 19 step 8);
+            # on the HiFT's device the call is a no-op
+            hift.stft_window = window.to(self.device)
         self.n_timesteps = int(n_timesteps)
         self.layout = layout
         self._encoder = prompt_encoder
