@@ -28,12 +28,15 @@ __all__ = ["not_ready_reason", "install", "drain", "serve"]
 
 
 def not_ready_reason(state) -> Optional[str]:
-    """Why the replica takes no new session now: ``error`` (the model failed to load), ``loading``,
+    """Why the replica takes no new session now: ``error`` (the model failed to load, or the engine
+    process died), ``loading``,
     ``draining`` (SIGTERM received, or shutting down), ``full`` (every slot in use); None when it does."""
     if state.load_error is not None:
         return "error"
     if state.engine is None:
         return "loading"
+    if getattr(state, "engine_failure", None) is not None:
+        return "error"
     if state.shutting_down or getattr(state, "draining", False):
         return "draining"
     if state.slots.used >= state.slots.size:
@@ -62,7 +65,9 @@ def install(app, state) -> None:
             body["replica"] = state.settings.replica_id
         if reason is None:
             return body
-        body["reason"] = _MESSAGES[reason]
+        failure = getattr(state, "engine_failure", None)
+        body["reason"] = (f"the engine failed: {failure}; restart the server"
+                          if reason == "error" and state.load_error is None and failure else _MESSAGES[reason])
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
     @app.get("/live", include_in_schema=False)
