@@ -427,8 +427,10 @@ def _load_and_validate(raw: bytes) -> ChatBody:
 async def handle(state, request: Request):
     """The route body (auth already checked by the app)."""
     if not state.ready:
+        failure = getattr(state, "engine_failure", None)
         msg = ("this replica is draining for shutdown; retry (another replica will take it)"
-               if state.shutting_down else "the model is loading; retry later")
+               if state.shutting_down else f"the engine failed: {failure}" if failure
+               else "the model is loading; retry later")
         return openai_error(503, msg, "session_capacity_exhausted",
                             headers={"Retry-After": str(state.settings.retry_after_s)})
     s = state.settings
