@@ -15,7 +15,7 @@ One :func:`multiprocessing.Pipe` (a Unix socket pair) carries pickled *batches* 
   ``("gen", rid, ChatRequest)``, ``("gens", rid, ChatRequest)``, ``("cancel", rid)``, ``("shutdown", rid)``;
 * engine -> server: ``("ready", info)`` or ``("load_error", exception)`` once, then
   ``("out", stream_id, EngineOutput)``, ``("end", stream_id)`` (the stream's outputs ended),
-  ``("reply", rid, ok, value)``, ``("delta", rid, ChatDelta)``, ``("stats", {kv_usage, num_streams})``
+  ``("reply", rid, ok, value)``, ``("delta", rid, ChatDelta)``, ``("stats", {kv_usage, num_streams, gpu_memory})``
   (once a second when it changed).
 
 Each side has a reader thread and a writer thread, so neither event loop ever blocks on the pipe:
@@ -276,6 +276,11 @@ class EngineProcess:
     def kv_usage(self) -> dict:
         """The engine's ``kv_usage()`` as last reported by the child (empty when it has none)."""
         return dict(self._stats.get("kv_usage") or {})
+
+    def gpu_memory(self) -> dict:
+        """The engine process's CUDA memory as last reported (``{"cuda:N": {"allocated", "reserved",
+        "total"}}`` bytes; empty without torch/CUDA there): the server's ``duplexkit_gpu_memory_bytes``."""
+        return dict(self._stats.get("gpu_memory") or {})
 
     async def generate(self, request: ChatRequest) -> ChatResult:
         """Turn-based generation in the engine process (see the engine's ``generate``)."""

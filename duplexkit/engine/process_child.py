@@ -26,7 +26,7 @@ from .api import ChatRequest, EngineCommand, EngineFailure, StreamConfig
 logger = logging.getLogger("duplexkit.engine.process")
 
 __all__ = ["EngineSpec", "OUTPUT_CREDITS", "MAX_BATCHES_IN_FLIGHT", "BATCH_MAX", "STATS_INTERVAL_S",
-           "portable", "child_main"]
+           "portable", "child_main", "cuda_memory"]
 
 OUTPUT_CREDITS = 256
 """Stream outputs and chat deltas the engine process may have queued or in the pipe at once (at most
@@ -81,6 +81,20 @@ def portable(exc: BaseException, fallback=EngineProcessError) -> BaseException:
 # =============================================================================================
 # the child (engine) side
 # =============================================================================================
+
+
+def cuda_memory() -> dict:
+    """The engine process's CUDA memory for the server's ``duplexkit_gpu_memory_bytes``:
+    ``{"cuda:N": {"allocated", "reserved", "total"}}`` in bytes when torch is imported and CUDA
+    initialised, else ``{}`` (the same reading as ``duplexkit_server.metrics.cuda_memory``)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {f"cuda:{i}": {"allocated": torch.cuda.memory_allocated(i), "reserved": torch.cuda.memory_reserved(i),
+                          "total": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(torch.cuda.device_count())}
 
 
 class _ChildServer:
@@ -277,7 +291,8 @@ class _ChildServer:
             await asyncio.sleep(STATS_INTERVAL_S)
             fn = getattr(self.engine, "kv_usage", None)
             try:
-                stats = {"kv_usage": (fn() or {}) if fn is not None else None, "num_streams": len(self.streams)}
+                stats = {"kv_usage": (fn() or {}) if fn is not None else None, "num_streams": len(self.streams),
+                         "gpu_memory": cuda_memory()}
             except Exception as exc:  # pragma: no cover - metrics never break the engine
                 logger.debug("kv usage unavailable: %r", exc)
                 continue
