@@ -105,13 +105,13 @@ class _ChildServer:
         self.engine = engine
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.out: queue.Queue = queue.Queue()
-        self.credits: Optional[asyncio.Semaphore] = None
+        self.credits = asyncio.Semaphore(OUTPUT_CREDITS)  # bound to the loop on first use
         self.streams: dict[str, Any] = {}
         self.pumps: dict[str, asyncio.Task] = {}
         self.early: dict[str, list] = {}  # commands that arrived while the stream was opening
         self.epochs: dict[str, int] = {}
         self.tasks: dict[int, asyncio.Task] = {}
-        self.stop: Optional[asyncio.Event] = None
+        self.stop = asyncio.Event()
         self.engine_closed = False
 
     # -- threads ---------------------------------------------------------------------------------
@@ -169,8 +169,7 @@ class _ChildServer:
         timer = threading.Timer(10.0, os._exit, (0,))
         timer.daemon = True
         timer.start()
-        if self.stop is not None:
-            self.stop.set()
+        self.stop.set()
 
     # -- messages ----------------------------------------------------------------------------------
     def post(self, msg: tuple) -> None:
@@ -302,8 +301,6 @@ class _ChildServer:
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.credits = asyncio.Semaphore(OUTPUT_CREDITS)
-        self.stop = asyncio.Event()
         stats = self.loop.create_task(self._stats())
         await self.stop.wait()
         stats.cancel()
@@ -364,16 +361,20 @@ def child_main(conn, spec: EngineSpec) -> None:
             "has_kv_usage": callable(getattr(engine, "kv_usage", None)),
             "engine_class": type(engine).__name__}
     srv = _ChildServer(conn, engine)
-
-    async def main() -> None:
-        srv.loop = asyncio.get_running_loop()
-        with reader.lock:
-            reader.server = srv
-        await srv.run()
-
+    # the loop exists before "ready" goes out: the server's first messages may arrive at once, and
+    # the reader queues them on the loop (they run once it runs, in order)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    srv.loop = loop
+    with reader.lock:
+        reader.server = srv
     writer = threading.Thread(target=srv.writer, name="engine-pipe-writer", daemon=True)
     writer.start()
     srv.post(("ready", info))
-    asyncio.run(main())
+    try:
+        loop.run_until_complete(srv.run())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
     srv.post(None)
     writer.join(10)
