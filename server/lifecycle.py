@@ -4,7 +4,8 @@
 * ``GET /ready``: 200 while the replica accepts a new session; 503 with a JSON ``status`` of
   ``loading``, ``error``, ``draining`` or ``full`` otherwise (a load balancer's readiness probe).
 * ``GET /live``: 200 while the process and its event loop run (a liveness probe: it needs nothing
-  else, so a busy engine never gets the pod restarted).
+  else, so a busy engine never gets the pod restarted); 503 ``error`` once the engine process died
+  (:mod:`duplexkit.engine.process`: nothing but a restart brings it back).
 * :func:`drain`: refuse new sessions (WebSocket close 1013 ``session_capacity_exhausted``, chat HTTP
   503), wait up to ``drain_s`` for the live sessions to end by themselves, then close the rest with
   ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5).
@@ -72,6 +73,10 @@ def install(app, state) -> None:
 
     @app.get("/live", include_in_schema=False)
     async def live():
+        failure = getattr(state, "engine_failure", None)
+        if failure is not None:  # the engine process died: only a restart brings it back
+            return JSONResponse({"status": "error", "reason": f"the engine failed: {failure}; restart the server",
+                                 "uptime_s": int(time.time()) - state.started_at}, status_code=503)
         return {"status": "alive", "uptime_s": int(time.time()) - state.started_at}
 
 

@@ -174,6 +174,8 @@ class EngineProcess:
             the factory's exception (``EngineLoadError``, ``LayoutError``, ...) when loading fails;
             ``EngineLoadError`` when the child exits while loading.
         """
+        if self._proc is not None:
+            raise RuntimeError("EngineProcess.start() was already called")
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=child_main, args=(child, self.spec), name=self.name)

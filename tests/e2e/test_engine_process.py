@@ -207,6 +207,8 @@ async def test_killed_engine_process_closes_sessions_and_marks_the_server_not_re
         assert "engine process" in r.json()["reason"] and "died" in r.json()["reason"]
         h = httpx.get(srv.url + "/health")
         assert h.status_code == 503 and h.json()["status"] == "error"
+        live = httpx.get(srv.url + "/live")  # nothing but a restart brings the engine back
+        assert live.status_code == 503 and live.json()["status"] == "error"
         c = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert c.status_code == 503 and "error" in c.json()
         async with websockets.connect(srv.ws_url + "/v1/realtime") as ws2:  # refused: 1013 after the accept
