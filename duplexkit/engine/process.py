@@ -40,9 +40,10 @@ Failure behaviour
   (the Session closes with ``session.closed`` and 1011), pending and later calls raise
   :class:`~duplexkit.errors.EngineProcessError`, :attr:`EngineProcess.failure` says why (``/ready``
   and ``/health`` report ``error``) and one ERROR line is logged.
-* The child exits when the server process dies: its reader thread sees the pipe's EOF. It ignores
-  SIGINT and SIGTERM (a Ctrl+C or a service manager's signal to the whole group must not kill the
-  engine under a draining server); the server closes it (:meth:`EngineProcess.aclose`, which joins it).
+* The child exits when the server process dies: its reader thread sees the pipe's EOF. Once loaded
+  it ignores SIGINT and SIGTERM (a Ctrl+C or a service manager's signal to the whole group must not
+  kill the engine under a draining server); the server closes it (:meth:`EngineProcess.aclose`,
+  which joins it). While loading, SIGINT ends it (Ctrl+C during a long load stops at once).
 """
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ class _ChildReader:
 
 def child_main(conn, spec: EngineSpec) -> None:
     """Entry point of the engine process (spawned)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGINT (a terminal's Ctrl+C reaches the whole group) aborts loading quietly; once loaded, the
+    # server decides when the engine stops. SIGTERM always waits for the server (drain).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if spec.log_level is not None:
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
@@ -349,6 +350,9 @@ def child_main(conn, spec: EngineSpec) -> None:
     threading.Thread(target=reader.run, name="engine-pipe-reader", daemon=True).start()
     try:
         engine = spec.build()
+    except KeyboardInterrupt:
+        conn.close()  # the server sees "exited while loading"; it is stopping anyway
+        return
     except BaseException as exc:
         try:
             conn.send([("load_error", portable(exc, EngineLoadError))])
@@ -360,6 +364,7 @@ def child_main(conn, spec: EngineSpec) -> None:
             "supports_audio": bool(getattr(engine, "supports_audio", True)),
             "has_kv_usage": callable(getattr(engine, "kv_usage", None)),
             "engine_class": type(engine).__name__}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     srv = _ChildServer(conn, engine)
     # the loop exists before "ready" goes out: the server's first messages may arrive at once, and
     # the reader queues them on the loop (they run once it runs, in order)

@@ -33,3 +33,13 @@ def exits_while_loading() -> None:
     import os
 
     os._exit(3)
+
+
+def slow_load(marker: str, seconds: float) -> ScriptedEngine:
+    """Writes ``marker`` once loading started, then "loads" for ``seconds``."""
+    import time
+    from pathlib import Path
+
+    Path(marker).write_text("loading")
+    time.sleep(seconds)
+    return ScriptedEngine()

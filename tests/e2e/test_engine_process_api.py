@@ -120,3 +120,29 @@ async def test_calls_after_aclose_raise_engine_process_error():
         await eng.open_stream("x", StreamConfig())
     with pytest.raises(EngineProcessError):
         await eng.generate(ChatRequest(messages=[ChatMessage("user", ["hi"])]))
+
+
+def test_sigint_while_loading_stops_the_load(tmp_path):
+    import os
+    import signal
+    import threading
+
+    marker = tmp_path / "loading"
+    proc = EngineProcess(EngineSpec("_engine_factories:slow_load", (str(marker), 120.0)))
+    box: dict = {}
+
+    def start() -> None:
+        try:
+            proc.start()
+            box["result"] = "loaded"
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            box["result"] = exc
+
+    t = threading.Thread(target=start)
+    t.start()
+    while not marker.exists() and t.is_alive():
+        threading.Event().wait(0.05)
+    os.kill(proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C reaches the whole process group
+    t.join()
+    assert isinstance(box["result"], EngineLoadError), box
+    assert "exited with code 0 while loading" in str(box["result"])
