@@ -184,11 +184,11 @@ class _ChildServer:
         kind = msg[0]
         if kind == "cmd":
             _, sid, cmd = msg
-            self.epochs[sid] = max(self.epochs.get(sid, 0), cmd.epoch)
             if sid in self.early:
                 self.early[sid].append(cmd)
             elif sid in self.streams:
-                self._submit(sid, cmd)
+                self.epochs[sid] = max(self.epochs.get(sid, 0), cmd.epoch)
+                self._submit(sid, cmd)  # a command to a stream closed here is dropped, as the runtime does
         elif kind == "open":
             _, rid, sid, config = msg
             self.early[sid] = []
@@ -236,6 +236,7 @@ class _ChildServer:
         self.streams[sid] = stream
         self.pumps[sid] = self.loop.create_task(self._pump(sid, stream))
         for cmd in self.early.pop(sid, []):
+            self.epochs[sid] = max(self.epochs.get(sid, 0), cmd.epoch)
             self._submit(sid, cmd)
 
     async def _pump(self, sid: str, stream: Any) -> None:
