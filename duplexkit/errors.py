@@ -47,6 +47,7 @@ __all__ = [
     "TransitionError",
     "EngineInputError",
     "InjectedFault",
+    "EngineProcessError",
     "LayoutError",
     "LayoutNotSupportedError",
     "DeviceError",
@@ -243,6 +244,13 @@ class EngineLoadError(DuplexkitError):
     """The model or engine failed to load after the pre-load checks passed (``CheckpointError``,
     out of memory, a missing package such as torch, a bad scripted-engine option); raised by
     :func:`duplexkit.engine.load_engine` with the loader's text. The CLI exits with status 4."""
+
+
+class EngineProcessError(DuplexkitError, RuntimeError):
+    """The engine process (:class:`duplexkit.engine.process.EngineProcess`) is gone: it died (killed,
+    crashed, out of memory) or was closed, so a call that needs it cannot be served (code
+    ``server_error``). Raised by ``open_stream``, ``generate`` and ``generate_stream``; open streams get
+    a fatal :class:`~duplexkit.engine.api.EngineFailure` instead."""
 
 
 class InjectedFault(DuplexkitError, RuntimeError):

@@ -247,7 +247,13 @@ class ServerState:
     # -- identity ----------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.shutting_down
+        return self.engine is not None and not self.shutting_down and self.engine_failure is None
+
+    @property
+    def engine_failure(self) -> Optional[str]:
+        """Why a loaded engine can no longer serve (an engine process that died:
+        :attr:`duplexkit.engine.process.EngineProcess.failure`); None while it serves."""
+        return getattr(self.engine, "failure", None) if self.engine is not None else None
 
     @property
     def model_id(self) -> str:
@@ -467,6 +473,8 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
             return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
         if state.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        if state.engine_failure is not None:
+            return JSONResponse({"status": "error", "error": state.engine_failure}, status_code=503)
         if state.shutting_down:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         # sessions_active: slots in use (realtime sessions, chat requests, autostart=0 sockets not yet

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
-from duplexkit.errors import DuplexkitError, ErrorCode
+from duplexkit.errors import DuplexkitError, EngineProcessError, ErrorCode
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
 from .app import openai_error
@@ -424,11 +424,22 @@ def _load_and_validate(raw: bytes) -> ChatBody:
     return validate_chat_body(body)
 
 
+def _log_generation_failure(what: str, exc: BaseException) -> None:
+    """A traceback for an engine bug; one line for a dead engine process (logged once by
+    :mod:`duplexkit.engine.process` already, with its exit code)."""
+    if isinstance(exc, EngineProcessError):
+        logger.error("%s: %s", what, exc)
+    else:
+        logger.exception(what)
+
+
 async def handle(state, request: Request):
     """The route body (auth already checked by the app)."""
     if not state.ready:
+        failure = getattr(state, "engine_failure", None)
         msg = ("this replica is draining for shutdown; retry (another replica will take it)"
-               if state.shutting_down else "the model is loading; retry later")
+               if state.shutting_down else f"the engine failed: {failure}" if failure
+               else "the model is loading; retry later")
         return openai_error(503, msg, "session_capacity_exhausted",
                             headers={"Retry-After": str(state.settings.retry_after_s)})
     s = state.settings
@@ -477,7 +488,7 @@ async def handle(state, request: Request):
         try:
             result = await state.engine.generate(req)
         except Exception as exc:
-            logger.exception("chat generation failed")
+            _log_generation_failure("chat generation failed", exc)
             return openai_error(500, f"generation failed: {exc}", "server_error")
         finally:
             release_slot()
@@ -555,7 +566,7 @@ async def handle(state, request: Request):
                 yield chunk([], None, usage)
             yield "data: [DONE]\n\n"
         except Exception as exc:
-            logger.exception("chat stream failed")
+            _log_generation_failure("chat stream failed", exc)
             err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",
                              "param": None, "code": "server_error"}}
             yield "data: " + json.dumps(err) + "\n\n"

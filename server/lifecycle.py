@@ -4,7 +4,8 @@
 * ``GET /ready``: 200 while the replica accepts a new session; 503 with a JSON ``status`` of
   ``loading``, ``error``, ``draining`` or ``full`` otherwise (a load balancer's readiness probe).
 * ``GET /live``: 200 while the process and its event loop run (a liveness probe: it needs nothing
-  else, so a busy engine never gets the pod restarted).
+  else, so a busy engine never gets the pod restarted); 503 ``error`` once the engine process died
+  (:mod:`duplexkit.engine.process`: nothing but a restart brings it back).
 * :func:`drain`: refuse new sessions (WebSocket close 1013 ``session_capacity_exhausted``, chat HTTP
   503), wait up to ``drain_s`` for the live sessions to end by themselves, then close the rest with
   ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5).
@@ -28,12 +29,15 @@ __all__ = ["not_ready_reason", "install", "drain", "serve"]
 
 
 def not_ready_reason(state) -> Optional[str]:
-    """Why the replica takes no new session now: ``error`` (the model failed to load), ``loading``,
+    """Why the replica takes no new session now: ``error`` (the model failed to load, or the engine
+    process died), ``loading``,
     ``draining`` (SIGTERM received, or shutting down), ``full`` (every slot in use); None when it does."""
     if state.load_error is not None:
         return "error"
     if state.engine is None:
         return "loading"
+    if getattr(state, "engine_failure", None) is not None:
+        return "error"
     if state.shutting_down or getattr(state, "draining", False):
         return "draining"
     if state.slots.used >= state.slots.size:
@@ -62,11 +66,17 @@ def install(app, state) -> None:
             body["replica"] = state.settings.replica_id
         if reason is None:
             return body
-        body["reason"] = _MESSAGES[reason]
+        failure = getattr(state, "engine_failure", None)
+        body["reason"] = (f"the engine failed: {failure}; restart the server"
+                          if reason == "error" and state.load_error is None and failure else _MESSAGES[reason])
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
     @app.get("/live", include_in_schema=False)
     async def live():
+        failure = getattr(state, "engine_failure", None)
+        if failure is not None:  # the engine process died: only a restart brings it back
+            return JSONResponse({"status": "error", "reason": f"the engine failed: {failure}; restart the server",
+                                 "uptime_s": int(time.time()) - state.started_at}, status_code=503)
         return {"status": "alive", "uptime_s": int(time.time()) - state.started_at}
 
 

@@ -102,7 +102,7 @@ class ServerMetrics:
 
         class _Gpu(Collector):
             def collect(self_inner):
-                return _gpu_families()
+                return _gpu_families(state.engine)
 
         r.register(_Gpu())
 
@@ -209,29 +209,39 @@ def _ready_reason(state) -> Optional[str]:
     return not_ready_reason(state)
 
 
-def _gpu_families():
-    """``duplexkit_gpu_memory_bytes{device, kind}`` (allocated, reserved, total) when torch is loaded
-    and CUDA initialised; nothing otherwise."""
+def cuda_memory() -> dict:
+    """This process's CUDA memory, ``{"cuda:N": {"allocated", "reserved", "total"}}`` in bytes, when
+    torch is already imported and CUDA initialised; ``{}`` otherwise (never imports torch)."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    try:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return []
-        from prometheus_client.core import GaugeMetricFamily
+    if torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {f"cuda:{i}": {"allocated": torch.cuda.memory_allocated(i), "reserved": torch.cuda.memory_reserved(i),
+                          "total": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(torch.cuda.device_count())}
 
-        fam = GaugeMetricFamily("duplexkit_gpu_memory_bytes",
-                                "CUDA memory of this process: allocated and reserved by torch's caching "
-                                "allocator, and the device total.", labels=["device", "kind"])
-        for i in range(torch.cuda.device_count()):
-            dev = f"cuda:{i}"
-            fam.add_metric([dev, "allocated"], float(torch.cuda.memory_allocated(i)))
-            fam.add_metric([dev, "reserved"], float(torch.cuda.memory_reserved(i)))
-            fam.add_metric([dev, "total"], float(torch.cuda.get_device_properties(i).total_memory))
-        return [fam]
+
+def _gpu_families(engine=None):
+    """``duplexkit_gpu_memory_bytes{device, kind}`` (allocated, reserved, total) of the process that
+    holds the model: the engine process's report (``engine.gpu_memory()``,
+    :class:`duplexkit.engine.process.EngineProcess`, at most 1 s old), else this process when torch is
+    loaded and CUDA initialised; nothing otherwise."""
+    fn = getattr(engine, "gpu_memory", None)
+    try:
+        usage = fn() if fn is not None else cuda_memory()
     except Exception as exc:  # pragma: no cover - a broken driver must not break the scrape
         logger.debug("gpu metrics unavailable: %r", exc)
         return []
+    if not usage:
+        return []
+    from prometheus_client.core import GaugeMetricFamily
+
+    fam = GaugeMetricFamily("duplexkit_gpu_memory_bytes",
+                            "CUDA memory of the engine's process: allocated and reserved by torch's caching "
+                            "allocator, and the device total.", labels=["device", "kind"])
+    for dev, u in sorted(usage.items()):
+        for kind in ("allocated", "reserved", "total"):
+            fam.add_metric([dev, kind], float(u[kind]))
+    return [fam]
 
 
 def _kv_families(engine):

@@ -106,8 +106,10 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     resume_only = (not state.ready and getattr(state, "draining", False) and state.engine is not None
                    and reg is not None and not autostart and reg.has_parked(principal))
     if not state.ready and not resume_only:
+        failure = getattr(state, "engine_failure", None)
         await _reject(ws, subprotocol, _handshake_error(
-            "session_capacity_exhausted", "the server is loading or shutting down; retry later"), 1013)
+            "session_capacity_exhausted", f"the engine failed: {failure}" if failure
+            else "the server is loading or shutting down; retry later"), 1013)
         return
     try:
         dialect = pick_dialect(q.get("dialect"), ws.headers.get("openai-beta"))

@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, so its threads never share the server's GIL "
+                        "(default on; --no-engine-process: one process, as before; Ray Serve replicas "
+                        "always run it in-process)")
     _add_hardening_args(p)
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)

@@ -98,6 +98,22 @@ def _hardening_settings(args) -> dict:
             "drain_s": args.drain_s, "metrics": args.metrics}
 
 
+def _engine_process(args, scripted: dict):
+    """The engine in its own process (``--engine-process``, docs/architecture.md "Processes"): the
+    child runs :func:`duplexkit.engine.loading.load_engine` with the same arguments; its load errors
+    come back as the same types (``EngineLoadError`` -> :class:`CliError` exit 4, ``LayoutError`` exit 2)."""
+    from duplexkit.engine.process import EngineProcess, EngineSpec
+    from duplexkit.errors import EngineLoadError
+
+    spec = EngineSpec("duplexkit.engine.loading:load_engine", (args.model,),
+                      {"layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
+                       "scripted": scripted, "checked": True})
+    try:
+        return EngineProcess(spec).start()
+    except EngineLoadError as exc:
+        raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
+
+
 def cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
     sock = _bind(args.host, args.port)
@@ -130,8 +146,11 @@ def cmd_serve(args) -> int:
 
     def loader():
         try:
-            engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                                 scripted=scripted, checked=True)
+            if getattr(args, "engine_process", False):
+                engine = _engine_process(args, scripted)
+            else:
+                engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
+                                     scripted=scripted, checked=True)
         except CliError as exc:  # the server prints "error: engine failed to load: <message>"
             prefix = "engine failed to load: "
             raise type(exc)(str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc),

@@ -30,6 +30,8 @@ _LAZY = {
     "PlacementPlan": ".placement",
     "plan_placement": ".placement",
     "load_engine": ".loading",
+    "EngineProcess": ".process",
+    "EngineSpec": ".process",
 }
 
 __all__ = list(_api_all) + sorted(_LAZY)
