@@ -39,6 +39,7 @@ import base64
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,20 @@ def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode:
             lags.append((time.perf_counter() - t - 0.01) * 1000)
             if len(lags) % 100 == 0:
                 Path(lag_file).write_text(json.dumps(lags))
+
+    snaps = os.environ.get("DUPLEXKIT_LOAD_TRACEMALLOC")  # diagnostics: a directory for snapshots
+    if snaps:
+        import signal
+        import tracemalloc
+
+        tracemalloc.start(12)
+        taken = [0]
+
+        def snapshot(*_a) -> None:
+            taken[0] += 1
+            tracemalloc.take_snapshot().dump(str(Path(snaps) / f"server-{taken[0]}.snap"))
+
+        signal.signal(signal.SIGUSR1, snapshot)
 
     settings = ServerSettings(max_sessions=max_sessions, max_sessions_per_client=0, answer_policy="on_request")
     if mode == "process":
@@ -264,6 +279,8 @@ async def main_async(args) -> dict:
         await asyncio.sleep(10)
         epid = _engine_pid(child.pid)
         rss0, erss0 = _rss_mib(child.pid), _rss_mib(epid)
+        if os.environ.get("DUPLEXKIT_LOAD_TRACEMALLOC"):
+            os.kill(child.pid, signal.SIGUSR1)
         stats: dict = {"errors": {}, "ttfa_ms": [], "lost": [], "violations": [], "cancels": 0, "barge_ins": 0}
         peak, epeak = [rss0], [erss0]
 
@@ -281,6 +298,9 @@ async def main_async(args) -> dict:
         w.cancel()
         await asyncio.sleep(10)  # settle: the allocator trim runs after the last close
         rss1, erss1 = _rss_mib(child.pid), _rss_mib(epid)
+        if os.environ.get("DUPLEXKIT_LOAD_TRACEMALLOC"):
+            os.kill(child.pid, signal.SIGUSR1)
+            await asyncio.sleep(5)
         lags = json.loads(Path(lag_file).read_text()) if Path(lag_file).exists() else []
     finally:
         child.terminate()

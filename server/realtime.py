@@ -370,6 +370,8 @@ class RealtimeConnection:
                         fut.set_exception(ResumeRefused("resume_not_found", "the session has ended"))
             for ev in self._released.values():
                 ev.set()
+            if self.journal is not None:  # the session is over: its replay journal (up to 16 MiB) goes now
+                self.journal.clear()
 
     async def shutdown(self, reason: str = "shutdown") -> None:
         """Server shutdown: ``session.closed{reason}`` then close 1001 (docs/protocol.md §1.5)."""

@@ -102,6 +102,13 @@ class ReplayJournal:
             self.bytes -= old_size
             self.dropped_through = max(self.dropped_through, old_seq)
 
+    def clear(self) -> None:
+        """Drop every kept event (the session is over); later appends are kept as before."""
+        if self._events:
+            self.dropped_through = max(self.dropped_through, self._events[-1][0])
+        self._events.clear()
+        self.bytes = 0
+
     def since(self, seq: int) -> list[dict]:
         """Every kept event with ``server_event_seq > seq``, in order.
 

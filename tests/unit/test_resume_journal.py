@@ -75,3 +75,47 @@ def test_client_state_resume_without_a_resumed_event():
     acts = st.resume_accepted()
     assert acts[0].event.type == "client.resumed" and st.resumes == 1
     assert st.receive({"type": "session.heartbeat_ack", "session_id": "s", "server_event_seq": 1}) == []
+
+
+def test_clear_drops_every_event_and_a_later_resume_is_an_overflow():
+    j = ReplayJournal(max_events=100, max_bytes=1 << 20)
+    for seq in range(1, 6):
+        j.append({"type": "x", "server_event_seq": seq, "delta": "A" * 1000})
+    assert len(j) == 5 and j.bytes > 5000
+    j.clear()
+    assert len(j) == 0 and j.bytes == 0 and j.dropped_through == 5
+    with pytest.raises(JournalOverflow):
+        j.since(2)
+    assert j.since(5) == []
+
+
+def test_scheduled_trim_frees_reference_cycles_the_collector_has_not_reached():
+    """A closed session's objects sit in reference cycles; with the cyclic collector idle (a quiet
+    server) only the trim's gc.collect() frees them."""
+    import asyncio
+    import gc
+    import weakref
+
+    from duplexkit_server import memory
+
+    class Node:
+        pass
+
+    async def run() -> bool:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        a.payload = bytearray(1 << 20)
+        dead = weakref.ref(a)
+        del a, b
+        memory._last = 0.0
+        memory.schedule_trim(delay_s=0.01, min_interval_s=0.0)
+        await asyncio.sleep(0.2)
+        return dead() is None
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        assert asyncio.run(run())
+    finally:
+        if was:
+            gc.enable()
