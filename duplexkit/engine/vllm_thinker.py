@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Union
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["VllmBackendError", "export_thinker_llm", "qwen3_config_dict", "VllmSession", "UnitTokens",
+__all__ = ["VllmBackendError", "export_thinker_llm", "ensure_vllm_plugin", "PLUGIN_ENTRY_POINT", "qwen3_config_dict", "VllmSession", "UnitTokens",
            "HiddenRowsExtension", "hidden_rows", "chat_sampling_params", "chat_prompt_ids"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -85,12 +88,18 @@ def qwen3_config_dict(config: dict) -> dict:
     return out
 
 
-def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path]) -> Path:
+def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], *,
+                       audio_token_id: Optional[int] = None) -> Path:
     """Write the thinker's language model as a standalone Qwen3 checkpoint for vLLM.
 
     Args:
         checkpoint: a MiniCPM-o 4.5 checkpoint directory (``config.json``, ``*.safetensors`` with
             ``llm.``-prefixed tensors, tokenizer files).
+        audio_token_id: when set, the checkpoint is written for duplexkit's vLLM model plugin
+            (:mod:`duplexkit.engine.vllm_model`, architecture ``DuplexkitThinkerForCausalLM``) that
+            takes audio embeddings; this id (the tokenizer's ``<unk>``, ``SpecialTokens.unk``) marks
+            their positions in a prompt (``duplexkit_audio_token_id`` in config.json). ``None``: a
+            plain ``Qwen3ForCausalLM`` (text only).
         out_dir: created if missing; gets ``config.json`` (:func:`qwen3_config_dict`),
             ``model.safetensors`` (the ``llm.`` tensors with the prefix removed, dtypes unchanged)
             and the tokenizer files found in ``checkpoint``.
@@ -121,12 +130,53 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path]) 
         raise VllmBackendError(f"{src}: no 'llm.' tensors (not a MiniCPM-o 4.5 checkpoint?)")
     out.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_config_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
+    if audio_token_id is not None:
+        if not 0 <= int(audio_token_id) < cfg["vocab_size"]:
+            raise VllmBackendError(f"audio_token_id {audio_token_id} is outside the vocabulary ({cfg['vocab_size']})")
+        cfg["architectures"] = ["DuplexkitThinkerForCausalLM"]
+        cfg["duplexkit_audio_token_id"] = int(audio_token_id)
     (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in _TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
     return out
+
+
+PLUGIN_ENTRY_POINT = ("duplexkit_thinker", "duplexkit.engine.vllm_model:register")
+"""duplexkit's ``vllm.general_plugins`` entry point (name, target), as pyproject.toml declares it."""
+
+
+def ensure_vllm_plugin(env: Optional[dict] = None) -> Optional[Path]:
+    """Make every vLLM process (the caller's and the spawned engine core) load duplexkit's model
+    plugin (:mod:`duplexkit.engine.vllm_model`), which the audio-capable thinker checkpoint needs.
+
+    vLLM finds plugins as ``vllm.general_plugins`` entry points in each process. An installed
+    duplexkit declares one (pyproject.toml); a checkout on ``PYTHONPATH`` does not, so this writes
+    a metadata-only distribution (``duplexkit_vllm_plugin-1.0.dist-info`` with that entry point,
+    under ``$TMPDIR/duplexkit-vllm-plugin-<uid>``) and puts its folder on ``sys.path`` and on
+    ``env["PYTHONPATH"]`` (default ``os.environ``; the engine-core process inherits it).
+
+    Returns:
+        the folder added, or None when an installed distribution already declares the entry point.
+    """
+    from importlib.metadata import entry_points
+
+    name, target = PLUGIN_ENTRY_POINT
+    if any(ep.name == name for ep in entry_points(group="vllm.general_plugins")):
+        return None
+    env = os.environ if env is None else env
+    root = Path(tempfile.gettempdir()) / f"duplexkit-vllm-plugin-{os.getuid()}"
+    dist = root / "duplexkit_vllm_plugin-1.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: duplexkit-vllm-plugin\nVersion: 1.0\n", encoding="utf-8")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {target}\n", encoding="utf-8")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(root) not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([str(root)] + parts)
+    return root
 
 
 @dataclass
@@ -291,7 +341,8 @@ class HiddenRowsExtension:
     def dk_hidden_start(self) -> int:
         """Install the hook (once) and clear the buffer; returns the hidden size."""
         model = self.model_runner.get_model()
-        norm = model.model.norm
+        lm = getattr(model, "language_model", model)  # duplexkit's audio plugin wraps the Qwen3 model
+        norm = lm.model.norm
         if not hasattr(self, "_dk_rows"):
             self._dk_rows = []
 

