@@ -160,6 +160,72 @@ def register() -> None:
 
 
 from duplexkit.engine.vllm_thinker import HiddenRowsExtension  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality  # noqa: E402
+
+
+class DuplexDecisionProcessor(LogitsProcessor):
+    """The duplex decision rule as a vLLM v1 logits processor
+    (``AsyncEngineArgs(logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"])``).
+
+    Rows whose request carries ``SamplingParams.extra_args["duplexkit"]`` (a unit's state,
+    :func:`duplexkit.engine.vllm_duplex.decision_args`) get the native decision of the step
+    (:func:`duplexkit.engine.vllm_duplex.decide_token`, on the raw float32 logits and the tokens the
+    unit decided so far): every other logit becomes -inf, so greedy sampling picks it. Other rows
+    are untouched. Not argmax-invariant. Cost: one decision per duplex row per step, on the host
+    side of the sampler (small next to a forward; not measured on a GPU yet).
+    """
+
+    def __init__(self, vllm_config, device, is_pin_memory: bool) -> None:
+        self._rows: dict = {}  # batch index -> (rule args, live output token ids, cached _Rule or None)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        from duplexkit.engine.vllm_duplex import EXTRA_KEY
+
+        args = (sampling_params.extra_args or {}).get(EXTRA_KEY)
+        if args is None:
+            return
+        missing = {"policy", "special", "terminators", "forbidden", "continue", "forced_listen", "force_speak",
+                   "turn_ended", "history"} - set(args)
+        if missing:
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] lacks {sorted(missing)}")
+        if sampling_params.temperature != 0.0:
+            raise ValueError("duplex units decide greedily on vLLM: temperature must be 0")
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        from duplexkit.engine.vllm_duplex import EXTRA_KEY
+
+        if batch_update is None:
+            return
+        for i in batch_update.removed:
+            self._rows.pop(i, None)
+        for i, params, _prompt, out in batch_update.added:
+            args = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
+            if args is None:
+                self._rows.pop(i, None)
+            else:
+                self._rows[i] = [args, out, None]
+        for a, b, kind in batch_update.moved:
+            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
+            if ra is not None:
+                self._rows[b] = ra
+            if kind == MoveDirectionality.SWAP and rb is not None:
+                self._rows[a] = rb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        from duplexkit.engine.vllm_duplex import _Rule, decide_token
+
+        for i, row in self._rows.items():
+            if row[2] is None:
+                row[2] = _Rule(row[0], logits.shape[-1])
+            tok = decide_token(row[2], logits[i], row[1])
+            keep = logits[i, tok].clone()
+            logits[i] = float("-inf")
+            logits[i, tok] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+        return logits
 
 
 class DuplexkitWorkerExtension(HiddenRowsExtension):

@@ -223,8 +223,11 @@ class VllmSession:
             item = await self._inputs.get()
             if item is None:
                 return
-            ids, params = item
-            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=list(ids)), sampling_params=params)
+            ids, params, mm = item
+            prompt = TokensPrompt(prompt_token_ids=list(ids))
+            if mm:
+                prompt["multi_modal_data"] = mm
+            yield StreamingInput(prompt=prompt, sampling_params=params)
 
     @staticmethod
     def greedy(max_tokens: int):
@@ -236,10 +239,15 @@ class VllmSession:
         return SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True,
                               output_kind=RequestOutputKind.DELTA)
 
-    async def unit(self, ids: Sequence[int], max_tokens: int) -> UnitTokens:
+    async def unit(self, ids: Sequence[int], max_tokens: int, params: Any = None,
+                   mm_data: Optional[dict] = None) -> UnitTokens:
         """Append ``ids`` and greedily decode ``max_tokens`` tokens on top of the session's context.
 
-        Returns fewer than ``max_tokens`` tokens only when the engine ended the chunk early.
+        ``params``: the chunk's ``SamplingParams`` (default :meth:`greedy`; its ``max_tokens`` must
+        equal ``max_tokens``). ``mm_data``: the chunk's ``multi_modal_data`` (e.g. ``{"audio":
+        [rows [n, H], ...]}`` on placeholder ids, :mod:`duplexkit.engine.vllm_model`).
+
+        Returns fewer than ``max_tokens`` tokens when a stop id or the engine ended the chunk early.
 
         Raises:
             VllmBackendError: the session is closed; the unit would pass ``max_model_len``
@@ -257,8 +265,8 @@ class VllmSession:
                 f"session {self.request_id}: {self.length} + {len(ids)} ids + {max_tokens} tokens exceed "
                 f"max_model_len {cap}; slide the window (close the session, reopen it with the kept context)")
         epoch = self.epoch
-        params = self.greedy(max_tokens)
-        await self._inputs.put((list(ids), params))
+        params = self.greedy(max_tokens) if params is None else params
+        await self._inputs.put((list(ids), params, mm_data))
         if self._outputs is None:
             self._outputs = self.engine.generate(self._input_stream(), params, self.request_id).__aiter__()
         got: List[int] = []
