@@ -27,13 +27,15 @@ one unit is one chunk of it:
 The host side keeps a :class:`~duplexkit.models.minicpmo45.thinker.ThinkerStream` without KV (audio
 caches, turn state, history, pending ids) and returns the native :class:`UnitResult`.
 
-Greedy only (``temperature`` 0): sampling would need the stream's generator inside the engine.
-Not supported here: images, ``max_unit_chars``, the sliding window (a session past
+Sampling (``temperature`` > 0) draws inside the processor from a per-stream CPU generator seeded by
+the host, in the native order (boundary draw, main draw), so a seeded stream gives the native
+thinker's tokens on the CPU. Not supported here: images, ``max_unit_chars``, the sliding window (a session past
 ``max_model_len`` raises :class:`~duplexkit.engine.vllm_thinker.VllmBackendError`).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
@@ -57,10 +59,12 @@ _POLICY_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "repeti
 _SPECIAL_FIELDS = ("listen", "tts_bos", "chunk_eos", "chunk_tts_eos", "turn_eos", "im_end", "unit_end")
 
 
-def decision_args(th: Thinker, st: ThinkerStream, start: D.UnitStart) -> dict:
+def decision_args(th: Thinker, st: ThinkerStream, start: D.UnitStart, key: str = "", seed: int = 0) -> dict:
     """The decision processor's state of one unit (``extra_args[EXTRA_KEY]``, JSON-able): the
     stream's policy, its turn state and forced speak after :func:`duplex.start_unit`, the last
-    ``repetition_window`` main-pass choices, the special ids, the forbidden and ``min_unit_tokens`` sets."""
+    ``repetition_window`` main-pass choices, the special ids, the forbidden and ``min_unit_tokens``
+    sets, and for sampling the stream's generator key and seed (the processor keeps one CPU
+    ``torch.Generator`` per key, seeded once, across units)."""
     sp = th.special
     w = st.policy.repetition_window
     return {
@@ -73,6 +77,8 @@ def decision_args(th: Thinker, st: ThinkerStream, start: D.UnitStart) -> dict:
         "force_speak": bool(start.force_speak),
         "turn_ended": bool(st.turn_ended),
         "history": [int(t) for t in st.history[-w:]],
+        "key": str(key),
+        "seed": int(seed),
     }
 
 
@@ -90,13 +96,16 @@ class _Rule:
         self.args = args
 
 
-def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int]) -> int:
-    """The native decision of the next step of a unit (``duplex`` module doc), greedy.
+def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int],
+                 generator: Optional[torch.Generator] = None) -> int:
+    """The native decision of the next step of a unit (``duplex`` module doc).
 
     Args:
         rule: the unit's :class:`_Rule`.
         raw_logits: float32 [V] raw logits of this step.
         out: the tokens this unit decided so far (all fed: a terminator ends the chunk).
+        generator: the stream's generator when its policy samples (temperature > 0): the boundary
+            draw, then the main draw, as the native thinker draws them.
     Returns:
         the token id to emit (a terminator ends the unit; vLLM then stops the chunk).
     """
@@ -112,7 +121,7 @@ def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int]) -> i
     if plan.cut:
         return sp.chunk_eos
     stream = SimpleNamespace(policy=rule.policy, history=list(a["history"]) + [int(t) for t in out])
-    bnd, main = D.choose_tokens(rule.th, [stream], raw_logits[None].float(), [plan], [None])
+    bnd, main = D.choose_tokens(rule.th, [stream], raw_logits[None].float(), [plan], [generator])
     return D.decide(sp, plan, j, bnd[0], main[0], turn_ended).token
 
 
@@ -120,10 +129,11 @@ class VllmStream:
     """A duplex stream on the vLLM thinker: the host-side :class:`ThinkerStream` (no KV), its vLLM
     session, and the session prefix still to send with the first unit."""
 
-    def __init__(self, st: ThinkerStream, session: VllmSession, prefix: List[Any]) -> None:
+    def __init__(self, st: ThinkerStream, session: VllmSession, prefix: List[Any], seed: int) -> None:
         self.st = st
         self.session = session
         self.prefix = prefix
+        self.seed = seed
 
     @property
     def epoch(self) -> int:
@@ -155,25 +165,32 @@ class VllmDuplexThinker:
         self._hidden_started = False
 
     def new_stream(self, instructions: Optional[str] = None, ref_audio: Optional[np.ndarray] = None,
-                   seed_text: Optional[str] = None, force_listen_count: int = 0,
-                   policy: Optional[DuplexPolicy] = None) -> VllmStream:
-        """Open a stream (as :meth:`Thinker.new_stream`, greedy). The prefix is sent with the first unit.
+                   seed_text: Optional[str] = None, temperature: float = 0.7, seed: Optional[int] = None,
+                   force_listen_count: int = 0, policy: Optional[DuplexPolicy] = None) -> VllmStream:
+        """Open a stream (arguments as :meth:`Thinker.new_stream`). The prefix is sent with the
+        first unit. ``seed`` None picks a random one here (every tensor-parallel rank must draw the
+        same numbers, so the engine never seeds on its own).
 
         Raises:
-            VllmBackendError: a sampling policy (temperature > 0) or ``max_unit_chars``.
+            ValueError: bad argument values.
+            VllmBackendError: ``max_unit_chars`` (not supported on vLLM).
         """
         th = self.th
         if policy is None:
-            policy = DuplexPolicy(temperature=0.0, force_listen_count=int(force_listen_count), **th.policy_defaults)
-        if policy.temperature > 0:
-            raise VllmBackendError("the vLLM thinker decides greedily only (temperature 0); sampling is not done yet")
+            if not 0.0 <= float(temperature) <= 2.0:
+                raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+            if force_listen_count < 0:
+                raise ValueError("force_listen_count must be >= 0")
+            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count),
+                                  **th.policy_defaults)
         if policy.max_unit_chars is not None:
             raise VllmBackendError("max_unit_chars is not supported by the vLLM thinker")
         st = ThinkerStream(stream_id=f"vllm{self._n}", policy=policy, kv=None, generator=None)
         prefix = th.session_prefix(instructions, ref_audio, seed_text)
         st.prefix_len = sum(len(p) for p in prefix)
         self._n += 1
-        return VllmStream(st, VllmSession(self.engine, f"dk-{st.stream_id}-{id(st):x}", self.max_model_len), prefix)
+        seed = secrets.randbits(63) if seed is None else int(seed)
+        return VllmStream(st, VllmSession(self.engine, f"dk-{st.stream_id}-{id(st):x}", self.max_model_len), prefix, seed)
 
     async def unit(self, vs: VllmStream, audio: np.ndarray, force_listen: bool = False,
                    force_speak: bool = False) -> "tuple[UnitResult, int]":
@@ -211,7 +228,7 @@ class VllmDuplexThinker:
         limit = 1 if s.forced_listen else st.policy.unit_limit()
         params = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True,
                                 stop_token_ids=[int(t) for t in sp.terminators], output_kind=RequestOutputKind.DELTA,
-                                extra_args={EXTRA_KEY: decision_args(th, st, s)})
+                                extra_args={EXTRA_KEY: decision_args(th, st, s, vs.session.request_id, vs.seed)})
         if self.hidden and not self._hidden_started:
             await self.engine.collective_rpc("dk_hidden_start")
             self._hidden_started = True

@@ -175,8 +175,28 @@ class DuplexDecisionProcessor(LogitsProcessor):
     side of the sampler (small next to a forward; not measured on a GPU yet).
     """
 
+    MAX_GENERATORS = 4096
+    """Per-stream generators kept (least recently used dropped first; a dropped stream that samples
+    again is reseeded from its seed, so keep this above the open streams)."""
+
     def __init__(self, vllm_config, device, is_pin_memory: bool) -> None:
+        from collections import OrderedDict
+
         self._rows: dict = {}  # batch index -> (rule args, live output token ids, cached _Rule or None)
+        self._gens: "OrderedDict[str, torch.Generator]" = OrderedDict()
+
+    def _generator(self, args: dict):
+        if float(args["policy"]["temperature"]) <= 0:
+            return None
+        key = args.get("key", "")
+        g = self._gens.pop(key, None)
+        if g is None:
+            g = torch.Generator()
+            g.manual_seed(int(args.get("seed", 0)))
+        self._gens[key] = g
+        while len(self._gens) > self.MAX_GENERATORS:
+            self._gens.popitem(last=False)
+        return g
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -193,7 +213,8 @@ class DuplexDecisionProcessor(LogitsProcessor):
         if missing:
             raise ValueError(f"extra_args[{EXTRA_KEY!r}] lacks {sorted(missing)}")
         if sampling_params.temperature != 0.0:
-            raise ValueError("duplex units decide greedily on vLLM: temperature must be 0")
+            raise ValueError("the decision processor samples itself (extra_args policy.temperature): the request's "
+                             "SamplingParams.temperature must be 0")
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         from duplexkit.engine.vllm_duplex import EXTRA_KEY
@@ -221,7 +242,7 @@ class DuplexDecisionProcessor(LogitsProcessor):
         for i, row in self._rows.items():
             if row[2] is None:
                 row[2] = _Rule(row[0], logits.shape[-1])
-            tok = decide_token(row[2], logits[i], row[1])
+            tok = decide_token(row[2], logits[i], row[1], self._generator(row[0]))
             keep = logits[i, tok].clone()
             logits[i] = float("-inf")
             logits[i, tok] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))

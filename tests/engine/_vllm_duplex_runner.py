@@ -4,7 +4,7 @@ Usage: ``<vllm python> tests/engine/_vllm_duplex_runner.py SPEC.json OUT.npz`` w
 PYTHONPATH. SPEC: ``{"checkpoint": tiny MiniCPM-o dir, "model": exported dir (audio plugin),
 "audio": npz path, "max_model_len": int, "streams": [...]}``; each stream
 ``{"force_listen_count": int, "ref_audio": npz key or null, "seed_text": str or null, "policy": {DuplexPolicy
-fields} (optional), "units": [...]}``,
+fields} (optional), "seed": int (optional), "units": [...]}``,
 each unit ``{"audio": npz key, "force_listen": bool, "force_speak": bool, "barge_in": bool}``
 (``barge_in``: a barge-in arrives while the unit runs; the caller ends the turn after it returned).
 
@@ -49,8 +49,8 @@ async def _run(spec: dict) -> dict:
         vt = VllmDuplexThinker(th, eng, int(spec["max_model_len"]))
         for si, s in enumerate(spec["streams"]):
             ref = audio[s["ref_audio"]] if s.get("ref_audio") else None
-            pol = DuplexPolicy(temperature=0.0, force_listen_count=int(s["force_listen_count"]), **s.get("policy", {}))
-            vs = vt.new_stream(ref_audio=ref, seed_text=s.get("seed_text"), policy=pol)
+            pol = DuplexPolicy(**{"temperature": 0.0, "force_listen_count": int(s["force_listen_count"]), **s.get("policy", {})})
+            vs = vt.new_stream(ref_audio=ref, seed_text=s.get("seed_text"), policy=pol, seed=s.get("seed"))
             for ui, u in enumerate(s["units"]):
                 ts = time.perf_counter()
                 task = asyncio.ensure_future(vt.unit(vs, audio[u["audio"]], bool(u["force_listen"]), bool(u["force_speak"])))

@@ -25,7 +25,9 @@ AUDIO = ROOT / "tests" / "fixtures" / "audio"
 # forced speak, a barge-in while unit 6 runs (its result is dropped, the turn ends), a forced
 # listen that meets a pending forced speak, then a second stream with a reference voice and a
 # seed text in its prefix (two audio items in one vLLM chunk) and short speaking units
-# (``min_unit_tokens`` 2 masks the terminators, ``max_unit_tokens`` 4 moves the step cut).
+# (``min_unit_tokens`` 2 masks the terminators, ``max_unit_tokens`` 4 moves the step cut); a third
+# stream samples (temperature 0.7, seed 1234: the processor draws from the stream's generator in
+# the native order, so the CPU gives the native tokens).
 _FLAGS = {2: "speak", 6: "barge_in", 8: "speak", 9: "listen"}
 
 
@@ -51,8 +53,8 @@ def _native(th, stream: dict, audio: dict) -> list:
     from duplexkit.models.minicpmo45.duplex import DuplexPolicy, UnitInput, run_unit
 
     ref = audio[stream["ref_audio"]] if stream.get("ref_audio") else None
-    pol = DuplexPolicy(temperature=0.0, force_listen_count=stream["force_listen_count"], **stream.get("policy", {}))
-    st = th.new_stream(ref_audio=ref, seed_text=stream.get("seed_text"), policy=pol)
+    pol = DuplexPolicy(**{"temperature": 0.0, "force_listen_count": stream["force_listen_count"], **stream.get("policy", {})})
+    st = th.new_stream(ref_audio=ref, seed_text=stream.get("seed_text"), policy=pol, seed=stream.get("seed"))
     res, epoch = [], 0
     with torch.inference_mode():
         for u in stream["units"]:
@@ -87,7 +89,9 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
     keys = [f"a{k}" for k in range(12)]
     streams = [{"force_listen_count": 1, "ref_audio": None, "seed_text": None, "units": _units(12, keys)},
                {"force_listen_count": 0, "ref_audio": "ref", "seed_text": "Hello.", "units": _units(4, keys[3:7]),
-                "policy": {"min_unit_tokens": 2, "max_unit_tokens": 4}}]
+                "policy": {"min_unit_tokens": 2, "max_unit_tokens": 4}},
+               {"force_listen_count": 0, "ref_audio": None, "seed_text": None, "units": _units(4, keys[6:10]),
+                "policy": {"temperature": 0.7}, "seed": 1234}]
     np.savez(tmp_path / "audio.npz", **audio)
     spec = {"checkpoint": str(ckpt), "model": str(export_thinker_llm(ckpt, tmp_path / "llm", audio_token_id=th.special.unk)),
             "audio": str(tmp_path / "audio.npz"), "max_model_len": 1024, "streams": streams}
@@ -98,9 +102,11 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
     assert r.returncode == 0, r.stderr[-4000:]
     got = np.load(tmp_path / "out.npz")
 
-    decisions = []
+    decisions, native = [], [_native(th, s, audio) for s in streams]
+    greedy = _native(th, dict(streams[2], policy={}, seed=None), audio)  # the sampled stream really samples
+    assert [list(w.generated_ids) for w, _, _ in greedy] != [list(w.generated_ids) for w, _, _ in native[2]]
     for si, s in enumerate(streams):
-        for ui, (w, epoch, barged) in enumerate(_native(th, s, audio)):
+        for ui, (w, epoch, barged) in enumerate(native[si]):
             k = f"s{si}u{ui}"
             assert got[k + "_tokens"].tolist() == list(w.generated_ids), k
             assert got[k + "_rec"].tolist() == w.token_ids.tolist(), k
@@ -112,4 +118,4 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
             decisions.append((w.decision, w.n_tokens))
     # the run is not trivial: listens and speaking units with talker tokens both occur
     assert any(d == "listen" for d, _ in decisions) and any(d == "speak" and n > 1 for d, n in decisions), decisions
-    assert [n for _, n in decisions[-4:]] == [3, 3, 3, 3]  # max_unit_tokens 4: 4 decided, the first not recorded
+    assert [n for _, n in decisions[-8:-4]] == [3, 3, 3, 3]  # max_unit_tokens 4: 4 decided, the first not recorded
