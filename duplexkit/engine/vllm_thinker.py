@@ -299,17 +299,18 @@ class VllmSession:
 
 
 def chat_sampling_params(max_tokens: int, stop_ids: Sequence[int], repetition_penalty: float = 1.02,
-                         temperature: float = 0.0, seed: Optional[int] = None):
+                         temperature: float = 0.0, seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0):
     """vLLM ``SamplingParams`` of a turn-based chat reply with the native thinker's rule
     (``duplexkit.models.minicpmo45.chat.chat_generate``, docs/model.md §4): stop on the thinker's
     EOS ids, the sign-aware repetition penalty over prompt and reply (vLLM applies the same form),
-    ``temperature`` 0 = greedy. The final stop id is part of the output token ids; strip it.
+    ``temperature`` 0 = greedy; ``top_p`` / ``top_k`` (native chat: 0.8 / 100; 1.0 / 0 = off) apply
+    when sampling. The final stop id is part of the output token ids; strip it.
     """
     from vllm import SamplingParams
 
     return SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
                           stop_token_ids=[int(t) for t in stop_ids], repetition_penalty=float(repetition_penalty),
-                          seed=seed)
+                          seed=seed, top_p=float(top_p), top_k=int(top_k))
 
 
 def chat_prompt_ids(thinker: Any, messages: Sequence[Any], *, use_tts_template: Optional[bool] = None,

@@ -119,3 +119,46 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
     # the run is not trivial: listens and speaking units with talker tokens both occur
     assert any(d == "listen" for d, _ in decisions) and any(d == "speak" and n > 1 for d, n in decisions), decisions
     assert [n for _, n in decisions[-8:-4]] == [3, 3, 3, 3]  # max_unit_tokens 4: 4 decided, the first not recorded
+
+
+@pytest.mark.timeout(900)
+def test_duplex_engine_with_a_vllm_thinker_matches_the_native_engine(tmp_path):
+    """``DuplexEngine.from_pretrained`` with ``backend: vllm`` (tests/engine/_vllm_engine_scenario.py, in
+    the vLLM venv) against the native engine here: two streams at once (greedy and seeded sampling),
+    forced listen and speak units, a barge-in (CancelEpoch), then a chat request."""
+    py = _need_vllm()
+    pytest.importorskip("torch")
+    pytest.importorskip("stepaudio2")  # the tiny checkpoint builder
+    import asyncio
+
+    from duplexkit.audio import read_wav
+    from duplexkit.engine import DuplexEngine
+    from duplexkit.engine.engine import tiny_checkpoint_dir
+
+    from ._vllm_engine_scenario import run_scenario
+
+    ckpt = tiny_checkpoint_dir(0)
+    q, _ = read_wav(AUDIO / "question_16k.wav", 16000)
+    i, _ = read_wav(AUDIO / "interrupt_16k.wav", 16000)
+    pieces = _slices(np.concatenate([q, i]), 10)
+    np.savez(tmp_path / "audio.npz", **{f"a{k}": a for k, a in enumerate(pieces)})
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    r = subprocess.run([py, str(Path(__file__).with_name("_vllm_engine_scenario.py")), str(ckpt),
+                        str(tmp_path / "audio.npz"), str(tmp_path / "out.json")],
+                       env=env, capture_output=True, text=True, timeout=880)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+
+    async def native():
+        eng = DuplexEngine.from_pretrained(ckpt, layout="cpu", progress=False, with_code2wav=False)
+        try:
+            return await run_scenario(eng, pieces)
+        finally:
+            await eng.aclose()
+
+    want = json.loads(json.dumps(asyncio.run(native())))
+    assert got == want
+    a = want["a"]["decisions"]
+    assert a[0][2] == "listen" and all(d[2] == "speak" for d in a[1:])  # forced listen, then speaking units
+    assert [d[1] for d in a] == [0] * 4 + [1] * 4 and a[4][3]  # the barge-in ended the turn: unit 4 reopens it
+    assert len(want["b"]["decisions"]) == 4 and want["chat"]["completion_tokens"] > 0
