@@ -21,8 +21,8 @@ one unit is one chunk of it:
   at the last step). vLLM keeps every decoded token but the last in the session's context, which
   is the native rule: the terminator is not fed now, it starts the next unit's prefill.
 * **Talker input.** With ``hidden=True`` the final-norm rows of the tokens after the first decided
-  one come from :class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension` (one stream at a time:
-  rows of streams batched in one step are interleaved, see docs/vllm.md "Not done").
+  one come from :class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension` in its per-request
+  mode, so units of several streams may run at once (vLLM batches them).
 
 The host side keeps a :class:`~duplexkit.models.minicpmo45.thinker.ThinkerStream` without KV (audio
 caches, turn state, history, pending ids) and returns the native :class:`UnitResult`.
@@ -151,9 +151,11 @@ class VllmDuplexThinker:
             ``enable_mm_embeds=True``, ``limit_mm_per_prompt={"audio": 0}``,
             ``logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"]`` and, for
             ``hidden=True``, ``worker_extension_cls`` :class:`HiddenRowsExtension` (or a subclass)
-            and prefix caching off. All calls come from the engine's event loop.
+            and prefix caching off. All calls come from the engine's event loop; units of
+            different streams may run concurrently.
         max_model_len: the engine's context cap (units past it raise ``VllmBackendError``).
-        hidden: fetch the talker's hidden rows of each unit (one stream at a time).
+        hidden: fetch the talker's hidden rows of each unit (the extension's ``"request"`` mode;
+            another user of the same engine must not switch it to ``"all"``).
     """
 
     def __init__(self, thinker: Thinker, engine: Any, max_model_len: int, hidden: bool = True) -> None:
@@ -230,11 +232,14 @@ class VllmDuplexThinker:
                                 stop_token_ids=[int(t) for t in sp.terminators], output_kind=RequestOutputKind.DELTA,
                                 extra_args={EXTRA_KEY: decision_args(th, st, s, vs.session.request_id, vs.seed)})
         if self.hidden and not self._hidden_started:
-            await self.engine.collective_rpc("dk_hidden_start")
+            await self.engine.collective_rpc("dk_hidden_start", args=("request",))
             self._hidden_started = True
         res: UnitTokens = await vs.session.unit(ids, limit, params=params, mm_data={"audio": embeds})
         t1 = time.perf_counter()
-        rows = hidden_rows((await self.engine.collective_rpc("dk_hidden_take"))[0]) if self.hidden else None
+        rows = None
+        if self.hidden:
+            reply = await self.engine.collective_rpc("dk_hidden_take_request", args=(vs.session.request_id,))
+            rows = hidden_rows(reply[0])
         out = list(res.token_ids)
         if not out or out[-1] not in sp.terminators:
             raise VllmBackendError(f"stream {st.stream_id}: unit ended without a terminator ({out})")
@@ -260,7 +265,7 @@ class VllmDuplexThinker:
             n_in = len(ids)
             if rows.shape[0] != n_in + len(fed):
                 raise VllmBackendError(f"stream {st.stream_id}: {rows.shape[0]} hidden rows for {n_in} inputs and "
-                                       f"{len(fed)} fed tokens (another stream ran in the same steps?)")
+                                       f"{len(fed)} fed tokens")
             hidden = torch.from_numpy(rows[n_in + 1:n_in + len(fed)])
         else:
             hidden = torch.zeros(0, self.th.hidden_size, dtype=torch.float32)

@@ -13,9 +13,9 @@ dropped once the engine is up).
 The stage methods run on the runtime's thinker thread; vLLM's ``AsyncLLM`` lives on an event loop of
 its own (a daemon thread, ``duplexkit-vllm``) and each call waits for its coroutine there.
 
-Limits of this slice (docs/vllm.md, "Not done"): the units of one thinker step run one stream after
-the other (the hidden-row hook cannot yet tell the rows of streams batched in one vLLM step apart);
-images in duplex units and audio or images in chat messages are refused (a per-item
+The units of one thinker step go to vLLM at once (one chunk per stream, batched by vLLM); the
+hidden rows are split by request (:class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension`,
+mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in duplex units and audio or images in chat messages are refused (a per-item
 ``VllmBackendError``); no sliding window (a stream past ``max_model_len`` fails its unit).
 """
 
@@ -99,6 +99,8 @@ class VllmStages(MiniCPMO45Stages):
 
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vt = VllmDuplexThinker(th, self.engine, self.max_model_len, hidden=True)
+        self._call(self.engine.collective_rpc("dk_hidden_start", args=("request",)))
+        self.vt._hidden_started = True
         th.m.llm = None  # the language model runs on vLLM: free the native copy
 
     async def _start(self):
@@ -133,15 +135,21 @@ class VllmStages(MiniCPMO45Stages):
         pol.force_listen_count = int(new.force_listen_count)
         return handle
 
+    async def _units(self, items: list) -> list:
+        async def one(w):
+            if w.frame is not None:
+                raise VllmBackendError("video frames are not supported by the vLLM thinker yet (docs/vllm.md)")
+            return (await self.vt.unit(w.handle, w.audio, bool(w.force_listen), bool(w.force_speak)))[0]
+
+        return await asyncio.gather(*(one(w) for w in items), return_exceptions=True)
+
     def thinker_step(self, items: list) -> list:
+        """The units of all items at once (one vLLM chunk per stream; the engine batches them). An
+        item's exception fails only its stream."""
         out = []
-        for w in items:  # one stream after the other (module doc)
-            try:
-                if w.frame is not None:
-                    raise VllmBackendError("video frames are not supported by the vLLM thinker yet (docs/vllm.md)")
-                r, _epoch = self._call(self.vt.unit(w.handle, w.audio, bool(w.force_listen), bool(w.force_speak)))
-            except Exception as exc:  # noqa: BLE001 - confined to this item's stream
-                out.append(exc)
+        for r in self._call(self._units(items)):
+            if isinstance(r, BaseException):
+                out.append(r)
                 continue
             speak = r.decision == "speak"
             out.append(ThinkerOut(decision=r.decision, text=r.text if speak else "", n_tokens=int(r.n_tokens),
@@ -201,14 +209,14 @@ class VllmStages(MiniCPMO45Stages):
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.DELTA
-        await self.engine.collective_rpc("dk_hidden_start")
         tok = self.model.thinker.tokenizer
         eos = set(self.model.thinker.special.eos_ids)
         got: list = []
         sent = ""
         finish = None
         self._chat_n = getattr(self, "_chat_n", 0) + 1
-        async for o in self.engine.generate({"prompt_token_ids": list(ids)}, params, f"dk-chat-{self._chat_n}"):
+        rid = f"dk-chat-{self._chat_n}"
+        async for o in self.engine.generate({"prompt_token_ids": list(ids)}, params, rid):
             got.extend(int(t) for t in o.outputs[0].token_ids)
             finish = o.outputs[0].finish_reason or finish
             if on_text is not None:
@@ -216,7 +224,7 @@ class VllmStages(MiniCPMO45Stages):
                 if not text.endswith("\ufffd") and text.startswith(sent) and len(text) > len(sent):
                     on_text(text[len(sent):])
                     sent = text
-        rows = hidden_rows((await self.engine.collective_rpc("dk_hidden_take"))[0])
+        rows = hidden_rows((await self.engine.collective_rpc("dk_hidden_take_request", args=(rid,)))[0])
         return got, finish, rows
 
     def close(self) -> None:

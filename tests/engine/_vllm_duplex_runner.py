@@ -7,6 +7,7 @@ PYTHONPATH. SPEC: ``{"checkpoint": tiny MiniCPM-o dir, "model": exported dir (au
 fields} (optional), "seed": int (optional), "units": [...]}``,
 each unit ``{"audio": npz key, "force_listen": bool, "force_speak": bool, "barge_in": bool}``
 (``barge_in``: a barge-in arrives while the unit runs; the caller ends the turn after it returned).
+The first stream runs alone, then all others at once (their units batched in the same vLLM steps).
 
 OUT (npz): per stream s and unit u ``s{s}u{u}_tokens`` (generated ids), ``_rec`` (talker token ids),
 ``_hidden`` (float32 [L, H]), ``_meta`` (int [decision is speak, turn_start, end_of_turn, epoch,
@@ -47,7 +48,8 @@ async def _run(spec: dict) -> dict:
     times = []
     try:
         vt = VllmDuplexThinker(th, eng, int(spec["max_model_len"]))
-        for si, s in enumerate(spec["streams"]):
+
+        async def run(si: int, s: dict) -> None:
             ref = audio[s["ref_audio"]] if s.get("ref_audio") else None
             pol = DuplexPolicy(**{"temperature": 0.0, "force_listen_count": int(s["force_listen_count"]), **s.get("policy", {})})
             vs = vt.new_stream(ref_audio=ref, seed_text=s.get("seed_text"), policy=pol, seed=s.get("seed"))
@@ -68,6 +70,10 @@ async def _run(spec: dict) -> dict:
                 out[k + "_hidden"] = r.hidden.float().numpy()
                 out[k + "_meta"] = np.asarray([r.decision == "speak", r.turn_start, r.end_of_turn, epoch, dropped], np.int64)
             await vt.close(vs)
+
+        streams = spec["streams"]
+        await run(0, streams[0])  # alone, then the others at once (batched by vLLM)
+        await asyncio.gather(*(run(si, s) for si, s in enumerate(streams) if si > 0))
     finally:
         eng.shutdown()
     out["unit_s"] = np.asarray(times)

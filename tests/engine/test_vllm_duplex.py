@@ -27,7 +27,8 @@ AUDIO = ROOT / "tests" / "fixtures" / "audio"
 # seed text in its prefix (two audio items in one vLLM chunk) and short speaking units
 # (``min_unit_tokens`` 2 masks the terminators, ``max_unit_tokens`` 4 moves the step cut); a third
 # stream samples (temperature 0.7, seed 1234: the processor draws from the stream's generator in
-# the native order, so the CPU gives the native tokens).
+# the native order, so the CPU gives the native tokens). Streams 2 and 3 run at the same time on
+# the vLLM side (batched steps; hidden rows split by request).
 _FLAGS = {2: "speak", 6: "barge_in", 8: "speak", 9: "listen"}
 
 
