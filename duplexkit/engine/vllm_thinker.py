@@ -158,13 +158,16 @@ def ensure_vllm_plugin(env: Optional[dict] = None) -> Optional[Path]:
     ``env["PYTHONPATH"]`` (default ``os.environ``; the engine-core process inherits it).
 
     Returns:
-        the folder added, or None when an installed distribution already declares the entry point.
+        the folder added (again on repeated calls, idempotently), or None when an installed
+        distribution already declares the entry point.
     """
     from importlib.metadata import entry_points
 
     name, target = PLUGIN_ENTRY_POINT
-    if any(ep.name == name for ep in entry_points(group="vllm.general_plugins")):
-        return None
+    for ep in entry_points(group="vllm.general_plugins"):
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        if ep.name == name and dist != "duplexkit-vllm-plugin":  # an installed duplexkit declares it
+            return None
     env = os.environ if env is None else env
     root = Path(tempfile.gettempdir()) / f"duplexkit-vllm-plugin-{os.getuid()}"
     dist = root / "duplexkit_vllm_plugin-1.0.dist-info"
