@@ -1,13 +1,14 @@
-"""vLLM thinker backend, first slice: the thinker's language model as a plain Qwen3 checkpoint, and one
+"""vLLM thinker backend, base layer: the thinker's language model exported for vLLM, and one
 vLLM streaming-input session per duplex stream (docs/vllm.md).
 
 What is here:
 
 * :func:`export_thinker_llm` writes the ``llm.`` part of a MiniCPM-o 4.5 checkpoint (the Qwen3
   language model of the thinker, docs/model.md §1.1) as a standalone Hugging Face ``Qwen3ForCausalLM``
-  directory that vLLM loads with its stock Qwen3 class (tensor-parallel capable). Why not vLLM's own
-  MiniCPM-o class: it needs the checkpoint's remote code (``configuration_minicpm.py`` and
-  ``processing_minicpmo.py``), which duplexkit's tiny checkpoints do not carry (docs/vllm.md, "Probe").
+  directory that vLLM loads with its stock Qwen3 class (tensor-parallel capable), or, with
+  ``audio_token_id``, for duplexkit's audio plugin. Why not vLLM's own MiniCPM-o class: it needs the
+  checkpoint's remote code (``configuration_minicpm.py`` and ``processing_minicpmo.py``), which
+  duplexkit's tiny checkpoints do not carry (docs/vllm.md, "Probe").
 * :class:`VllmSession` drives one vLLM streaming-input request (``AsyncLLM.generate`` with an async
   generator of ``StreamingInput``, vLLM >= 0.15): each :meth:`VllmSession.unit` appends token ids to
   the session's context and greedily decodes up to ``max_tokens`` tokens on top of it, reusing the
@@ -19,11 +20,10 @@ What is here:
 * :func:`chat_prompt_ids` / :func:`chat_sampling_params`: turn-based chat on the same engine with
   the native thinker's prompt and reply rule.
 
-What is not here yet: audio and image embeddings (``prompt_embeds`` is refused for streaming inputs,
-and multimodal embeddings need vLLM's MiniCPM-o processor), the duplex decision rule as a logits
-processor, the sliding window, and a ``StageModel`` that ``DuplexEngine`` builds from these. Until
-then the engine refuses ``backend: vllm`` after validating and planning it
-(:mod:`duplexkit.engine.placement`).
+Built on these: duplexkit's vLLM model plugin taking audio embeddings and the decision processor
+(:mod:`duplexkit.engine.vllm_model`, loaded through :func:`ensure_vllm_plugin`), the duplex unit
+loop (:mod:`duplexkit.engine.vllm_duplex`) and the engine's stage model
+(:mod:`duplexkit.engine.vllm_stages`). Not here yet: images, the sliding window (docs/vllm.md "Not done").
 
 This module imports neither torch nor vllm at load time: the export runs with numpy and safetensors.
 """
