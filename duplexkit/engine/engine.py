@@ -265,7 +265,7 @@ class DuplexEngine:
         talker_dtype = dtype or lay.talker.dtype
         model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
-                     progress=progress)
+                     progress=progress, fast={"thinker": False} if plan is not None else None)
         if plan is not None:  # the thinker's language model on vLLM, the rest native (docs/vllm.md)
             from .vllm_stages import VllmStages
 

@@ -7,8 +7,9 @@ the thinker's language model runs on an in-process ``AsyncLLM`` built from the l
 duplexkit's model plugin (:mod:`duplexkit.engine.vllm_model`), audio embeddings as multimodal
 embeddings, the duplex decision rule as a logits processor, the talker's hidden rows from a worker
 extension. The duplex unit loop is :class:`~duplexkit.engine.vllm_duplex.VllmDuplexThinker`; the native
-thinker keeps only its audio front end, tokenizer and prompt builder (its language-model weights are
-dropped once the engine is up).
+thinker keeps only its audio front end, tokenizer and prompt builder: ``DuplexEngine`` loads it
+without the GPU fast path (``load(fast={"thinker": False})``), and its language-model weights are
+dropped before vLLM starts (and sizes its memory).
 
 The stage methods run on the runtime's thinker thread; vLLM's ``AsyncLLM`` lives on an event loop of
 its own (a daemon thread, ``duplexkit-vllm``) and each call waits for its coroutine there.
@@ -91,6 +92,11 @@ class VllmStages(MiniCPMO45Stages):
 
         register()
         self.engine_args = vllm_engine_args(engine_args, str(export_dir), on_cpu)
+        th.m.llm = None  # the language model runs on vLLM: free the native copy before vLLM sizes its memory
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duplexkit-vllm", daemon=True)
         self._thread.start()
@@ -101,7 +107,6 @@ class VllmStages(MiniCPMO45Stages):
         self.vt = VllmDuplexThinker(th, self.engine, self.max_model_len, hidden=True)
         self._call(self.engine.collective_rpc("dk_hidden_start", args=("request",)))
         self.vt._hidden_started = True
-        th.m.llm = None  # the language model runs on vLLM: free the native copy
 
     async def _start(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
