@@ -291,4 +291,6 @@ class VllmDuplexThinker:
     async def close(self, vs: VllmStream) -> None:
         """End the session (the engine frees its KV) and the host state."""
         await vs.session.close()
+        if self.hidden:  # rows the engine computed for this request after its last unit (none expected)
+            await self.engine.collective_rpc("dk_hidden_take_request", args=(vs.session.request_id,))
         self.th.close(vs.st)
