@@ -29,8 +29,12 @@ caches, turn state, history, pending ids) and returns the native :class:`UnitRes
 
 Sampling (``temperature`` > 0) draws inside the processor from a per-stream CPU generator seeded by
 the host, in the native order (boundary draw, main draw), so a seeded stream gives the native
-thinker's tokens on the CPU. Not supported here: images, ``max_unit_chars``, the sliding window (a session past
-``max_model_len`` raises :class:`~duplexkit.engine.vllm_thinker.VllmBackendError`).
+thinker's tokens on the CPU.
+
+The sliding window (``DuplexPolicy.window_high`` / ``window_low``, capped by ``max_model_len``)
+drops the same whole units as the native window, by re-prefill: the vLLM session is closed and a
+new one re-sends the prefix and the kept units (:meth:`VllmDuplexThinker._slide`). Not supported
+here: images, ``max_unit_chars``.
 """
 
 from __future__ import annotations
@@ -127,13 +131,19 @@ def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int],
 
 class VllmStream:
     """A duplex stream on the vLLM thinker: the host-side :class:`ThinkerStream` (no KV), its vLLM
-    session, and the session prefix still to send with the first unit."""
+    session, the session prefix pieces, and the units in the session's context as segments
+    (``[<unit>] + placeholders + fed tokens + [terminator, </unit>]`` ids with the unit's audio
+    rows), which a sliding-window re-prefill sends again."""
 
     def __init__(self, st: ThinkerStream, session: VllmSession, prefix: List[Any], seed: int) -> None:
         self.st = st
         self.session = session
         self.prefix = prefix
         self.seed = seed
+        self.key = session.request_id  # the decision processor's generator key (kept across re-opens)
+        self.segments: List[tuple] = []
+        self.fresh = True  # the session has seen nothing yet: the next chunk carries the prefix (+ kept units)
+        self._reopens = 0
 
     @property
     def epoch(self) -> int:
@@ -169,8 +179,8 @@ class VllmDuplexThinker:
     def new_stream(self, instructions: Optional[str] = None, ref_audio: Optional[np.ndarray] = None,
                    seed_text: Optional[str] = None, temperature: float = 0.7, seed: Optional[int] = None,
                    force_listen_count: int = 0, policy: Optional[DuplexPolicy] = None) -> VllmStream:
-        """Open a stream (arguments as :meth:`Thinker.new_stream`). The prefix is sent with the
-        first unit. ``seed`` None picks a random one here (every tensor-parallel rank must draw the
+        """Open a stream (arguments as :meth:`Thinker.new_stream`; the policy's ``window_high`` /
+        ``window_low`` drive :meth:`_slide`). The prefix is sent with the first unit. ``seed`` None picks a random one here (every tensor-parallel rank must draw the
         same numbers, so the engine never seeds on its own).
 
         Raises:
@@ -212,25 +222,32 @@ class VllmDuplexThinker:
         t0 = time.perf_counter()
         aud = th.audio_embeds_stream(st, audio).float()
         st.last_audio_embeds = aud
+        await self._slide(vs, int(aud.shape[0]) + st.policy.unit_limit())
         s = D.start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended)
         st.force_speak_pending = s.force_speak_pending
         st.turn_ended = s.turn_ended
         ids: List[int] = []
         embeds: List[torch.Tensor] = []
-        for p in vs.prefix:
-            if isinstance(p, list):
-                ids += p
-            else:
-                ids += [ph] * int(p.shape[0])
-                embeds.append(p.float())
-        vs.prefix = []
-        st.unit_starts.append(vs.session.length + len(ids) + len(st.pending_ids))
-        ids += st.pending_ids + [sp.unit] + [ph] * int(aud.shape[0])
+        if vs.fresh:  # a new session: the prefix, then the units kept by the sliding window
+            for p in vs.prefix:
+                if isinstance(p, list):
+                    ids += p
+                else:
+                    ids += [ph] * int(p.shape[0])
+                    embeds.append(p.float())
+            for seg_ids, seg_embeds in vs.segments:
+                ids += seg_ids
+                embeds += seg_embeds
+            vs.fresh = False
+        else:
+            ids += st.pending_ids
+        unit_ids = [sp.unit] + [ph] * int(aud.shape[0])
+        ids += unit_ids
         embeds.append(aud)
         limit = 1 if s.forced_listen else st.policy.unit_limit()
         params = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True,
                                 stop_token_ids=[int(t) for t in sp.terminators], output_kind=RequestOutputKind.DELTA,
-                                extra_args={EXTRA_KEY: decision_args(th, st, s, vs.session.request_id, vs.seed)})
+                                extra_args={EXTRA_KEY: decision_args(th, st, s, vs.key, vs.seed)})
         if self.hidden and not self._hidden_started:
             await self.engine.collective_rpc("dk_hidden_start", args=("request",))
             self._hidden_started = True
@@ -243,7 +260,52 @@ class VllmDuplexThinker:
         out = list(res.token_ids)
         if not out or out[-1] not in sp.terminators:
             raise VllmBackendError(f"stream {st.stream_id}: unit ended without a terminator ({out})")
+        vs.segments.append((unit_ids + out + [sp.unit_end], [aud]))
         return self._finish(st, s, ids, out, rows, {"prefill_ms": 0.0, "decode_ms": (t1 - t0) * 1000.0}), res.epoch
+
+    async def _slide(self, vs: VllmStream, upcoming: int) -> int:
+        """The sliding window on vLLM (docs/vllm.md): before a unit, when the session's context plus
+        the pending ids plus ``upcoming`` (the unit's audio rows + its step limit) would pass
+        ``min(window_high, max_model_len - 1)``, keep the session prefix and the newest whole units
+        that fit in ``min(window_low, high - upcoming)`` (the native window plan,
+        :meth:`Thinker.window_plan`), close the vLLM session and open a new one whose first chunk
+        re-sends them (a re-prefill: the kept units' states are recomputed without the dropped
+        ones, where the native thinker re-rotates its cached keys). Returns the positions dropped.
+
+        Raises:
+            VllmBackendError: the prefix plus one unit does not fit.
+        """
+        st, pol = vs.st, vs.st.policy
+        if pol.window_high is None or vs.fresh:
+            return 0
+        high = min(int(pol.window_high), self.max_model_len - 1)
+        cur = vs.session.length + len(st.pending_ids)
+        if cur + upcoming <= high:
+            return 0
+        p = st.prefix_len
+        if p + upcoming > high:
+            raise VllmBackendError(f"sliding window too small: session prefix {p} + a unit of up to {upcoming} "
+                                   f"positions exceeds {high}")
+        target = min(int(pol.window_low), high - upcoming)
+        keep: List[tuple] = []
+        total = p
+        for seg in reversed(vs.segments):
+            if total + len(seg[0]) > target:
+                break
+            keep.insert(0, seg)
+            total += len(seg[0])
+        epoch = vs.session.epoch
+        await vs.session.close()
+        if self.hidden:
+            await self.engine.collective_rpc("dk_hidden_take_request", args=(vs.session.request_id,))
+        vs._reopens += 1
+        vs.session = VllmSession(self.engine, f"{vs.key}-w{vs._reopens}", self.max_model_len)
+        vs.session.epoch = epoch
+        vs.segments, vs.fresh = keep, True
+        st.pending_ids = []  # inside the last kept segment, or dropped with it
+        st.window_slides += 1
+        st.window_dropped += cur - total
+        return cur - total
 
     def _finish(self, st: ThinkerStream, s: D.UnitStart, ids: List[int], out: List[int],
                 rows: Optional[np.ndarray], timings: Dict[str, float]) -> UnitResult:

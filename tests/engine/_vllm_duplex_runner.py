@@ -11,7 +11,7 @@ The first stream runs alone, then all others at once (their units batched in the
 
 OUT (npz): per stream s and unit u ``s{s}u{u}_tokens`` (generated ids), ``_rec`` (talker token ids),
 ``_hidden`` (float32 [L, H]), ``_meta`` (int [decision is speak, turn_start, end_of_turn, epoch,
-dropped]); ``init_s`` and ``unit_s`` (seconds per unit).
+dropped, window slides, positions dropped by the window, context length after the unit]); ``init_s`` and ``unit_s`` (seconds per unit).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ async def _run(spec: dict) -> dict:
                 out[k + "_tokens"] = np.asarray(r.generated_ids, np.int64)
                 out[k + "_rec"] = np.asarray(r.token_ids, np.int64)
                 out[k + "_hidden"] = r.hidden.float().numpy()
-                out[k + "_meta"] = np.asarray([r.decision == "speak", r.turn_start, r.end_of_turn, epoch, dropped], np.int64)
+                out[k + "_meta"] = np.asarray([r.decision == "speak", r.turn_start, r.end_of_turn, epoch, dropped,
+                                               vs.st.window_slides, vs.st.window_dropped,
+                                               vs.session.length + len(vs.st.pending_ids)], np.int64)
             await vt.close(vs)
 
         streams = spec["streams"]

@@ -28,7 +28,9 @@ AUDIO = ROOT / "tests" / "fixtures" / "audio"
 # (``min_unit_tokens`` 2 masks the terminators, ``max_unit_tokens`` 4 moves the step cut); a third
 # stream samples (temperature 0.7, seed 1234: the processor draws from the stream's generator in
 # the native order, so the CPU gives the native tokens). Streams 2 and 3 run at the same time on
-# the vLLM side (batched steps; hidden rows split by request).
+# the vLLM side (batched steps; hidden rows split by request). A fourth stream has a small sliding
+# window (200 -> 140 positions): native and vLLM slide at the same unit and drop the same units; the
+# vLLM side re-prefills the kept ones (its tokens may differ from there on, the native re-rotates).
 _FLAGS = {2: "speak", 6: "barge_in", 8: "speak", 9: "listen"}
 
 
@@ -69,6 +71,24 @@ def _native(th, stream: dict, audio: dict) -> list:
     return res
 
 
+def _native_window_trace(th, stream: dict, audio: dict) -> list:
+    """(window slides, positions dropped) after each unit of a native stream."""
+    import torch
+
+    from duplexkit.models.minicpmo45.duplex import DuplexPolicy, UnitInput, run_unit
+
+    st = th.new_stream(policy=DuplexPolicy(**{"temperature": 0.0, "force_listen_count": stream["force_listen_count"],
+                                            **stream.get("policy", {})}))
+    out = []
+    with torch.inference_mode():
+        for u in stream["units"]:
+            run_unit(th, UnitInput(stream=st, audio=audio[u["audio"]], force_listen=u["force_listen"],
+                                   force_speak=u["force_speak"]))
+            out.append((st.window_slides, st.window_dropped))
+    th.close(st)
+    return out
+
+
 @pytest.mark.timeout(900)
 def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_path):
     py = _need_vllm()
@@ -92,7 +112,9 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
                {"force_listen_count": 0, "ref_audio": "ref", "seed_text": "Hello.", "units": _units(4, keys[3:7]),
                 "policy": {"min_unit_tokens": 2, "max_unit_tokens": 4}},
                {"force_listen_count": 0, "ref_audio": None, "seed_text": None, "units": _units(4, keys[6:10]),
-                "policy": {"temperature": 0.7}, "seed": 1234}]
+                "policy": {"temperature": 0.7}, "seed": 1234},
+               {"force_listen_count": 0, "ref_audio": None, "seed_text": None, "units": _units(12, keys),
+                "policy": {"window_high": 200, "window_low": 140}}]
     np.savez(tmp_path / "audio.npz", **audio)
     spec = {"checkpoint": str(ckpt), "model": str(export_thinker_llm(ckpt, tmp_path / "llm", audio_token_id=th.special.unk)),
             "audio": str(tmp_path / "audio.npz"), "max_model_len": 1024, "streams": streams}
@@ -106,12 +128,25 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
     decisions, native = [], [_native(th, s, audio) for s in streams]
     greedy = _native(th, dict(streams[2], policy={}, seed=None), audio)  # the sampled stream really samples
     assert [list(w.generated_ids) for w, _, _ in greedy] != [list(w.generated_ids) for w, _, _ in native[2]]
-    for si, s in enumerate(streams):
+    # the windowed stream: equal up to its first slide, which both sides make at the same unit
+    win = native[3]
+    slides = [int(got[f"s3u{u}_meta"][5]) for u in range(12)]
+    first = slides.index(1)
+    assert first >= 2 and slides[-1] >= 2  # it slid, more than once, and kept going
+    assert max(int(got[f"s3u{u}_meta"][7]) for u in range(12)) <= 200  # never past window_high
+    for ui in range(first):
+        w = win[ui][0]
+        assert got[f"s3u{ui}_tokens"].tolist() == list(w.generated_ids)
+        np.testing.assert_allclose(got[f"s3u{ui}_hidden"], w.hidden.float().numpy(), rtol=0, atol=1e-4)
+    st_native = _native_window_trace(th, streams[3], audio)
+    assert st_native[first - 1][0] == 0 and st_native[first][0] == 1  # the native window slides at the same unit
+    assert int(got[f"s3u{first}_meta"][6]) == st_native[first][1]  # ... dropping the same positions
+    for si, s in enumerate(streams[:3]):
         for ui, (w, epoch, barged) in enumerate(native[si]):
             k = f"s{si}u{ui}"
             assert got[k + "_tokens"].tolist() == list(w.generated_ids), k
             assert got[k + "_rec"].tolist() == w.token_ids.tolist(), k
-            speak, turn_start, end_of_turn, g_epoch, dropped = got[k + "_meta"].tolist()
+            speak, turn_start, end_of_turn, g_epoch, dropped = got[k + "_meta"].tolist()[:5]
             assert (bool(speak), bool(turn_start), bool(end_of_turn)) == (w.decision == "speak", w.turn_start, w.end_of_turn), k
             assert (g_epoch, bool(dropped)) == (epoch, barged), k
             assert got[k + "_hidden"].shape == tuple(w.hidden.shape), k
