@@ -17,7 +17,7 @@ its own (a daemon thread, ``duplexkit-vllm``) and each call waits for its corout
 The units of one thinker step go to vLLM at once (one chunk per stream, batched by vLLM); the
 hidden rows are split by request (:class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension`,
 mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in duplex units and audio or images in chat messages are refused (a per-item
-``VllmBackendError``); no sliding window (a stream past ``max_model_len`` fails its unit).
+``VllmBackendError``). The sliding window works by re-prefill (``VllmDuplexThinker._slide``).
 """
 
 from __future__ import annotations
