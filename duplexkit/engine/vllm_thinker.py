@@ -89,7 +89,7 @@ def qwen3_config_dict(config: dict) -> dict:
 
 
 def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], *,
-                       audio_token_id: Optional[int] = None) -> Path:
+                       audio_token_id: Optional[int] = None, weights: bool = True) -> Path:
     """Write the thinker's language model as a standalone Qwen3 checkpoint for vLLM.
 
     Args:
@@ -100,6 +100,10 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], 
             takes audio embeddings; this id (the tokenizer's ``<unk>``, ``SpecialTokens.unk``) marks
             their positions in a prompt (``duplexkit_audio_token_id`` in config.json). ``None``: a
             plain ``Qwen3ForCausalLM`` (text only).
+        weights: write ``model.safetensors``. ``False`` (only with ``audio_token_id``): config and
+            tokenizer files only; vLLM then loads the weights from ``checkpoint`` itself (engine
+            args ``model=checkpoint, hf_config_path=out_dir, tokenizer=out_dir``; the plugin keeps
+            the ``llm.`` tensors), so the language model is not copied.
         out_dir: created if missing; gets ``config.json`` (:func:`qwen3_config_dict`),
             ``model.safetensors`` (the ``llm.`` tensors with the prefix removed, dtypes unchanged)
             and the tokenizer files found in ``checkpoint``.
@@ -120,13 +124,15 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], 
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise VllmBackendError(f"{src}: no *.safetensors weights")
+    if not weights and audio_token_id is None:
+        raise VllmBackendError("weights=False needs audio_token_id (duplexkit's plugin strips the llm. prefix)")
     tensors = {}
-    for shard in shards:
+    for shard in shards if weights else []:
         with safe_open(str(shard), "np") as f:
             for key in f.keys():
                 if key.startswith("llm."):
                     tensors[key[len("llm."):]] = f.get_tensor(key)
-    if not tensors:
+    if weights and not tensors:
         raise VllmBackendError(f"{src}: no 'llm.' tensors (not a MiniCPM-o 4.5 checkpoint?)")
     out.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_config_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
@@ -136,7 +142,8 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], 
         cfg["architectures"] = ["DuplexkitThinkerForCausalLM"]
         cfg["duplexkit_audio_token_id"] = int(audio_token_id)
     (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in _TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)

@@ -57,6 +57,16 @@ def test_export_writes_a_qwen3_checkpoint(tmp_path):
     with pytest.raises(VllmBackendError, match="no config.json"):
         export_thinker_llm(tmp_path / "empty", tmp_path / "x")
     assert qwen3_config_dict({"num_attention_heads": 32, "hidden_size": 4096})["head_dim"] == 128
+    # for duplexkit's audio plugin: its architecture and placeholder id; config and tokenizer only
+    # (vLLM then reads the llm. weights from the checkpoint itself, tests/engine/test_vllm_duplex.py)
+    cfg_only = export_thinker_llm(src, tmp_path / "cfg", audio_token_id=5, weights=False)
+    cfg = json.loads((cfg_only / "config.json").read_text())
+    assert cfg["architectures"] == ["DuplexkitThinkerForCausalLM"] and cfg["duplexkit_audio_token_id"] == 5
+    assert not (cfg_only / "model.safetensors").exists() and (cfg_only / "tokenizer.json").is_file()
+    with pytest.raises(VllmBackendError, match="needs audio_token_id"):
+        export_thinker_llm(src, tmp_path / "y", weights=False)
+    with pytest.raises(VllmBackendError, match="outside the vocabulary"):
+        export_thinker_llm(src, tmp_path / "z", audio_token_id=10**9)
 
 
 _THINKERS: dict = {}
