@@ -16,8 +16,7 @@ its own (a daemon thread, ``duplexkit-vllm``) and each call waits for its corout
 
 The units of one thinker step go to vLLM at once (one chunk per stream, batched by vLLM); the
 hidden rows are split by request (:class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension`,
-mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in duplex units and audio or images in chat messages are refused (a per-item
-``VllmBackendError``). The sliding window works by re-prefill (``VllmDuplexThinker._slide``).
+mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in duplex units and in chat messages are refused (a per-item ``VllmBackendError``). The sliding window works by re-prefill (``VllmDuplexThinker._slide``).
 """
 
 from __future__ import annotations
@@ -32,10 +31,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .api import ChatRequest, StreamConfig
+from .api import ChatMessage, ChatRequest, StreamConfig
 from .minicpmo45 import ChatThinkerOut, MiniCPMO45Stages, _prefix_key
 from .stages import ThinkerOut
-from .vllm_thinker import (VllmBackendError, chat_prompt_ids, chat_sampling_params, ensure_vllm_plugin,
+from .vllm_thinker import (VllmBackendError, chat_prompt_audio, chat_sampling_params, ensure_vllm_plugin,
                            export_thinker_llm, hidden_rows)
 
 __all__ = ["VllmStages", "vllm_engine_args"]
@@ -171,23 +170,27 @@ class VllmStages(MiniCPMO45Stages):
 
     # ------------------------------------------------------------------ chat (turn-based)
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
-        """Text pass of a turn-based request on vLLM: the native prompt builder's ids, the native
+        """Text pass of a turn-based request on vLLM: the native prompt builder's ids and audio rows
+        (:func:`chat_prompt_audio`), the native
         reply rule (:func:`chat_sampling_params`: EOS stop ids, repetition penalty 1.02, top-p 0.8,
         top-k 100, the request's temperature and seed, vLLM's sampler), the spoken span's hidden
         rows from the worker extension.
 
         Raises:
-            VllmBackendError: audio or images in the messages (not supported on vLLM yet).
+            VllmBackendError: images in the messages (not supported on vLLM yet).
         """
         th = self.model.thinker
         sp = th.special
+        has_audio_in = any(isinstance(p, np.ndarray) and p.dtype != np.uint8
+                           for m in request.messages for p in (m.content if isinstance(m, ChatMessage) else []))
         use_tts = request.use_tts_template
         if use_tts is None:
-            use_tts = bool(request.output_audio)
-        ids = chat_prompt_ids(th, list(request.messages), use_tts_template=use_tts, enable_thinking=request.enable_thinking)
+            use_tts = bool(request.output_audio or has_audio_in)
+        ids, audio = chat_prompt_audio(th, list(request.messages), use_tts_template=use_tts,
+                                       enable_thinking=request.enable_thinking)
         params = chat_sampling_params(int(request.max_tokens), list(sp.eos_ids), temperature=float(request.temperature),
                                       seed=request.seed, top_p=0.8, top_k=100)
-        toks, finish, rows = self._call(self._chat(ids, params, on_text))
+        toks, finish, rows = self._call(self._chat(ids, audio, params, on_text))
         eos = set(sp.eos_ids)
         if toks and toks[-1] in eos:
             toks = toks[:-1]
@@ -211,7 +214,7 @@ class VllmStages(MiniCPMO45Stages):
                               finish_reason="length" if finish == "length" else "stop",
                               prompt_tokens=n, completion_tokens=len(toks))
 
-    async def _chat(self, ids: list, params: Any, on_text: Optional[Callable[[str], None]]):
+    async def _chat(self, ids: list, audio: list, params: Any, on_text: Optional[Callable[[str], None]]):
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.DELTA
@@ -222,7 +225,10 @@ class VllmStages(MiniCPMO45Stages):
         finish = None
         self._chat_n = getattr(self, "_chat_n", 0) + 1
         rid = f"dk-chat-{self._chat_n}"
-        async for o in self.engine.generate({"prompt_token_ids": list(ids)}, params, rid):
+        prompt = {"prompt_token_ids": list(ids)}
+        if audio:
+            prompt["multi_modal_data"] = {"audio": audio}
+        async for o in self.engine.generate(prompt, params, rid):
             got.extend(int(t) for t in o.outputs[0].token_ids)
             finish = o.outputs[0].finish_reason or finish
             if on_text is not None:

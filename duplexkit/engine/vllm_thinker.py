@@ -42,7 +42,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["VllmBackendError", "export_thinker_llm", "ensure_vllm_plugin", "PLUGIN_ENTRY_POINT", "qwen3_config_dict", "VllmSession", "UnitTokens",
+__all__ = ["VllmBackendError", "export_thinker_llm", "chat_prompt_audio", "ensure_vllm_plugin", "PLUGIN_ENTRY_POINT", "qwen3_config_dict", "VllmSession", "UnitTokens",
            "HiddenRowsExtension", "hidden_rows", "chat_sampling_params", "chat_prompt_ids"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -337,8 +337,34 @@ def chat_prompt_ids(thinker: Any, messages: Sequence[Any], *, use_tts_template: 
 
     prompt = build_chat_prompt(thinker, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking)
     if prompt.replacements:
-        raise VllmBackendError("audio or image content cannot be sent to the vLLM thinker yet (docs/vllm.md)")
+        raise VllmBackendError("audio or image content cannot be sent to the text-only vLLM thinker "
+                               "(chat_prompt_audio does audio, docs/vllm.md)")
     return [int(t) for t in prompt.ids]
+
+
+def chat_prompt_audio(thinker: Any, messages: Sequence[Any], *, use_tts_template: Optional[bool] = None,
+                      enable_thinking: bool = False) -> "tuple[List[int], list]":
+    """Token ids and audio embeddings of a chat prompt for duplexkit's audio plugin
+    (:mod:`duplexkit.engine.vllm_model`), built by the native prompt builder: each audio part's rows
+    (``Thinker.audio_embeds_offline``, float32 ``[n, H]``) sit on its run of ``n`` ``<unk>``
+    placeholder ids, as the plugin expects (``multi_modal_data={"audio": rows}``).
+
+    Raises:
+        VllmBackendError: the messages carry images (not supported on vLLM yet).
+        ChatInputError: bad messages (from the builder).
+    """
+    from duplexkit.models.minicpmo45.chat import build_chat_prompt
+
+    prompt = build_chat_prompt(thinker, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking)
+    unk = int(thinker.special.unk)
+    rows = []
+    for start, emb in prompt.replacements:
+        n = int(emb.shape[0])
+        before = prompt.ids[start - 1] if start > 0 else None
+        if before != thinker.special.audio_start or prompt.ids[start:start + n] != [unk] * n:
+            raise VllmBackendError("image content cannot be sent to the vLLM thinker yet (docs/vllm.md)")
+        rows.append(emb.float())
+    return [int(t) for t in prompt.ids], rows
 
 
 class HiddenRowsExtension:

@@ -61,10 +61,13 @@ async def run_scenario(engine, audio: list) -> dict:
     rest = await _collect(a, 7)
     await a.aclose()
     await b.aclose()
-    chat = await engine.generate(ChatRequest(messages=[ChatMessage("user", ["Hello there, how are you today?"])],
-                                             temperature=0.0, max_tokens=16))
-    return {"a": _summary(first + rest), "b": _summary(outs_b),
-            "chat": {"text": chat.text, "finish_reason": chat.finish_reason, "completion_tokens": chat.completion_tokens}}
+    chats = {}
+    for name, content in (("text", ["Hello there, how are you today?"]),
+                          ("audio", ["Answer this:", np.concatenate(audio[:3])])):  # 3 s of speech
+        r = await engine.generate(ChatRequest(messages=[ChatMessage("user", content)], temperature=0.0, max_tokens=16))
+        chats[name] = {"text": r.text, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
+                       "completion_tokens": r.completion_tokens}
+    return {"a": _summary(first + rest), "b": _summary(outs_b), "chat": chats}
 
 
 async def _main(ckpt: str, audio_path: str, out_path: str) -> None:

@@ -197,4 +197,5 @@ def test_duplex_engine_with_a_vllm_thinker_matches_the_native_engine(tmp_path):
     a = want["a"]["decisions"]
     assert a[0][2] == "listen" and all(d[2] == "speak" for d in a[1:])  # forced listen, then speaking units
     assert [d[1] for d in a] == [0] * 4 + [1] * 4 and a[4][3]  # the barge-in ended the turn: unit 4 reopens it
-    assert len(want["b"]["decisions"]) == 4 and want["chat"]["completion_tokens"] > 0
+    assert len(want["b"]["decisions"]) == 4 and want["chat"]["text"]["completion_tokens"] > 0
+    assert want["chat"]["audio"]["prompt_tokens"] > want["chat"]["text"]["prompt_tokens"] + 25  # 30 audio rows
