@@ -64,7 +64,7 @@ async def _main(args) -> None:
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=str(model), dtype="float32", max_model_len=4096, enforce_eager=True, max_num_seqs=max(args.streams),
-        enable_prefix_caching=False, enable_mm_embeds=True, limit_mm_per_prompt={"audio": 0},
+        enable_prefix_caching=False, enable_mm_embeds=True, limit_mm_per_prompt={"audio": 0, "image": 0},
         logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"],
         worker_extension_cls="duplexkit.engine.vllm_model.DuplexkitWorkerExtension"))
     print(f"vLLM engine start: {time.perf_counter() - t0:.1f} s")

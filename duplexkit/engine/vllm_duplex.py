@@ -34,7 +34,7 @@ thinker's tokens on the CPU.
 The sliding window (``DuplexPolicy.window_high`` / ``window_low``, capped by ``max_model_len``)
 drops the same whole units as the native window, by re-prefill: the vLLM session is closed and a
 new one re-sends the prefix and the kept units (:meth:`VllmDuplexThinker._slide`). Not supported
-here: images, ``max_unit_chars``.
+here: ``max_unit_chars``, images in chat.
 """
 
 from __future__ import annotations
@@ -157,8 +157,9 @@ class VllmDuplexThinker:
         thinker: the native :class:`Thinker` (its audio front end, tokenizer, special ids and prompt
             builder run here; its language model is not used).
         engine: a started ``AsyncLLM`` on the checkpoint of
-            ``export_thinker_llm(..., audio_token_id=thinker.special.unk)``, built with
-            ``enable_mm_embeds=True``, ``limit_mm_per_prompt={"audio": 0}``,
+            ``export_thinker_llm(..., audio_token_id=thinker.special.unk, image_start_id=thinker.special.image)``
+            (``image_start_id`` only for frames), built with
+            ``enable_mm_embeds=True``, ``limit_mm_per_prompt={"audio": 0, "image": 0}``,
             ``logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"]`` and, for
             ``hidden=True``, ``worker_extension_cls`` :class:`HiddenRowsExtension` (or a subclass)
             and prefix caching off. All calls come from the engine's event loop; units of
@@ -205,9 +206,11 @@ class VllmDuplexThinker:
         return VllmStream(st, VllmSession(self.engine, f"dk-{st.stream_id}-{id(st):x}", self.max_model_len), prefix, seed)
 
     async def unit(self, vs: VllmStream, audio: np.ndarray, force_listen: bool = False,
-                   force_speak: bool = False) -> "tuple[UnitResult, int]":
+                   force_speak: bool = False, frame: Optional[np.ndarray] = None) -> "tuple[UnitResult, int]":
         """Run one unit: returns the native :class:`UnitResult` and the epoch the unit was submitted
-        in (the caller drops a result whose epoch is stale, see :meth:`barge_in`).
+        in (the caller drops a result whose epoch is stale, see :meth:`barge_in`). ``frame``: an
+        optional RGB uint8 [H, W, 3] video frame riding the unit (docs/model.md §3.3; its 64 rows
+        from the native vision tower go as an image item; needs the export's ``image_start_id``).
 
         Raises:
             VllmBackendError: the session is closed, the unit would pass ``max_model_len``, or the
@@ -222,12 +225,15 @@ class VllmDuplexThinker:
         t0 = time.perf_counter()
         aud = th.audio_embeds_stream(st, audio).float()
         st.last_audio_embeds = aud
-        await self._slide(vs, int(aud.shape[0]) + st.policy.unit_limit())
+        img = th.image_embeds(frame).float() if frame is not None else None
+        n_img = 0 if img is None else int(img.shape[0]) + 2
+        await self._slide(vs, int(aud.shape[0]) + n_img + st.policy.unit_limit())
         s = D.start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended)
         st.force_speak_pending = s.force_speak_pending
         st.turn_ended = s.turn_ended
         ids: List[int] = []
         embeds: List[torch.Tensor] = []
+        images: List[torch.Tensor] = []
         if vs.fresh:  # a new session: the prefix, then the units kept by the sliding window
             for p in vs.prefix:
                 if isinstance(p, list):
@@ -235,13 +241,18 @@ class VllmDuplexThinker:
                 else:
                     ids += [ph] * int(p.shape[0])
                     embeds.append(p.float())
-            for seg_ids, seg_embeds in vs.segments:
+            for seg_ids, seg_embeds, seg_images in vs.segments:
                 ids += seg_ids
                 embeds += seg_embeds
+                images += seg_images
             vs.fresh = False
         else:
             ids += st.pending_ids
-        unit_ids = [sp.unit] + [ph] * int(aud.shape[0])
+        unit_ids = [sp.unit]
+        if img is not None:
+            unit_ids += [sp.image] + [ph] * int(img.shape[0]) + [sp.image_end]
+            images.append(img)
+        unit_ids += [ph] * int(aud.shape[0])
         ids += unit_ids
         embeds.append(aud)
         limit = 1 if s.forced_listen else st.policy.unit_limit()
@@ -251,7 +262,8 @@ class VllmDuplexThinker:
         if self.hidden and not self._hidden_started:
             await self.engine.collective_rpc("dk_hidden_start", args=("request",))
             self._hidden_started = True
-        res: UnitTokens = await vs.session.unit(ids, limit, params=params, mm_data={"audio": embeds})
+        mm = {"audio": embeds, **({"image": images} if images else {})}
+        res: UnitTokens = await vs.session.unit(ids, limit, params=params, mm_data=mm)
         t1 = time.perf_counter()
         rows = None
         if self.hidden:
@@ -260,7 +272,7 @@ class VllmDuplexThinker:
         out = list(res.token_ids)
         if not out or out[-1] not in sp.terminators:
             raise VllmBackendError(f"stream {st.stream_id}: unit ended without a terminator ({out})")
-        vs.segments.append((unit_ids + out + [sp.unit_end], [aud]))
+        vs.segments.append((unit_ids + out + [sp.unit_end], [aud], [img] if img is not None else []))
         return self._finish(st, s, ids, out, rows, {"prefill_ms": 0.0, "decode_ms": (t1 - t0) * 1000.0}), res.epoch
 
     async def _slide(self, vs: VllmStream, upcoming: int) -> int:

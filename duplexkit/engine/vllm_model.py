@@ -1,13 +1,14 @@
 """duplexkit's vLLM model plugin: the MiniCPM-o 4.5 thinker's Qwen3 language model taking the unit's
-audio embeddings as precomputed multimodal embeddings (docs/vllm.md, "Audio input").
+audio (and video-frame) embeddings as precomputed multimodal embeddings (docs/vllm.md).
 
 The audio front end (streaming mel, Whisper encoder with its streaming cache, projector, 5x pooling)
 stays duplexkit's own (:meth:`duplexkit.models.minicpmo45.thinker.Thinker.audio_embeds_stream`); only
-the resulting ``[n, H]`` rows travel to vLLM. A request carries them as
-``multi_modal_data={"audio": tensor}`` (vLLM's ``AudioEmbeddingItems``, needs
-``enable_mm_embeds=True``), and its token ids hold ``n`` placeholder ids (``duplexkit_audio_token_id``
-of the exported config, the tokenizer's ``<unk>``) exactly where the native thinker puts the rows:
-the caller expands the placeholders itself, so positions match the native thinker one for one.
+the resulting ``[n, H]`` rows travel to vLLM, and likewise a video frame's 64 rows (the native vision
+tower and resampler). A request carries them as ``multi_modal_data={"audio": [rows, ...], "image":
+[rows, ...]}`` (vLLM's embedding items, needs ``enable_mm_embeds=True``), and its token ids hold
+``n`` placeholder ids (``duplexkit_audio_token_id`` of the exported config, the tokenizer's
+``<unk>``) exactly where the native thinker puts the rows; a run right after ``<image>``
+(``duplexkit_image_start_id``) is an image, any other run audio. the caller expands the placeholders itself, so positions match the native thinker one for one.
 
 What is here (imports vllm and torch at load: only the vLLM venv imports this module):
 
@@ -52,6 +53,12 @@ ARCHITECTURE = "DuplexkitThinkerForCausalLM"
 """The ``architectures`` entry of an exported audio-capable thinker checkpoint."""
 
 
+def image_start_id(hf_config) -> int | None:
+    """The ``<image>`` id that precedes an image's placeholder run (``duplexkit_image_start_id``), or None."""
+    tid = getattr(hf_config, "duplexkit_image_start_id", None)
+    return None if tid is None else int(tid)
+
+
 def placeholder_id(hf_config) -> int:
     """The audio placeholder token id of an exported checkpoint (``duplexkit_audio_token_id``).
 
@@ -68,10 +75,10 @@ class AudioEmbedsInfo(BaseProcessingInfo):
     """Processing info: one modality (``audio``), embeddings only, any number of items."""
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"audio": None}
+        return {"audio": None, "image": None}
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int] | None = None) -> Mapping[str, int]:
-        return {"audio": int(seq_len)}
+        return {"audio": int(seq_len), "image": int(seq_len)}
 
 
 class AudioEmbedsDummyInputs(BaseDummyInputsBuilder[AudioEmbedsInfo]):
@@ -89,35 +96,50 @@ class AudioEmbedsProcessor(BaseMultiModalProcessor[AudioEmbedsInfo]):
     """Places each item's rows on its run of placeholder ids (module doc); no HF processor runs."""
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs) -> Mapping[str, MultiModalFieldConfig]:
-        return {"audio_embeds": MultiModalFieldConfig.batched("audio")}
+        return {"audio_embeds": MultiModalFieldConfig.batched("audio"),
+                "image_embeds": MultiModalFieldConfig.batched("image")}
 
     def _get_prompt_updates(self, mm_items: MultiModalDataItems, hf_processor_mm_kwargs: Mapping[str, object],
                             out_mm_kwargs: MultiModalKwargsItems) -> Sequence[PromptUpdate]:
         ph = placeholder_id(self.info.get_hf_config())
-        sizes = [int(x.shape[0]) for x in out_mm_kwargs.get_data().get("audio_embeds", [])]
-        return [PromptReplacement(modality="audio", target=[ph], replacement=lambda i: [ph] * sizes[i])]
+        data = out_mm_kwargs.get_data()
+        updates = []
+        for modality in ("audio", "image"):
+            sizes = [int(x.shape[0]) for x in data.get(f"{modality}_embeds", [])]
+            updates.append(PromptReplacement(modality=modality, target=[ph],
+                                             replacement=lambda i, sizes=sizes: [ph] * sizes[i]))
+        return updates
 
     def _maybe_apply_prompt_updates(self, mm_items: MultiModalDataItems, mm_res: MultiModalProcessingResult):
-        ph = placeholder_id(self.info.get_hf_config())
+        """Each maximal run of placeholders is one item: an image when ``<image>`` precedes it
+        (``duplexkit_image_start_id``), else audio; the k-th run of a modality holds its k-th item."""
+        cfg = self.info.get_hf_config()
+        ph, img = placeholder_id(cfg), image_start_id(cfg)
         ids = list(mm_res.prompt_ids)
-        data = mm_res.kwargs.get_data().get("audio_embeds", [])
-        sizes = [int(x.shape[0]) for x in data]
-        runs, i = [], 0
+        data = mm_res.kwargs.get_data()
+        runs: dict = {"audio": [], "image": []}
+        i = 0
         while i < len(ids):  # maximal runs of placeholders
             if ids[i] == ph:
                 j = i
                 while j < len(ids) and ids[j] == ph:
                     j += 1
-                runs.append((i, j - i))
+                kind = "image" if img is not None and i > 0 and ids[i - 1] == img else "audio"
+                runs[kind].append((i, j - i))
                 i = j
             else:
                 i += 1
-        if [n for _, n in runs] != sizes:
-            raise ValueError(f"audio placeholders in the prompt (runs of {[n for _, n in runs]}) do not match the "
-                             f"audio embeddings given ({sizes} rows); put n placeholder ids for each item")
-        infos = [PlaceholderFeaturesInfo(modality="audio", item_idx=k, start_idx=s, tokens=[ph] * n, is_embed=None)
-                 for k, (s, n) in enumerate(runs)]
-        return ids, ({"audio": infos} if infos else {})
+        infos = {}
+        for modality, found in runs.items():
+            sizes = [int(x.shape[0]) for x in data.get(f"{modality}_embeds", [])]
+            if [n for _, n in found] != sizes:
+                raise ValueError(f"{modality} placeholders in the prompt (runs of {[n for _, n in found]}) do not "
+                                 f"match the {modality} embeddings given ({sizes} rows); put n placeholder ids "
+                                 "for each item")
+            if found:
+                infos[modality] = [PlaceholderFeaturesInfo(modality=modality, item_idx=k, start_idx=s, tokens=[ph] * n,
+                                                           is_embed=None) for k, (s, n) in enumerate(found)]
+        return ids, infos
 
 
 @MULTIMODAL_REGISTRY.register_processor(AudioEmbedsProcessor, info=AudioEmbedsInfo, dummy_inputs=AudioEmbedsDummyInputs)
@@ -139,11 +161,14 @@ class DuplexkitThinkerForCausalLM(nn.Module, SupportsMultiModal):
         return None  # token prompts only: the caller places the placeholder ids
 
     def embed_multimodal(self, **kwargs: object) -> MultiModalEmbeddings:
-        rows = kwargs.pop("audio_embeds", None)
-        if rows is None:
-            return []
+        """The given rows of one modality group (vLLM calls this per modality), in item order."""
         dtype = self.language_model.lm_head.weight.dtype
-        return tuple(torch.as_tensor(r).to(dtype) for r in rows)
+        out = []
+        for key in ("audio_embeds", "image_embeds"):
+            rows = kwargs.pop(key, None)
+            if rows is not None:
+                out += [torch.as_tensor(r).to(dtype) for r in rows]
+        return tuple(out)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs: object):
         return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)

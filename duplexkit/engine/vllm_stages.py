@@ -16,7 +16,7 @@ its own (a daemon thread, ``duplexkit-vllm``) and each call waits for its corout
 
 The units of one thinker step go to vLLM at once (one chunk per stream, batched by vLLM); the
 hidden rows are split by request (:class:`~duplexkit.engine.vllm_thinker.HiddenRowsExtension`,
-mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in duplex units and in chat messages are refused (a per-item ``VllmBackendError``). The sliding window works by re-prefill (``VllmDuplexThinker._slide``).
+mode ``"request"``). Limits of this slice (docs/vllm.md, "Not done"): images in chat messages are refused (a per-item ``VllmBackendError``). The sliding window works by re-prefill (``VllmDuplexThinker._slide``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def vllm_engine_args(plan_args: dict, model_dir: str, on_cpu: bool) -> dict:
     embeddings switches, the decision processor and the hidden-rows worker extension; prefix caching
     off (the hidden rows of cached tokens would not be computed); eager on the CPU."""
     args = dict(plan_args)
-    args.update(model=str(model_dir), trust_remote_code=False, enable_mm_embeds=True, limit_mm_per_prompt={"audio": 0},
+    args.update(model=str(model_dir), trust_remote_code=False, enable_mm_embeds=True,
+                limit_mm_per_prompt={"audio": 0, "image": 0},
                 logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"],
                 worker_extension_cls="duplexkit.engine.vllm_model.DuplexkitWorkerExtension",
                 enable_prefix_caching=False)
@@ -80,10 +81,11 @@ class VllmStages(MiniCPMO45Stages):
         th = model.thinker
         ckpt = Path(checkpoint).resolve()
         if export_dir is None:
-            tag = hashlib.sha1(str(ckpt).encode()).hexdigest()[:12] + "-config"
+            tag = hashlib.sha1(str(ckpt).encode()).hexdigest()[:12] + "-config2"
             export_dir = Path(tempfile.gettempdir()) / f"duplexkit-vllm-{os.getuid()}" / tag
         if not (Path(export_dir) / "config.json").is_file():  # config and tokenizer only: no weight copy
-            export_thinker_llm(ckpt, export_dir, audio_token_id=th.special.unk, weights=False)
+            export_thinker_llm(ckpt, export_dir, audio_token_id=th.special.unk, image_start_id=th.special.image,
+                               weights=False)
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         ensure_vllm_plugin()
@@ -142,9 +144,7 @@ class VllmStages(MiniCPMO45Stages):
 
     async def _units(self, items: list) -> list:
         async def one(w):
-            if w.frame is not None:
-                raise VllmBackendError("video frames are not supported by the vLLM thinker yet (docs/vllm.md)")
-            return (await self.vt.unit(w.handle, w.audio, bool(w.force_listen), bool(w.force_speak)))[0]
+            return (await self.vt.unit(w.handle, w.audio, bool(w.force_listen), bool(w.force_speak), w.frame))[0]
 
         return await asyncio.gather(*(one(w) for w in items), return_exceptions=True)
 

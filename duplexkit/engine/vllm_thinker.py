@@ -89,7 +89,8 @@ def qwen3_config_dict(config: dict) -> dict:
 
 
 def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], *,
-                       audio_token_id: Optional[int] = None, weights: bool = True) -> Path:
+                       audio_token_id: Optional[int] = None, image_start_id: Optional[int] = None,
+                       weights: bool = True) -> Path:
     """Write the thinker's language model as a standalone Qwen3 checkpoint for vLLM.
 
     Args:
@@ -100,6 +101,8 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], 
             takes audio embeddings; this id (the tokenizer's ``<unk>``, ``SpecialTokens.unk``) marks
             their positions in a prompt (``duplexkit_audio_token_id`` in config.json). ``None``: a
             plain ``Qwen3ForCausalLM`` (text only).
+        image_start_id: the ``<image>`` id (``SpecialTokens.image``): a placeholder run right after
+            it holds an image's rows (``duplexkit_image_start_id``). ``None``: audio only.
         weights: write ``model.safetensors``. ``False`` (only with ``audio_token_id``): config and
             tokenizer files only; vLLM then loads the weights from ``checkpoint`` itself (engine
             args ``model=checkpoint, hf_config_path=out_dir, tokenizer=out_dir``; the plugin keeps
@@ -141,6 +144,8 @@ def export_thinker_llm(checkpoint: Union[str, Path], out_dir: Union[str, Path], 
             raise VllmBackendError(f"audio_token_id {audio_token_id} is outside the vocabulary ({cfg['vocab_size']})")
         cfg["architectures"] = ["DuplexkitThinkerForCausalLM"]
         cfg["duplexkit_audio_token_id"] = int(audio_token_id)
+        if image_start_id is not None:
+            cfg["duplexkit_image_start_id"] = int(image_start_id)
     (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     if weights:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

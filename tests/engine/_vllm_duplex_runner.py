@@ -5,7 +5,8 @@ PYTHONPATH. SPEC: ``{"checkpoint": tiny MiniCPM-o dir, "model": exported dir (au
 "audio": npz path, "max_model_len": int, "streams": [...]}``; each stream
 ``{"force_listen_count": int, "ref_audio": npz key or null, "seed_text": str or null, "policy": {DuplexPolicy
 fields} (optional), "seed": int (optional), "units": [...]}``,
-each unit ``{"audio": npz key, "force_listen": bool, "force_speak": bool, "barge_in": bool}``
+each unit ``{"audio": npz key, "force_listen": bool, "force_speak": bool, "barge_in": bool, "frame": npz key
+of an RGB uint8 frame or null}``
 (``barge_in``: a barge-in arrives while the unit runs; the caller ends the turn after it returned).
 The first stream runs alone, then all others at once (their units batched in the same vLLM steps).
 
@@ -41,7 +42,7 @@ async def _run(spec: dict) -> dict:
     t0 = time.perf_counter()
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype="float32", max_model_len=int(spec["max_model_len"]), enforce_eager=True,
-        max_num_seqs=4, enable_prefix_caching=False, enable_mm_embeds=True, limit_mm_per_prompt={"audio": 0},
+        max_num_seqs=4, enable_prefix_caching=False, enable_mm_embeds=True, limit_mm_per_prompt={"audio": 0, "image": 0},
         logits_processors=["duplexkit.engine.vllm_model:DuplexDecisionProcessor"],
         worker_extension_cls="duplexkit.engine.vllm_model.DuplexkitWorkerExtension"))
     out = {"init_s": np.float64(time.perf_counter() - t0)}
@@ -55,7 +56,9 @@ async def _run(spec: dict) -> dict:
             vs = vt.new_stream(ref_audio=ref, seed_text=s.get("seed_text"), policy=pol, seed=s.get("seed"))
             for ui, u in enumerate(s["units"]):
                 ts = time.perf_counter()
-                task = asyncio.ensure_future(vt.unit(vs, audio[u["audio"]], bool(u["force_listen"]), bool(u["force_speak"])))
+                frame = audio[u["frame"]] if u.get("frame") else None
+                task = asyncio.ensure_future(vt.unit(vs, audio[u["audio"]], bool(u["force_listen"]), bool(u["force_speak"]),
+                                                     frame))
                 await asyncio.sleep(0)  # submitted (its epoch taken) ...
                 if u.get("barge_in"):
                     vt.barge_in(vs)  # ... and a barge-in arrives while it runs

@@ -21,8 +21,8 @@ from .test_vllm_thinker import ROOT, _need_vllm
 
 AUDIO = ROOT / "tests" / "fixtures" / "audio"
 
-# One stream of 12 units over two utterances: unit 0 forced listen (force_listen_count 1), a
-# forced speak, a barge-in while unit 6 runs (its result is dropped, the turn ends), a forced
+# One stream of 12 units over two utterances: unit 0 forced listen (force_listen_count 1), video
+# frames riding units 4 and 10 (image rows as a second modality), a forced speak, a barge-in while unit 6 runs (its result is dropped, the turn ends), a forced
 # listen that meets a pending forced speak, then a second stream with a reference voice and a
 # seed text in its prefix (two audio items in one vLLM chunk) and short speaking units
 # (``min_unit_tokens`` 2 masks the terminators, ``max_unit_tokens`` 4 moves the step cut); a third
@@ -34,9 +34,9 @@ AUDIO = ROOT / "tests" / "fixtures" / "audio"
 _FLAGS = {2: "speak", 6: "barge_in", 8: "speak", 9: "listen"}
 
 
-def _units(n: int, keys: list) -> list:
+def _units(n: int, keys: list, frames: dict = None) -> list:
     return [{"audio": keys[i], "force_listen": _FLAGS.get(i) == "listen", "force_speak": _FLAGS.get(i) == "speak",
-             "barge_in": _FLAGS.get(i) == "barge_in"} for i in range(n)]
+             "barge_in": _FLAGS.get(i) == "barge_in", "frame": (frames or {}).get(i)} for i in range(n)]
 
 
 def _slices(wav: np.ndarray, n: int) -> list:
@@ -62,7 +62,7 @@ def _native(th, stream: dict, audio: dict) -> list:
     with torch.inference_mode():
         for u in stream["units"]:
             r = run_unit(th, UnitInput(stream=st, audio=audio[u["audio"]], force_listen=u["force_listen"],
-                                       force_speak=u["force_speak"]))
+                                       force_speak=u["force_speak"], frame=audio[u["frame"]] if u.get("frame") else None))
             res.append((r, epoch, bool(u["barge_in"])))
             if u["barge_in"]:  # the runtime drops the unit (stale epoch) and ends the turn
                 epoch += 1
@@ -107,8 +107,12 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
     pieces = _slices(np.concatenate([q, i]), 12)
     audio = {f"a{k}": a for k, a in enumerate(pieces)}
     audio["ref"] = ref[:24000].astype(np.float32)  # 1.5 s: 15 reference-voice embeddings
+    yy, xx = np.mgrid[0:240, 0:320]  # two video frames (gradients), 64 image rows each
+    audio["f0"] = np.stack([xx % 256, yy % 256, (xx + yy) % 256], -1).astype(np.uint8)
+    audio["f1"] = np.stack([(3 * yy) % 256, xx % 256, (xx * yy) % 256], -1).astype(np.uint8)
     keys = [f"a{k}" for k in range(12)]
-    streams = [{"force_listen_count": 1, "ref_audio": None, "seed_text": None, "units": _units(12, keys)},
+    streams = [{"force_listen_count": 1, "ref_audio": None, "seed_text": None,
+                "units": _units(12, keys, {4: "f0", 10: "f1"})},
                {"force_listen_count": 0, "ref_audio": "ref", "seed_text": "Hello.", "units": _units(4, keys[3:7]),
                 "policy": {"min_unit_tokens": 2, "max_unit_tokens": 4}},
                {"force_listen_count": 0, "ref_audio": None, "seed_text": None, "units": _units(4, keys[6:10]),
@@ -116,7 +120,8 @@ def test_vllm_duplex_units_match_native_over_real_speech_with_a_barge_in(tmp_pat
                {"force_listen_count": 0, "ref_audio": None, "seed_text": None, "units": _units(12, keys),
                 "policy": {"window_high": 200, "window_low": 140}}]
     np.savez(tmp_path / "audio.npz", **audio)
-    spec = {"checkpoint": str(ckpt), "model": str(export_thinker_llm(ckpt, tmp_path / "llm", audio_token_id=th.special.unk)),
+    spec = {"checkpoint": str(ckpt), "model": str(export_thinker_llm(ckpt, tmp_path / "llm", audio_token_id=th.special.unk,
+                                                                     image_start_id=th.special.image)),
             "audio": str(tmp_path / "audio.npz"), "max_model_len": 1024, "streams": streams}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
