@@ -246,6 +246,10 @@ class DuplexEngine:
             dtype: override of the thinker's layout dtype (``float32`` | ``bfloat16`` | ``float16``).
             seed: weight seed of the tiny checkpoint.
 
+        A layout whose thinker has ``backend: vllm`` gets its thinker's language model on an
+        in-process vLLM engine (:class:`~duplexkit.engine.vllm_stages.VllmStages`, docs/vllm.md);
+        this process must then import vllm.
+
         Raises:
             LayoutError, LayoutNotSupportedError; ``CheckpointError`` from the loader.
         """

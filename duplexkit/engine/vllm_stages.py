@@ -73,8 +73,6 @@ class VllmStages(MiniCPMO45Stages):
         VllmBackendError: the export failed; errors of vLLM's engine start propagate.
     """
 
-    supports_chat_media = False
-
     def __init__(self, model: Any, checkpoint: Path, engine_args: dict, *, on_cpu: bool,
                  export_dir: Optional[Path] = None, model_id: str = "minicpm-o-4.5") -> None:
         super().__init__(model, model_id=model_id)
