@@ -246,6 +246,10 @@ class DuplexEngine:
             dtype: override of the thinker's layout dtype (``float32`` | ``bfloat16`` | ``float16``).
             seed: weight seed of the tiny checkpoint.
 
+        A layout whose thinker has ``backend: vllm`` gets its thinker's language model on an
+        in-process vLLM engine (:class:`~duplexkit.engine.vllm_stages.VllmStages`, docs/vllm.md);
+        this process must then import vllm.
+
         Raises:
             LayoutError, LayoutNotSupportedError; ``CheckpointError`` from the loader.
         """
@@ -254,20 +258,28 @@ class DuplexEngine:
         from duplexkit.models.minicpmo45 import load
 
         ckpt = tiny_checkpoint_dir(seed, cache_dir) if str(path) == "tiny" else Path(path)
+        plan = None
         if lay.thinker.backend == "vllm":
             from .placement import plan_placement
 
-            plan_placement(lay, ckpt)  # head count vs tensor_parallel_size, before any weight is read
-            raise LayoutNotSupportedError(
-                "stages.thinker.backend 'vllm' validates and plans (duplexkit.engine.placement) but DuplexEngine "
-                "does not build a vLLM thinker yet (docs/vllm.md); use 'backend: native'", lay.source or lay.name)
+            plan = plan_placement(lay, ckpt)  # head count vs tensor_parallel_size, before any weight is read
         dname = dtype or lay.thinker.dtype
         if dname not in ("float32", "bfloat16", "float16"):
             raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")
         talker_dtype = dtype or lay.talker.dtype
         model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
-                     progress=progress)
+                     progress=progress, fast={"thinker": False} if plan is not None else None)
+        if plan is not None:  # the thinker's language model on vLLM, the rest native (docs/vllm.md)
+            from .vllm_stages import VllmStages
+
+            args = dict(plan.stages["thinker"].engine_args, dtype=dname)
+            stages = VllmStages(model, ckpt, args, on_cpu=plan.stages["thinker"].devices == ("cpu",), model_id=model_id)
+            try:
+                return cls(stages, lay, model_id=model_id)
+            except BaseException:
+                stages.close()
+                raise
         engine = cls(model, lay, model_id=model_id)
         if any(d.startswith("cuda") for d in lay.devices().values()):
             t0 = time.perf_counter()
@@ -405,6 +417,9 @@ class DuplexEngine:
             return
         self._closed = True
         await self._runtime.aclose()
+        close = getattr(self.stages, "close", None)
+        if close is not None:  # a stage model holding an engine of its own (vllm_stages.VllmStages)
+            close()
 
     async def __aenter__(self) -> "DuplexEngine":
         return self

@@ -116,7 +116,7 @@ def test_unknown_name_missing_file_and_bad_yaml(tmp_path):
         load_layout(p)
 
 
-def test_engine_checks_a_vllm_thinker_against_the_checkpoint_before_loading(tmp_path, monkeypatch):
+def test_engine_plans_a_vllm_thinker_then_loads_the_checkpoint(tmp_path, monkeypatch):
     import json
 
     from duplexkit.engine import DuplexEngine
@@ -131,6 +131,9 @@ def test_engine_checks_a_vllm_thinker_against_the_checkpoint_before_loading(tmp_
 
     (ckpt / "config.json").write_text(json.dumps(tiny_config_dict(vocab_size=640, eos_ids=[1], pad_id=0,
                                                                   audio_bos=2, text_eos=3)))
-    # no weights in ckpt: reaching the loader would raise CheckpointError instead
-    with pytest.raises(LayoutNotSupportedError, match="does not build a vLLM thinker yet"):
+    # the plan passes (2 KV heads, TP 1); the loader then finds no weights, before any vLLM engine
+    # starts (the vLLM thinker itself: tests/engine/test_vllm_duplex.py)
+    from duplexkit.models.minicpmo45.loader import CheckpointError
+
+    with pytest.raises(CheckpointError):
         DuplexEngine.from_pretrained(ckpt, layout=lay)

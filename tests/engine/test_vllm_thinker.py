@@ -57,6 +57,16 @@ def test_export_writes_a_qwen3_checkpoint(tmp_path):
     with pytest.raises(VllmBackendError, match="no config.json"):
         export_thinker_llm(tmp_path / "empty", tmp_path / "x")
     assert qwen3_config_dict({"num_attention_heads": 32, "hidden_size": 4096})["head_dim"] == 128
+    # for duplexkit's audio plugin: its architecture and placeholder id; config and tokenizer only
+    # (vLLM then reads the llm. weights from the checkpoint itself, tests/engine/test_vllm_duplex.py)
+    cfg_only = export_thinker_llm(src, tmp_path / "cfg", audio_token_id=5, weights=False)
+    cfg = json.loads((cfg_only / "config.json").read_text())
+    assert cfg["architectures"] == ["DuplexkitThinkerForCausalLM"] and cfg["duplexkit_audio_token_id"] == 5
+    assert not (cfg_only / "model.safetensors").exists() and (cfg_only / "tokenizer.json").is_file()
+    with pytest.raises(VllmBackendError, match="needs audio_token_id"):
+        export_thinker_llm(src, tmp_path / "y", weights=False)
+    with pytest.raises(VllmBackendError, match="outside the vocabulary"):
+        export_thinker_llm(src, tmp_path / "z", audio_token_id=10**9)
 
 
 _THINKERS: dict = {}
@@ -213,3 +223,26 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     for i, u in enumerate(want[0]["units"]):
         assert rows[f"unit{i}"].shape == u["hidden"].shape == (len(units[i]["ids"]) + 4, u["hidden"].shape[1])
         np.testing.assert_allclose(rows[f"unit{i}"], u["hidden"], rtol=0, atol=1e-4)
+
+
+def test_ensure_vllm_plugin_makes_the_entry_point_visible_to_vllm_processes(tmp_path, monkeypatch):
+    from importlib.metadata import entry_points
+
+    from duplexkit.engine.vllm_thinker import PLUGIN_ENTRY_POINT, ensure_vllm_plugin
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    env = {"PYTHONPATH": "/x"}
+    root = ensure_vllm_plugin(env)
+    if root is None:  # an installed duplexkit already declares it (pyproject.toml)
+        pytest.skip("duplexkit is installed with its vllm.general_plugins entry point")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(root), "/x"] and sys.path[0] == str(root)
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_ENTRY_POINT[0]]
+    assert [ep.value for ep in eps] == [PLUGIN_ENTRY_POINT[1]]
+    # a child process with that PYTHONPATH (vLLM's spawned engine core) finds it too
+    code = ("from importlib.metadata import entry_points; "
+            "print([e.value for e in entry_points(group='vllm.general_plugins')])")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=env["PYTHONPATH"]),
+                       capture_output=True, text=True)
+    assert PLUGIN_ENTRY_POINT[1] in r.stdout
+    assert ensure_vllm_plugin(env) == root and env["PYTHONPATH"].count(str(root)) == 1  # idempotent

@@ -257,7 +257,7 @@ def load(
     with_code2wav: bool = True,
     progress: bool = True,
     with_talker: bool = True,
-    fast: Optional[bool] = None,
+    fast: Union[bool, Dict[str, bool], None] = None,
 ) -> MiniCPMO45:
     """Load a checkpoint directory (see module doc).
 
@@ -272,7 +272,9 @@ def load(
         with_talker: build the talker (``tts.*``); its keys are checked either way.
         fast: use the batched GPU paths per stage (``FastThinker``: static KV slots, batched decode,
             CUDA graphs; ``FastTalker``; ``BatchedCode2Wav``) and pin SDPA off cuDNN. Default: for
-            the stages placed on a CUDA device. The CPU path stays the reference-checked one.
+            the stages placed on a CUDA device. A dict sets it per stage (``{"thinker": False}``:
+            the vLLM thinker backend keeps the plain thinker; stages not named keep the default).
+            The CPU path stays the reference-checked one.
     Raises:
         CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
             bad config or tokenizer (wrapped).
@@ -343,7 +345,10 @@ def load(
                 mod._buffers[bn] = buf.to(devs["thinker"])
     mods.eval().requires_grad_(False)
     thinker = Thinker(mods, cfg, tok, special, device=devs["thinker"], dtype=dt)
-    fast_on = (lambda stage: str(devs[stage]).startswith("cuda")) if fast is None else (lambda stage: bool(fast))
+    if isinstance(fast, dict):
+        fast_on = lambda stage: bool(fast.get(stage, str(devs[stage]).startswith("cuda")))  # noqa: E731
+    else:
+        fast_on = (lambda stage: str(devs[stage]).startswith("cuda")) if fast is None else (lambda stage: bool(fast))
     if fast_on("thinker"):
         from .fast_kv import pin_sdpa_backend
         from .fast_thinker import FastThinker

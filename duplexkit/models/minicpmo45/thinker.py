@@ -333,21 +333,8 @@ class Thinker:
             else:
                 gen.seed()
         st = ThinkerStream(stream_id=f"ts{next(_stream_ids)}", policy=policy, kv=self._stream_cache(), generator=gen)
-        sp = self.special
-        text = DEFAULT_INSTRUCTIONS if instructions is None else str(instructions)
-        pieces: List[torch.Tensor] = []
-        if ref_audio is not None and len(ref_audio) > 0:
-            ids = [sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text + "\n") + [sp.audio_start]
-            pieces.append(self.embed_ids(ids))
-            pieces.append(self.audio_embeds_offline(np.asarray(ref_audio, np.float32)).to(self.dtype))
-            pieces.append(self.embed_ids([sp.audio_end, sp.im_end]))
-        else:
-            ids = [sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text) + [sp.im_end]
-            pieces.append(self.embed_ids(ids))
-        if seed_text:
-            ids = [sp.im_start] + encode_control(self.tokenizer, "user\n") + encode_text(self.tokenizer, str(seed_text)) + [sp.im_end]
-            pieces.append(self.embed_ids(ids))
-        self.forward_embeds(torch.cat(pieces), st.kv)
+        pieces = self.session_prefix(instructions, ref_audio, seed_text)
+        self.forward_embeds(torch.cat([self.embed_ids(p) if isinstance(p, list) else p for p in pieces]), st.kv)
         st.prefix_len = st.kv.get_seq_length()
         if policy.window_low is not None and st.prefix_len >= policy.window_low:
             self.close(st)
@@ -355,6 +342,27 @@ class Thinker:
                              f"(window_low {policy.window_low}); shorten the instructions / reference voice "
                              "or raise the window")
         return st
+
+    @torch.inference_mode()
+    def session_prefix(self, instructions: Optional[str] = None, ref_audio: Optional[np.ndarray] = None,
+                       seed_text: Optional[str] = None) -> List[object]:
+        """The session prefix of :meth:`new_stream` as pieces in order: token-id lists (``List[int]``)
+        and audio-embedding tensors ([n, H], model dtype; the reference voice, offline path).
+        Also used by the vLLM thinker (:mod:`duplexkit.engine.vllm_duplex`)."""
+        sp = self.special
+        text = DEFAULT_INSTRUCTIONS if instructions is None else str(instructions)
+        pieces: List[object] = []
+        if ref_audio is not None and len(ref_audio) > 0:
+            pieces.append([sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text + "\n")
+                          + [sp.audio_start])
+            pieces.append(self.audio_embeds_offline(np.asarray(ref_audio, np.float32)).to(self.dtype))
+            pieces.append([sp.audio_end, sp.im_end])
+        else:
+            pieces.append([sp.im_start] + encode_control(self.tokenizer, "system\n") + encode_text(self.tokenizer, text) + [sp.im_end])
+        if seed_text:
+            pieces.append([sp.im_start] + encode_control(self.tokenizer, "user\n") + encode_text(self.tokenizer, str(seed_text))
+                          + [sp.im_end])
+        return pieces
 
     def prefill_unit(self, st: ThinkerStream, audio: np.ndarray, frame: Optional[np.ndarray]) -> torch.Tensor:
         """Feed pending ids + ``<unit>`` [+ image] + 10 audio embeddings; return float32 logits [V].
