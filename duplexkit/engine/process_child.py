@@ -266,6 +266,9 @@ class _ChildServer:
             self.streams.pop(sid, None)
             self.pumps.pop(sid, None)
             self.epochs.pop(sid, None)
+            from duplexkit.memory import schedule_trim
+
+            schedule_trim()  # the stream's freed buffers back to the OS (cycles collected first)
 
     async def _gen_stream(self, rid: int, request: ChatRequest) -> None:
         agen = self.engine.generate_stream(request)

@@ -96,7 +96,7 @@ def test_scheduled_trim_frees_reference_cycles_the_collector_has_not_reached():
     import gc
     import weakref
 
-    from duplexkit_server import memory
+    from duplexkit import memory
 
     class Node:
         pass
