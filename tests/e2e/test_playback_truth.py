@@ -26,6 +26,7 @@ import pytest
 from duplexkit.audio import VirtualPlayer, read_wav
 from duplexkit.clients import DuplexClient, InlineDuplexClient
 from duplexkit.testing import ScriptedEngine
+from _timing import bound
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 TD = {"type": "server_vad", "create_response": False, "interrupt_response": True, "silence_duration_ms": 500}
@@ -62,14 +63,14 @@ async def _server(engine, profile: str):
         yield f"ws://127.0.0.1:{port}{path}", app.state.duplexkit
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, bound(10))
 
 
 @contextlib.asynccontextmanager
 async def _client(transport: str, profile: str, player, **kw):
     """(client, a callable returning the server-side Session)."""
     engine = ScriptedEngine(units_per_turn=kw.pop("units", 10))
-    opts = dict(session={"turn_detection": TD}, player=player, input_rate=16_000, request_timeout_s=20, **kw)
+    opts = dict(session={"turn_detection": TD}, player=player, input_rate=16_000, request_timeout_s=bound(20), **kw)
     if transport == "inline":
         async with InlineDuplexClient(engine, profile=profile, **opts) as c:
             yield c, (lambda: c.session_machine)
@@ -115,7 +116,7 @@ async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, ge
     player = VirtualPlayer(block_ms=BLOCK_MS)
     async with _client(transport, profile, player, units=None if generating else 10) as (c, session):
         h = await _answer(c, 10)
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(bound(20)):
             while h.audio_ms < 9_000:  # the answer is (almost) all here long before it has played
                 await asyncio.sleep(0.01)
         assert h.played_ms < 1_500
@@ -131,10 +132,10 @@ async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, ge
             if not h.audible:
                 break
         if generating:
-            await h.wait(10)
+            await h.wait(bound(10))
             assert h.status == "cancelled" and h.status_details["reason"] == "turn_detected"
         else:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(bound(10)):
                 while h.audible:
                     await asyncio.sleep(0.005)
         at_end = h.played_ms
@@ -155,16 +156,16 @@ async def test_tail_after_done_is_barge_inable_and_a_heard_answer_is_stored_whol
     async with _client(transport, profile, player, units=6) as (c, session):
         # 1. a fully heard answer: reported when its last sample has played, stored whole
         h1 = await _answer(c, 3)
-        await h1.wait(10)
+        await h1.wait(bound(10))
         assert h1.status == "completed" and h1.audio_ms > 2_900
         assert h1.played_ms < h1.audio_ms  # done arrived long before playback ended
-        heard = await h1.wait_heard(20)
+        heard = await h1.wait_heard(bound(20))
         assert heard == h1.audio_ms
         sent, committed = (await asyncio.sleep(0.1)) or session().item_playback(h1.item_id)[:2]
         assert committed == sent == h1.audio_ms
         # 2. the tail: response.done has arrived with ~5 s still queued; barge_in() stops it
         h2 = await _answer(c, 6)
-        await h2.wait(10)
+        await h2.wait(bound(10))
         assert h2.status == "completed" and not h2.generating
         await _played_at_least(h2, 500)
         assert h2.audible and c.speaking and player.queued_samples(h2.id) >= 24_000 * 4
@@ -184,9 +185,9 @@ async def test_local_vad_barges_in_on_the_tail():
     player = VirtualPlayer(block_ms=BLOCK_MS)
     engine = ScriptedEngine(units_per_turn=6)
     async with InlineDuplexClient(engine, session={"turn_detection": None}, player=player, barge_in=True,
-                                  request_timeout_s=20) as c:
+                                  request_timeout_s=bound(20)) as c:
         h = await _answer(c, 6)
-        await h.wait(10)
+        await h.wait(bound(10))
         await _played_at_least(h, 300)
         speech = _speech("interrupt_16k.wav")
         for i in range(0, 16_000, 320):  # 1 s of real speech in 20 ms chunks
