@@ -219,12 +219,36 @@ async def _closed_when(ws, loop) -> tuple[list, float]:
     return events, loop.time()
 
 
+#: Probe sessions in flight at once while Serve scales in: one slow open or close (the first session
+#: on a new replica takes seconds on a busy machine) must not leave the drain window unobserved.
+PROBES_IN_FLIGHT = 3
+
+
+async def _probe(addr: str, loop, log: list) -> None:
+    """Open one session and close it; append (start time, replica tag, outcome) to ``log``:
+    ``accepted``, ``shutting_down`` (refused by a replica being stopped) or ``full`` (refused by
+    a replica whose slots the other probes hold). Anything else fails the test."""
+    t0, refused = loop.time(), []
+    got = await _try_open(addr, refused)
+    if got is None:
+        tag, event, code = refused[0]
+        assert code == 1013, refused
+        msg = event["error"]["message"]
+        outcome = "shutting_down" if "shutting down" in msg else "full" if "slots are in use" in msg else msg
+        assert outcome in ("shutting_down", "full"), refused
+        log.append((t0, tag, outcome))
+    else:
+        ws, tag, _ = got
+        log.append((t0, tag, "accepted"))
+        await ws.close()
+
+
 async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(cluster):
     """Scale in from 2 replicas to 1 (Serve may also roll both to a new version): Serve takes the
     replica(s) it stops out of routing and stops them gracefully; duplexkit drains each for DRAIN_S.
-    Meanwhile sessions are opened one after another: each is accepted by a live replica, or (while
-    Serve's proxy has not yet heard of the stop, at most ROUTING_UPDATE_S) refused by the draining
-    one with 1013; every session opened after that avoids the draining replica. The drained
+    Meanwhile probe sessions are opened every 0.25 s: while Serve's proxy has not yet heard of a
+    stop (at most ROUTING_UPDATE_S) a probe may reach the stopping replica, which refuses it with
+    1013 (``shutting down``); every probe begun after that goes to another replica. The drained
     sessions get ``session.closed{reason:"shutdown"}`` and 1001 only after the whole DRAIN_S."""
     _deploy(2)
     both = await _open_on_both(cluster)
@@ -234,24 +258,20 @@ async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(clust
     assert tag_a != tag_b
     loop = asyncio.get_running_loop()
     watch = {tag_a: asyncio.ensure_future(_closed_when(a, loop)), tag_b: asyncio.ensure_future(_closed_when(b, loop))}
+    probes: set = set()
     try:
         started = loop.time()
         deploy = asyncio.ensure_future(asyncio.to_thread(_deploy, 1))
-        attempts = []  # (time the open began, replica tag, accepted) of sessions opened meanwhile
+        log = []  # (time the probe began, replica tag, outcome)
         while not deploy.done():
-            t0, refused = loop.time(), []
-            got = await _try_open(cluster, refused)
-            if got is None:
-                tag, event, code = refused[0]
-                # only a replica Serve is stopping refuses here (each holds at most 2 of its 3 slots)
-                assert code == 1013 and "shutting down" in event["error"]["message"], refused
-                attempts.append((t0, tag, False))
-            else:
-                ws, tag, _ = got
-                attempts.append((t0, tag, True))
-                await ws.close()
-            await asyncio.sleep(0.2)
+            for p in [p for p in probes if p.done()]:
+                p.result()  # a probe's failure fails the test
+                probes.discard(p)
+            if len(probes) < PROBES_IN_FLIGHT:
+                probes.add(asyncio.ensure_future(_probe(cluster, loop, log)))
+            await asyncio.wait([deploy], timeout=0.25)
         await deploy  # serve.run returns once the stopped replicas are gone
+        await asyncio.gather(*probes)
         drained = {t: w for t, w in watch.items() if w.done()}
         assert drained  # at least one old replica was stopped
         closed_at = {}
@@ -263,18 +283,20 @@ async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(clust
             if tag not in drained:  # a surviving replica's session is untouched
                 await ws.send(json.dumps({"type": "session.heartbeat"}))
                 assert ws.close_code is None
-        for t, tag, accepted in attempts:  # a refusal only ever came from a replica being stopped
-            assert accepted or tag in drained, (tag, attempts)
-        # the drain began at least DRAIN_S before its close; from ROUTING_UPDATE_S into it until the
-        # close, every session went to another replica (and there were several: the loop never stops)
-        rel = [(round(t - started, 2), tag, ok) for t, tag, ok in attempts]
-        print("attempts (s after the scale-in began, replica, accepted):", rel,
+        for _, tag, outcome in log:  # "shutting down" only ever came from a replica being stopped
+            assert outcome != "shutting_down" or tag in drained, (tag, log)
+        rel = sorted((round(t - started, 2), tag, outcome) for t, tag, outcome in log)
+        print("probes (s after the scale-in began, replica, outcome):", rel,
               "closes:", {t: round(e - started, 2) for t, e in closed_at.items()})
+        # the drain began at least DRAIN_S before its close; from ROUTING_UPDATE_S into it until the
+        # close, every probe went to another replica (and there were several)
         for tag, end in closed_at.items():
             assert end - started >= DRAIN_S, (tag, end - started, rel)  # the session outlived the drain
-            during = [t_tag for t, t_tag, _ in attempts if end - DRAIN_S + ROUTING_UPDATE_S <= t < end]
-            assert len(during) >= 3 and tag not in during, (tag, round(end - started, 2), rel)
+            during = [t_tag for t, t_tag, _ in log if end - DRAIN_S + ROUTING_UPDATE_S <= t < end]
+            assert len(during) >= 3 and tag not in during, (tag, round(end - started, 2), str(rel))
     finally:
+        for p in probes:
+            p.cancel()
         await a.close()
         await b.close()
         for w in watch.values():
