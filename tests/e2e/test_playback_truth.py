@@ -7,7 +7,8 @@ real time, and real speech from the fixtures:
 
 * a 10 s answer delivered faster than real time is interrupted by the server VAD at ~2 s of
   playback: at most 100 ms of it plays after ``response.done`` and the stored assistant item
-  covers what was heard (2.0 s +- 0.1 s);
+  covers what was heard (2.0 s +- 0.1 s on an idle machine; on a busy one, plus the time the
+  machine demonstrably did not run this process, measured by a ticker on its event loop);
 * the tail of an answer (after ``response.done``, 5 s still queued) is barge-in-able and stops
   within one player block;
 * a fully heard answer is stored whole, reported when its last sample played.
@@ -90,6 +91,17 @@ async def _answer(c, seconds: int):
     return h
 
 
+async def _lateness(total: list) -> None:
+    """Add to ``total[0]`` how late (ms) a 10 ms ticker on this event loop wakes, until cancelled:
+    time the machine did not give this process, whose loop runs the client, the server (remote:
+    uvicorn in this process) and the virtual player alike. About 0-1 ms per tick on an idle machine."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(0.01)
+        total[0] += max(0.0, loop.time() - t - 0.01) * 1000
+
+
 async def _played_at_least(h, ms: int, timeout: float = 30) -> None:
     async with asyncio.timeout(timeout):
         while h.played_ms < ms:
@@ -129,10 +141,14 @@ async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, ge
         # the microphone runs on the player's (wall) clock: a late loop turn on a busy machine sends
         # all the samples now due, so the speech reaches the VAD when the player says it should
         loop = asyncio.get_running_loop()
-        t0, sent = loop.time(), 0
+        late_ms = [0.0]
+        ticker = loop.create_task(_lateness(late_ms))
+        t0, sent, at_onset = loop.time(), 0, None
         while sent < onset + 16_000 // 2:
             n = max(320, int((loop.time() - t0) * 16_000) + 320 - sent)
             await c.send_audio(speech[sent:sent + n])
+            if at_onset is None and sent + n > onset:
+                at_onset = h.played_ms  # the speech onset reached the server at this playback position
             sent += n
             await asyncio.sleep(0.02)
             if not h.audible:
@@ -144,6 +160,7 @@ async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, ge
             async with asyncio.timeout(bound(10)):
                 while h.audible:
                     await asyncio.sleep(0.005)
+        ticker.cancel()
         at_end = h.played_ms
         await asyncio.sleep(0.3)
         assert h.played_ms - at_end <= 100, "audio kept playing after the interruption"
@@ -151,7 +168,11 @@ async def test_server_vad_interrupt_at_2s_of_a_10s_answer(transport, profile, ge
         sent, committed = await _settled(session, h.item_id)
         assert sent >= 9_000
         assert abs(committed - h.played_ms) <= 5  # history = what was heard ...
-        assert abs(committed - 2_000) <= 100, committed  # ... which is 2.0 s +- 0.1 s
+        # ... which ends after the user began to speak, within 200 ms of it (2.0 s +- 0.1 s on an
+        # idle machine: the VAD confirms ~100 ms of speech) plus the time this busy machine did not
+        # run the process (measured, not guessed: ~0 on an idle machine)
+        assert at_onset is not None and at_onset <= committed <= at_onset + 200 + late_ms[0], \
+            (committed, at_onset, round(late_ms[0]))
 
 
 @pytest.mark.parametrize("profile", ["duplex", "compat"])

@@ -243,6 +243,15 @@ async def _probe(addr: str, loop, log: list) -> None:
         await ws.close()
 
 
+def _replicas_stopping() -> int:
+    """How many replicas of the deployment Serve is stopping now (``serve.status()``)."""
+    app = serve.status().applications.get(DEPLOYMENT_NAME)
+    if app is None:
+        return 0
+    states = app.deployments[DEPLOYMENT_NAME].replica_states
+    return sum(n for state, n in states.items() if getattr(state, "value", state) == "STOPPING")
+
+
 async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(cluster):
     """Scale in from 2 replicas to 1 (Serve may also roll both to a new version): Serve takes the
     replica(s) it stops out of routing and stops them gracefully; duplexkit drains each for DRAIN_S.
@@ -263,13 +272,19 @@ async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(clust
         started = loop.time()
         deploy = asyncio.ensure_future(asyncio.to_thread(_deploy, 1))
         log = []  # (time the probe began, replica tag, outcome)
-        while not deploy.done():
+        stopping, checked = 1, loop.time()
+        # probe until serve.run has returned and no replica is stopping any more (serve.run may
+        # return while an old replica of a rolled version still drains)
+        while not deploy.done() or stopping:
             for p in [p for p in probes if p.done()]:
                 p.result()  # a probe's failure fails the test
                 probes.discard(p)
             if len(probes) < PROBES_IN_FLIGHT:
                 probes.add(asyncio.ensure_future(_probe(cluster, loop, log)))
             await asyncio.wait([deploy], timeout=0.25)
+            if deploy.done() and loop.time() - checked >= 1:
+                await deploy  # a failed serve.run fails here
+                stopping, checked = await asyncio.to_thread(_replicas_stopping), loop.time()
         await deploy  # serve.run returns once the stopped replicas are gone
         await asyncio.gather(*probes)
         drained = {t: w for t, w in watch.items() if w.done()}
