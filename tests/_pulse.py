@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from _timing import bound
+
 
 class PulseUnavailable(RuntimeError):
     """pulseaudio or paplay is missing, or the server did not start."""
@@ -57,11 +59,13 @@ class PulseServer:
 
 
 @contextmanager
-def pulse_server(prefix: str = "dk", rate: int = 48000, timeout_s: float = 15.0) -> Iterator[PulseServer]:
+def pulse_server(prefix: str = "dk", rate: int = 48000, timeout_s: float = 60.0) -> Iterator[PulseServer]:
     """Start a private PulseAudio server (see the module docstring); stopped on exit.
 
-    Raises :class:`PulseUnavailable` when pulseaudio is missing or does not come up.
+    Raises :class:`PulseUnavailable` when pulseaudio is missing or does not come up within
+    ``timeout_s`` (a bound, scaled by ``DUPLEXKIT_TEST_TIME_SCALE``).
     """
+    timeout_s = bound(timeout_s)
     exe = shutil.which("pulseaudio")
     if exe is None:
         raise PulseUnavailable("pulseaudio is not installed (Debian: apt-get install pulseaudio)")
@@ -91,7 +95,7 @@ def pulse_server(prefix: str = "dk", rate: int = 48000, timeout_s: float = 15.0)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(5)
+            proc.wait(bound(30))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+from _timing import bound
 
 # Records every stream and error of getUserMedia before the page's own script runs.
 TRACK_MIC = """
@@ -21,11 +22,13 @@ TRACK_STATES = "() => window.__mic.streams.flatMap(s => s.getTracks().map(t => t
 
 
 def health(srv) -> dict:
-    return httpx.get(srv.url + "/health", timeout=10).json()
+    return httpx.get(srv.url + "/health", timeout=bound(10)).json()
 
 
 def wait_health(srv, pred, timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
+    """Poll ``/health`` until ``pred`` holds; fails after ``timeout_s`` (a bound, scaled by
+    ``DUPLEXKIT_TEST_TIME_SCALE``)."""
+    deadline = time.monotonic() + bound(timeout_s)
     h = health(srv)
     while not pred(h):
         if time.monotonic() > deadline:

@@ -20,6 +20,7 @@ import pytest
 
 from _page import TRACK_MIC, TRACK_STATES, health, wait_health
 from _serverproc import ServerProc
+from _timing import bound
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
@@ -45,13 +46,13 @@ def open_page(browser, srv, *, mic: bool = True, url: str = None):
 
 
 def assert_mic_released(page):
-    page.wait_for_function("() => window.__mic.done >= 1", timeout=30_000)
+    page.wait_for_function("() => window.__mic.done >= 1", timeout=bound(30_000))
     states = page.evaluate(TRACK_STATES)
     assert states and all(s == "ended" for s in states), states
 
 
 def assert_error_state(page, needle: str):
-    page.wait_for_function("() => window.duplexkit.state === 'error'", timeout=30_000)
+    page.wait_for_function("() => window.duplexkit.state === 'error'", timeout=bound(30_000))
     msg = page.inner_text("#error")
     assert needle in msg, msg
     assert page.get_attribute("#state", "data-state") == "error"
@@ -83,11 +84,11 @@ def test_conversation_barge_in_and_playback_truth(browser, server, fixtures_audi
         page.fill("#key", KEY)
         page.dispatch_event("#key", "change")
         page.wait_for_function("() => [...document.querySelectorAll('#model option')].some(o => o.value === 'scripted')",
-                               timeout=30_000)
+                               timeout=bound(30_000))
         page.select_option("#model", "scripted")
         page.set_input_files("#voice", str(fixtures_audio / "ref_voice_16k.wav"))
         page.click("#start")
-        page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=60_000)
+        page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=bound(60_000))
         # acceptance: appends reach the server within 10 s of fake-mic speech
         wait_health(server, lambda h: h["input_appends"] > before["input_appends"], 10, "no append in 10 s")
         assert "reference voice 6.0 s" in page.inner_text("#voiceInfo")
@@ -96,7 +97,7 @@ def test_conversation_barge_in_and_playback_truth(browser, server, fixtures_audi
 
         page.wait_for_function(
             "() => { const r = window.duplexkit.responses; return r.length >= 2 && r[1].status !== 'in_progress'"
-            " && r[1].acked !== null; }", timeout=120_000)
+            " && r[1].acked !== null; }", timeout=bound(120_000))
         dk = page.evaluate("""() => ({
             states: window.duplexkit.states, acks: window.duplexkit.acks, appendsSent: window.duplexkit.appendsSent,
             responses: window.duplexkit.responses.map(r => ({id: r.id, status: r.status, sentMs: r.sentMs,
@@ -164,7 +165,7 @@ def test_permission_denied(browser, server):
         # and clicking again does not pile them up
         page.click("#start")
         page.wait_for_function("() => window.__mic.errors.length === 2 && window.duplexkit.state === 'error'",
-                               timeout=30_000)
+                               timeout=bound(30_000))
         wait_health(server, lambda h: h["sessions_open"] == 0, 30, "session leaked")
         assert health(server)["input_appends"] == before["input_appends"]
         assert errors == []
@@ -183,7 +184,7 @@ def test_bad_key_then_good_key(browser, server):
         # the same page recovers with the right key
         page.fill("#key", KEY)
         page.click("#start")
-        page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=60_000)
+        page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=bound(60_000))
         assert page.inner_text("#error") == ""
         wait_health(server, lambda h: h["sessions_open"] == 1, 30, "no session")
         page.click("#stop")

@@ -13,6 +13,7 @@ import pytest
 
 from _serverproc import ServerProc
 from _page import TRACK_MIC, TRACK_STATES, wait_health
+from _timing import bound
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.engine]
 pytest.importorskip("torch")
@@ -30,11 +31,11 @@ def test_tiny_turn_in_the_browser(question_browser):
             page.goto(srv.url + "/")
             page.select_option("#profile", "compat")
             page.click("#start")
-            page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=120_000)
+            page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=bound(120_000))
             wait_health(srv, lambda h: h["input_appends"] > 0, 10, "no append in 10 s")
             page.wait_for_function(
                 "() => { const r = window.duplexkit.responses[0]; return r && r.status !== 'in_progress'"
-                " && r.acked !== null; }", timeout=600_000)
+                " && r.acked !== null; }", timeout=bound(600_000))
             r = page.evaluate("""() => { const r = window.duplexkit.responses[0];
                 return {status: r.status, sentMs: r.sentMs, acks: window.duplexkit.acks,
                         states: window.duplexkit.states, shown: r.el.dataset.playedMs}; }""")

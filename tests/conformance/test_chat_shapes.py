@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from _timing import bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
@@ -89,7 +90,7 @@ def test_openai_sdk_text_only(server):
 
 def test_vllm_omni_style_without_modalities_speaks_two_choices(server):
     # vLLM-Omni's MiniCPM-o examples send no modalities and no audio object: text and speech
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=bound(60), json={
         "model": "openbmb/MiniCPM-o-4_5", "messages": [QUESTION]})
     body = r.json()
     assert r.status_code == 200, body
@@ -98,7 +99,7 @@ def test_vllm_omni_style_without_modalities_speaks_two_choices(server):
     audio, rate = sf.read(io.BytesIO(base64.b64decode(body["choices"][1]["message"]["audio"]["data"])), dtype="float32")
     assert rate == 24000 and len(audio) == SAMPLES
     # streaming in their style: modality-tagged chunks, audio in delta.content at index 1
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=bound(60), json={
             "model": "openbmb/MiniCPM-o-4_5", "messages": [QUESTION], "stream": True}) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     audio_chunks = [c for c in chunks if c.get("modality") == "audio" and c["choices"][0]["delta"].get("content")]
@@ -108,7 +109,7 @@ def test_vllm_omni_style_without_modalities_speaks_two_choices(server):
 
 
 def test_audio_object_without_voice_keeps_the_vllm_omni_shape(server):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=bound(60), json={
         "messages": [QUESTION], "modalities": ["text", "audio"], "audio": {"format": "flac"}})
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1] and choices[0]["message"]["content"] == REPLY

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+from _timing import bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
@@ -47,7 +48,7 @@ async def test_realtime_accepts(mapping_server, model):
 
 
 def test_chat_accepts_openai_id(mapping_server):
-    r = httpx.post(mapping_server.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(mapping_server.url + "/v1/chat/completions", timeout=bound(60), json={
         "model": "gpt-4o-audio-preview", "modalities": ["text"], "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200, r.text
     assert "model 'gpt-4o-audio-preview' is an OpenAI model id" in mapping_server.output()
@@ -63,7 +64,7 @@ async def test_refused_model_is_model_not_found_listing_served_ids(refusing_serv
         with pytest.raises(websockets.ConnectionClosed) as ei:
             await ws.recv()
         assert ei.value.rcvd.code == 1008 and ei.value.rcvd.reason == "model_not_found"
-    r = httpx.post(refusing_server.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(refusing_server.url + "/v1/chat/completions", timeout=bound(60), json={
         "model": model, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
 

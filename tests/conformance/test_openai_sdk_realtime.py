@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timing import bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -27,7 +28,7 @@ def server():
 
 
 async def test_sdk_commit_driven_turn(server):
-    s = await commit_driven_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=30)
+    s = await commit_driven_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=bound(30))
     assert s["status"] == "completed"
     assert s["audio_samples"] == 48000 and s["first_chunk_samples"] == 20160
     assert s["transcript"] == "Hello there, this is "
@@ -36,7 +37,7 @@ async def test_sdk_commit_driven_turn(server):
 
 
 async def test_sdk_server_vad_turn(server):
-    s = await server_vad_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=30)
+    s = await server_vad_turn(server.url, "scripted", FIXTURES / "question_16k.wav", timeout=bound(30))
     assert s["status"] == "completed" and s["audio_samples"] == 48000
     assert "input_audio_buffer.speech_started" in s["types"]
     assert "input_audio_buffer.speech_stopped" in s["types"]
@@ -45,7 +46,7 @@ async def test_sdk_server_vad_turn(server):
 
 async def test_sdk_ga_with_an_openai_model_id_is_served(server):
     # OpenAI ids are mapped to the served model by default (docs/server.md, "Model ids")
-    s = await commit_driven_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=30)
+    s = await commit_driven_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=bound(30))
     assert s["status"] == "completed" and s["audio_samples"] == 48000
     assert "model 'gpt-realtime' is an OpenAI model id" in server.output()
 
@@ -53,7 +54,7 @@ async def test_sdk_ga_with_an_openai_model_id_is_served(server):
 async def test_sdk_beta_realtime_turn_strict_beta_types(server):
     from openai_sdk_turns import beta_commit_driven_turn
 
-    s = await beta_commit_driven_turn(server.url, "gpt-4o-realtime-preview", FIXTURES / "question_16k.wav", timeout=30)
+    s = await beta_commit_driven_turn(server.url, "gpt-4o-realtime-preview", FIXTURES / "question_16k.wav", timeout=bound(30))
     assert s["status"] == "completed" and s["audio_samples"] == 48000
     assert s["transcript"] == "Hello there, this is " and s["instructions"] == "Answer briefly."
     assert "response.audio.delta" in s["types"] and "response.output_audio.delta" not in s["types"]
@@ -63,7 +64,7 @@ async def test_sdk_beta_realtime_turn_strict_beta_types(server):
 async def test_sdk_semantic_vad_update_applies_everything(server):
     from openai_sdk_turns import semantic_vad_turn
 
-    s = await semantic_vad_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=30)
+    s = await semantic_vad_turn(server.url, "gpt-realtime", FIXTURES / "question_16k.wav", timeout=bound(30))
     td = s["session"].audio.input.turn_detection
     assert td.type == "server_vad" and td.silence_duration_ms == 300  # eagerness high
     assert s["session"].instructions == "Be brief." and s["session"].audio.output.voice == "ash"
@@ -84,7 +85,7 @@ async def test_sdk_server_vad_barge_in_with_client_truncate(long_server):
     from openai_sdk_turns import server_vad_barge_in
 
     s = await server_vad_barge_in(long_server.url, "gpt-realtime", FIXTURES / "question_16k.wav",
-                                  FIXTURES / "interrupt_16k.wav", timeout=90)
+                                  FIXTURES / "interrupt_16k.wav", timeout=bound(90))
     assert s["statuses"] == ["cancelled", "completed"]
     cut, answer = s["audio_samples"]
     assert 0 < cut < 144000 and answer == 144000  # the first answer cut inside its 6 s; the second whole

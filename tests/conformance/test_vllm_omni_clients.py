@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import websockets
+from _timing import bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -79,7 +80,7 @@ async def _raw_turn(url: str, session: dict) -> list[dict]:
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 6400]).decode(),
                                       "sample_rate_hz": 16000}))
         await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(bound(120)):
             while True:
                 f = json.loads(await ws.recv())
                 frames.append(f)

@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+from _timing import bound
 
 from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream, list_devices
 from duplexkit.audio.devices import DeviceError, find_device
@@ -26,7 +27,7 @@ def _freq(x: np.ndarray, rate: int) -> float:
 
 
 #: generous bounds for waits on sample counts; a loaded machine may be slow, never this slow.
-WAIT_BOUND_S = 60.0
+WAIT_BOUND_S = bound(60.0)
 #: device starts, and round trips the devices report as disturbed (an over/underflow: the audio
 #: thread was starved on a busy machine), are tried at most this many times in all.
 ATTEMPTS = 3

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import socket
 from typing import Optional
+from _timing import bound
 
 
 @contextlib.asynccontextmanager
@@ -34,7 +35,7 @@ async def inprocess_server(app):
         yield port
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, bound(30))
         sock.close()
 
 

@@ -1,4 +1,7 @@
-"""Start ``duplexkit serve`` as a real subprocess on a free loopback port and wait for ``/health``."""
+"""Start ``duplexkit serve`` as a real subprocess on a free loopback port and wait for ``/health``.
+
+Bounds (``ready_timeout_s``, ``stop``'s ``timeout``) are for a loaded 2-core machine and are
+multiplied by ``DUPLEXKIT_TEST_TIME_SCALE`` (tests/_timing.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+from _timing import bound
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +30,7 @@ def free_port() -> int:
 class ServerProc:
     """A ``duplexkit serve`` subprocess. ``url`` is ``http://127.0.0.1:<port>``, ``ws_url`` the ws one."""
 
-    def __init__(self, model: str, *args: str, env: Optional[dict] = None, ready_timeout_s: float = 60.0) -> None:
+    def __init__(self, model: str, *args: str, env: Optional[dict] = None, ready_timeout_s: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}"
@@ -37,7 +41,7 @@ class ServerProc:
         cmd = [sys.executable, "-m", "duplexkit.cli", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "info", *args]
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready(ready_timeout_s)
+        self._wait_ready(bound(ready_timeout_s))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -46,7 +50,7 @@ class ServerProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=2)
+                r = httpx.get(self.url + "/health", timeout=bound(10))
                 last = r.status_code
                 if r.status_code == 200:
                     return
@@ -58,17 +62,26 @@ class ServerProc:
         self.stop()
         raise RuntimeError(f"server not ready after {timeout} s (last /health {last}):\n{self.output()}")
 
+    def wait_idle(self, bound_s: float = 60.0) -> None:
+        """Wait until ``/health`` reports no active session (a session a client closed frees its
+        slot a moment later, later still on a busy machine; the per-client cap counts it till then)."""
+        for _ in range(int(bound(bound_s) / 0.05)):
+            if httpx.get(self.url + "/health", timeout=bound(10)).json()["sessions_active"] == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"sessions still active after {bound(bound_s):.0f} s:\n{self.output()[-3000:]}")
+
     def output(self) -> str:
         try:
             return Path(self.log.name).read_text(errors="replace")
         except OSError:
             return ""
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(bound(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)

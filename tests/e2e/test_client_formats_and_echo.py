@@ -22,6 +22,7 @@ import pytest
 from duplexkit.audio import StreamResampler, VirtualPlayer, read_wav, resample
 from duplexkit.clients import InlineDuplexClient
 from duplexkit.testing import ScriptedEngine
+from _timing import bound
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 
@@ -109,7 +110,7 @@ async def _talk(delay_ms: int, user_at_s: float | None):
     td = {"type": "server_vad", "create_response": False, "interrupt_response": True}
     stats = {"barge_at": None, "onset_at": None}
     async with InlineDuplexClient(engine, session={"turn_detection": td}, player=player, barge_in=True,
-                                  echo="aec", input_rate=16_000, request_timeout_s=20) as c:
+                                  echo="aec", input_rate=16_000, request_timeout_s=bound(20)) as c:
         for _ in range(25):  # 0.5 s of room before the question is answered
             await c.send_audio(room.mic(320))
             await asyncio.sleep(0.02)

@@ -14,6 +14,7 @@ from _serverproc import ServerProc
 
 from duplexkit.audio import read_wav
 from duplexkit.clients import DuplexClient, InlineDuplexClient
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +28,7 @@ async def one_turn(client, audio: np.ndarray) -> dict:
             await client.send_audio(audio[i:i + 3200], rate=16_000)
         await client.commit()
         h = await client.create_response()
-        await h.wait(300)
+        await h.wait(bound(300))
         await asyncio.sleep(0.2)
         events = []
         while True:
@@ -65,13 +66,13 @@ async def test_parity_tiny(question_wav, session):
     engine = DuplexEngine.from_pretrained("tiny", layout="cpu", progress=False)
     try:
         inline = await one_turn(InlineDuplexClient(engine, answer_policy="on_request", max_output_tokens=40,
-                                                   session=session, request_timeout_s=120), audio)
+                                                   session=session, request_timeout_s=bound(120)), audio)
     finally:
         await engine.aclose()
         del engine
         gc.collect()
     with ServerProc("tiny", "--layout", "cpu", "--max-output-tokens", "40", ready_timeout_s=600) as srv:
-        remote = await one_turn(DuplexClient(srv.ws_url, session=session, request_timeout_s=120), audio)
+        remote = await one_turn(DuplexClient(srv.ws_url, session=session, request_timeout_s=bound(120)), audio)
     assert inline["status"] in ("completed", "incomplete")
     assert inline["chunks"] and inline["chunks"][0] == 20160
     assert inline == remote

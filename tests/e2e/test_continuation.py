@@ -17,6 +17,7 @@ from duplexkit.clients.continuation import TRANSCRIPT_HEADER
 from duplexkit.errors import DuplexConnectionError
 
 from _serverproc import ServerProc
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +44,7 @@ async def test_continue_on_a_second_server_after_the_first_dies(fixtures_audio):
                 break
         first.stop(signal.SIGKILL)  # the replica dies mid-answer: no session.closed, no close frame
         with pytest.raises(DuplexConnectionError):
-            await h.wait(timeout=60)
+            await h.wait(timeout=bound(60))
         assert a.closed or a.connection_state == "closed"
         await a.close()  # the player is flushed: what was heard is final
         seed = a.continuation()
@@ -65,7 +66,7 @@ async def test_continue_on_a_second_server_after_the_first_dies(fixtures_audio):
             evs = b.events()
             seen = []
             while not any(e.type == "conversation.item.added" for e in seen):
-                seen.append(await asyncio.wait_for(evs.__anext__(), 30))
+                seen.append(await asyncio.wait_for(evs.__anext__(), bound(30)))
             item = next(e for e in seen if e.type == "conversation.item.added").item
             assert item.role == "system"
             text = item.content[0].text
@@ -74,7 +75,7 @@ async def test_continue_on_a_second_server_after_the_first_dies(fixtures_audio):
             # the server holds it in the conversation (retrieved from the second server's history)
             await b.send_event({"type": "conversation.item.retrieve", "item_id": item.id})
             while True:
-                ev = await asyncio.wait_for(evs.__anext__(), 30)
+                ev = await asyncio.wait_for(evs.__anext__(), bound(30))
                 if ev.type == "conversation.item.retrieved":
                     break
             assert ev.item.content[0].text == text
@@ -82,5 +83,5 @@ async def test_continue_on_a_second_server_after_the_first_dies(fixtures_audio):
             for i in range(0, 16_000, 1600):
                 await b.send_audio(speech[i:i + 1600])
             h2 = await b.create_response()
-            await h2.wait(timeout=120)
+            await h2.wait(timeout=bound(120))
             assert h2.status == "completed" and h2.audio_samples == 24_000 * 6

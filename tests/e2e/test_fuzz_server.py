@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect
 
 from duplexkit.errors import ErrorCode
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -89,13 +90,13 @@ def _check_event(ev: dict, seen: list) -> None:
 def test_random_websocket_frames(srv):
     rng = random.Random(13)
     seen: list = []
-    with connect(srv.ws_url + "/v1/realtime", max_size=None, open_timeout=30) as ws:
+    with connect(srv.ws_url + "/v1/realtime", max_size=None, open_timeout=bound(30)) as ws:
         for i in range(N_RANDOM_FRAMES):
             ws.send(_mutate(rng))
             if i % 200 == 199:  # pipelined: a heartbeat every 200 frames proves the session is alive
                 ws.send(json.dumps({"type": "session.heartbeat", "event_id": f"hb{i}"}))
                 while True:
-                    ev = json.loads(ws.recv(timeout=120))
+                    ev = json.loads(ws.recv(timeout=bound(120)))
                     _check_event(ev, seen)
                     if ev["type"] == "session.heartbeat_ack":
                         break
@@ -104,7 +105,7 @@ def test_random_websocket_frames(srv):
 
 def test_hypothesis_websocket_frames(srv):
     seen: list = []
-    ws = connect(srv.ws_url + "/v1/realtime?autostart=0", max_size=None, open_timeout=30)
+    ws = connect(srv.ws_url + "/v1/realtime?autostart=0", max_size=None, open_timeout=bound(30))
     count = [0]
 
     @settings(max_examples=N_HYPOTHESIS_FRAMES, deadline=None, derandomize=True, database=None,
@@ -118,7 +119,7 @@ def test_hypothesis_websocket_frames(srv):
         ws.send(frame)
         ws.send(json.dumps({"type": "session.heartbeat", "event_id": "hb"}))
         while True:
-            ev = json.loads(ws.recv(timeout=120))
+            ev = json.loads(ws.recv(timeout=bound(120)))
             _check_event(ev, seen)
             if ev["type"] == "session.heartbeat_ack":
                 return
@@ -131,7 +132,7 @@ def test_hypothesis_websocket_frames(srv):
 
 
 def test_hypothesis_chat_bodies(srv):
-    client = httpx.Client(base_url=srv.url, timeout=60)
+    client = httpx.Client(base_url=srv.url, timeout=bound(60))
     statuses: dict = {}
 
     part = st.one_of(json_values, st.fixed_dictionaries({"type": st.sampled_from(

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +19,7 @@ KEYS = ("sessions_open", "sessions_opened", "input_appends", "input_audio_ms")
 
 
 def _counts(srv) -> tuple:
-    h = httpx.get(srv.url + "/health", timeout=10).json()
+    h = httpx.get(srv.url + "/health", timeout=bound(10)).json()
     return tuple(h[k] for k in KEYS)
 
 

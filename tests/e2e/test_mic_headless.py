@@ -4,7 +4,9 @@ null sink. The mic command runs as a real subprocess connected to a real server.
 
 Robust on a loaded machine: nothing is scheduled by wall-clock guesses. Each step waits for an event
 (the command printing "ready", its recording stream existing, the answer's audio reaching the
-virtual speaker) with generous bounds; ``--duration`` only caps the whole run."""
+virtual speaker, the answer's status line) with generous bounds (tests/_timing.py), and a run is
+ended by Ctrl+C (SIGINT) once the event it is about has been seen; ``--duration`` is a cap that a
+passing run never reaches, and its own test ends a run in which nothing happens."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 
 import pytest
 from _serverproc import REPO, ServerProc
+from _timing import bound
 
 sys.path.insert(0, str(REPO / "tests"))
 from _pulse import PulseUnavailable, pulse_server  # noqa: E402
@@ -40,11 +43,12 @@ class MicRun:
     """A ``duplexkit mic`` subprocess whose output is read live, so a test can wait for what it
     prints instead of guessing how long start-up takes on a busy machine.
 
-    ``duration`` is only an upper bound for the whole run (the command has no other way to stop and
-    still write its summary); every step inside it waits on an event with a generous bound.
+    ``duration`` is only a cap for the whole run (``--duration``); a test ends the run with
+    :meth:`stop_after` once what it waits for has happened, every step waiting on an event with a
+    generous bound.
     """
 
-    def __init__(self, pulse, url, tmp_path: Path, duration: float, extra: list[str] = ()) -> None:
+    def __init__(self, pulse, url, tmp_path: Path, duration: float = 3600, extra: list[str] = ()) -> None:
         self.pulse = pulse
         self.summary = tmp_path / "summary.json"
         self.out_wav = tmp_path / "heard.wav"
@@ -74,7 +78,9 @@ class MicRun:
             return "".join(self.lines)
 
     def wait_line(self, needle: str, bound_s: float) -> None:
-        """Wait until the command prints a line containing ``needle`` (fails after ``bound_s``)."""
+        """Wait until the command prints a line containing ``needle`` (fails after ``bound_s``,
+        scaled by ``DUPLEXKIT_TEST_TIME_SCALE``)."""
+        bound_s = bound(bound_s)
         with self._cond:
             ok = self._cond.wait_for(lambda: any(needle in ln for ln in self.lines) or self.proc.poll() is not None,
                                      timeout=bound_s)
@@ -85,7 +91,7 @@ class MicRun:
         """Wait until the command's microphone stream records from the virtual mic (a pulse
         source-output exists), so nothing played into the mic is lost to a slow device start."""
         env = {**os.environ, **self.pulse.env}
-        for _ in range(int(bound_s / 0.1)):
+        for _ in range(int(bound(bound_s) / 0.1)):
             r = subprocess.run(["pactl", "list", "short", "source-outputs"], env=env, capture_output=True, text=True)
             if r.stdout.strip():
                 return
@@ -96,12 +102,22 @@ class MicRun:
     def play(self, wav: Path) -> None:
         self.players.append(self.pulse.play(wav))
 
+    def stop_after(self, needle: str, bound_s: float) -> dict:
+        """Wait for a line containing ``needle``, then press Ctrl+C (SIGINT): the command ends the
+        conversation normally and writes its summary; returns :meth:`finish`'s result."""
+        import signal
+
+        self.wait_line(needle, bound_s)
+        self.proc.send_signal(signal.SIGINT)
+        return self.finish()
+
     def finish(self) -> dict:
-        out_bound = self.duration + 120
-        self.proc.wait(out_bound)
-        self._reader.join(30)
+        """Wait for the command to end (at the latest ``--duration`` after "ready"); its status 0
+        and the summary it wrote (with ``stdout`` and ``heard_wav`` added)."""
+        self.proc.wait(self.duration + bound(120))
+        self._reader.join(bound(30))
         for p in self.players:
-            p.wait(30)
+            p.wait(bound(60))
         text = self.text()
         assert self.proc.returncode == 0, text
         assert self.summary.exists(), text
@@ -113,7 +129,7 @@ class MicRun:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(30)
+            self.proc.wait(bound(30))
         for p in self.players:
             if p.poll() is None:
                 p.kill()
@@ -153,21 +169,22 @@ class SpeakerMonitor:
         self.proc.wait(10)
 
 
-def _answer_after_question(pulse, url, tmp_path, question_wav, duration, extra=()) -> dict:
-    """Start ``mic``; once it is ready and recording, play the question; collect the summary."""
-    run = MicRun(pulse, url, tmp_path, duration, list(extra))
+def _answer_after_question(pulse, url, tmp_path, question_wav, extra=()) -> dict:
+    """Start ``mic``; once it is ready and recording, play the question; once the answer is
+    complete, Ctrl+C; collect the summary."""
+    run = MicRun(pulse, url, tmp_path, extra=list(extra))
     try:
         run.wait_line("ready", bound_s=120)
         run.wait_capturing(bound_s=60)
         run.play(question_wav)
-        return run.finish()
+        return run.stop_after("(completed)", bound_s=120)
     finally:
         run.kill()
 
 
 def test_mic_answers_a_spoken_question(pulse, tmp_path, question_wav):
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=2") as srv:
-        data = _answer_after_question(pulse, srv.ws_url, tmp_path, question_wav, duration=20)
+        data = _answer_after_question(pulse, srv.ws_url, tmp_path, question_wav)
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 48000  # 2 units of the scripted answer reached the speaker queue
     assert "[you are speaking]" in data["stdout"]
@@ -178,16 +195,16 @@ def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
     on the virtual speaker (an event, not a time guess), so a slow machine cannot make it land
     before the answer started."""
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=10") as srv:
-        run = MicRun(pulse, srv.ws_url, tmp_path, duration=30)
+        run = MicRun(pulse, srv.ws_url, tmp_path)
         monitor = SpeakerMonitor(pulse)
         try:
             run.wait_line("ready", bound_s=120)
             run.wait_capturing(bound_s=60)
             run.play(question_wav)
             # the question lasts ~3.5 s and the 10-unit answer ~10 s: wait for the answer's audio
-            assert monitor.playing.wait(25), f"the answer was never heard on the speaker:\n{run.text()}"
+            assert monitor.playing.wait(bound(60)), f"the answer was never heard on the speaker:\n{run.text()}"
             run.play(interrupt_wav)
-            data = run.finish()
+            data = run.stop_after("(cancelled)", bound_s=120)
         finally:
             monitor.close()
             run.kill()
@@ -198,7 +215,7 @@ def test_mic_barge_in_by_speaking(pulse, tmp_path, question_wav, interrupt_wav):
 
 def test_mic_inline_engine(pulse, tmp_path, question_wav):
     """``duplexkit mic MODEL`` without --url runs the engine in-process (here the ScriptedEngine)."""
-    data = _answer_after_question(pulse, None, tmp_path, question_wav, duration=20,
+    data = _answer_after_question(pulse, None, tmp_path, question_wav,
                                   extra=["scripted", "--answer-policy", "on_request"])
     assert any("(completed)" in r for r in data["responses"]), data["stdout"]
     assert data["output_samples"] == 72000
@@ -210,15 +227,15 @@ def test_mic_ctrl_c_writes_the_summary(pulse, tmp_path, question_wav):
     import signal
 
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=2") as srv:
-        run = MicRun(pulse, srv.ws_url, tmp_path, duration=3600)
+        run = MicRun(pulse, srv.ws_url, tmp_path)
         try:
             run.wait_line("ready", bound_s=120)
             run.wait_capturing(bound_s=60)
             run.play(question_wav)
             run.wait_line("(completed)", bound_s=120)
             run.proc.send_signal(signal.SIGINT)
-            run.proc.wait(60)
-            run._reader.join(30)
+            run.proc.wait(bound(60))
+            run._reader.join(bound(30))
         finally:
             run.kill()
     text = run.text()
@@ -227,3 +244,17 @@ def test_mic_ctrl_c_writes_the_summary(pulse, tmp_path, question_wav):
     assert any("(completed)" in r for r in data["responses"]) and data["speech_started"] >= 1, data
     assert data["output_samples"] == 48000 and run.out_wav.exists()
     assert "mic: heard speech" in text and "Traceback" not in text
+
+
+def test_mic_duration_ends_the_run(pulse, tmp_path):
+    """``--duration`` ends a conversation on its own, counted from "ready": status 0, the summary
+    written, nothing heard (no sound is played into the virtual mic)."""
+    with ServerProc("scripted", "--answer-policy", "on_request") as srv:
+        run = MicRun(pulse, srv.ws_url, tmp_path, duration=2)
+        try:
+            run.wait_line("ready", bound_s=120)
+            data = run.finish()
+        finally:
+            run.kill()
+    assert data["responses"] == [] and data["speech_started"] == 0 and data["output_samples"] == 0, data
+    assert "mic: heard speech 0 time(s), 0 response(s)" in data["stdout"]

@@ -8,8 +8,11 @@ replica stopped by Serve drains (new sessions go to another replica, the live on
 ``session.closed{reason:"shutdown"}``), and a killed replica's clients get a close and reconnect
 through the same endpoint to a live replica.
 
-Costs: the cluster and the first deployment take about 10 s on 2 cores; each test waits on events
-with generous bounds.
+Costs: the cluster and the first deployment take about 10 s on 2 idle cores (about a minute with both
+cores busy). Every wait is on an event (a session opened, refused or closed, Serve reporting a
+deployment) with a bound from tests/_timing.py; the only durations the tests rely on are the drain
+window :data:`DRAIN_S` and the time :data:`ROUTING_UPDATE_S` Serve's proxy may take to stop routing
+to a stopped replica, both scaled by ``DUPLEXKIT_TEST_TIME_SCALE``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import socket
 import httpx
 import pytest
 import websockets
+from _timing import bound
 from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (python -m pip install 'duplexkit[ray]')")
@@ -32,9 +36,18 @@ from duplexkit.clients import DuplexClient  # noqa: E402
 from duplexkit_server import ServerSettings  # noqa: E402
 from duplexkit_server.ray_serve import DEPLOYMENT_NAME, REPLICA_HEADER, RayOptions, build_app  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.timeout(bound(600))]
 
-DRAIN_S = 8.0
+#: How long a replica Serve stops lets its live sessions go on (``drain_s``). Long enough that
+#: several sessions are opened during the drain even when each open takes seconds (loaded machine).
+DRAIN_S = bound(16.0)
+#: How long after a replica began draining Serve's proxy may still route a new session to it (the
+#: controller tells the proxy by a long poll, which lags on a busy machine; Serve itself waits
+#: ``graceful_shutdown_wait_loop_s`` for it). Such a session is refused with 1013 (``shutting
+#: down``) and the client opens another; after this, no session may reach the draining replica.
+ROUTING_UPDATE_S = bound(6.0)
+#: Bound for one WebSocket handshake or first event through the proxy.
+OPEN_S = bound(60)
 # every test client comes from 127.0.0.1: no per-client cap
 SETTINGS = ServerSettings(max_sessions=3, max_sessions_per_client=0, drain_s=DRAIN_S, answer_policy="on_request")
 ENGINE = engine_loader("scripted", scripted={"units_per_turn": 3})
@@ -72,13 +85,13 @@ def cluster():
 
 async def _open(addr: str):
     """A raw realtime session through the proxy: (socket, replica tag, session.created)."""
-    ws = await websockets.connect(f"ws://{addr}/v1/realtime?duplex=1", open_timeout=60)
-    created = json.loads(await asyncio.wait_for(ws.recv(), 60))
+    ws = await websockets.connect(f"ws://{addr}/v1/realtime?duplex=1", open_timeout=OPEN_S)
+    created = json.loads(await asyncio.wait_for(ws.recv(), OPEN_S))
     assert created["type"] == "session.created", created
     return ws, ws.response.headers[REPLICA_HEADER], created
 
 
-async def _until_closed(ws, timeout: float = 120.0) -> list:
+async def _until_closed(ws, timeout: float = bound(120)) -> list:
     """Read events until the socket closes; returns them (the close is in ``ws.close_code``)."""
     got = []
     async with asyncio.timeout(timeout):
@@ -97,7 +110,7 @@ async def _spoken_turn(addr: str, wav) -> None:
             await c.send_audio(speech[i:i + 3200], rate=16_000)
         await c.commit()
         h = await c.create_response()
-        final = await h.wait(120)
+        final = await h.wait(bound(120))
         assert final.response.status == "completed"
         assert h.audio_samples == 72000  # 3 scripted units of 24 kHz audio
         assert h.transcript.startswith("Hello there")
@@ -111,7 +124,7 @@ async def test_sessions_spread_across_replicas_and_a_turn_goes_through_the_proxy
     tag_a, tag_b = opened[0][1], opened[1][1]
     try:
         assert tag_a != tag_b
-        health = httpx.get(f"http://{cluster}/health", timeout=60)
+        health = httpx.get(f"http://{cluster}/health", timeout=OPEN_S)
         assert health.status_code == 200
         assert health.json()["replica"] == health.headers[REPLICA_HEADER] in {tag_a, tag_b}
         assert 1 <= health.json()["sessions_active"] <= 3 and health.json()["sessions_max"] == 3
@@ -119,11 +132,11 @@ async def test_sessions_spread_across_replicas_and_a_turn_goes_through_the_proxy
         # every replica's /metrics samples reach Ray's metrics with a replica tag
         capacity = {}
         spoken = 0.0
-        async with httpx.AsyncClient() as http:
-            while len(capacity) < 2 or spoken < 3:  # the mirror copies every 5 s; the test timeout bounds it
+        async with httpx.AsyncClient() as http, asyncio.timeout(bound(180)):  # the mirror copies every 5 s
+            while len(capacity) < 2 or spoken < 3:
                 await asyncio.sleep(1)
                 try:
-                    text = (await http.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30)).text
+                    text = (await http.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=OPEN_S)).text
                 except httpx.HTTPError:
                     continue
                 for fam in text_string_to_metric_families(text):
@@ -138,24 +151,37 @@ async def test_sessions_spread_across_replicas_and_a_turn_goes_through_the_proxy
             await ws.close()
 
 
-async def _try_open(addr: str):
-    """:func:`_open`, or None when the replica Serve picked refused the session (1013: full)."""
-    ws = await websockets.connect(f"ws://{addr}/v1/realtime?duplex=1", open_timeout=60)
-    first = json.loads(await asyncio.wait_for(ws.recv(), 60))
+async def _try_open(addr: str, refused: list | None = None):
+    """:func:`_open`, or None when the replica Serve picked refused the session (1013); the refusal
+    (replica tag, error event, close code) is appended to ``refused``."""
+    ws = await websockets.connect(f"ws://{addr}/v1/realtime?duplex=1", open_timeout=OPEN_S)
+    first = json.loads(await asyncio.wait_for(ws.recv(), OPEN_S))
+    tag = ws.response.headers[REPLICA_HEADER]
     if first["type"] == "error" and first["error"]["code"] == "session_capacity_exhausted":
-        await ws.close()
+        await _until_closed(ws, OPEN_S)
+        if refused is not None:
+            refused.append((tag, first, ws.close_code))
         return None
     assert first["type"] == "session.created", first
-    return ws, ws.response.headers[REPLICA_HEADER], first
+    return ws, tag, first
+
+
+#: Session opens allowed to fill replicas whose slots Serve's router does not see exactly (it
+#: samples queue lengths and caches them): a session sent to a full replica is refused and opened again.
+OPEN_ATTEMPTS = 24
 
 
 async def _open_on_both(addr: str) -> list:
     """Open sessions until both replicas hold one (Serve's router samples queue lengths; it is not
     bound to alternate). Returns every session opened, the first two on different replicas."""
-    opened = []
+    opened, refused = [], []
     while len({t for _, t, _ in opened}) < 2:
         assert len(opened) < 4, [t for _, t, _ in opened]  # each replica takes 3
-        opened.append(await _open(addr))
+        assert len(opened) + len(refused) < OPEN_ATTEMPTS, (opened, refused)
+        got = await _try_open(addr, refused)
+        if got is not None:
+            opened.append(got)
+    assert all(code == 1013 for _, _, code in refused), refused  # only a full replica refuses here
     second = next(o for o in opened if o[1] != opened[0][1])
     return [opened[0], second] + [o for o in opened[1:] if o is not second]
 
@@ -165,7 +191,7 @@ async def test_full_replicas_refuse_with_1013_instead_of_queueing(cluster):
     (Serve's max_ongoing_requests is above the cap, so it is not held in Serve's queue)."""
     _deploy(2)
     held: list = []
-    for _ in range(12):  # a session routed to a replica that is already full is refused: try again
+    for _ in range(OPEN_ATTEMPTS):  # a session routed to a replica that is already full is refused: try again
         if len(held) == 6:
             break
         got = await _try_open(cluster)
@@ -175,19 +201,64 @@ async def test_full_replicas_refuse_with_1013_instead_of_queueing(cluster):
         assert len(held) == 6
         tags = [t for _, t, _ in held]
         assert sorted(tags.count(t) for t in set(tags)) == [3, 3]
-        ws = await websockets.connect(f"ws://{cluster}/v1/realtime?duplex=1", open_timeout=60)
-        events = await _until_closed(ws, timeout=60)
+        ws = await websockets.connect(f"ws://{cluster}/v1/realtime?duplex=1", open_timeout=OPEN_S)
+        events = await _until_closed(ws, timeout=OPEN_S)
         assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "session_capacity_exhausted"
         assert ws.close_code == 1013
         # /ready through the proxy says full, whichever replica answers
-        r = httpx.get(f"http://{cluster}/ready", timeout=60)
+        r = httpx.get(f"http://{cluster}/ready", timeout=OPEN_S)
         assert r.status_code == 503 and r.json()["status"] == "full" and r.json()["replica"] in tags
     finally:
         for ws, _, _ in held:
             await ws.close()
 
 
+async def _closed_when(ws, loop) -> tuple[list, float]:
+    """Read ``ws`` until it closes: (its events, the loop time the close was seen)."""
+    events = await _until_closed(ws, timeout=DRAIN_S + bound(300))
+    return events, loop.time()
+
+
+#: Probe sessions in flight at once while Serve scales in: one slow open or close (the first session
+#: on a new replica takes seconds on a busy machine) must not leave the drain window unobserved.
+PROBES_IN_FLIGHT = 3
+
+
+async def _probe(addr: str, loop, log: list) -> None:
+    """Open one session and close it; append (start time, replica tag, outcome) to ``log``:
+    ``accepted``, ``shutting_down`` (refused by a replica being stopped) or ``full`` (refused by
+    a replica whose slots the other probes hold). Anything else fails the test."""
+    t0, refused = loop.time(), []
+    got = await _try_open(addr, refused)
+    if got is None:
+        tag, event, code = refused[0]
+        assert code == 1013, refused
+        msg = event["error"]["message"]
+        outcome = "shutting_down" if "shutting down" in msg else "full" if "slots are in use" in msg else msg
+        assert outcome in ("shutting_down", "full"), refused
+        log.append((t0, tag, outcome))
+    else:
+        ws, tag, _ = got
+        log.append((t0, tag, "accepted"))
+        await ws.close()
+
+
+def _replicas_stopping() -> int:
+    """How many replicas of the deployment Serve is stopping now (``serve.status()``)."""
+    app = serve.status().applications.get(DEPLOYMENT_NAME)
+    if app is None:
+        return 0
+    states = app.deployments[DEPLOYMENT_NAME].replica_states
+    return sum(n for state, n in states.items() if getattr(state, "value", state) == "STOPPING")
+
+
 async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(cluster):
+    """Scale in from 2 replicas to 1 (Serve may also roll both to a new version): Serve takes the
+    replica(s) it stops out of routing and stops them gracefully; duplexkit drains each for DRAIN_S.
+    Meanwhile probe sessions are opened every 0.25 s: while Serve's proxy has not yet heard of a
+    stop (at most ROUTING_UPDATE_S) a probe may reach the stopping replica, which refuses it with
+    1013 (``shutting down``); every probe begun after that goes to another replica. The drained
+    sessions get ``session.closed{reason:"shutdown"}`` and 1001 only after the whole DRAIN_S."""
     _deploy(2)
     both = await _open_on_both(cluster)
     (a, tag_a, _), (b, tag_b, _) = both[0], both[1]
@@ -195,42 +266,56 @@ async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(clust
         await ws.close()
     assert tag_a != tag_b
     loop = asyncio.get_running_loop()
+    watch = {tag_a: asyncio.ensure_future(_closed_when(a, loop)), tag_b: asyncio.ensure_future(_closed_when(b, loop))}
+    probes: set = set()
     try:
-        # scale in to one replica (Serve may also roll both to a new version): Serve takes the
-        # replica(s) it stops out of routing and stops them gracefully; duplexkit drains for DRAIN_S
+        started = loop.time()
         deploy = asyncio.ensure_future(asyncio.to_thread(_deploy, 1))
-        attempts = []  # (time, replica tag) of sessions opened meanwhile
-        closed_at = {}  # replica tag -> when its session was first seen closed
-        while not deploy.done():
-            # every one must be accepted: a draining duplexkit replica refuses new sessions with 1013
-            ws, tag, _ = await _open(cluster)
-            attempts.append((loop.time(), tag))
-            await ws.close()
-            for t, w in ((tag_a, a), (tag_b, b)):
-                if w.close_code is not None:
-                    closed_at.setdefault(t, loop.time())
-            if a.close_code is None or b.close_code is None:
-                await asyncio.sleep(0.2)
-            else:
-                await asyncio.wait([deploy], timeout=60)
+        log = []  # (time the probe began, replica tag, outcome)
+        stopping, checked = 1, loop.time()
+        # probe until serve.run has returned and no replica is stopping any more (serve.run may
+        # return while an old replica of a rolled version still drains)
+        while not deploy.done() or stopping:
+            for p in [p for p in probes if p.done()]:
+                p.result()  # a probe's failure fails the test
+                probes.discard(p)
+            if len(probes) < PROBES_IN_FLIGHT:
+                probes.add(asyncio.ensure_future(_probe(cluster, loop, log)))
+            await asyncio.wait([deploy], timeout=0.25)
+            if deploy.done() and loop.time() - checked >= 1:
+                await deploy  # a failed serve.run fails here
+                stopping, checked = await asyncio.to_thread(_replicas_stopping), loop.time()
         await deploy  # serve.run returns once the stopped replicas are gone
-        drained = {t: ws for t, ws in ((tag_a, a), (tag_b, b)) if ws.close_code is not None}
+        await asyncio.gather(*probes)
+        drained = {t: w for t, w in watch.items() if w.done()}
         assert drained  # at least one old replica was stopped
-        for tag, ws in drained.items():  # each drained session got session.closed{shutdown} + 1001
-            events = await _until_closed(ws)
+        closed_at = {}
+        for tag, w in drained.items():  # each drained session got session.closed{shutdown} + 1001
+            events, closed_at[tag] = w.result()
             assert events[-1]["type"] == "session.closed" and events[-1]["reason"] == "shutdown", events[-3:]
-            assert ws.close_code == 1001
+            assert (a if tag == tag_a else b).close_code == 1001
         for tag, ws in ((tag_a, a), (tag_b, b)):
             if tag not in drained:  # a surviving replica's session is untouched
                 await ws.send(json.dumps({"type": "session.heartbeat"}))
                 assert ws.close_code is None
-        # each drain lasted DRAIN_S before its close: sessions opened in its last part went elsewhere
-        for tag in drained:
-            during = [t_tag for t, t_tag in attempts if closed_at[tag] - DRAIN_S / 2 < t < closed_at[tag]]
-            assert len(during) >= 3 and tag not in during, (tag, attempts)
+        for _, tag, outcome in log:  # "shutting down" only ever came from a replica being stopped
+            assert outcome != "shutting_down" or tag in drained, (tag, log)
+        rel = sorted((round(t - started, 2), tag, outcome) for t, tag, outcome in log)
+        print("probes (s after the scale-in began, replica, outcome):", rel,
+              "closes:", {t: round(e - started, 2) for t, e in closed_at.items()})
+        # the drain began at least DRAIN_S before its close; from ROUTING_UPDATE_S into it until the
+        # close, every probe went to another replica (and there were several)
+        for tag, end in closed_at.items():
+            assert end - started >= DRAIN_S, (tag, end - started, rel)  # the session outlived the drain
+            during = [t_tag for t, t_tag, _ in log if end - DRAIN_S + ROUTING_UPDATE_S <= t < end]
+            assert len(during) >= 3 and tag not in during, (tag, round(end - started, 2), str(rel))
     finally:
+        for p in probes:
+            p.cancel()
         await a.close()
         await b.close()
+        for w in watch.values():
+            w.cancel()
 
 
 async def test_a_killed_replicas_clients_get_a_close_and_reconnect_to_a_live_replica(cluster, question_wav):

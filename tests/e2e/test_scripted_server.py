@@ -18,6 +18,7 @@ import websockets
 from duplexkit.audio import read_wav
 from duplexkit.clients import response_id_of
 from duplexkit.clients import DuplexClient
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +60,7 @@ async def test_commit_driven_turn(scripted_server, question_wav):
         assert committed.type == "input_audio_buffer.committed"
         h = await c.create_response()
         assert h.trigger == "client"
-        final = await h.wait(20)
+        final = await h.wait(bound(20))
         assert final.response.status == "completed"
         assert h.chunk_sizes == [20160, 24000, 24000, 3840]
         assert h.audio_samples == 72000
@@ -101,14 +102,14 @@ async def test_client_barge_in_then_answer(scripted_server, question_wav, interr
             break
         barged = await c.barge_in()
         assert barged is first
-        await first.wait(10)
+        await first.wait(bound(10))
         assert first.status == "cancelled"
         assert first.status_details["reason"] == "client_cancelled"
         n_after_done = first.audio_samples
         await _send_wav(c, _speech(interrupt_wav))
         await c.commit()
         second = await c.create_response()
-        await second.wait(20)
+        await second.wait(bound(20))
         assert second.status == "completed" and second.audio_samples > 0
         assert second.epoch == first.epoch + 1
         assert first.audio_samples == n_after_done  # nothing of R arrived after its response.done
@@ -141,18 +142,18 @@ async def test_server_vad_turn_and_barge_in(scripted_server, question_wav, inter
         async for _ in first.audio():
             break
         await _send_wav(c, _speech(interrupt_wav))
-        await first.wait(10)
+        await first.wait(bound(10))
         assert first.status == "cancelled"
         assert first.status_details["reason"] == "turn_detected"
         await _send_wav(c, np.zeros(16000, np.float32))
         second = await asyncio.wait_for(c.responses().get(), 10)
-        await second.wait(20)
+        await second.wait(bound(20))
         assert second.status == "completed" and second.audio_samples > 0
 
 
 def test_chat_completions(scripted_server):
     r = httpx.post(scripted_server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"]}, timeout=30)
+        "messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"]}, timeout=bound(30))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
@@ -170,7 +171,7 @@ def test_chat_completions_stream(scripted_server):
     body = {"messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"],
             "stream": True, "stream_options": {"include_usage": True}}
     text, audio_chunks, finish, usage, done = "", 0, {}, None, False
-    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30)) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -207,7 +208,7 @@ def test_chat_completions_stream_length_finish(scripted_server):
     body = {"messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 2,
             "stream_options": {"include_usage": True}}
     finish, usage = None, None
-    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30)) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -230,14 +231,14 @@ def test_chat_completions_stream_length_finish(scripted_server):
      "messages[0].content[0]"),
 ])
 def test_chat_completions_400(scripted_server, body, param):
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
 
 
 def test_chat_completions_malformed_json(scripted_server):
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", content=b"{oops", timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", content=b"{oops", timeout=bound(30))
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -264,7 +265,7 @@ async def test_duplex_alias_and_compat_profile(scripted_server):
 async def test_autostart_0_applies_first_update(scripted_server):
     async with websockets.connect(scripted_server.ws_url + "/v1/realtime?duplex=1&autostart=0") as ws:
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(ws.recv(), 0.5)
+            await asyncio.wait_for(ws.recv(), bound(0.5))
         await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
         ev = json.loads(await ws.recv())
         assert ev["type"] == "session.created" and ev["session"]["instructions"] == "Be brief."
@@ -277,7 +278,7 @@ def test_chat_completions_template_kwargs_and_system_voice(scripted_server, fixt
                                                          "input_audio": {"data": wav, "format": "wav"}}]},
                          {"role": "user", "content": "hello"}],
             "modalities": ["text", "audio"], "chat_template_kwargs": {"enable_thinking": True}}
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30))
     assert r.status_code == 200, r.text
     text = next(c for c in r.json()["choices"] if c["message"].get("content"))["message"]["content"]
     assert text.startswith("<think>")  # enable_thinking reached the engine
@@ -285,13 +286,13 @@ def test_chat_completions_template_kwargs_and_system_voice(scripted_server, fixt
     short = read_wav(fixtures_audio / "ref_voice_16k.wav", 16_000)[0][:4000]
     from duplexkit.audio import wav_bytes
     body["messages"][0]["content"][0]["input_audio"]["data"] = base64.b64encode(wav_bytes(short, 16000)).decode()
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30))
     assert r.status_code == 400 and r.json()["error"]["code"] == "ref_audio_invalid"
 
 
 async def test_heartbeat_from_client(scripted_server):
     async with DuplexClient(scripted_server.ws_url, heartbeat_s=0.2) as c:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(bound(5)):
             async for ev in c.events():
                 if ev.type == "session.heartbeat_ack":
                     break
@@ -332,10 +333,10 @@ def test_chat_remote_image_url_is_refused_with_what_is_accepted(scripted_server)
     body = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]}
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30))
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "never fetched" in msg and "data URL" in msg and "reference-voice" not in msg
     body["messages"][0]["content"][1]["image_url"]["url"] = "/etc/hostname"
-    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(scripted_server.url + "/v1/chat/completions", json=body, timeout=bound(30))
     assert r.status_code == 400 and "--ref-audio-dir" in r.json()["error"]["message"]

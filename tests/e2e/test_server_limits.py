@@ -16,6 +16,7 @@ import websockets
 from _serverproc import ServerProc
 
 from duplexkit.clients import DuplexClient, DuplexConnectionError
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +105,7 @@ async def test_idle_timeout(limited_server):
         await asyncio.sleep(0.1)
     async with websockets.connect(limited_server.ws_url + "/v1/realtime?duplex=1", additional_headers=hdr) as ws:
         assert json.loads(await ws.recv())["type"] == "session.created"
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(bound(10)):
             ev = json.loads(await ws.recv())
             while ev["type"] != "session.closed":
                 ev = json.loads(await ws.recv())
@@ -122,7 +123,7 @@ async def test_graceful_shutdown_closes_sessions_with_1001(sig):
         async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1") as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
             srv.proc.send_signal(sig)
-            async with asyncio.timeout(15):
+            async with asyncio.timeout(bound(15)):
                 ev = json.loads(await ws.recv())
                 while ev["type"] != "session.closed":
                     ev = json.loads(await ws.recv())
@@ -130,7 +131,7 @@ async def test_graceful_shutdown_closes_sessions_with_1001(sig):
             with pytest.raises(websockets.ConnectionClosed) as ei:
                 await ws.recv()
             assert ei.value.rcvd.code == 1001
-        assert srv.proc.wait(20) == 0
+        assert srv.proc.wait(bound(20)) == 0
     finally:
         srv.__exit__(None, None, None)
 
@@ -142,7 +143,7 @@ async def test_client_is_closed_with_1001_right_after_shutdown():
         await c.connect()
         assert not c.closed and c.close_code is None
         srv.proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(bound(15)):
             types = [ev.type async for ev in c.events()]
         assert types[-1] == "session.closed"
         # marked closed as soon as session.closed was handled, before any close frame is read
@@ -150,7 +151,7 @@ async def test_client_is_closed_with_1001_right_after_shutdown():
         await asyncio.sleep(0.5)
         assert c.closed and c.close_code == 1001
         await c.close()  # releases the transport; idempotent
-        assert srv.proc.wait(20) == 0
+        assert srv.proc.wait(bound(20)) == 0
     finally:
         srv.__exit__(None, None, None)
 
@@ -160,10 +161,10 @@ async def test_server_voices(fixtures_audio):
     with ServerProc("scripted", "--default-voice", ref, "--voice", f"alice={ref}") as srv:
         async with DuplexClient(srv.ws_url, session={"voice": "alice"}) as c:
             assert c.session["voice"] == "alice"
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=bound(30), json={
             "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
             "audio": {"voice": "alice", "format": "wav"}})
         assert r.status_code == 200
     r = subprocess.run([sys.executable, "-m", "duplexkit.cli", "serve", "scripted", "--voice", "bad"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=bound(60))
     assert r.returncode != 0 and "NAME=PATH" in r.stderr

@@ -20,13 +20,14 @@ from duplexkit.audio import read_wav
 from duplexkit.clients import DuplexClient
 
 from _serverproc import ServerProc
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
 
 def scrape(url: str, headers: dict | None = None) -> dict:
     """``/metrics`` -> {(sample name, sorted label items): value}."""
-    r = httpx.get(url + "/metrics", headers=headers or {}, timeout=10)
+    r = httpx.get(url + "/metrics", headers=headers or {}, timeout=bound(10))
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     out = {}
@@ -64,40 +65,40 @@ AUTH = {"Authorization": "Bearer k1"}
 async def test_metrics_move_after_a_spoken_turn_and_ready_flips_when_full(one_slot_server, question_wav):
     srv = one_slot_server
     # /metrics follows the API key setting (--metrics auth, the default); the probes need no key
-    assert httpx.get(srv.url + "/metrics", timeout=10).status_code == 401
-    r = httpx.get(srv.url + "/ready", timeout=10)
+    assert httpx.get(srv.url + "/metrics", timeout=bound(10)).status_code == 401
+    r = httpx.get(srv.url + "/ready", timeout=bound(10))
     assert r.status_code == 200 and r.json() == {"status": "ready", "sessions_active": 0, "sessions_max": 1}
-    assert httpx.get(srv.url + "/live", timeout=10).json()["status"] == "alive"
+    assert httpx.get(srv.url + "/live", timeout=bound(10)).json()["status"] == "alive"
     before = scrape(srv.url, AUTH)
     assert val(before, "duplexkit_sessions_capacity") == 1 and val(before, "duplexkit_ready") == 1
 
     speech = read_wav(question_wav, 16_000)[0]
     async with DuplexClient(srv.ws_url, api_key="k1") as c:
         # the only slot is taken: readiness says "full", a second session is refused with 1013
-        r = httpx.get(srv.url + "/ready", timeout=10)
+        r = httpx.get(srv.url + "/ready", timeout=bound(10))
         assert r.status_code == 503 and r.json()["status"] == "full" and r.json()["sessions_active"] == 1
         assert r.headers["retry-after"] == "1"
-        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # /health is unchanged
+        assert httpx.get(srv.url + "/health", timeout=bound(10)).status_code == 200  # /health is unchanged
         async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1", additional_headers=AUTH) as ws2:
             with pytest.raises(websockets.ConnectionClosed) as ei:
                 await _recv_until(ws2, "never")
             assert ei.value.rcvd.code == 1013
-        chat = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
+        chat = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=bound(10),
                           json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 503
         for i in range(0, len(speech), 3200):
             await c.send_audio(speech[i:i + 3200], rate=16_000)
         await c.commit()
         h = await c.create_response()
-        final = await h.wait(30)
+        final = await h.wait(bound(30))
         assert final.response.status == "completed" and h.audio_samples == 72000
         mid = scrape(srv.url, AUTH)
         assert val(mid, "duplexkit_sessions_active") == 1 and val(mid, "duplexkit_ready") == 0
     for _ in range(100):  # the slot is released when the socket ends
-        if httpx.get(srv.url + "/ready", timeout=10).status_code == 200:
+        if httpx.get(srv.url + "/ready", timeout=bound(10)).status_code == 200:
             break
         await asyncio.sleep(0.1)
-    assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+    assert httpx.get(srv.url + "/ready", timeout=bound(10)).status_code == 200
     # a bad append in a new session: one realtime error by its §9 code
     async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1", additional_headers=AUTH) as ws:
         await _recv_until(ws, "session.created")
@@ -127,7 +128,8 @@ async def test_metrics_move_after_a_spoken_turn_and_ready_flips_when_full(one_sl
 
 
 async def test_sigterm_drains_then_closes_the_live_session_with_shutdown():
-    drain_s = 4.0
+    # the checks below all happen during the drain: it must outlast them on a busy machine too
+    drain_s = bound(10.0)
     srv = ServerProc("scripted", "--drain-s", f"{drain_s:g}s", "--metrics", "public")
     try:
         async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1") as ws:
@@ -136,13 +138,13 @@ async def test_sigterm_drains_then_closes_the_live_session_with_shutdown():
             srv.proc.send_signal(signal.SIGTERM)
             # readiness flips to 503 "draining" at once; liveness and the scrape still answer
             for _ in range(100):
-                r = httpx.get(srv.url + "/ready", timeout=10)
+                r = httpx.get(srv.url + "/ready", timeout=bound(10))
                 if r.status_code == 503:
                     break
                 await asyncio.sleep(0.05)
             assert r.status_code == 503 and r.json()["status"] == "draining", r.text
-            assert httpx.get(srv.url + "/live", timeout=10).status_code == 200
-            assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "shutting_down"
+            assert httpx.get(srv.url + "/live", timeout=bound(10)).status_code == 200
+            assert httpx.get(srv.url + "/health", timeout=bound(10)).json()["status"] == "shutting_down"
             m = scrape(srv.url)
             assert val(m, "duplexkit_draining") == 1 and val(m, "duplexkit_sessions_active") == 1
             # new sessions are refused during the drain: error{session_capacity_exhausted}, close 1013
@@ -152,7 +154,7 @@ async def test_sigterm_drains_then_closes_the_live_session_with_shutdown():
                 with pytest.raises(websockets.ConnectionClosed) as ei:
                     await ws2.recv()
                 assert ei.value.rcvd.code == 1013
-            chat = httpx.post(srv.url + "/v1/chat/completions", timeout=10,
+            chat = httpx.post(srv.url + "/v1/chat/completions", timeout=bound(10),
                               json={"messages": [{"role": "user", "content": "hi"}]})
             assert chat.status_code == 503 and "draining" in chat.json()["error"]["message"]
             # the live session still works during the drain
@@ -165,7 +167,7 @@ async def test_sigterm_drains_then_closes_the_live_session_with_shutdown():
             with pytest.raises(websockets.ConnectionClosed) as ei:
                 await ws.recv()
             assert ei.value.rcvd.code == 1001
-        assert srv.proc.wait(30) == 0
+        assert srv.proc.wait(bound(30)) == 0
         assert "draining: 1 session slot(s) in use" in srv.output()
     finally:
         srv.__exit__(None, None, None)
@@ -178,14 +180,14 @@ async def test_sigterm_drain_ends_early_when_the_sessions_finish():
             await _recv_until(ws, "session.created")
             srv.proc.send_signal(signal.SIGTERM)
             for _ in range(100):
-                if httpx.get(srv.url + "/ready", timeout=10).status_code == 503:
+                if httpx.get(srv.url + "/ready", timeout=bound(10)).status_code == 503:
                     break
                 await asyncio.sleep(0.05)
             await ws.send(json.dumps({"type": "session.close"}))
             evs = await _recv_until(ws, "session.closed")
             assert evs[-1]["reason"] == "client_close"
         # the last session ended by itself: the process stops long before the 10-minute drain
-        assert srv.proc.wait(60) == 0
+        assert srv.proc.wait(bound(60)) == 0
     finally:
         srv.__exit__(None, None, None)
 

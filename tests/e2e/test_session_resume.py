@@ -21,6 +21,7 @@ from duplexkit.testing import ScriptedEngine
 from duplexkit_server import ServerSettings, create_app
 
 from _loopback import CuttingProxy, inprocess_server
+from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
@@ -69,12 +70,12 @@ async def test_resume_through_a_cut_mid_response(fixtures_audio):
             reader = asyncio.get_running_loop().create_task(_collect(client, events, calls))
             await _speak(client, fixtures_audio)
             handle = await client.create_response()
-            await handle.wait(timeout=120)  # generous: the cut + resume happen inside
+            await handle.wait(timeout=bound(120))  # generous: the cut + resume happen inside
             assert proxy.cuts == 1 and proxy.connections == 2
             assert len(calls) == 1 and (await calls[0]).type == "session.heartbeat_ack"
             assert client.connection_state == "open"
             # playback went on through the cut: every sample of the answer is heard, once
-            assert await handle.wait_heard(timeout=120) == 1000 * UNITS == handle.audio_ms
+            assert await handle.wait_heard(timeout=bound(120)) == 1000 * UNITS == handle.audio_ms
             # the session and its formats survived: more input in the declared 24 kHz format is taken
             conn = next(iter(state.connections))
             assert conn.resumes == 1 and conn.session.settings.instructions == "Be brief."
@@ -87,7 +88,7 @@ async def test_resume_through_a_cut_mid_response(fixtures_audio):
         finally:
             await client.close()
             await proxy.close()
-        await asyncio.wait_for(reader, 30)
+        await asyncio.wait_for(reader, bound(30))
     kinds = [getattr(e, "type", type(e).__name__) for e in events]
     assert "client.reconnecting" in kinds and "session.resumed" in kinds, kinds
     assert kinds.index("client.reconnecting") < kinds.index("session.resumed")
@@ -114,7 +115,7 @@ async def _raw_resume(port: int, data: dict, headers=None) -> list[dict]:
         await ws.send(json.dumps(data))
         try:
             while True:
-                got.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+                got.append(json.loads(await asyncio.wait_for(ws.recv(), bound(30))))
         except websockets.exceptions.ConnectionClosed as exc:
             got.append({"close_code": exc.rcvd.code if exc.rcvd else None})
     return got
@@ -226,12 +227,12 @@ async def test_journal_overflow_ends_the_session(fixtures_audio):
             assert proxy.cuts == 1 and not state.connections and state.slots.used == 0
             proxy.blocked = False
             with pytest.raises(DuplexConnectionError) as ei:
-                await handle.wait(timeout=120)
+                await handle.wait(timeout=bound(120))
             assert ei.value.code == "resume_journal_overflow", ei.value
         finally:
             await client.close()
             await proxy.close()
-        await asyncio.wait_for(reader, 30)
+        await asyncio.wait_for(reader, bound(30))
         assert isinstance(events[-1], DuplexConnectionError) and events[-1].code == "resume_journal_overflow"
         for _ in range(1000):
             if not state.connections:
@@ -269,7 +270,7 @@ async def test_resume_takes_over_a_connection_the_server_still_thinks_alive():
             replay = json.loads(await new.recv())
             assert replay["type"] == "session.heartbeat_ack" and replay["server_event_seq"] == 2
             with pytest.raises(websockets.exceptions.ConnectionClosed) as ei:
-                await asyncio.wait_for(old.recv(), 30)
+                await asyncio.wait_for(old.recv(), bound(30))
             assert ei.value.rcvd.code == 1001
             await new.send(json.dumps({"type": "session.close"}))
             closed = json.loads(await new.recv())
@@ -329,7 +330,7 @@ async def test_client_frames_lost_with_the_connection_are_sent_again(fixtures_au
             assert conn.client_frames == before_frames  # none of them arrived
             proxy.blackhole = False
             proxy.cut_now()
-            ack = await asyncio.wait_for(ping, 60)
+            ack = await asyncio.wait_for(ping, bound(60))
             assert ack.type == "session.heartbeat_ack"
             assert client.resumes == 1 and client.frames_resent == 6
             assert conn.client_frames == before_frames + 6
@@ -363,16 +364,16 @@ async def test_a_draining_replica_refuses_new_sessions_but_takes_resumes(fixture
             with pytest.raises(websockets.exceptions.ConnectionClosed) as refused:
                 async with websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1") as ws:
                     while True:
-                        await asyncio.wait_for(ws.recv(), 30)
+                        await asyncio.wait_for(ws.recv(), bound(30))
             assert refused.value.rcvd.code == 1013 and "session_capacity_exhausted" in refused.value.rcvd.reason
             await _speak(client, fixtures_audio)
             handle = await client.create_response()
-            await handle.wait(timeout=120)
+            await handle.wait(timeout=bound(120))
             assert proxy.cuts == 1 and proxy.connections == 2 and client.resumes == 1
             assert handle.status == "completed" and handle.audio_samples == 24_000 * UNITS
             assert not drained.done()  # the live session keeps the replica draining
         finally:
             await client.close()
             await proxy.close()
-        assert await asyncio.wait_for(drained, 30) == 0  # it finished by itself: nothing left to close
-        await asyncio.wait_for(reader, 30)
+        assert await asyncio.wait_for(drained, bound(30)) == 0  # it finished by itself: nothing left to close
+        await asyncio.wait_for(reader, bound(30))
