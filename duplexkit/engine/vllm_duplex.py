@@ -228,9 +228,7 @@ class VllmDuplexThinker:
         img = th.image_embeds(frame).float() if frame is not None else None
         n_img = 0 if img is None else int(img.shape[0]) + 2
         await self._slide(vs, int(aud.shape[0]) + n_img + st.policy.unit_limit())
-        s = D.start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended)
-        st.force_speak_pending = s.force_speak_pending
-        st.turn_ended = s.turn_ended
+        s = D.open_unit(st, force_listen, force_speak)
         ids: List[int] = []
         embeds: List[torch.Tensor] = []
         images: List[torch.Tensor] = []
@@ -324,14 +322,7 @@ class VllmDuplexThinker:
         """Replay the unit's tokens on the host state (``duplex.decode_rows`` / ``finish_row``)."""
         sp = self.th.special
         term, fed = out[-1], out[:-1]
-        turn_start, end_of_turn = s.turn_start, False
-        for t in fed:
-            D.remember(st, t)
-            if t == sp.turn_eos:
-                st.turn_ended, end_of_turn = True, True
-            else:
-                turn_start |= st.turn_ended
-                st.turn_ended = False
+        turn_start, end_of_turn = D.replay_decided(self.th, st, fed, s.turn_start)
         if not s.forced_listen and term != sp.chunk_eos:  # a main-pass terminator joins the history
             D.remember(st, term)
         rec = fed[1:]

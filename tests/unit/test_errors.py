@@ -161,7 +161,11 @@ def _all_modules() -> list:
         pkg = importlib.import_module(pkg_name)
         mods.append(pkg)
         for info in pkgutil.walk_packages(pkg.__path__, pkg_name + "."):
-            mods.append(importlib.import_module(info.name))
+            try:
+                mods.append(importlib.import_module(info.name))
+            except ModuleNotFoundError as exc:  # the vLLM model plugin imports vllm: its own venv only
+                if (exc.name or "").split(".")[0] != "vllm":
+                    raise
     return mods
 
 

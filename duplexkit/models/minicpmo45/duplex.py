@@ -354,12 +354,36 @@ class UnitRow:
     rec_hidden: List[torch.Tensor] = field(default_factory=list)
 
 
+def open_unit(st: "ThinkerStream", force_listen: bool, force_speak: bool) -> UnitStart:
+    """:func:`start_unit` for the stream's next unit, applied to its turn state (the one place, with
+    :func:`decode_rows` and :func:`replay_decided`, that writes ``force_speak_pending`` / ``turn_ended``)."""
+    s = start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended)
+    st.force_speak_pending = s.force_speak_pending
+    st.turn_ended = s.turn_ended
+    return s
+
+
+def replay_decided(th: "Thinker", st: "ThinkerStream", fed: Sequence[int], turn_start: bool) -> Tuple[bool, bool]:
+    """Apply tokens that were decided by :func:`decide` elsewhere (the vLLM thinker's logits
+    processor) to the stream's host state, as :func:`decode_rows` does token by token: each fed token
+    joins the history; ``<|turn_eos|>`` ends the turn, any other token opens one when the turn had
+    ended. Returns ``(turn_start, end_of_turn)`` of the unit (``turn_start`` as given, or-ed)."""
+    sp = th.special
+    end_of_turn = False
+    for t in fed:
+        remember(st, t)
+        if t == sp.turn_eos:
+            st.turn_ended, end_of_turn = True, True
+        else:
+            turn_start |= st.turn_ended
+            st.turn_ended = False
+    return turn_start, end_of_turn
+
+
 def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> UnitRow:
     """Apply :func:`start_unit` to the stream and return its :class:`UnitRow`."""
     st = inp.stream
-    s = start_unit(st.policy, st.units_done, inp.force_listen, inp.force_speak, st.force_speak_pending, st.turn_ended)
-    st.force_speak_pending = s.force_speak_pending
-    st.turn_ended = s.turn_ended
+    s = open_unit(st, inp.force_listen, inp.force_speak)
     row = UnitRow(index=index, stream=st, force_speak=s.force_speak, turn_start=s.turn_start, logits_row=logits_row)
     if s.forced_listen:
         row.terminator = th.special.listen
