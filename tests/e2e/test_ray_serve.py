@@ -273,9 +273,25 @@ async def test_replicas_stopped_by_serve_drain_and_new_sessions_avoid_them(clust
         deploy = asyncio.ensure_future(asyncio.to_thread(_deploy, 1))
         log = []  # (time the probe began, replica tag, outcome)
         stopping, checked = 1, loop.time()
-        # probe until serve.run has returned and no replica is stopping any more (serve.run may
-        # return while an old replica of a rolled version still drains)
-        while not deploy.done() or stopping:
+        first_close = None
+        # probe until serve.run has returned, no replica is reported stopping, and the drains have
+        # ended: every watched session closed, or DRAIN_S + ROUTING_UPDATE_S after the first close
+        # (serve.run may return, and Serve's status stop listing a replica, while duplexkit still
+        # drains it: seen on a loaded machine, the drain ended 15 s after the status went quiet)
+        deadline = loop.time() + bound(300.0)
+
+        def drains_running() -> bool:
+            nonlocal first_close
+            done = [w for w in watch.values() if w.done()]
+            if done and first_close is None:
+                first_close = loop.time()
+            if len(done) == len(watch):
+                return False
+            if first_close is None:
+                return True
+            return loop.time() - first_close < DRAIN_S + ROUTING_UPDATE_S
+
+        while (not deploy.done() or stopping or drains_running()) and loop.time() < deadline:
             for p in [p for p in probes if p.done()]:
                 p.result()  # a probe's failure fails the test
                 probes.discard(p)
