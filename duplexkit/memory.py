@@ -29,7 +29,7 @@ from typing import Optional
 
 logger = logging.getLogger("duplexkit.memory")
 
-__all__ = ["malloc_trim", "schedule_trim"]
+__all__ = ["malloc_trim", "schedule_trim", "cuda_memory"]
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -72,3 +72,16 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
             loop.create_task(asyncio.to_thread(malloc_trim))
 
     _pending = loop.call_later(delay_s, fire)
+
+
+def cuda_memory() -> dict:
+    """This process's CUDA memory, ``{"cuda:N": {"allocated", "reserved", "total"}}`` in bytes, when
+    torch is already imported and CUDA initialised; ``{}`` otherwise (never imports torch). Read by
+    the server's ``duplexkit_gpu_memory_bytes`` in its own process, or in the engine process, which
+    pushes it to the server."""
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {f"cuda:{i}": {"allocated": torch.cuda.memory_allocated(i), "reserved": torch.cuda.memory_reserved(i),
+                          "total": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(torch.cuda.device_count())}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 import time
 import weakref
 from typing import Any, Optional
@@ -209,15 +208,6 @@ def _ready_reason(state) -> Optional[str]:
     return not_ready_reason(state)
 
 
-def cuda_memory() -> dict:
-    """This process's CUDA memory, ``{"cuda:N": {"allocated", "reserved", "total"}}`` in bytes, when
-    torch is already imported and CUDA initialised; ``{}`` otherwise (never imports torch)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return {}
-    return {f"cuda:{i}": {"allocated": torch.cuda.memory_allocated(i), "reserved": torch.cuda.memory_reserved(i),
-                          "total": torch.cuda.get_device_properties(i).total_memory}
-            for i in range(torch.cuda.device_count())}
 
 
 def _gpu_families(engine=None):
@@ -227,6 +217,8 @@ def _gpu_families(engine=None):
     loaded and CUDA initialised; nothing otherwise."""
     fn = getattr(engine, "gpu_memory", None)
     try:
+        from duplexkit.memory import cuda_memory
+
         usage = fn() if fn is not None else cuda_memory()
     except Exception as exc:  # pragma: no cover - a broken driver must not break the scrape
         logger.debug("gpu metrics unavailable: %r", exc)

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from duplexkit.errors import EngineLoadError, EngineProcessError
+from duplexkit.memory import cuda_memory as _cuda_memory
 
 from .api import ChatRequest, EngineCommand, EngineFailure, StreamConfig
 
 logger = logging.getLogger("duplexkit.engine.process")
 
 __all__ = ["EngineSpec", "OUTPUT_CREDITS", "MAX_BATCHES_IN_FLIGHT", "BATCH_MAX", "STATS_INTERVAL_S",
-           "portable", "child_main", "cuda_memory"]
+           "portable", "child_main"]
 
 OUTPUT_CREDITS = 256
 """Stream outputs and chat deltas the engine process may have queued or in the pipe at once (at most
@@ -83,18 +84,6 @@ def portable(exc: BaseException, fallback=EngineProcessError) -> BaseException:
 # =============================================================================================
 
 
-def cuda_memory() -> dict:
-    """The engine process's CUDA memory for the server's ``duplexkit_gpu_memory_bytes``:
-    ``{"cuda:N": {"allocated", "reserved", "total"}}`` in bytes when torch is imported and CUDA
-    initialised, else ``{}`` (the same reading as ``duplexkit_server.metrics.cuda_memory``)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return {}
-    return {f"cuda:{i}": {"allocated": torch.cuda.memory_allocated(i), "reserved": torch.cuda.memory_reserved(i),
-                          "total": torch.cuda.get_device_properties(i).total_memory}
-            for i in range(torch.cuda.device_count())}
 
 
 class _ChildServer:
@@ -295,7 +284,7 @@ class _ChildServer:
             fn = getattr(self.engine, "kv_usage", None)
             try:
                 stats = {"kv_usage": (fn() or {}) if fn is not None else None, "num_streams": len(self.streams),
-                         "gpu_memory": cuda_memory()}
+                         "gpu_memory": _cuda_memory()}
             except Exception as exc:  # pragma: no cover - metrics never break the engine
                 logger.debug("kv usage unavailable: %r", exc)
                 continue

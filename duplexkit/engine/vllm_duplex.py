@@ -189,13 +189,7 @@ class VllmDuplexThinker:
             VllmBackendError: ``max_unit_chars`` (not supported on vLLM).
         """
         th = self.th
-        if policy is None:
-            if not 0.0 <= float(temperature) <= 2.0:
-                raise ValueError(f"temperature must be in [0, 2], got {temperature}")
-            if force_listen_count < 0:
-                raise ValueError("force_listen_count must be >= 0")
-            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count),
-                                  **th.policy_defaults)
+        policy = th.stream_policy(temperature, force_listen_count, policy)
         if policy.max_unit_chars is not None:
             raise VllmBackendError("max_unit_chars is not supported by the vLLM thinker")
         st = ThinkerStream(stream_id=f"vllm{self._n}", policy=policy, kv=None, generator=None)

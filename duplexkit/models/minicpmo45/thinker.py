@@ -292,6 +292,23 @@ class Thinker:
 
     # ------------------------------------------------------------------------------ duplex
     @torch.inference_mode()
+    def stream_policy(self, temperature: float = 0.7, force_listen_count: int = 0,
+                      policy: Optional[DuplexPolicy] = None) -> DuplexPolicy:
+        """``policy`` when given, else a :class:`DuplexPolicy` of ``temperature`` (0-2; 0 = greedy)
+        and ``force_listen_count`` (>= 0) over the engine-wide :attr:`policy_defaults`.
+
+        Raises:
+            ValueError: ``temperature`` outside [0, 2] or a negative ``force_listen_count``.
+        """
+        if policy is not None:
+            return policy
+        if not 0.0 <= float(temperature) <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+        if force_listen_count < 0:
+            raise ValueError("force_listen_count must be >= 0")
+        return DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count),
+                            **self.policy_defaults)
+
     def new_stream(
         self,
         instructions: Optional[str] = None,
@@ -318,13 +335,7 @@ class Thinker:
         Raises:
             ValueError: bad argument values.
         """
-        if policy is None:
-            if not 0.0 <= float(temperature) <= 2.0:
-                raise ValueError(f"temperature must be in [0, 2], got {temperature}")
-            if force_listen_count < 0:
-                raise ValueError("force_listen_count must be >= 0")
-            policy = DuplexPolicy(temperature=float(temperature), force_listen_count=int(force_listen_count),
-                                  **self.policy_defaults)
+        policy = self.stream_policy(temperature, force_listen_count, policy)
         gen = None
         if policy.temperature > 0:
             gen = torch.Generator()
