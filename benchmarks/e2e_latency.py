@@ -373,18 +373,28 @@ def _start_random(a, max_sessions: int):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
                                kv_slots=max_sessions + 2, with_code2wav=True)
+    def mem(what: str) -> None:
+        if dev.type == "cuda":
+            print(f"GPU memory after {what}: {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved(dev) / 2**30:.1f} GiB reserved", flush=True)
+
+    mem("building the model")
     n_tok = int(a.tokens)
     model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
     if dev.type == "cuda":
         every = list(range(1, max_sessions + 3))
         model.thinker.warmup(every, 512)
+        mem("the thinker's captures")
         model.talker.warmup(every, 512)
-        if hasattr(model.code2wav, "warmup"):  # every encoder/HiFT batch bucket a level can form
-            model.code2wav.warmup(batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * (max_sessions + 2)))
+        mem("the talker's captures")
+        if hasattr(model.code2wav, "warmup"):  # the encoder/HiFT batch buckets up to the largest level
+            model.code2wav.warmup(batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max_sessions))
+            mem("the vocoder's captures")
     engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
     if dev.type == "cuda" and not a.no_warm_turn:
         ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
         print(f"warm-up turn: first audio after {ms or 0:.0f} ms", flush=True)
+        mem("the warm-up turn")
     return _serve_inprocess(engine, max_sessions)
 
 
@@ -481,6 +491,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds of one session run first and reported apart as the cold start (the first "
                          "response of a fresh process pays one-time lazy initialisation), not in the levels")
+    ap.add_argument("--level-warmup", action="store_true",
+                    help="before each level, one round at that level's concurrency, not counted (the first "
+                         "time a batch size is met, lazily built kernels and graph buckets for it are paid)")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.sessions.split(",") if x.strip()]
     server = None
@@ -501,6 +514,10 @@ def main(argv=None) -> int:
                   f"{[round(x) for x in w['create']]} ms, vad_eos {[round(x) for x in w['vad_eos']]} ms", flush=True)
         for n in levels:
             t = time.perf_counter()
+            if a.level_warmup and n > 1:
+                w = asyncio.run(run_level(url, n, 1, a.timeout, a.silence_ms))
+                print(f"level {n} warm-up round (not counted): create p50 {_pct(w['create'], 50):.0f} ms, "
+                      f"{time.perf_counter() - t:.0f} s", flush=True)
             if tracer is not None:
                 tracer.records = []
             r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms, a.split_commit_ms))

@@ -12,16 +12,21 @@ exposes no ``batched = True`` attribute), each item is passed on its own so an e
 only that item's stream. A component that declares ``batched = True`` gets the whole list in one
 call (the GPU path), and an exception then fails the whole batch.
 
-Every method here runs on the owning stage's worker thread (never on the event loop).
+Every method here runs on the owning stage's worker thread (never on the event loop), holding the
+model's CUDA-graph capture gate shared (:mod:`duplexkit.models.minicpmo45.capture_gate`): the three
+stage threads run concurrently, and a graph captured lazily on one of them waits until no other is
+launching GPU work, instead of breaking their launches and itself.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..models.minicpmo45.capture_gate import CAPTURE_GATE
 from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
 from .stages import TalkerOut, ThinkerOut, VocoderOut
 
@@ -31,6 +36,17 @@ TALKER_TEMPERATURE = 0.8
 """Talker sampling temperature of the reference duplex path (docs/model.md §6 "Sampling")."""
 CODES_PER_CHUNK = 25
 """New codes per vocoder chunk (docs/model.md §7.1)."""
+
+
+def _gpu_work(fn: Callable) -> Callable:
+    """Run ``fn`` holding the capture gate shared (see the module docstring)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with CAPTURE_GATE.shared():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -83,6 +99,7 @@ class MiniCPMO45Stages:
         self.talker_temperature = float(talker_temperature)
 
     # ------------------------------------------------------------------ thinker
+    @_gpu_work
     def thinker_open(self, config: StreamConfig) -> Any:
         ref = None if config.ref_voice is None else np.asarray(config.ref_voice.audio, np.float32)
         return self.model.thinker.new_stream(
@@ -91,6 +108,7 @@ class MiniCPMO45Stages:
             force_listen_count=int(config.force_listen_count),
         )
 
+    @_gpu_work
     def thinker_update(self, handle: Any, old: StreamConfig, new: StreamConfig) -> Any:
         """A changed session prefix (instructions, reference voice, seed text) or seed rebuilds the
         context from the new prefix (docs/protocol.md §8.6); a changed temperature or
@@ -114,6 +132,7 @@ class MiniCPMO45Stages:
             pol.force_listen_count = int(new.force_listen_count)
         return handle
 
+    @_gpu_work
     def thinker_step(self, items: list) -> list:
         from duplexkit.models.minicpmo45.duplex import UnitInput
 
@@ -134,9 +153,11 @@ class MiniCPMO45Stages:
             ))
         return out
 
+    @_gpu_work
     def thinker_end_turn(self, handle: Any) -> None:
         self.model.thinker.end_turn(handle)
 
+    @_gpu_work
     def thinker_close(self, handle: Any) -> None:
         self.model.thinker.close(handle)
 
@@ -151,9 +172,11 @@ class MiniCPMO45Stages:
         g.manual_seed(int(seed))
         return g
 
+    @_gpu_work
     def talker_new_turn(self, seed: Optional[int]) -> Any:
         return _TalkerTurnState(self.model.talker.new_turn(), self._generator(seed))
 
+    @_gpu_work
     def talker_step(self, items: list) -> list:
         from duplexkit.models.minicpmo45.talker import TalkerInput
 
@@ -174,6 +197,7 @@ class MiniCPMO45Stages:
                 out.append(TalkerOut(codes=codes, steps=int(codes.size) + 1))
         return out
 
+    @_gpu_work
     def talker_close_turn(self, turn: Any) -> None:
         t = getattr(turn, "turn", None)
         if t is not None and hasattr(t, "reset"):
@@ -186,9 +210,11 @@ class MiniCPMO45Stages:
             raise RuntimeError("this model was loaded without code2wav: open streams with output_audio=False")
         return c2w
 
+    @_gpu_work
     def code2wav_open(self, ref_voice: Optional[ReferenceVoice]) -> Any:
         return self._c2w().new_stream(ref_voice)
 
+    @_gpu_work
     def code2wav_step(self, items: list) -> list:
         c2w = self._c2w()
 
@@ -198,13 +224,16 @@ class MiniCPMO45Stages:
         res = _loop_or_batch(c2w, getattr(c2w, "push_batch", push) if getattr(c2w, "batched", False) else push, items)
         return [r if isinstance(r, BaseException) else VocoderOut(np.asarray(r, np.float32).reshape(-1)) for r in res]
 
+    @_gpu_work
     def code2wav_reset_turn(self, handle: Any) -> None:
         self._c2w().reset_turn(handle)
 
+    @_gpu_work
     def code2wav_close(self, handle: Any) -> None:
         self._c2w().close(handle)
 
     # ------------------------------------------------------------------ chat (turn-based)
+    @_gpu_work
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
         """Text pass of :meth:`DuplexEngine.generate` (thinker stage thread).
 
@@ -239,6 +268,7 @@ class MiniCPMO45Stages:
                               finish_reason="length" if r.finish_reason == "length" else "stop",
                               prompt_tokens=int(r.prompt_tokens), completion_tokens=int(len(r.token_ids)))
 
+    @_gpu_work
     def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:
         """Codes for the whole spoken span (talker stage thread): int64 [n <= max_codes]
         (reference offline cap 2048, docs/model.md §6)."""

@@ -22,10 +22,10 @@ ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _capture(c2w: "BatchedCode2Wav", fn):
-    """Warm ``fn`` up on a side stream, then capture it under the process-wide capture lock."""
+    """Warm ``fn`` up on a side stream, then capture it holding the process-wide capture gate exclusive."""
     import torch
 
-    from .fast_kv import CAPTURE_LOCK
+    from .fast_kv import CAPTURE_GATE
 
     s = torch.cuda.Stream(c2w.device)
     s.wait_stream(torch.cuda.current_stream(c2w.device))
@@ -33,7 +33,7 @@ def _capture(c2w: "BatchedCode2Wav", fn):
         fn()
     torch.cuda.current_stream(c2w.device).wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with CAPTURE_LOCK, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 

@@ -20,7 +20,7 @@ On CUDA (:mod:`.code2wav_graphs`) the encoder of non-final chunks replays a grap
 larger groups run the loop as sub-batches of 4 replays. A voice has a few cache shapes (the caches
 grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
 package) is precomputed per batch size outside the graph. Captures hold
-:data:`~.fast_kv.CAPTURE_LOCK`. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
+:data:`~.fast_kv.CAPTURE_GATE` exclusive; every other call holds it shared. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
 
 Why: one flow call costs ~0.3-0.4 s of CPU (launch bound); HiFT per stream cost ~25 ms of CPU each,
 so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
@@ -367,7 +367,7 @@ class BatchedCode2Wav(Code2Wav):
                     if group[0][2].shape[2]:
                         src = torch.cat([g[2] for g in group] + [torch.zeros_like(group[0][2])] * pad, dim=0)
                     seeds = [self._hift_seed(st) for st in sts] + [0] * pad
-                    with self._hift_guard(last, lock=False):  # private per-row generators
+                    with self._hift_guard(last):  # private per-row generators
                         speech, source = hift_rows(self.hift, mel, src, seeds, self._row_noise)
                     speech = self._crossfade_and_hold(sts, mel[:B], speech[:B], source[:B], last)
                 audio = speech.float().cpu().numpy()
@@ -380,21 +380,19 @@ class BatchedCode2Wav(Code2Wav):
             for b, (p, _m, _s, cache, tokens, _l) in enumerate(group):
                 p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
 
-    def _hift_guard(self, last: bool, lock: bool = True):
+    def _hift_guard(self, last: bool):
         """HiFT with cuDNN autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk
         on the H200, benchmarks/NOTES.md; the turn's variable-length last chunk keeps the heuristics),
-        under the CUDA-graph capture lock when ``lock``: the per-stream path (``push``, or
-        ``hift_batched`` off) draws from the default CUDA generator, which a capture on another thread
-        would break. The batched path draws from private per-row generators and runs without the
-        lock: holding it through every batched HiFT call made the talker wait for the vocoder
-        (benchmarks/NOTES.md, issue 19 step 8)."""
+        holding the capture gate shared (:mod:`.capture_gate`): no graph capture on another thread
+        may be open while HiFT launches kernels or (the per-stream path) draws from the default CUDA
+        generator. Shared holds never wait for each other, so the talker does not wait for the
+        vocoder (issue 19 step 8)."""
         import contextlib
 
-        from .fast_kv import CAPTURE_LOCK
+        from .fast_kv import CAPTURE_GATE
 
         torch = self.torch
         stack = contextlib.ExitStack()
-        if lock:
-            stack.enter_context(CAPTURE_LOCK)
+        stack.enter_context(CAPTURE_GATE.shared())
         stack.enter_context(torch.backends.cudnn.flags(enabled=True, benchmark=not last and self.device.type == "cuda"))
         return stack

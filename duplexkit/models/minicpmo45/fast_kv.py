@@ -30,14 +30,10 @@ import torch.nn.functional as F
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["CAPTURE_LOCK", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
+__all__ = ["CAPTURE_GATE", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
 
 
-CAPTURE_LOCK = threading.RLock()
-"""Held while a CUDA graph is captured and while eager code draws from the default CUDA generator
-(HiFT's source noise, unseeded talker noise). The engine's stage threads run concurrently; a
-capture registers the default generator, and a draw from it on another thread during the capture
-fails ("Offset increment outside graph capture")."""
+from .capture_gate import CAPTURE_GATE  # noqa: E402 - re-exported: captures hold it exclusive, stage work shared
 
 
 class ContextFullError(DuplexkitError, ValueError):

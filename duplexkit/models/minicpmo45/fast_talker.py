@@ -20,7 +20,6 @@ later, never read).
 
 from __future__ import annotations
 
-import contextlib
 
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .fast_kv import CAPTURE_LOCK, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import CAPTURE_GATE, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
@@ -103,7 +102,7 @@ class _UnitGraph:
             ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=ft.graph_pool, capture_error_mode="thread_local"):
+        with CAPTURE_GATE.exclusive(), torch.cuda.graph(self.graph, pool=ft.graph_pool, capture_error_mode="thread_local"):
             self.codes = ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
 
     def run(self, **kw) -> torch.Tensor:
@@ -253,11 +252,9 @@ class FastTalker:
         V = cfg.num_audio_tokens
         noise = torch.ones(B, max(steps, 1), V, dtype=torch.float32, device=dev)
         draws = [(b, it) for b, (_i, it, s, _e) in enumerate(group) if not s.greedy and steps > 0]
-        # the default CUDA generator (an unseeded turn, generator None) must not be drawn from while
-        # another thread captures a graph; a turn's own generator needs no lock (the Code2Wav thread
-        # holds the lock through its HiFT calls, so taking it only when needed keeps the talker from
-        # waiting for the vocoder)
-        with CAPTURE_LOCK if any(it.generator is None for _b, it in draws) else contextlib.nullcontext():
+        # no graph capture may be open on another thread while the default CUDA generator (an
+        # unseeded turn) is drawn from: hold the capture gate shared (never waits for other stages)
+        with CAPTURE_GATE.shared():
             for b, it in draws:  # the eager talker's draw for a unit (talker_decode.run_jobs)
                 noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
         kw = dict(

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
-from .fast_kv import CAPTURE_LOCK, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import CAPTURE_GATE, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
 from .thinker import Thinker, ThinkerStream
 
 __all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS"]
@@ -89,7 +89,7 @@ class _StepGraph:
                 th._forward_eager(self.x, self.pos, self.slots, kv_len)
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=th.graph_pool, capture_error_mode="thread_local"):
+        with CAPTURE_GATE.exclusive(), torch.cuda.graph(self.graph, pool=th.graph_pool, capture_error_mode="thread_local"):
             self.h, self.logits = th._forward_eager(self.x, self.pos, self.slots, kv_len)
 
     def run(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
