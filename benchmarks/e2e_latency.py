@@ -281,6 +281,19 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
         res["errors"] += inbox.errors
 
 
+def _error_kinds(errors: list):
+    """Counter of error kinds: the server's ``error.code: message`` or the client-side timeout text."""
+    from collections import Counter
+
+    def kind(e: dict) -> str:
+        if "timeout" in e:
+            return "client timeout: " + e["timeout"][:160]
+        err = e.get("error") or {}
+        return f"server error {err.get('code')}: {str(err.get('message'))[:160]}"
+
+    return Counter(kind(e) for e in errors)
+
+
 def _pct(v: list, q: float) -> float:
     return float(np.percentile(v, q)) if v else float("nan")
 
@@ -527,6 +540,8 @@ def main(argv=None) -> int:
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
                   f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, errors {len(r['errors'])}",
                   flush=True)
+            for kind, count in _error_kinds(r["errors"]).most_common():
+                print(f"  error x{count}: {kind}", flush=True)
     finally:
         if isinstance(server, subprocess.Popen):
             server.terminate()
@@ -537,7 +552,8 @@ def main(argv=None) -> int:
           f"VAD silence_duration_ms {a.silence_ms})")
     print_table(rows)
     out = [{"sessions": n, **{k: r[k] for k in ("create", "create_split", "vad_eos", "vad_stop", "barge", "barge_last",
-                                                 "barge_missed", "trace")}} for n, r in rows]
+                                                 "barge_missed", "trace")},
+            "errors": dict(_error_kinds(r["errors"]))} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
     return 0
