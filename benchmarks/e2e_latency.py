@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -160,24 +161,31 @@ def _delta_of(inbox: Inbox, match):
 
 
 async def _session(url: str, rounds: int, res: dict, question: np.ndarray, interrupt: np.ndarray,
-                   timeout: float, silence_ms: int = 500, split_ms: float = 0.0) -> None:
+                   timeout: float, silence_ms: int = 500, split_ms: float = 0.0, phase: Optional[list] = None) -> None:
+    """One client: ``rounds`` of the three scenarios. ``phase[0]`` names the wait in progress (for the
+    error report when a wait times out)."""
     import websockets
+
+    phase = phase if phase is not None else [""]
 
     q_end = _speech_edges(question)[1]
     i_on = _speech_edges(interrupt)[0]
     async with websockets.connect(url + "/v1/realtime?duplex=1", max_size=None) as ws:
         inbox = Inbox(ws)
         rx = asyncio.create_task(inbox.run())
+        phase[0] = "session.created"
         await asyncio.wait_for(inbox.expect(_is("session.created")), timeout)
         mic = Mic(ws)
         tx = asyncio.create_task(mic.run())
 
         async def update(td) -> None:
+            phase[0] = "session.updated"
             f = inbox.expect(_is("session.updated"))
             await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": td}}))
             await asyncio.wait_for(f, timeout)
 
         async def until_done(fut=None) -> dict:
+            phase[0] = phase[0].split(" -> ")[0] + " -> response.done"
             ev, _ = await asyncio.wait_for(fut or inbox.expect(_is("response.done")), timeout)
             return ev
 
@@ -193,6 +201,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 tag = f"bench-{time.perf_counter_ns()}"
                 first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                 done = inbox.expect(_is("response.done"))
+                phase[0] = "create: first audio"
                 t0 = time.perf_counter()
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
                 await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
@@ -213,6 +222,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                     tag = f"bench-{time.perf_counter_ns()}"
                     first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                     done = inbox.expect(_is("response.done"))
+                    phase[0] = "create_split: first audio"
                     await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
                     await asyncio.sleep(split_ms / 1000)
                     t0 = time.perf_counter()
@@ -234,6 +244,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 done = inbox.expect(_is("response.done"))
                 stopped = inbox.expect(lambda e: e["type"] == "input_audio_buffer.speech_stopped"
                                        and q_chunk in mic.sent_at)
+                phase[0] = "vad_eos: first audio"
                 mic.say(question)
                 _, t1 = await asyncio.wait_for(first, timeout)
                 res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
@@ -249,6 +260,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                     return False
 
                 inbox.waiters.append((mark, asyncio.get_running_loop().create_future()))
+                phase[0] = "barge"
                 mic.say(interrupt)
                 ev = await until_done(done)
                 inbox.waiters = [w for w in inbox.waiters if w[0] is not mark]
@@ -306,11 +318,15 @@ async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: i
 
     async def one(k: int) -> None:
         await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
+        phase = [""]
         try:
-            await _session(url, rounds, res, question, interrupt, timeout, silence_ms, split_ms)
+            await _session(url, rounds, res, question, interrupt, timeout, silence_ms, split_ms, phase)
         except (asyncio.TimeoutError, SystemExit) as exc:  # one stuck session does not end the level
             res["timeouts"] = res.get("timeouts", 0) + 1
-            res["errors"].append({"session": k, "timeout": str(exc)[:300]})
+            res["errors"].append({"session": k, "timeout": f"waiting for {phase[0]}: {str(exc)[:300]}"})
+        except Exception as exc:  # noqa: BLE001 - e.g. the server closed the socket: report, go on
+            res["errors"].append({"session": k, "timeout": f"{type(exc).__name__} while waiting for {phase[0]}: "
+                                                           f"{str(exc)[:300]}"})
 
     await asyncio.gather(*[one(k) for k in range(n)])
     return res
