@@ -332,6 +332,24 @@ async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: i
     return res
 
 
+def wait_idle(url: str, timeout: float = 120.0) -> float:
+    """Wait until the server holds no session slot (``/health`` ``sessions_active`` 0): a closed
+    session keeps its slot until its engine stream has closed, so a level that starts right after
+    the previous one could be refused with ``session_capacity_exhausted``. Returns the seconds waited."""
+    import httpx
+
+    base = url.replace("ws://", "http://").replace("wss://", "https://")
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            if httpx.get(base + "/health", timeout=5).json().get("sessions_active", 0) == 0:
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -341,7 +359,8 @@ def _free_port() -> int:
 def _start_subprocess(a, max_sessions: int):
     port = _free_port()
     cmd = [sys.executable, "-m", "duplexkit.cli", "serve", a.model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-sessions", str(max_sessions + 2), "--log-level", "warning", "--answer-policy", "on_request"]
+           "--max-sessions", str(max_sessions + 2), "--max-sessions-per-client", "0",  # every client is one address
+           "--log-level", "warning", "--answer-policy", "on_request"]
     if a.model == "scripted":
         cmd += ["--scripted", f"unit_delay_s={a.unit_delay_ms / 1000}", "--scripted", "units_per_turn=4"]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
@@ -543,8 +562,12 @@ def main(argv=None) -> int:
                   f"{[round(x) for x in w['create']]} ms, vad_eos {[round(x) for x in w['vad_eos']]} ms", flush=True)
         for n in levels:
             t = time.perf_counter()
+            waited = wait_idle(url)
+            if waited > 1:
+                print(f"waited {waited:.1f} s for the previous level's sessions to release their slots", flush=True)
             if a.level_warmup and n > 1:
                 w = asyncio.run(run_level(url, n, 1, a.timeout, a.silence_ms))
+                wait_idle(url)
                 print(f"level {n} warm-up round (not counted): create p50 {_pct(w['create'], 50):.0f} ms, "
                       f"{time.perf_counter() - t:.0f} s", flush=True)
             if tracer is not None:
