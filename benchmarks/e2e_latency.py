@@ -406,8 +406,11 @@ def _start_local(a, max_sessions: int):
     return _serve_inprocess(load_engine(a.model, progress=False, scripted=scripted), max_sessions)
 
 
-def _start_random(a, max_sessions: int):
-    """random-real / random-tiny: build the model in-process, serve with create_app + uvicorn."""
+def build_random_engine(model_name: str, device: str, tokens: int, max_sessions: int, warm_turn: bool = True):
+    """random-real / random-tiny: build the model with random weights, capture its graphs for every
+    batch size up to ``max_sessions + 2`` and run the warm-up turn (CUDA), as ``DuplexEngine.from_pretrained``
+    would; returns the engine. Module-level so that an engine process can call it
+    (``EngineSpec("e2e_latency:build_random_engine", ...)``)."""
     import torch
 
     from duplexkit.engine import DuplexEngine
@@ -416,19 +419,19 @@ def _start_random(a, max_sessions: int):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_engine import make_layout  # the same layout as the engine-only benchmark
 
-    size = a.model.split("-", 1)[1]
-    dev = torch.device(a.device)
+    size = model_name.split("-", 1)[1]
+    dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
                                kv_slots=max_sessions + 2, with_code2wav=True)
+
     def mem(what: str) -> None:
         if dev.type == "cuda":
             print(f"GPU memory after {what}: {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated, "
                   f"{torch.cuda.memory_reserved(dev) / 2**30:.1f} GiB reserved", flush=True)
 
     mem("building the model")
-    n_tok = int(a.tokens)
-    model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
+    model.thinker.policy_defaults = {"min_unit_tokens": int(tokens), "max_unit_tokens": int(tokens)}
     if dev.type == "cuda":
         every = list(range(1, max_sessions + 3))
         model.thinker.warmup(every, 512)
@@ -438,11 +441,25 @@ def _start_random(a, max_sessions: int):
         if hasattr(model.code2wav, "warmup"):  # the encoder/HiFT batch buckets up to the largest level
             model.code2wav.warmup(batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max_sessions))
             mem("the vocoder's captures")
-    engine = DuplexEngine(model, make_layout(a.device, max_sessions + 2))
-    if dev.type == "cuda" and not a.no_warm_turn:
+    engine = DuplexEngine(model, make_layout(device, max_sessions + 2))
+    if dev.type == "cuda" and warm_turn:
         ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
         print(f"warm-up turn: first audio after {ms or 0:.0f} ms", flush=True)
         mem("the warm-up turn")
+    return engine
+
+
+def _start_random(a, max_sessions: int):
+    """random-real / random-tiny: serve a random-weight engine with create_app + uvicorn in this
+    process; the engine in this process too, or (``--engine-process``) in its own process as
+    ``duplexkit serve`` runs it by default."""
+    args = (a.model, a.device, int(a.tokens), max_sessions, not a.no_warm_turn)
+    if a.engine_process:
+        from duplexkit.engine.process import EngineProcess, EngineSpec
+
+        engine = EngineProcess(EngineSpec("e2e_latency:build_random_engine", args)).start()
+    else:
+        engine = build_random_engine(*args)
     return _serve_inprocess(engine, max_sessions)
 
 
@@ -539,6 +556,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="rounds of one session run first and reported apart as the cold start (the first "
                          "response of a fresh process pays one-time lazy initialisation), not in the levels")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="random-*: run the engine in its own process (as `duplexkit serve` does by default), "
+                         "not on threads of the server's process")
     ap.add_argument("--level-warmup", action="store_true",
                     help="before each level, one round at that level's concurrency, not counted (the first "
                          "time a batch size is met, lazily built kernels and graph buckets for it are paid)")
