@@ -48,6 +48,12 @@ N_TOK = 19
 WARM = 2
 
 
+def _med(xs) -> float:
+    """Median, NaN for no values (a table cell, not a crash at the end of a run)."""
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
 def _speech(n: int) -> list:
     with wave.open(str(ROOT / "tests/fixtures/audio/long_question_16k.wav")) as w:
         a = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768.0
@@ -158,7 +164,7 @@ async def _main_cpu(args) -> None:
 # ---------------------------------------------------------------- CUDA (real size, random weights)
 
 
-def _native_cuda(th, units: list, streams: list) -> dict:
+def _native_cuda(th, units: list, streams: list, save=lambda part: None) -> dict:
     """Rounds of ``step_units`` on the FastThinker: {n: {unit_ms, token_ms, tokens}}."""
     import torch
 
@@ -186,10 +192,10 @@ def _native_cuda(th, units: list, streams: list) -> dict:
                 toks += [int(r.n_tokens) for r in res]
         for st in sts:
             th.close(st)
-        out[n] = {"unit_ms": statistics.median(rounds[WARM:]) * 1000.0, "token_ms": statistics.median(tok_ms),
-                  "tokens": statistics.median(toks)}
+        out[n] = {"unit_ms": _med(rounds[WARM:]) * 1000.0, "token_ms": _med(tok_ms), "tokens": _med(toks)}
         print(f"native {n:>2} stream(s): unit {out[n]['unit_ms']:.1f} ms, decode {out[n]['token_ms']:.2f} ms/token, "
-              f"{out[n]['tokens']:.0f} tokens/unit", flush=True)
+              f"{out[n]['tokens']:.0f} text tokens/unit", flush=True)
+        save(out)
     return out
 
 
@@ -219,7 +225,9 @@ def _write_vllm_config(th, out_dir: Path, size: str) -> Path:
 def _start_vllm(model: Path, args):
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    common = dict(load_format="dummy", seed=0)
+    # async scheduling off: with it the decision processor would see a placeholder for the token
+    # still in flight in the unit's output ids (its step count and history), not the CPU-tested path
+    common = dict(load_format="dummy", seed=0, async_scheduling=False)
     if args.device == "cuda":
         common["gpu_memory_utilization"] = args.gpu_mem
     sizes = sorted({1, 2, 4, 8, 16, 32, *args.streams})
@@ -242,7 +250,7 @@ def _start_vllm(model: Path, args):
     raise RuntimeError("unreachable")
 
 
-async def _vllm_cuda(th, units: list, args) -> tuple:
+async def _vllm_cuda(th, units: list, args, save=lambda part: None) -> tuple:
     from duplexkit.engine.vllm_duplex import VllmDuplexThinker
     from duplexkit.models.minicpmo45.duplex import DuplexPolicy
 
@@ -251,23 +259,30 @@ async def _vllm_cuda(th, units: list, args) -> tuple:
     out = {}
     try:
         for n in args.streams:
-            timed = _TimedEngine(eng)
-            vt = VllmDuplexThinker(th, timed, args.max_len, hidden=False)
-            vss = [vt.new_stream(policy=DuplexPolicy(temperature=0.0, min_unit_tokens=N_TOK, max_unit_tokens=N_TOK),
-                                 seed=0) for _ in range(n)]
-            rounds, toks = [], []
-            for k, a in enumerate(units):
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(vt.unit(vs, a, force_speak=(k == 0)) for vs in vss))
-                rounds.append(time.perf_counter() - t0)
-                if k >= WARM:
-                    toks += [int(r.n_tokens) for r, _epoch in res]
-            for vs in vss:
-                await vt.close(vs)
-            out[n] = {"unit_ms": statistics.median(rounds[WARM:]) * 1000.0,
-                      "token_ms": statistics.median(timed.per_token_ms(WARM)), "tokens": statistics.median(toks)}
-            print(f"vLLM   {n:>2} stream(s): unit {out[n]['unit_ms']:.1f} ms, decode {out[n]['token_ms']:.2f} ms/token, "
-                  f"{out[n]['tokens']:.0f} tokens/unit", flush=True)
+            if eng.errored:
+                print(f"vLLM engine is dead; {n} streams not run", flush=True)
+                break
+            try:
+                timed = _TimedEngine(eng)
+                vt = VllmDuplexThinker(th, timed, args.max_len, hidden=False)
+                vss = [vt.new_stream(policy=DuplexPolicy(temperature=0.0, min_unit_tokens=N_TOK, max_unit_tokens=N_TOK),
+                                     seed=0) for _ in range(n)]
+                rounds, toks = [], []
+                for k, a in enumerate(units):
+                    t0 = time.perf_counter()
+                    res = await asyncio.gather(*(vt.unit(vs, a, force_speak=(k == 0)) for vs in vss))
+                    rounds.append(time.perf_counter() - t0)
+                    if k >= WARM:
+                        toks += [int(r.n_tokens) for r, _epoch in res]
+                for vs in vss:
+                    await vt.close(vs)
+                out[n] = {"unit_ms": _med(rounds[WARM:]) * 1000.0, "token_ms": _med(timed.per_token_ms(WARM)),
+                          "tokens": _med(toks)}
+                print(f"vLLM   {n:>2} stream(s): unit {out[n]['unit_ms']:.1f} ms, decode {out[n]['token_ms']:.2f} ms/token, "
+                      f"{out[n]['tokens']:.0f} text tokens/unit", flush=True)
+                save((out, mode))
+            except Exception as exc:  # noqa: BLE001 - keep the other stream counts, say what failed
+                print(f"vLLM {n} streams failed: {type(exc).__name__}: {exc}", flush=True)
     finally:
         eng.shutdown()
     return out, mode
@@ -316,11 +331,19 @@ async def _main_cuda(args) -> None:
         t0 = time.perf_counter()
         n_graphs = th.warmup(batch_sizes=tuple(args.streams), max_kv_len=512)
         print(f"native: captured {n_graphs} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
-        res["native"] = _native_cuda(th, units, args.streams)
-        if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=1))
+        def save_native(part):
+            res["native"] = part
+            if args.json:
+                Path(args.json).write_text(json.dumps(res, indent=1))
+
+        save_native(_native_cuda(th, units, args.streams, save_native))
     if "vllm" in backends:
-        res["vllm"], res["vllm_mode"] = await _vllm_cuda(th, units, args)
+        def save(part):
+            res["vllm"], res["vllm_mode"] = part
+            if args.json:
+                Path(args.json).write_text(json.dumps(res, indent=1))
+
+        save(await _vllm_cuda(th, units, args, save))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(_table(res, args.streams))
