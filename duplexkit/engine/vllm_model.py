@@ -82,6 +82,12 @@ class AudioEmbedsInfo(BaseProcessingInfo):
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int] | None = None) -> Mapping[str, int]:
         return {"audio": int(seq_len), "image": int(seq_len)}
 
+    def get_hf_processor(self, *args, **kwargs):
+        """The tokenizer: no HF processor runs (the caller places every placeholder and passes the
+        rows). vLLM 0.26 still asks for one and checks it is a ``ProcessorMixin``, which a
+        checkpoint with only a tokenizer does not load as (a TypeError on the H200, 2026-12-01)."""
+        return self.get_tokenizer()
+
 
 class AudioEmbedsDummyInputs(BaseDummyInputsBuilder[AudioEmbedsInfo]):
     """No dummy audio: the engine runs with an audio limit of 0 (embeddings only), so vLLM skips
