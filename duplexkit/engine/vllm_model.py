@@ -118,6 +118,24 @@ class AudioEmbedsProcessor(BaseMultiModalProcessor[AudioEmbedsInfo]):
                                              replacement=lambda i, sizes=sizes: [ph] * sizes[i]))
         return updates
 
+    def _apply_hf_processor_mm_only(self, mm_items: MultiModalDataItems, hf_processor_mm_kwargs: Mapping[str, object],
+                                    tokenization_kwargs: Mapping[str, object]):
+        """vLLM 0.26 (0.32 has no such step): the items' data for the model without an HF processor
+        call. Every item is precomputed rows (``audio_embeds`` / ``image_embeds``), which pass
+        through; 0.26's default would call the processor with no text (a ValueError on the H200,
+        2026-12-01).
+
+        Raises:
+            ValueError: an item is raw media, not embeddings (this model takes rows only)."""
+        from transformers.feature_extraction_utils import BatchFeature
+
+        valid = mm_items.select({k for k, c in mm_items.get_all_counts().items() if c > 0})
+        processor_data, passthrough = self._get_hf_mm_data(valid)
+        if processor_data:
+            raise ValueError("duplexkit's vLLM thinker takes precomputed rows only (audio_embeds / image_embeds), "
+                             f"got raw {sorted(processor_data)}")
+        return BatchFeature(dict(passthrough))
+
     def _maybe_apply_prompt_updates(self, mm_items: MultiModalDataItems, mm_res=None, *, prompt_ids=None,
                                     mm_kwargs=None, **_unused):
         """Each maximal run of placeholders is one item: an image when ``<image>`` precedes it
