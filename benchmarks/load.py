@@ -1,7 +1,7 @@
 """Load and soak benchmark of the bundled server (issue 13, deliverables 4, 6, 7).
 
 Usage: python benchmarks/load.py [--sessions 64] [--seconds 300] [--burners 3] [--mode process|inprocess]
-       [--warmup-s 20] [--json out.json]
+       [--warmup-s 20] [--allocator serve|pymalloc] [--json out.json]
 
 Starts ``duplexkit``'s server with a ScriptedEngine in a child process, ``--burners`` threads that
 burn CPU in pure Python (they model the engine's three stage threads' Python work), and an
@@ -21,14 +21,25 @@ Then ``--sessions`` WebSocket sessions run for ``--seconds`` each, in real time:
 RSS: before the measured load, a warm-up runs all ``--sessions`` sessions for ``--warmup-s`` s and the
 server settles 10 s; the baseline is taken then, so that "after" measures growth over the soak, not
 the first-use high-water of N sessions' buffers (imports, allocator arenas, per-session caches).
-Reported for the server process (the acceptance number) and, in process mode, the engine process.
+Reported for the server process (the acceptance number) and, in process mode, the engine process;
+with where it sits (``/proc/PID/smaps``: anonymous memory, of it the brk heap and glibc's per-thread
+arenas; mapped files) and the thread count, at the baseline and after. The server runs as
+``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` (:func:`duplexkit.memory.use_malloc_for_objects`);
+``--allocator pymalloc`` keeps CPython's default small-object allocator, for comparison.
+
+Diagnostics: ``DUPLEXKIT_LOAD_TRACEMALLOC=DIR`` writes tracemalloc snapshots of the server at the
+baseline and after (``server-1.snap``, ``server-2.snap``); ``DUPLEXKIT_LOAD_DIAG=DIR`` writes the
+server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, its Python
+threads, ``sys._debugmallocstats()`` (pymalloc's arenas and pools) and, after the load, the live small
+objects that sit in memory mapped since the baseline (``server-1.txt``, ``server-2.txt``).
 
 Checked per session: the §12 event-stream invariants (ordering, sequence numbers: the project's
 EventStreamChecker), no ``input_backpressure`` (appends refused), no ``server_error``, no close that
 is not preceded by ``session.closed``. Reported: sessions lost, TTFA (the first
 output audio delta after ``speech_stopped``; p50/p99 ms), event-loop lag (p50/p99/max ms), RSS at the
-baseline, at peak and after the load (after a 10 s settle, relative to the baseline; the server trims
-the allocator after sessions end).
+baseline, at peak and after the load (read 10 s after the last session closed: the server's
+collect-and-trim runs 1 s after the last close; relative to the baseline), and the server's CPU
+seconds over the load.
 """
 
 from __future__ import annotations
@@ -461,6 +472,26 @@ async def main_async(args) -> dict:
             "engine_mem_baseline": emem0, "engine_mem_after": emem1}
 
 
+def rss_table(res: dict) -> str:
+    """The memory part of a result as a text table: RSS at the baseline, at peak and after the load,
+    the change, and where the memory sits (anonymous, of it heap and thread arenas; threads)."""
+    rows = [("server", "", "server_mem_"), ("engine process", "engine_", "engine_mem_")]
+    out = [f"{'MiB':<15}{'baseline':>9}{'peak':>9}{'after':>9}{'delta %':>9}   "
+           f"{'anon':>13}{'heap':>13}{'arenas':>13}{'threads':>9}"]
+    for name, k, m in rows:
+        if res.get(f"{k}rss_after_vs_baseline_pct") is None:
+            continue
+        b, a = res.get(m + "baseline") or {}, res.get(m + "after") or {}
+
+        def pair(f: str) -> str:
+            return f"{b.get(f, float('nan')):.1f}>{a.get(f, float('nan')):.1f}"
+        out.append(f"{name:<15}{res[k + 'rss_baseline_mib']:>9.1f}{res[k + 'rss_peak_mib']:>9.1f}"
+                   f"{res[k + 'rss_after_mib']:>9.1f}{res[k + 'rss_after_vs_baseline_pct']:>+9.1f}   "
+                   f"{pair('anon'):>13}{pair('heap'):>13}{pair('arenas'):>13}"
+                   f"{str(b.get('threads', '?')) + '>' + str(a.get('threads', '?')):>9}")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=64)
@@ -484,6 +515,8 @@ def main() -> int:
         return 0
     res = asyncio.run(main_async(args))
     print(json.dumps(res, indent=2))
+    print(f"\nRSS, read 10 s after the last session closed (server allocator: {res['server_allocator']}):")
+    print(rss_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     ok = (res["sessions_lost"] == 0 and res["appends_refused"] == 0 and res["server_errors"] == 0
