@@ -474,10 +474,11 @@ async def main_async(args) -> dict:
 
 def rss_table(res: dict) -> str:
     """The memory part of a result as a text table: RSS at the baseline, at peak and after the load,
-    the change, and where the memory sits (anonymous, of it heap and thread arenas; threads)."""
+    the change, and where the memory sits, baseline>after (anonymous, of it the brk heap and glibc's
+    thread arenas; mapped files, which the kernel may evict under memory pressure; threads)."""
     rows = [("server", "", "server_mem_"), ("engine process", "engine_", "engine_mem_")]
     out = [f"{'MiB':<15}{'baseline':>9}{'peak':>9}{'after':>9}{'delta %':>9}   "
-           f"{'anon':>13}{'heap':>13}{'arenas':>13}{'threads':>9}"]
+           f"{'anon':>13}{'heap':>13}{'arenas':>13}{'file':>13}{'threads':>9}"]
     for name, k, m in rows:
         if res.get(f"{k}rss_after_vs_baseline_pct") is None:
             continue
@@ -487,7 +488,7 @@ def rss_table(res: dict) -> str:
             return f"{b.get(f, float('nan')):.1f}>{a.get(f, float('nan')):.1f}"
         out.append(f"{name:<15}{res[k + 'rss_baseline_mib']:>9.1f}{res[k + 'rss_peak_mib']:>9.1f}"
                    f"{res[k + 'rss_after_mib']:>9.1f}{res[k + 'rss_after_vs_baseline_pct']:>+9.1f}   "
-                   f"{pair('anon'):>13}{pair('heap'):>13}{pair('arenas'):>13}"
+                   f"{pair('anon'):>13}{pair('heap'):>13}{pair('arenas'):>13}{pair('file'):>13}"
                    f"{str(b.get('threads', '?')) + '>' + str(a.get('threads', '?')):>9}")
     return "\n".join(out)
 
