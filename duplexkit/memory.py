@@ -88,7 +88,7 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
     _pending = loop.call_later(delay_s, fire)
 
 
-def use_malloc_for_objects(environ: Optional[dict] = None, execve=os.execve) -> bool:
+def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
     """Re-execute this process with ``PYTHONMALLOC=malloc`` so that Python's small objects come from
     glibc's malloc, which :func:`malloc_trim` can give back page by page (see the module docstring).
 
@@ -112,7 +112,7 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=os.execve) -> 
             stream.flush()
         except (AttributeError, ValueError, OSError):
             pass
-    execve(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
+    (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
     return True  # only when a test's execve returns
 
 

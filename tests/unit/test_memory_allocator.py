@@ -99,3 +99,23 @@ def test_real_re_exec_keeps_pid_and_arguments():
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0
     assert out.split(None, 2) == [str(p.pid), "malloc", "['a', 'b']\n"]
+
+
+def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
+    # tests and embedding programs call duplexkit.cli.main(argv): never replace their process
+    from duplexkit import cli
+    from duplexkit.cli import serve as serve_mod
+
+    monkeypatch.setattr(memory, "_libc", object())
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    calls = []
+    monkeypatch.setattr(memory.os, "execve", lambda *a: calls.append(a))
+    monkeypatch.setattr(serve_mod, "_bind", lambda *a: (_ for _ in ()).throw(RuntimeError("stop here")))
+    assert cli.main(["serve", "scripted", "--port", "0"]) != 0  # stopped at _bind, after the allocator step
+    monkeypatch.setattr(sys, "argv", ["duplexkit", "serve", "scripted", "--port", "0"])  # not orig_argv
+    assert cli.main() != 0
+    assert calls == []
+    # the process's own command line does (python -m duplexkit serve ...)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "duplexkit", "serve", "scripted", "--port", "0"])
+    assert cli.main() != 0
+    assert len(calls) == 1 and calls[0][1] == sys.orig_argv and calls[0][2]["PYTHONMALLOC"] == "malloc"
