@@ -14,6 +14,16 @@ joined in reference cycles (connection, Session, driver, replay journal), which 
 collector frees, and it runs only after enough new allocations; on a server that went quiet after
 a burst, the sessions' journals of base64 audio stayed allocated until the next burst (measured:
 +345 % RSS after 64 sessions x 5 min, benchmarks/NOTES.md).
+
+The trim reaches only memory that glibc's malloc manages. CPython's own small-object allocator
+(pymalloc: every object or buffer of <= 512 bytes) carves 1 MiB arenas from the OS and gives an arena
+back only when every object in it is dead; a few objects that outlive a burst (a metric's new value,
+a timer handle, a cached header) are scattered over the arenas the burst filled and keep each one
+mapped with its free pools resident (measured: 5 extra arenas, ~5 MiB of free pools, after
+16 sessions x 120 s; benchmarks/NOTES.md). :func:`use_malloc_for_objects` re-executes the server with
+``PYTHONMALLOC=malloc`` (CPython's documented switch, https://docs.python.org/3/using/cmdline.html#envvar-PYTHONMALLOC),
+so that small objects also come from glibc's malloc and ``malloc_trim`` gives their free pages back
+one 4 KiB page at a time.
 """
 
 from __future__ import annotations
@@ -23,13 +33,17 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 import sys
 import time
 from typing import Optional
 
 logger = logging.getLogger("duplexkit.memory")
 
-__all__ = ["malloc_trim", "schedule_trim", "cuda_memory"]
+__all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "ALLOCATOR_ENV"]
+
+#: CPython's allocator switch (read once at interpreter start-up).
+ALLOCATOR_ENV = "PYTHONMALLOC"
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -72,6 +86,34 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
             loop.create_task(asyncio.to_thread(malloc_trim))
 
     _pending = loop.call_later(delay_s, fire)
+
+
+def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
+    """Re-execute this process with ``PYTHONMALLOC=malloc`` so that Python's small objects come from
+    glibc's malloc, which :func:`malloc_trim` can give back page by page (see the module docstring).
+
+    Returns False, and does nothing, when it does not apply: not glibc (no ``malloc_trim``), the
+    environment is ignored (``python -E``/``-I``), or ``PYTHONMALLOC`` is already set by anyone (so
+    the re-executed process does not loop, and an operator keeps pymalloc with
+    ``PYTHONMALLOC=pymalloc``). Otherwise it does not return: the interpreter is replaced (same pid,
+    same open descriptors except Python's non-inheritable ones, same arguments: ``sys.orig_argv``).
+    Call it first thing, before threads start or sockets are bound. ``environ``/``execve`` are for
+    tests (default ``os.environ``/``os.execve``).
+
+    Raises:
+        OSError: the interpreter could not be executed.
+    """
+    env = os.environ if environ is None else environ
+    if _libc is None or sys.flags.ignore_environment or env.get(ALLOCATOR_ENV):
+        return False
+    logger.debug("re-executing with %s=malloc", ALLOCATOR_ENV)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
+    return True  # only when a test's execve returns
 
 
 def cuda_memory() -> dict:

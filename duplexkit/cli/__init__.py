@@ -254,6 +254,10 @@ def _version() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the process's own command line (the console script, python -m duplexkit[.cli]), not a call from
+    # another program (tests, embedding): only then may `serve` re-execute the process
+    own = sys.argv[1:]
+    args.process_command_line = argv is None and (not own or sys.orig_argv[-len(own):] == own)
     if not getattr(args, "command", None):
         # a usage error like any other (docs/cli.md, "Exit status"): the help on stderr, then one
         # error line, status 2; `duplexkit --help` prints the help on stdout with status 0

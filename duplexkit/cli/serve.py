@@ -116,6 +116,12 @@ def _engine_process(args, scripted: dict):
 
 def cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    if getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False):
+        from duplexkit.memory import use_malloc_for_objects
+
+        # small objects on glibc's malloc, so that RSS returns to its baseline after load (the trim
+        # after sessions close cannot reach pymalloc's arenas); PYTHONMALLOC=pymalloc keeps pymalloc
+        use_malloc_for_objects()
     sock = _bind(args.host, args.port)
     import logging
 
