@@ -90,8 +90,12 @@ class CaptureGate:
                 try:
                     while self._writer is not None or self._shared > 0:
                         self._cond.wait()
+                except BaseException:  # interrupted while waiting: take the shares back
+                    self._shared += mine
+                    raise
                 finally:
                     self._waiting_writers -= 1
+                    self._cond.notify_all()
                 self._writer = me
                 t.depth = 1
                 t.dropped = mine
