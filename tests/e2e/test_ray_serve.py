@@ -175,21 +175,27 @@ async def _try_open(addr: str, refused: list | None = None, open_s: float = OPEN
     return ws, tag, first
 
 
-#: Session opens allowed to fill replicas whose slots Serve's router does not see exactly (it
-#: samples queue lengths and caches them): a session sent to a full replica is refused and opened again.
-OPEN_ATTEMPTS = 24
+#: Bound for filling replicas whose slots Serve's router does not see exactly (it samples queue
+#: lengths and caches them, and after a redeploy its list of replicas lags Serve's status on a busy
+#: machine: it went on sending every session to one full replica for over 8 s under two busy loops):
+#: a session sent to a full replica is refused and opened again REFUSED_PAUSE_S later.
+FILL_S = bound(120)
+REFUSED_PAUSE_S = 0.25
 
 
 async def _open_on_both(addr: str) -> list:
     """Open sessions until both replicas hold one (Serve's router samples queue lengths; it is not
     bound to alternate). Returns every session opened, the first two on different replicas."""
     opened, refused = [], []
+    deadline = asyncio.get_running_loop().time() + FILL_S
     while len({t for _, t, _ in opened}) < 2:
         assert len(opened) < 4, [t for _, t, _ in opened]  # each replica takes 3
-        assert len(opened) + len(refused) < OPEN_ATTEMPTS, (opened, refused)
+        assert asyncio.get_running_loop().time() < deadline, (opened, refused)
         got = await _try_open(addr, refused)
         if got is not None:
             opened.append(got)
+        else:
+            await asyncio.sleep(REFUSED_PAUSE_S)
     assert all(code == 1013 for _, _, code in refused), refused  # only a full replica refuses here
     second = next(o for o in opened if o[1] != opened[0][1])
     return [opened[0], second] + [o for o in opened[1:] if o is not second]
@@ -200,12 +206,13 @@ async def test_full_replicas_refuse_with_1013_instead_of_queueing(cluster):
     (Serve's max_ongoing_requests is above the cap, so it is not held in Serve's queue)."""
     _deploy(2)
     held: list = []
-    for _ in range(OPEN_ATTEMPTS):  # a session routed to a replica that is already full is refused: try again
-        if len(held) == 6:
-            break
-        got = await _try_open(cluster)
+    deadline = asyncio.get_running_loop().time() + FILL_S
+    while len(held) < 6 and asyncio.get_running_loop().time() < deadline:
+        got = await _try_open(cluster)  # a session routed to a replica that is already full is refused: try again
         if got is not None:
             held.append(got)
+        else:
+            await asyncio.sleep(REFUSED_PAUSE_S)
     try:
         assert len(held) == 6
         tags = [t for _, t, _ in held]
