@@ -40,14 +40,10 @@ from typing import Optional
 
 logger = logging.getLogger("duplexkit.memory")
 
-__all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "ALLOCATOR_ENV", "REEXEC_ENV",
-           "child_allocator_env"]
+__all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "ALLOCATOR_ENV"]
 
 #: CPython's allocator switch (read once at interpreter start-up).
 ALLOCATOR_ENV = "PYTHONMALLOC"
-REEXEC_ENV = "DUPLEXKIT_MALLOC_REEXEC"
-"""Set (to ``1``) by :func:`use_malloc_for_objects` in the re-executed server's environment, so that
-the engine process it spawns can go back to pymalloc (:func:`child_allocator_env`)."""
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -116,21 +112,8 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
             stream.flush()
         except (AttributeError, ValueError, OSError):
             pass
-    (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc", REEXEC_ENV: "1"}))
+    (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
     return True  # only when a test's execve returns
-
-
-def child_allocator_env(environ: Optional[dict] = None) -> dict:
-    """Environment changes for a child interpreter (the engine process): when this server chose
-    ``PYTHONMALLOC=malloc`` itself (:func:`use_malloc_for_objects`), the child goes back to
-    CPython's default pymalloc (``{"PYTHONMALLOC": None}``: unset). The engine's stage threads are
-    the hot path, where pymalloc's faster small-object allocation counts, and the engine process
-    came back to its baseline on pymalloc (+1.9 %, 16 x 120 s, benchmarks/NOTES.md). An operator's
-    own ``PYTHONMALLOC`` is inherited unchanged (``{}``)."""
-    env = os.environ if environ is None else environ
-    if env.get(REEXEC_ENV) == "1" and env.get(ALLOCATOR_ENV) == "malloc":
-        return {ALLOCATOR_ENV: None, REEXEC_ENV: None}
-    return {}
 
 
 def cuda_memory() -> dict:

@@ -54,7 +54,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401  (its atexit join must run after ours: registered first)
-import os
 import queue
 import threading
 import weakref
@@ -181,23 +180,7 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=child_main, args=(child, self.spec), name=self.name)
-        from duplexkit.memory import child_allocator_env
-
-        saved = {}
-        try:  # a spawned child takes this process's environment at start
-            for key, value in child_allocator_env().items():
-                saved[key] = os.environ.get(key)
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            self._proc.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        self._proc.start()
         child.close()  # only the child holds its end: the child's exit is our EOF, and ours its EOF
         self._conn = parent
         _live.add(self)

@@ -71,7 +71,7 @@ def test_re_executes_with_malloc_when_unset(monkeypatch):
     assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
     (exe, argv, new_env), = calls
     assert exe == sys.executable and argv == list(sys.orig_argv)
-    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc", "DUPLEXKIT_MALLOC_REEXEC": "1"}
+    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc"}
     assert "PYTHONMALLOC" not in env  # the caller's mapping is not changed
 
 
@@ -119,14 +119,3 @@ def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "duplexkit", "serve", "scripted", "--port", "0"])
     assert cli.main() != 0
     assert len(calls) == 1 and calls[0][1] == sys.orig_argv and calls[0][2]["PYTHONMALLOC"] == "malloc"
-
-
-def test_the_engine_process_goes_back_to_pymalloc_only_when_the_server_chose_malloc():
-    from duplexkit.memory import child_allocator_env
-
-    chosen = {"PYTHONMALLOC": "malloc", "DUPLEXKIT_MALLOC_REEXEC": "1"}
-    assert child_allocator_env(chosen) == {"PYTHONMALLOC": None, "DUPLEXKIT_MALLOC_REEXEC": None}
-    assert child_allocator_env({"PYTHONMALLOC": "malloc"}) == {}  # the operator's choice is inherited
-    assert child_allocator_env({"PYTHONMALLOC": "pymalloc"}) == {}
-    assert child_allocator_env({}) == {}
-
