@@ -79,7 +79,9 @@ async def _demo_async(args) -> int:
     if len(audio) < MIN_TURN_SAMPLES:
         raise CliError(f"input too short: need at least 100 ms of audio, {args.input} has "
                        f"{len(audio) * 1000 // 16_000} ms", EXIT_BAD_INPUT)
-    session = {}
+    # the WAV is one user turn that this demo commits itself: with the server VAD on, a pause inside
+    # the file would commit part of it first (and the demo's own commit would find < 100 ms left)
+    session: dict = {"turn_detection": None}
     if args.instructions:
         session["instructions"] = args.instructions
     engine = None

@@ -415,8 +415,9 @@ class ClientState:
             self._flush(rec, "cleared")
 
     def _on_input_audio_buffer_speech_started(self, ev, rec) -> None:
-        if ev.item_id:
-            self._vad_items.add(ev.item_id)
+        # not yet a VAD item: a client commit while the user is still speaking commits this item
+        # id (the server keeps the turn's id) and is our reply; the VAD commits only after
+        # speech_stopped (docs/protocol.md §5)
         if self.interrupt_on_speech:
             for r in list(self.responses.values()):
                 if r.audible and not r.heard_final:

@@ -127,6 +127,43 @@ def test_cli_demo_against_server(scripted_server, tmp_path):
     assert "status=completed" in r.stdout
 
 
+@pytest.mark.parametrize("keep_samples", [32_000, 50_000])  # ends mid-speech / holds an inner pause
+def test_cli_demo_with_a_trimmed_recording_against_server(scripted_server, tmp_path, keep_samples):
+    """A user's own tightly trimmed WAV: speech runs to the end of the file (the VAD is still in the
+    turn when the demo commits) or pauses inside it (the VAD would commit part of it first). Both
+    used to fail: a 10-minute wait for `committed`, or "input too short" (new-user trial, issue 16)."""
+    from duplexkit.audio import write_wav
+
+    audio, _ = read_wav(REPO / "tests/fixtures/audio/question_16k.wav", 16_000)
+    clip = tmp_path / "mine.wav"
+    write_wav(clip, audio[:keep_samples], 16_000)
+    r = run(PY, "-m", "duplexkit.cli", "demo", "--url", scripted_server.ws_url, "--input", str(clip),
+            "--timeout", "30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "status=completed" in r.stdout
+
+
+def test_a_commit_while_the_user_still_speaks_is_answered(scripted_server):
+    """The client library, server VAD on: a commit sent while the VAD is inside the user's turn gets
+    its `committed` (the server keeps the turn's item id, which speech_started announced)."""
+    import asyncio
+
+    from duplexkit.clients import DuplexClient
+
+    audio, _ = read_wav(REPO / "tests/fixtures/audio/question_16k.wav", 16_000)
+
+    async def main():
+        # the server handles events in order: its VAD has announced the turn (speech_started) before
+        # the commit arrives, and the speech runs on to the end of what was sent
+        async with DuplexClient(scripted_server.ws_url, request_timeout_s=30) as c:
+            for i in range(0, 32_000, 1600):
+                await c.send_audio(audio[i:i + 1600], rate=16_000)
+            return await c.commit()
+
+    ev = asyncio.run(main())
+    assert ev.type == "input_audio_buffer.committed" and ev.item_id
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_cli_chat_against_server(scripted_server, tmp_path, stream):
     out = tmp_path / "c.wav"

@@ -259,6 +259,13 @@ SCENARIOS: dict[str, list[S]] = {
         S(srv({"type": "session.heartbeat_ack", "session_id": "sess_1"}), ["resolve:hb"],
           check=lambda h: h.state.pending_requests == []),
     ],
+    "correlation: a commit while the user still speaks resolves with the VAD turn's item id": [
+        S(srv({"type": "input_audio_buffer.speech_started", "audio_start_ms": 100, "item_id": "it_vad"})),
+        S(req("commit", {"type": "input_audio_buffer.commit"}), ["send:commit"]),
+        S(srv({"type": "input_audio_buffer.committed", "item_id": "it_vad"}), ["resolve:commit"],
+          check=lambda h: h.state.pending_requests == []),
+        S(srv({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": 900, "item_id": "it_vad"})),
+    ],
     "correlation: an error rejects exactly its request; a model-triggered response resolves no create": [
         S(req("create", {"type": "response.create"}), ["send:create"]),
         S(req("update", {"type": "session.update", "session": {"temperature": 9}}), ["send:update"]),
