@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,8 +390,11 @@ class ServerState:
         if self.engine is not None or self.engine_loader is None:
             return
         try:
-            self.engine = await asyncio.to_thread(self.engine_loader)
+            self.engine = await _in_daemon_thread(self.engine_loader, "duplexkit-engine-loader")
             logger.info("engine ready: %s", getattr(self.engine, "model_id", "?"))
+        except asyncio.CancelledError:  # the server is stopping (Ctrl+C, SIGTERM) while it loads
+            logger.warning("engine loading interrupted: the server is shutting down")
+            raise
         except BaseException as exc:  # surfaced by /health
             self.load_error = exc
             debug = os.environ.get("DUPLEXKIT_DEBUG", "") not in ("", "0")
@@ -420,6 +424,31 @@ class ServerState:
                 await self.engine.aclose()
             except Exception:  # pragma: no cover
                 logger.exception("engine close failed")
+
+
+async def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
+    """``await`` ``fn()`` run on a daemon thread: unlike ``asyncio.to_thread`` (whose executor thread
+    the interpreter joins at exit), a server stopped while a model loads exits at once instead of
+    finishing the load first. Cancelling the await leaves the thread to finish on its own."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, exc: Optional[BaseException]) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            value, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await fut
 
 
 def create_app(engine=None, settings: Optional[ServerSettings] = None, *,

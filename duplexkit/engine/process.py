@@ -240,6 +240,8 @@ class EngineProcess:
         self._out.put(None)  # ends the writer thread
         proc = self._proc
         if proc is not None and proc.pid is not None:
+            if not self._threads and proc.is_alive():  # still loading (the server stops meanwhile):
+                proc.kill()  # nothing to drain; it ignores SIGTERM and reads no request until loaded
             proc.join(timeout_s)
             if proc.is_alive():
                 logger.warning("engine process %d did not exit in %g s: killing it", proc.pid, timeout_s)

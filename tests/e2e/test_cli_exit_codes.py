@@ -122,6 +122,49 @@ def test_serve_exits_4_when_the_engine_fails_to_load():
     assert "Traceback" not in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_serve_stopped_while_the_model_loads_exits_0_at_once(sig):
+    """Ctrl+C (or SIGTERM) while ``/health`` says ``loading`` is a clean stop (exit 0, one warning),
+    not "engine failed to load" with exit 4, and does not wait for the load to finish
+    (new-user trial, issue 16)."""
+    import signal
+    import time
+
+    import httpx
+
+    from _timing import bound
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    proc = subprocess.Popen([PY, "-m", "duplexkit.cli", "serve", "tiny", "--port", str(port)], cwd=str(REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + bound(120)
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("status")
+            except httpx.HTTPError:
+                status = None
+            if status == "loading":
+                break
+            time.sleep(0.1)
+        if status != "loading":
+            pytest.skip(f"the tiny model loaded before the server could be interrupted (status {status})")
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=bound(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert "engine failed to load" not in err and "Traceback" not in err, err
+    assert "engine loading interrupted" in err
+    assert "model ready" not in err  # it did not wait for the load
+
+
 def test_chat_exits_4_when_a_checkpoint_that_passes_the_checks_fails_to_load(tmp_path):
     # config.json and the weight file exist, so the pre-load checks pass; the loader then fails
     d = tmp_path / "ckpt"
