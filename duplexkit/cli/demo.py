@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Optional
+
 from .common import (
     CliError,
     EXIT_BAD_INPUT,
@@ -79,6 +82,12 @@ async def _demo_async(args) -> int:
     if len(audio) < MIN_TURN_SAMPLES:
         raise CliError(f"input too short: need at least 100 ms of audio, {args.input} has "
                        f"{len(audio) * 1000 // 16_000} ms", EXIT_BAD_INPUT)
+    if args.output:  # before the model loads and the turn runs, not after
+        out_dir = Path(args.output).resolve().parent
+        if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+            raise CliError(f"cannot write --output {args.output}: {out_dir} is not a writable directory",
+                           EXIT_BAD_INPUT)
+    print(f"input:      {args.input} ({len(audio) / 16000:.2f} s)", flush=True)
     # the WAV is one user turn that this demo commits itself: with the server VAD on, a pause inside
     # the file would commit part of it first (and the demo's own commit would find < 100 ms left)
     session: dict = {"turn_detection": None}
@@ -107,7 +116,6 @@ async def _demo_async(args) -> int:
     out = h.audio_array()
     if args.output:
         write_wav(args.output, out if out.size else np.zeros(0, np.float32), 24_000)
-    print(f"input:      {args.input} ({len(audio) / 16000:.2f} s)")
     print(f"response:   {h.id} status={h.status} trigger={h.trigger} epoch={h.epoch}")
     print(f"transcript: {h.transcript or h.text!r}")
     if args.output:

@@ -122,6 +122,12 @@ def test_serve_exits_4_when_the_engine_fails_to_load():
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_demo_refuses_an_unwritable_output_before_loading():
+    r = light("demo", "tiny", "--output", "/nonexistent-dir/answer.wav")
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert "cannot write --output /nonexistent-dir/answer.wav" in one_error_line(r)
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_serve_stopped_while_the_model_loads_exits_0_at_once(sig):
     """Ctrl+C (or SIGTERM) while ``/health`` says ``loading`` is a clean stop (exit 0, one warning),
