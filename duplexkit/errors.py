@@ -15,6 +15,7 @@ Hierarchy::
 
     DuplexkitError(Exception)
     ├── AudioFormatError(ValueError)        bad_audio | unsupported_audio_format
+    │   └── AudioTooLongError               bad_audio (readable audio over a length limit)
     ├── ProtocolError                       any ErrorCode (a rejected client event)
     │   └── TransitionError                 response_already_active | response_not_active
     ├── EngineInputError(ValueError)        server_error (a command the engine cannot run)
@@ -43,6 +44,7 @@ __all__ = [
     "ERROR_TYPES",
     "DuplexkitError",
     "AudioFormatError",
+    "AudioTooLongError",
     "ProtocolError",
     "TransitionError",
     "EngineInputError",
@@ -168,6 +170,25 @@ class AudioFormatError(DuplexkitError, ValueError):
         self.code = code
         self.message = message or code
         super().__init__(self.message)
+
+
+class AudioTooLongError(AudioFormatError):
+    """Readable audio longer than the caller's limit (:func:`duplexkit.audio.read_wav`'s ``max_s``).
+
+    Its code stays ``"bad_audio"`` (docs/protocol.md §9 has no separate code for it); the message
+    says the audio is too long rather than undecodable: ``audio too long: 300.5 s, at most 60 s``.
+
+    Attributes:
+        duration_s: the audio's length in s from its header, or None when the header does not
+            say (then it is known only to be over ``max_s``).
+        max_s: the limit in s.
+    """
+
+    def __init__(self, duration_s: Optional[float], max_s: float) -> None:
+        self.duration_s = None if duration_s is None else float(duration_s)
+        self.max_s = float(max_s)
+        got = f"{self.duration_s:.1f} s" if self.duration_s is not None else f"over {self.max_s:g} s"
+        super().__init__("bad_audio", f"audio too long: {got}, at most {self.max_s:g} s")
 
 
 # ------------------------------------------------------------------------------------------ protocol

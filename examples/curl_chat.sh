@@ -48,5 +48,5 @@ print("usage:", data["usage"])
 
 echo "== chat (stream, text only)"
 STREAM_BODY=$(python3 -c 'import json,sys; print(json.dumps({"messages":[{"role":"user","content":sys.argv[1]}],
-  "stream":True}))' "$TEXT")
+  "stream":True,"modalities":["text"]}))' "$TEXT")
 curl -sSN "${AUTH[@]}" -H "Content-Type: application/json" -d "$STREAM_BODY" "$URL/v1/chat/completions"

@@ -536,6 +536,12 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     async def ws_duplex(websocket: WebSocket):
         await realtime.handle(state, websocket, force_duplex=True)
 
+    @app.websocket("/{path:path}")
+    async def ws_unknown_path(websocket: WebSocket, path: str):
+        # Starlette refuses a WebSocket to an unknown path with a bare HTTP 403, which clients read
+        # as a refused API key; say 404 and name the endpoints instead
+        await realtime.reject_unknown_path(websocket)
+
     from .security import page_headers, style_hashes
 
     index_page = STATIC_DIR / "index.html"

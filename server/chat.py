@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
-from duplexkit.errors import DuplexkitError, EngineProcessError, ErrorCode
+from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
 from .app import openai_error
@@ -82,12 +82,14 @@ def _decode_audio(raw: bytes, param: str, max_s: float, code: str = "bad_audio")
 
     try:
         audio, _ = read_wav(raw, INPUT_RATE, max_s=max_s)
+    except AudioTooLongError as exc:  # it decodes; it is only too long
+        raise ChatRequestError(str(exc), param, code) from None
     except Exception as exc:
         raise ChatRequestError(f"undecodable audio: {exc}", param, code) from None
     if len(audio) == 0:
         raise ChatRequestError("empty audio", param, "bad_audio")
     if len(audio) > max_s * INPUT_RATE:
-        raise ChatRequestError(f"audio longer than {max_s:g} s", param, "bad_audio")
+        raise ChatRequestError(str(AudioTooLongError(len(audio) / INPUT_RATE, max_s)), param, code)
     return audio
 
 

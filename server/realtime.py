@@ -65,6 +65,29 @@ async def _reject(ws: WebSocket, subprotocol: Optional[str], event: dict, close_
         pass
 
 
+WS_ENDPOINTS_HINT = ("the realtime endpoints are /v1/realtime (add ?duplex=1 for full duplex) "
+                     "and /v1/duplex")
+
+
+async def reject_unknown_path(ws: WebSocket) -> None:
+    """Refuse a WebSocket handshake to a path that has no endpoint with HTTP 404 and an OpenAI
+    error body ``{error{message, type:"invalid_request_error", param:null, code:null}}`` naming the
+    endpoints (docs/protocol.md §1.1). Sent as the handshake's answer through the ASGI
+    ``websocket.http.response`` extension (uvicorn has it); without it, the connection closes
+    with 1008 before the upgrade."""
+    from fastapi.responses import JSONResponse
+
+    path = ws.scope.get("path") or "/"
+    message = f"no WebSocket endpoint at {path}: {WS_ENDPOINTS_HINT}"
+    logger.info("refused websocket %s: no such endpoint", path)
+    if "websocket.http.response" in (ws.scope.get("extensions") or {}):
+        await ws.send_denial_response(JSONResponse(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+            status_code=404))
+    else:
+        await ws.close(code=1008, reason="no such endpoint")
+
+
 def _pick_subprotocol(offered: list[str]) -> Optional[str]:
     if not offered:
         return None

@@ -9,6 +9,8 @@ from typing import BinaryIO, Union
 import numpy as np
 import soundfile as sf
 
+from duplexkit.errors import AudioTooLongError
+
 from .codecs import AudioFormatError
 from .resample import resample
 
@@ -31,7 +33,9 @@ def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None
         ``(audio, rate)``: float32 [n] in [-1, 1] (channels averaged), and its rate in Hz.
     Raises:
         FileNotFoundError for a missing path; AudioFormatError("bad_audio") for data libsndfile
-        cannot read, non-finite samples, or audio longer than ``max_s``; ValueError for a
+        cannot read or non-finite samples; AudioTooLongError (an AudioFormatError, code
+        ``bad_audio``, message ``audio too long: 300.5 s, at most 60 s``) for audio longer than
+        ``max_s``; ValueError for a
         non-positive ``rate``.
     """
     if rate is not None and int(rate) <= 0:
@@ -51,11 +55,10 @@ def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None
                 sr = f.samplerate
                 limit = int(np.ceil(max_s * sr))
                 if f.frames > limit:  # from the header: nothing decoded yet
-                    raise AudioFormatError(
-                        "bad_audio", f"expected audio of at most {max_s:g} s, got {f.frames / sr:.1f} s")
+                    raise AudioTooLongError(f.frames / sr, max_s)
                 data = f.read(limit + 1, dtype="float32", always_2d=True)
                 if len(data) > limit:
-                    raise AudioFormatError("bad_audio", f"expected audio of at most {max_s:g} s, got more")
+                    raise AudioTooLongError(None, max_s)
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         # libsndfile's own reason ("Format not recognised"), without soundfile's "Error opening
         # <_io.BytesIO object at 0x...>:" prefix for in-memory sources

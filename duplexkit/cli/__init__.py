@@ -17,14 +17,17 @@ The package: ``common`` (exit codes, errors, engine helpers), one module per sub
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from .common import (
+    API_KEY_ENV,
     CliError,
     DEFAULT_DEMO_WAV,
     EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     TINY_MAX_OUTPUT_TOKENS,
@@ -33,6 +36,7 @@ from .common import (
     _error_line,
     _float_min,
     _int_range,
+    _stdout_gone,
 )
 from .serve import (_add_hardening_args, _add_ray_args, cmd_serve)
 from .demo import (cmd_demo)
@@ -56,7 +60,7 @@ from .mic import _echo_config
 __all__ = [
     "main", "build_parser", "load_engine", "run_wav_turn", "TINY_MAX_OUTPUT_TOKENS", "CliError", "DEBUG_ENV",
     "EXIT_CODES", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_CONNECTION", "EXIT_LOAD",
-    "EXIT_DEVICE", "EXIT_INTERRUPTED", "_chat_body", "_echo_config", "_error_line",
+    "EXIT_DEVICE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "_chat_body", "_echo_config", "_error_line",
 ]
 
 
@@ -97,6 +101,17 @@ def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tin
     p.add_argument("--max-output-tokens", type=_int_range(1, 8192, allow_inf=True), default=None,
                    help=f"per-response token cap, 1..8192 or inf (default: {TINY_MAX_OUTPUT_TOKENS} for tiny, "
                         "else 1024)")
+
+
+def _add_client_api_key(p: argparse.ArgumentParser) -> None:
+    """``--api-key`` of the client subcommands (``demo``, ``mic``, ``chat`` with ``--url``).
+
+    Defaults to ``$DUPLEXKIT_API_KEY``, the variable ``serve`` and ``examples/curl_chat.sh`` read, so
+    one exported key serves both sides; an empty variable means no key.
+    """
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"API key for --url, sent as 'Authorization: Bearer KEY' "
+                        f"(default: ${API_KEY_ENV} when set, else none)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input WAV (any rate; default: the bundled 'What is the weather like today in Paris?')")
     p.add_argument("--output", "-o", default="demo_output.wav", help="output WAV, 24 kHz (default demo_output.wav)")
     p.add_argument("--url", default=None, help="talk to a running server instead of loading the model in-process")
-    p.add_argument("--api-key", default=None, help="API key for --url")
+    _add_client_api_key(p)
     p.add_argument("--instructions", default=None, help="system prompt")
     p.add_argument("--pace", type=_float_min(0), default=0.0,
                    help="send the input at this multiple of real time (0 = as fast as possible, default)")
@@ -196,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Live conversation with local barge-in (webrtcvad) and a live transcript.")
     _add_model_args(p)
     p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
-    p.add_argument("--api-key", default=None, help="API key for --url")
+    _add_client_api_key(p)
     p.add_argument("--input-device", default=None, help="sounddevice input device (index or name substring)")
     p.add_argument("--output-device", default=None, help="sounddevice output device (index or name substring)")
     p.add_argument("--block-ms", type=_int_range(10, 1000), default=100, help="microphone block size in ms (default 100)")
@@ -224,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed sent with the request (repeatable answers on the same hardware; default: none)")
     p.add_argument("--url", default=None, help="server URL (default: run the model in-process)")
-    p.add_argument("--api-key", default=None, help="API key for --url")
+    _add_client_api_key(p)
     p.add_argument("--text", "-t", default=None, help="user text")
-    p.add_argument("--audio", "-a", default=None, help="user audio WAV")
+    p.add_argument("--audio", "--input", "-a", "-i", dest="audio", default=None,
+                   help="user audio WAV (--input is the same option, the name demo and the examples use)")
     p.add_argument("--output", "-o", default="chat_output.wav", help="where to save the spoken answer (24 kHz WAV)")
     p.add_argument("--no-audio", action="store_true", help="text answer only")
     p.add_argument("--stream", action="store_true", help="stream the answer (SSE)")
@@ -266,13 +282,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "(see duplexkit COMMAND --help)")
         return EXIT_USAGE
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         _eprint("interrupted")
         return EXIT_INTERRUPTED
     except SystemExit:
         raise
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            # `duplexkit demo | head -2`: the reader of stdout has gone; end quietly, as a command
+            # killed by SIGPIPE would (docs/cli.md, "Exit status")
+            return EXIT_BROKEN_PIPE
         # one clean line (and a documented status, see EXIT_*); DUPLEXKIT_DEBUG=1 shows the traceback
         message, code = _error_line(exc)
         if _debug():

@@ -56,10 +56,54 @@ EXIT_INTERRUPTED = 130
 commands that run until stopped (``serve``, ``mic`` without ``--duration``) Ctrl+C / SIGTERM is the
 normal way to end them: they shut down cleanly and exit 0."""
 
+EXIT_BROKEN_PIPE = 141
+"""The reader of stdout went away (``duplexkit demo | head -2``): the command stops quietly with the
+status a shell gives a process killed by SIGPIPE (128 + 13), as ``yes | head`` does; no error line."""
+
 EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURE: "run failed", EXIT_USAGE: "usage or invalid input",
               EXIT_CONNECTION: "network (connect / listen)", EXIT_LOAD: "model load failed",
-              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted"}
+              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted",
+              EXIT_BROKEN_PIPE: "stdout closed by its reader"}
 """The one exit-status table every subcommand uses (docs/cli.md)."""
+
+
+API_KEY_ENV = "DUPLEXKIT_API_KEY"
+"""The API key variable: ``serve`` accepts it as one more key, the client subcommands send it by
+default (``--api-key``), ``examples/curl_chat.sh`` sends it."""
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (writing fails with EPIPE).
+
+    Seen either as a BrokenPipeError from flushing what is still buffered, or (nothing buffered) as
+    ``POLLERR`` on fd 1, which Linux reports for a pipe without readers. If so, points fd 1 at
+    ``os.devnull`` so the interpreter's final flush does not print ``Exception ignored …
+    BrokenPipeError`` (the recipe in Python's ``signal`` docs) and returns True. A BrokenPipeError
+    from anything else (a socket to the server) returns False and is reported as an error.
+    """
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    try:
+        sys.stdout.flush()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except BrokenPipeError:
+        gone = True
+    except (AttributeError, OSError, ValueError):
+        gone = False
+    if gone:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except OSError:
+            pass
+    return gone
 
 
 def _debug() -> bool:

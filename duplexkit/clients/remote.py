@@ -61,6 +61,40 @@ def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None,
     return urlunsplit((scheme, parts.netloc, path, urlencode(q), ""))
 
 
+_REFUSAL_CODES = {401: "unauthorized", 503: "session_capacity_exhausted"}
+"""Handshake HTTP statuses with their own code; any other status (403, 404, ...) is
+``connection_failed`` and its message says what the status means."""
+
+_ENDPOINTS = "/v1/realtime (add ?duplex=1 for full duplex) or /v1/duplex"
+
+
+def _refusal_message(url: str, status: int, body: Optional[bytes]) -> str:
+    """The message of a handshake refused with HTTP ``status``: for 404 the URL (without its query)
+    and the realtime endpoints; otherwise the server's own explanation (the ``error.message`` of an
+    OpenAI error body) when it sent one, else what the status usually means.
+
+    A bare 403 is what Starlette-based servers answer for a WebSocket to an unknown path, and also
+    what a proxy may answer for a bad key, so it names both; a 404 names the realtime endpoints.
+    """
+    said = None
+    try:
+        err = json.loads(body or b"").get("error")
+        said = str(err["message"]) if isinstance(err, dict) and err.get("message") else None
+    except (ValueError, AttributeError, TypeError):
+        pass
+    if status == 404:  # the URL without the query the client added: its path is what is wrong
+        u = urlsplit(url)
+        return f"no WebSocket endpoint at {urlunsplit((u.scheme, u.netloc, u.path, '', ''))} (HTTP 404): " \
+               f"the realtime endpoints are {_ENDPOINTS}"
+    head = f"handshake rejected with HTTP {status}"
+    if said:
+        return f"{head}: {said}"
+    if status == 403:
+        return (f"{head} by {url}: a wrong path or API key (the realtime endpoints are {_ENDPOINTS}; "
+                "pass the key with --api-key or DUPLEXKIT_API_KEY)")
+    return head
+
+
 class DuplexClient(BaseDuplexClient):
     """A remote duplex client (websockets).
 
@@ -183,9 +217,8 @@ class DuplexClient(BaseDuplexClient):
                                  compression=None)
         except websockets.exceptions.InvalidStatus as exc:
             status = exc.response.status_code
-            code = {401: "unauthorized", 403: "unauthorized", 503: "session_capacity_exhausted"}.get(
-                status, "connection_failed")
-            raise DuplexConnectionError(f"handshake rejected with HTTP {status}", code=code) from exc
+            raise DuplexConnectionError(_refusal_message(self.url, status, exc.response.body),
+                                        code=_REFUSAL_CODES.get(status, "connection_failed")) from exc
         except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
             raise DuplexConnectionError(f"cannot connect to {self.url}: {exc}", code="connection_failed") from exc
 

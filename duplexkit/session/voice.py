@@ -13,6 +13,7 @@ import numpy as np
 
 from duplexkit.audio import AudioFormatError, read_wav
 from duplexkit.engine.api import INPUT_SAMPLE_RATE, ReferenceVoice
+from duplexkit.errors import AudioTooLongError
 from duplexkit.protocol import ErrorCode
 
 
@@ -65,6 +66,9 @@ def load_ref_audio(value: str, loader: Optional[Callable[[str], bytes]], max_s: 
             raise err(code, f"ref_audio path refused: {exc}", "ref_audio") from None
     try:
         audio, _ = read_wav(data, rate=INPUT_SAMPLE_RATE, max_s=max_s)
+    except AudioTooLongError as exc:  # readable, only too long
+        got = f"{exc.duration_s:.2f} s" if exc.duration_s is not None else f"over {max_s} s"
+        raise err(code, f"ref_audio must last {REF_AUDIO_MIN_S}..{max_s} s, got {got}", "ref_audio") from None
     except (AudioFormatError, ValueError, RuntimeError) as exc:
         raise err(code, f"ref_audio is not decodable audio: {exc}", "ref_audio") from None
     dur = len(audio) / INPUT_SAMPLE_RATE

@@ -81,6 +81,8 @@ def test_curl_example(scripted_server, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert '"status":"ok"' in r.stdout and "text: This is a scripted chat reply." in r.stdout
     assert "data: [DONE]" in r.stdout
+    stream = r.stdout.split("== chat (stream, text only)", 1)[1]
+    assert '"content":' in stream and '"audio"' not in stream, stream[:2000]  # text only: no base64 audio
     assert read_wav(out)[1] == 24000
 
 

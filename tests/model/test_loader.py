@@ -140,3 +140,36 @@ def test_load_wires_all_three_stages_from_tiny(tiny_dir):
     assert m.devices == {"thinker": "cpu", "talker": "cpu", "code2wav": "cpu"}
     assert m.model_dir == tiny_dir and m.generation_config["top_k"] == 20
     assert m.preprocessor_config["image_feature_size"] == 64
+
+
+class _Stderr:
+    """A stand-in for sys.stderr: a terminal or not, recording what is written."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_weight_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
+    pytest.importorskip("tqdm")
+    from duplexkit.models.minicpmo45 import loader
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": np.ones((2, 3), np.float32), "b": np.arange(4, dtype=np.int64)}, str(path))
+    err = _Stderr(tty)
+    monkeypatch.setattr(loader.sys, "stderr", err)
+    out = loader._read_tensors({"a": path, "b": path}, ["a", "b"], torch.bfloat16, "cpu",
+                               progress="thinker weights")
+    assert out["a"].dtype == torch.bfloat16 and out["b"].tolist() == [0, 1, 2, 3]
+    # a log file or a pipe gets no bar (its \r would glue "thinker weights: 0%|" to the next line)
+    assert ("thinker weights" in err.text) == tty, err.text

@@ -137,3 +137,56 @@ def test_readme_explains_status_incomplete_with_the_real_cap():
     note = readme[demo:readme.index("bash scripts/test.sh")]  # next to the demo command, before the tests
     assert "status=incomplete" in note and "status=completed" in note
     assert f"{cli.TINY_MAX_OUTPUT_TOKENS}-token cap" in note
+
+
+def _cli_with_closed_stdout(*argv: str, unbuffered: bool) -> subprocess.CompletedProcess:
+    """``python -m duplexkit ARGV`` whose stdout is a pipe already closed by its reader (``| head``)."""
+    env = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
+    env["PYTHONUNBUFFERED"] = "1" if unbuffered else ""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "duplexkit", *argv], cwd=str(REPO), stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_closed_stdout_ends_quietly_with_sigpipe_status(unbuffered):
+    # `bench` with no name prints the benchmark list on stdout: the write (unbuffered) or the final
+    # flush (buffered) meets EPIPE
+    r = _cli_with_closed_stdout("bench", unbuffered=unbuffered)
+    assert r.returncode == cli.EXIT_BROKEN_PIPE == 141, r.stderr
+    assert r.stderr == "", r.stderr  # no `error: BrokenPipeError`, no `Exception ignored`
+
+
+def test_broken_pipe_not_on_stdout_is_still_an_error(monkeypatch, capsys):
+    def boom(args):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. the socket to the server
+
+    monkeypatch.setattr(cli, "cmd_bench", boom)
+    assert cli.main(["bench"]) == cli.EXIT_CONNECTION  # a network failure, reported
+    assert "error: " in capsys.readouterr().err
+
+
+def test_client_api_key_defaults_to_env(monkeypatch):
+    monkeypatch.setenv(cli.API_KEY_ENV, "sk-from-env")
+    for argv in (["demo"], ["mic"], ["chat"]):
+        assert cli.build_parser().parse_args(argv).api_key == "sk-from-env", argv
+        assert cli.build_parser().parse_args([*argv, "--api-key", "k2"]).api_key == "k2", argv
+    monkeypatch.setenv(cli.API_KEY_ENV, "")
+    assert cli.build_parser().parse_args(["chat"]).api_key is None
+    monkeypatch.delenv(cli.API_KEY_ENV)
+    assert cli.build_parser().parse_args(["demo"]).api_key is None
+    helps = cli.build_parser().commands
+    for name in ("demo", "mic", "chat"):
+        assert "$DUPLEXKIT_API_KEY" in helps[name].format_help(), name
+
+
+def test_chat_input_is_an_alias_of_audio():
+    p = cli.build_parser()
+    assert p.parse_args(["chat", "--input", "q.wav"]).audio == "q.wav"
+    assert p.parse_args(["chat", "-i", "q.wav"]).audio == "q.wav"
+    assert p.parse_args(["chat", "--audio", "q.wav"]).audio == "q.wav"
+    assert "--input" in p.commands["chat"].format_help()

@@ -142,10 +142,19 @@ def _shapes(index: Dict[str, Path]) -> Dict[str, tuple]:
     return shapes
 
 
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # None, a closed or a fake stream
+        return False
+
+
 def _read_tensors(index: Dict[str, Path], keys, dtype: torch.dtype, device,
                   progress: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """Read ``keys`` from their shards, cast floating tensors to ``dtype`` and move them to
-    ``device``. With ``progress`` (a label), a tqdm bar counts the tensors read (stderr)."""
+    ``device``. With ``progress`` (a label), a tqdm bar counts the tensors read on stderr, only
+    when stderr is a terminal: in a log file or a pipe a bar's carriage returns would glue
+    ``thinker weights:   0%|…`` to the next log line."""
     from safetensors import safe_open
 
     by_file: Dict[Path, List[str]] = {}
@@ -157,8 +166,8 @@ def _read_tensors(index: Dict[str, Path], keys, dtype: torch.dtype, device,
             from tqdm.auto import tqdm
         except ImportError:  # tqdm is in the engine extra; without it, no bar
             tqdm = None
-        if tqdm is not None:
-            bar = tqdm(total=len(keys), desc=progress, unit="tensor", leave=False)
+        if tqdm is not None and _is_tty(sys.stderr):
+            bar = tqdm(total=len(keys), desc=progress, unit="tensor", leave=False, file=sys.stderr)
     out = {}
     try:
         for p, ks in by_file.items():

@@ -179,3 +179,17 @@ def test_build_url():
     assert build_url("ws://h:1/v1/duplex", model="m") == "ws://h:1/v1/duplex?autostart=0&dialect=ga&model=m"
     assert build_url("wss://h/v1/realtime?duplex=0", profile="compat") == \
         "wss://h/v1/realtime?duplex=0&autostart=0&dialect=ga"
+
+
+def test_handshake_refusal_messages():
+    from duplexkit.clients.remote import _REFUSAL_CODES, _refusal_message
+
+    url = "ws://h:1/v1/realtim"
+    bare403 = _refusal_message(url, 403, b"")
+    assert "wrong path or API key" in bare403 and "/v1/realtime" in bare403 and url in bare403
+    assert 403 not in _REFUSAL_CODES  # not reported as `unauthorized`: it may be a wrong path
+    said = json.dumps({"error": {"message": "Origin 'http://evil' is not allowed", "code": "unauthorized"}})
+    assert _refusal_message(url, 403, said.encode()) == \
+        "handshake rejected with HTTP 403: Origin 'http://evil' is not allowed"
+    assert _refusal_message(url, 404, b"<html>nope</html>").startswith(f"no WebSocket endpoint at {url} (HTTP 404): ")
+    assert _refusal_message(url, 500, None) == "handshake rejected with HTTP 500"
