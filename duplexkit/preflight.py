@@ -51,6 +51,8 @@ def check_checkpoint_dir(path: Path) -> None:
     from duplexkit.models.minicpmo45.config import ConfigError, MiniCPMOConfig  # torch-free module
 
     hint = "(pass a MiniCPM-o 4.5 checkpoint directory, or 'tiny' / 'scripted')"
+    if path.exists() and not path.is_dir():
+        raise PreflightError(f"expected a checkpoint directory, got a file: {path} {hint}")
     if not path.is_dir():
         raise PreflightError(f"checkpoint directory not found: {path} {hint}")
     if not (path / "config.json").is_file():

@@ -46,6 +46,8 @@ def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None
         p = Path(src)
         if not p.exists():
             raise FileNotFoundError(f"audio file not found: {p}")
+        if p.is_dir():
+            raise AudioFormatError("bad_audio", f"expected an audio file, got a directory: {p}")
         src = str(p)
     try:
         if max_s is None:

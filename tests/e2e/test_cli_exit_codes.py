@@ -54,6 +54,8 @@ def ckpts(tmp_path):
     good_cfg = json.dumps({"model_type": "minicpmo", "version": "4.5"})
     d = {}
     d["missing"] = tmp_path / "missing"
+    d["a_file"] = tmp_path / "README.md"
+    d["a_file"].write_text("not a checkpoint")
     d["no_config"] = tmp_path / "no_config"
     d["no_config"].mkdir()
     d["bad_json"] = tmp_path / "bad_json"
@@ -77,6 +79,7 @@ def ckpts(tmp_path):
 @pytest.mark.parametrize("cmd", [["serve"], ["demo"], ["mic"], ["chat", "-t", "hi"]])
 @pytest.mark.parametrize("kind, needle", [
     ("missing", "checkpoint directory not found"),
+    ("a_file", "expected a checkpoint directory, got a file"),
     ("no_config", "it has no config.json"),
     ("bad_json", "bad config.json"),
     ("old_version", "unsupported MiniCPM-o version '2.6'"),
@@ -120,6 +123,12 @@ def test_serve_exits_4_when_the_engine_fails_to_load():
     assert r.returncode == cli.EXIT_LOAD, r.stdout + r.stderr
     assert "error: engine failed to load: unknown ScriptConfig field 'no_such_option'" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_demo_input_that_is_a_directory_says_so(tmp_path):
+    r = light("demo", "scripted", "--input", str(tmp_path))
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert f"expected an audio file, got a directory: {tmp_path}" in one_error_line(r)
 
 
 def test_demo_refuses_an_unwritable_output_before_loading():
