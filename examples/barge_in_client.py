@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
-from duplexkit.clients import DuplexClient, DuplexError, response_id_of
+from duplexkit.clients import DuplexClient, DuplexConnectionError, DuplexError, response_id_of
 from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 
 from duplexkit import ASSETS_DIR as ASSETS
@@ -123,4 +123,5 @@ if __name__ == "__main__":
         sys.exit(asyncio.run(main(p.parse_args())))
     except DuplexError as exc:  # the server's (or the connection's) error, without a traceback
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        sys.exit(1)
+        # 3: could not connect or the connection was refused/lost (as the CLI); 1: the server's error
+        sys.exit(3 if isinstance(exc, DuplexConnectionError) else 1)

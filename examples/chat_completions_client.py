@@ -119,5 +119,6 @@ if __name__ == "__main__":
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except httpx.HTTPError as exc:  # cannot connect, timeout
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        where = f" ({exc.request.url})" if getattr(exc, "_request", None) is not None else ""
+        print(f"error: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
         sys.exit(3)

@@ -14,12 +14,11 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from duplexkit.audio import read_wav, write_wav
-from duplexkit.clients import DuplexClient, DuplexError, InlineDuplexClient
+from duplexkit.clients import DuplexClient, DuplexConnectionError, DuplexError, InlineDuplexClient
 from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 from duplexkit import ASSETS_DIR
 
@@ -85,4 +84,5 @@ if __name__ == "__main__":
         sys.exit(asyncio.run(main(p.parse_args())))
     except DuplexError as exc:  # the server's (or the connection's) error, without a traceback
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        sys.exit(1)
+        # 3: could not connect or the connection was refused/lost (as the CLI); 1: the server's error
+        sys.exit(3 if isinstance(exc, DuplexConnectionError) else 1)
