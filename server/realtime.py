@@ -77,9 +77,9 @@ async def reject_unknown_path(ws: WebSocket) -> None:
     with 1008 before the upgrade."""
     from fastapi.responses import JSONResponse
 
-    path = ws.scope.get("path") or "/"
+    path = (ws.scope.get("path") or "/")[:200]  # client-chosen: bounded in the answer and the log
     message = f"no WebSocket endpoint at {path}: {WS_ENDPOINTS_HINT}"
-    logger.info("refused websocket %s: no such endpoint", path)
+    logger.info("refused websocket %r: no such endpoint", path)
     if "websocket.http.response" in (ws.scope.get("extensions") or {}):
         await ws.send_denial_response(JSONResponse(
             {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
