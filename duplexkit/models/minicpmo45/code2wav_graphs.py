@@ -22,20 +22,10 @@ ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _capture(c2w: "BatchedCode2Wav", fn):
-    """Warm ``fn`` up on a side stream, then capture it holding the process-wide capture gate exclusive."""
-    import torch
+    """Warm ``fn`` up on a side stream, then capture it (:func:`.fast_kv.capture_graph`, private pool)."""
+    from .fast_kv import capture_graph
 
-    from .fast_kv import CAPTURE_GATE
-
-    s = torch.cuda.Stream(c2w.device)
-    s.wait_stream(torch.cuda.current_stream(c2w.device))
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream(c2w.device).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
-    return graph, out
+    return capture_graph(fn, c2w.device)
 
 
 class EncoderGraph:

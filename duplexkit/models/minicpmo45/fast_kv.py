@@ -30,10 +30,36 @@ import torch.nn.functional as F
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["CAPTURE_GATE", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
+__all__ = ["CAPTURE_GATE", "capture_graph", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
 
 
 from .capture_gate import CAPTURE_GATE  # noqa: E402 - re-exported: captures hold it exclusive, stage work shared
+
+
+def capture_graph(fn, device, *, pool=None, warmup: int = 1):
+    """Warm ``fn`` up ``warmup`` times on a side stream, then capture it into a new CUDA graph holding
+    :data:`CAPTURE_GATE` exclusive (no other stage thread launches while the capture is open).
+
+    Args:
+        fn: zero-argument callable launching the work; its return value (the graph's static output
+            tensors) is returned with the graph.
+        device: the CUDA device.
+        pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``), or None (private).
+        warmup: eager runs before the capture (lazy initialisation, autotuning).
+
+    Returns:
+        ``(graph, out)``: the ``torch.cuda.CUDAGraph`` and what ``fn`` returned during the capture.
+    """
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class ContextFullError(DuplexkitError, ValueError):

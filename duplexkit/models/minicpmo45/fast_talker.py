@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .fast_kv import CAPTURE_GATE, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
@@ -96,14 +96,8 @@ class _UnitGraph:
             penalty=torch.ones(B, 1, dtype=torch.float32, device=dev),
             noise=torch.ones(B, steps, V, dtype=torch.float32, device=dev),
         )
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
-        torch.cuda.current_stream(dev).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with CAPTURE_GATE.exclusive(), torch.cuda.graph(self.graph, pool=ft.graph_pool, capture_error_mode="thread_local"):
-            self.codes = ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp)
+        self.graph, self.codes = capture_graph(
+            lambda: ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp), dev, pool=ft.graph_pool)
 
     def run(self, **kw) -> torch.Tensor:
         n = kw["base"].shape[0]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
-from .fast_kv import CAPTURE_GATE, ContextFullError, KVPool, bucket, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
 from .thinker import Thinker, ThinkerStream
 
 __all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS"]
@@ -82,15 +82,9 @@ class _StepGraph:
         self.pos = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.pos.copy_(torch.arange(T, device=dev)[None])
         self.slots = torch.full((B,), self.scratch, dtype=torch.long, device=dev)
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up (writes only the scratch slot)
-                th._forward_eager(self.x, self.pos, self.slots, kv_len)
-        torch.cuda.current_stream(dev).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with CAPTURE_GATE.exclusive(), torch.cuda.graph(self.graph, pool=th.graph_pool, capture_error_mode="thread_local"):
-            self.h, self.logits = th._forward_eager(self.x, self.pos, self.slots, kv_len)
+        # two warm-up runs (they write only the scratch slot), then the capture
+        self.graph, (self.h, self.logits) = capture_graph(
+            lambda: th._forward_eager(self.x, self.pos, self.slots, kv_len), dev, pool=th.graph_pool, warmup=2)
 
     def run(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
         n, t = x.shape[0], x.shape[1]
