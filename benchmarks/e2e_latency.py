@@ -189,15 +189,31 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
             ev, _ = await asyncio.wait_for(fut or inbox.expect(_is("response.done")), timeout)
             return ev
 
+        async def idle() -> None:
+            """Cancel any response in progress: one the model started on its own (duplex turn-taking
+            may speak during or after the question) or the VAD created in the last round; else the
+            timed ``response.create`` is refused with ``response_already_active``."""
+            while inbox.active:
+                done = inbox.expect(_is("response.done"))
+                await ws.send(json.dumps({"type": "response.cancel"}))
+                await until_done(done)
+
+        async def first_audio(fut) -> float:
+            """Receive time of the timed response's first audio delta; a timeout names the server's
+            errors so far (e.g. a refused ``response.create``)."""
+            try:
+                return (await asyncio.wait_for(fut, timeout))[1]
+            except asyncio.TimeoutError:
+                raise SystemExit(f"no audio of the requested response within {timeout} s; server errors: "
+                                 f"{[e['error'].get('code') for e in inbox.errors]}") from None
+
         try:
             for _ in range(rounds):
                 # 1. explicit commit + response.create
                 await update(None)
-                while inbox.active:  # a response the model or the VAD started in the last round
-                    done = inbox.expect(_is("response.done"))
-                    await ws.send(json.dumps({"type": "response.cancel"}))
-                    await until_done(done)
+                await idle()
                 await mic.say(question).wait()
+                await idle()
                 tag = f"bench-{time.perf_counter_ns()}"
                 first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                 done = inbox.expect(_is("response.done"))
@@ -205,11 +221,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                 t0 = time.perf_counter()
                 await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
                 await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
-                try:
-                    _, t1 = await asyncio.wait_for(first, timeout)
-                except asyncio.TimeoutError:
-                    raise SystemExit(f"no audio of the requested response within {timeout} s; server errors: "
-                                     f"{[e['error'] for e in inbox.errors]}") from None
+                t1 = await first_audio(first)
                 res["create"].append((t1 - t0) * 1000)
                 await ws.send(json.dumps({"type": "response.cancel"}))
                 await until_done(done)
@@ -219,6 +231,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                     # COMMIT_MERGE_MS): the commit's unit goes out as a listen unit and the forced unit
                     # is a second, all-zero one (the behaviour before the merge), timed from the create
                     await mic.say(question).wait()
+                    await idle()
                     tag = f"bench-{time.perf_counter_ns()}"
                     first = inbox.expect(_delta_of(inbox, lambda t, md: md.get("bench") == tag))
                     done = inbox.expect(_is("response.done"))
@@ -227,7 +240,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                     await asyncio.sleep(split_ms / 1000)
                     t0 = time.perf_counter()
                     await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"bench": tag}}}))
-                    _, t1 = await asyncio.wait_for(first, timeout)
+                    t1 = await first_audio(first)
                     res["create_split"].append((t1 - t0) * 1000)
                     await ws.send(json.dumps({"type": "response.cancel"}))
                     await until_done(done)
@@ -246,7 +259,7 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                                        and q_chunk in mic.sent_at)
                 phase[0] = "vad_eos: first audio"
                 mic.say(question)
-                _, t1 = await asyncio.wait_for(first, timeout)
+                t1 = await first_audio(first)
                 res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
                 if stopped.done():
                     res["vad_stop"].append((t1 - stopped.result()[1]) * 1000)

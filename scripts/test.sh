@@ -9,7 +9,9 @@ bash scripts/setup.sh || exit 1
 # is reported here and the tests then skip, naming the reason.
 if [[ ${DUPLEXKIT_SKIP_VLLM:-0} != 1 ]]; then
   if bash scripts/setup_vllm.sh; then
-    export DUPLEXKIT_VLLM_PYTHON=${DUPLEXKIT_VLLM_PYTHON:-$PWD/${DUPLEXKIT_VLLM_VENV:-.venv-vllm}/bin/python}
+    vvenv=${DUPLEXKIT_VLLM_VENV:-.venv-vllm}
+    [[ $vvenv == /* ]] || vvenv=$PWD/$vvenv  # relative to the checkout, or absolute
+    export DUPLEXKIT_VLLM_PYTHON=${DUPLEXKIT_VLLM_PYTHON:-$vvenv/bin/python}
   else
     echo "[test] warning: the vLLM venv could not be set up; tests/engine/test_vllm_*.py will skip" >&2
   fi
