@@ -150,7 +150,7 @@ async def _main_cpu(args) -> None:
             rounds = []
             for a in units:
                 t0 = time.perf_counter()
-                await asyncio.gather(*(vt.unit(vs, a) for vs in vss))
+                await vt.units([(vs, a, False, False, None) for vs in vss])
                 rounds.append(time.perf_counter() - t0)
             for vs in vss:
                 await vt.close(vs)
@@ -270,7 +270,10 @@ async def _vllm_cuda(th, units: list, args, save=lambda part: None) -> tuple:
                 rounds, toks = [], []
                 for k, a in enumerate(units):
                     t0 = time.perf_counter()
-                    res = await asyncio.gather(*(vt.unit(vs, a, force_speak=(k == 0)) for vs in vss))
+                    res = await vt.units([(vs, a, False, k == 0, None) for vs in vss])
+                    bad = [r for r in res if isinstance(r, BaseException)]
+                    if bad:
+                        raise bad[0]
                     rounds.append(time.perf_counter() - t0)
                     if k >= WARM:
                         toks += [int(r.n_tokens) for r, _epoch in res]

@@ -39,6 +39,7 @@ here: ``max_unit_chars``, images in chat.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from types import SimpleNamespace
@@ -199,12 +200,71 @@ class VllmDuplexThinker:
         seed = secrets.randbits(63) if seed is None else int(seed)
         return VllmStream(st, VllmSession(self.engine, f"dk-{st.stream_id}-{id(st):x}", self.max_model_len), prefix, seed)
 
+    def embed_units(self, streams: Sequence[VllmStream], audios: Sequence[np.ndarray]) -> List[torch.Tensor]:
+        """The audio rows of one unit for each stream (the native front end: float32 [10, H] each
+        for a 1-s unit of 16 kHz audio, docs/model.md §3.2), advancing each stream's mel and Whisper
+        caches. With a native thinker that batches its front end (:class:`FastThinker`: one Whisper
+        pass per group of streams whose caches have the same length) the streams go together;
+        otherwise (the reference :class:`Thinker`, one stream) one after the other, which gives the
+        same rows.
+
+        Raises:
+            ValueError: a stream appears twice, or the checkpoint has no audio encoder.
+        """
+        if len({id(vs) for vs in streams}) != len(streams):
+            raise ValueError("embed_units got the same stream twice")
+        th = self.th
+        batch = getattr(th, "_audio_embeds_batch", None)
+        if batch is not None and len(streams) > 1:
+            rows = batch([vs.st for vs in streams], list(audios))
+        else:
+            rows = [th.audio_embeds_stream(vs.st, a) for vs, a in zip(streams, audios)]
+        return [r.float() for r in rows]
+
+    async def units(self, items: Sequence[tuple]) -> list:
+        """Several streams' units at once. ``items``: ``(stream, audio, force_listen, force_speak,
+        frame)`` tuples, each stream at most once. Every open stream's audio rows are computed first
+        (:meth:`embed_units`), then all chunks are submitted together, so vLLM schedules them in the
+        same engine steps and decodes the streams in lockstep. (Run inside each :meth:`unit`, the
+        front end staggers the submissions by one Whisper pass per stream: at 32 streams on an H200
+        that made the vLLM unit 3.6x the native one, benchmarks/NOTES.md.)
+
+        Returns one ``(UnitResult, epoch)`` per item, in order, or the exception of an item that
+        failed on its own (a closed stream, the context full, ...). An exception of the batched
+        front end is every open item's result (their caches may have advanced part way).
+        """
+        out: list = [None] * len(items)
+        live = []
+        for i, it in enumerate(items):
+            if it[0].session.closed:
+                out[i] = VllmBackendError(f"session {it[0].session.request_id} is closed")
+            else:
+                live.append(i)
+        try:
+            rows = self.embed_units([items[i][0] for i in live], [items[i][1] for i in live])
+        except Exception as exc:  # noqa: BLE001 - reported per item, like the engine's other failures
+            for i in live:
+                out[i] = exc
+            return out
+
+        async def one(i: int, aud: torch.Tensor):
+            vs, audio, force_listen, force_speak, frame = items[i]
+            return await self.unit(vs, audio, bool(force_listen), bool(force_speak), frame, audio_rows=aud)
+
+        got = await asyncio.gather(*(one(i, r) for i, r in zip(live, rows)), return_exceptions=True)
+        for i, r in zip(live, got):
+            out[i] = r
+        return out
+
     async def unit(self, vs: VllmStream, audio: np.ndarray, force_listen: bool = False,
-                   force_speak: bool = False, frame: Optional[np.ndarray] = None) -> "tuple[UnitResult, int]":
+                   force_speak: bool = False, frame: Optional[np.ndarray] = None,
+                   audio_rows: Optional[torch.Tensor] = None) -> "tuple[UnitResult, int]":
         """Run one unit: returns the native :class:`UnitResult` and the epoch the unit was submitted
         in (the caller drops a result whose epoch is stale, see :meth:`barge_in`). ``frame``: an
         optional RGB uint8 [H, W, 3] video frame riding the unit (docs/model.md §3.3; its 64 rows
         from the native vision tower go as an image item; needs the export's ``image_start_id``).
+        ``audio_rows``: the unit's audio rows already computed by :meth:`embed_units` (then
+        ``audio`` is not read again); None runs the front end here.
 
         Raises:
             VllmBackendError: the session is closed, the unit would pass ``max_model_len``, or the
@@ -217,7 +277,7 @@ class VllmDuplexThinker:
         sp = th.special
         ph = int(sp.unk)
         t0 = time.perf_counter()
-        aud = th.audio_embeds_stream(st, audio).float()
+        aud = th.audio_embeds_stream(st, audio).float() if audio_rows is None else audio_rows.float()
         st.last_audio_embeds = aud
         img = th.image_embeds(frame).float() if frame is not None else None
         n_img = 0 if img is None else int(img.shape[0]) + 2

@@ -141,10 +141,8 @@ class VllmStages(MiniCPMO45Stages):
         return handle
 
     async def _units(self, items: list) -> list:
-        async def one(w):
-            return (await self.vt.unit(w.handle, w.audio, bool(w.force_listen), bool(w.force_speak), w.frame))[0]
-
-        return await asyncio.gather(*(one(w) for w in items), return_exceptions=True)
+        got = await self.vt.units([(w.handle, w.audio, w.force_listen, w.force_speak, w.frame) for w in items])
+        return [r if isinstance(r, BaseException) else r[0] for r in got]
 
     def thinker_step(self, items: list) -> list:
         """The units of all items at once (one vLLM chunk per stream; the engine batches them). An

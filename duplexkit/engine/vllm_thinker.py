@@ -296,6 +296,11 @@ class VllmSession:
         self.length += len(ids) + max(len(got) - 1, 0)  # the last decoded token is not kept
         return UnitTokens(token_ids=got[:max_tokens], epoch=epoch)
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (a later :meth:`unit` raises)."""
+        return self._closed
+
     def barge_in(self) -> int:
         """Start a new epoch (docs/architecture.md, epochs): units submitted before it still run to
         their end (their KV stays), their tokens carry the old epoch for the caller to drop."""
