@@ -259,6 +259,19 @@ async def _session(url: str, rounds: int, res: dict, question: np.ndarray, inter
                                        and q_chunk in mic.sent_at)
                 phase[0] = "vad_eos: first audio"
                 mic.say(question)
+                t_say = time.perf_counter()
+                await asyncio.wait({first, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not first.done() and stopped.done():
+                    # the model started speaking on its own during the question (duplex turn-taking;
+                    # random weights do): a response is active at the end of speech, so the VAD
+                    # creates none. Not a latency sample: counted, then the next round
+                    t_stop = stopped.result()[1]
+                    if any(t_say <= inbox.created[r][0] < t_stop for r in inbox.active):
+                        res["vad_preempted"].append(1)
+                        await idle()
+                        await mic.done.wait()
+                        await asyncio.sleep(0.5)
+                        continue
                 t1 = await first_audio(first)
                 res["vad_eos"].append((t1 - mic.spoken_at(q_end - 1)) * 1000)
                 if stopped.done():
@@ -327,7 +340,7 @@ async def run_level(url: str, n: int, rounds: int, timeout: float, silence_ms: i
                     split_ms: float = 0.0) -> dict:
     question = read_wav(FIX / "question_16k.wav", SR)[0]
     interrupt = read_wav(FIX / "interrupt_16k.wav", SR)[0]
-    res: dict = {"create": [], "create_split": [], "vad_eos": [], "vad_stop": [], "barge": [], "barge_last": [], "barge_missed": [], "errors": []}
+    res: dict = {"create": [], "create_split": [], "vad_eos": [], "vad_stop": [], "barge": [], "barge_last": [], "barge_missed": [], "vad_preempted": [], "errors": []}
 
     async def one(k: int) -> None:
         await asyncio.sleep(0.1 * k / max(1, n))  # spread the unit phases a little
@@ -610,7 +623,8 @@ def main(argv=None) -> int:
             rows.append((n, r))
             print_table([(n, r)])
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
-                  f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, errors {len(r['errors'])}",
+                  f"{len(r['barge'])} barge samples, missed barge-ins {r['barge_missed']}, "
+                  f"VAD rounds the model pre-empted (spoke during the question) {len(r['vad_preempted'])}, errors {len(r['errors'])}",
                   flush=True)
             for kind, count in _error_kinds(r["errors"]).most_common():
                 print(f"  error x{count}: {kind}", flush=True)
@@ -624,7 +638,7 @@ def main(argv=None) -> int:
           f"VAD silence_duration_ms {a.silence_ms})")
     print_table(rows)
     out = [{"sessions": n, **{k: r[k] for k in ("create", "create_split", "vad_eos", "vad_stop", "barge", "barge_last",
-                                                 "barge_missed", "trace")},
+                                                 "barge_missed", "vad_preempted", "trace")},
             "errors": dict(_error_kinds(r["errors"]))} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
