@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_api_key(p)
     p.add_argument("--instructions", default=None, help="system prompt")
     p.add_argument("--pace", type=_float_min(0), default=0.0,
-                   help="send the input at this multiple of real time (0 = as fast as possible, default)")
+                   help="send the input at this multiple of real time (0 = as fast as the server takes it: the "
+                        "first 4 s at once, then real time; the default)")
     p.add_argument("--timeout", type=_float_min(0, strict=True), default=600.0,
                    help="seconds to wait for the answer (default 600)")
     p.set_defaults(func=cmd_demo)

@@ -11,6 +11,7 @@ from typing import Optional
 from .common import (
     CliError,
     EXIT_BAD_INPUT,
+    EXIT_FAILURE,
     MIN_TURN_SAMPLES,
     _random_weights_notice,
     _remote_notice,
@@ -19,23 +20,77 @@ from .common import (
 )
 
 
-async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0, response_timeout_s: float = 600.0,
-                       modalities: Optional[list] = None) -> dict:
-    """Stream ``audio`` (float32 16 kHz) into ``client``, commit, request a response and collect it.
+BURST_S = 4.0
+"""With ``pace`` 0, the seconds of input sent at once before the rest goes at real time: the server
+drops input more than ``max_pending_input_s`` (10 s by default) ahead of the model with
+``input_backpressure`` (docs/protocol.md §6.1, which also asks clients to send at real-time pace)."""
 
-    Returns a dict with the response handle and timings (seconds, monotonic): ``t_audio_end``,
-    ``t_create``, ``t_first_audio``, ``t_done``.
+PROGRESS_EVERY_S = 10.0
+"""Seconds of input between two progress calls of :func:`run_wav_turn`."""
+
+
+async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0, response_timeout_s: float = 600.0,
+                       modalities: Optional[list] = None, progress=None) -> dict:
+    """Stream ``audio`` (float32 [n], 16 kHz) into ``client``, commit, request a response and collect it.
+
+    Args:
+        pace: multiple of real time for sending. 0 (as fast as the server takes it): the first
+            :data:`BURST_S` s at once, then real time, since the server drops input that runs more
+            than its pending-input cap ahead of the model.
+        progress: called as ``progress(sent_s, total_s)`` about every :data:`PROGRESS_EVERY_S` s of
+            input sent (None: silent).
+
+    Returns a dict with the response handle and timings (seconds, monotonic): ``t_start``,
+    ``t_audio_end``, ``t_create``, ``t_first_audio``, ``t_done``.
+
+    Raises:
+        DuplexError: ``input_backpressure``: the server dropped part of the input (it consumes audio
+            more slowly than it is sent); the turn is not committed, since the model did not hear
+            all of it. Other client errors as :meth:`DuplexClient.commit` / ``create_response``.
     """
     import numpy as np
 
+    from duplexkit.errors import DuplexError
+
+    dropped: list = []
+
+    async def watch() -> None:  # the server answers a refused append with an error event only
+        async for ev in client.events():
+            if getattr(ev, "type", None) == "error" and ev.error.code == "input_backpressure":
+                dropped.append(DuplexError.from_event(ev.model_dump(mode="json")))
+                return
+
+    watcher = asyncio.create_task(watch())
     step = 16 * chunk_ms
+    total_s = len(audio) / 16_000
     t0 = time.monotonic()
-    for i in range(0, len(audio), step):
-        await client.send_audio(np.asarray(audio[i:i + step], np.float32), rate=16_000)
-        if pace > 0:
-            target = t0 + (i + step) / 16_000 / pace
+    next_report = PROGRESS_EVERY_S
+    try:
+        for i in range(0, len(audio), step):
+            if dropped:
+                break
+            await client.send_audio(np.asarray(audio[i:i + step], np.float32), rate=16_000)
+            sent_s = min(i + step, len(audio)) / 16_000
+            if progress is not None and sent_s >= next_report and sent_s < total_s:
+                progress(sent_s, total_s)
+                next_report += PROGRESS_EVERY_S
+            if pace > 0:
+                target = t0 + sent_s / pace
+            elif sent_s > BURST_S:
+                target = t0 + sent_s - BURST_S
+            else:
+                continue
             await asyncio.sleep(max(0.0, target - time.monotonic()))
-    t_audio_end = time.monotonic()
+        t_audio_end = time.monotonic()
+        if not dropped:  # a refusal of one of the last appends arrives within a round trip
+            await asyncio.sleep(0.2)
+        if dropped:
+            err = dropped[0]
+            raise DuplexError("input_backpressure", f"the server dropped input after about {sent_s:.1f} s of "
+                              f"{total_s:.1f} s: it consumes audio more slowly than it was sent ({err.message})",
+                              event=err.event)
+    finally:
+        watcher.cancel()
     await client.commit()
     t_create = time.monotonic()
     handle = await client.create_response(modalities=modalities)
@@ -77,6 +132,7 @@ async def _demo_async(args) -> int:
 
     from duplexkit.audio import read_wav, write_wav
     from duplexkit.clients import DuplexClient, InlineDuplexClient
+    from duplexkit.errors import DuplexError
 
     audio, _ = read_wav(args.input, 16_000)
     if len(audio) < MIN_TURN_SAMPLES:
@@ -108,7 +164,14 @@ async def _demo_async(args) -> int:
         client = InlineDuplexClient(engine, session=session, request_timeout_s=args.timeout, **opts)
     try:
         async with client:
-            r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout)
+            try:
+                r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout,
+                                       progress=_print_progress if len(audio) > 2 * PROGRESS_EVERY_S * 16_000 else None)
+            except DuplexError as exc:
+                if exc.code != "input_backpressure":
+                    raise
+                raise CliError(f"{exc.message}; send it more slowly (--pace 0.5), use a shorter input, or "
+                               "start the server with a larger --max-pending-input-s", EXIT_FAILURE) from None
     finally:
         if engine is not None:
             await engine.aclose()
@@ -125,6 +188,10 @@ async def _demo_async(args) -> int:
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
     return 0 if h.status in ("completed", "incomplete") else 1
+
+
+def _print_progress(sent_s: float, total_s: float) -> None:
+    print(f"sending:    {sent_s:.0f} / {total_s:.0f} s of input (real time after the first {BURST_S:g} s)", flush=True)
 
 
 def cmd_demo(args) -> int:
