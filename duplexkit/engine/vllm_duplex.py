@@ -53,7 +53,7 @@ from duplexkit.models.minicpmo45 import duplex as D
 from duplexkit.models.minicpmo45.duplex import DuplexPolicy, UnitResult
 from duplexkit.models.minicpmo45.thinker import Thinker, ThinkerStream
 
-__all__ = ["decision_args", "decide_token", "VllmDuplexThinker", "VllmStream", "EXTRA_KEY"]
+__all__ = ["decision_args", "decide_token", "decide_tokens", "VllmDuplexThinker", "VllmStream", "EXTRA_KEY"]
 
 EXTRA_KEY = "duplexkit"
 """The ``SamplingParams.extra_args`` key of the decision processor's per-unit state."""
@@ -99,6 +99,9 @@ class _Rule:
                                   forbidden_ids=[i for i in args["forbidden"] if 0 <= i < vocab_size],
                                   continue_mask_ids=list(args["continue"]))
         self.args = args
+        # rows whose rules share these (every row of one engine does) are decided in one batch
+        self.group = (tuple(self.th.forbidden_ids), tuple(args["continue"]), tuple(args["terminators"]),
+                      tuple(sorted(sp.items())), int(vocab_size))
 
 
 def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int],
@@ -114,20 +117,41 @@ def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int],
     Returns:
         the token id to emit (a terminator ends the unit; vLLM then stops the chunk).
     """
-    a = rule.args
-    sp = rule.special
-    if a["forced_listen"]:
-        return sp.listen
-    j = len(out)
-    turn_ended = a["turn_ended"]
-    for t in out:  # every fed token ends (turn_eos) or opens the turn (decide())
-        turn_ended = t == sp.turn_eos
-    plan = D.plan_step(rule.policy, j, a["force_speak"], turn_ended)
-    if plan.cut:
-        return sp.chunk_eos
-    stream = SimpleNamespace(policy=rule.policy, history=list(a["history"]) + [int(t) for t in out])
-    bnd, main = D.choose_tokens(rule.th, [stream], raw_logits[None].float(), [plan], [generator])
-    return D.decide(sp, plan, j, bnd[0], main[0], turn_ended).token
+    return decide_tokens([rule], raw_logits[None], [out], [generator])[0]
+
+
+def decide_tokens(rules: Sequence[_Rule], raw_logits: torch.Tensor, outs: Sequence[Sequence[int]],
+                  generators: Sequence[Optional[torch.Generator]]) -> List[int]:
+    """:func:`decide_token` for the rows of one engine step at once: raw logits [N, V], one rule,
+    token list and generator per row. Rows that need the model's choice go through one
+    :func:`duplex.choose_tokens` call (one host sync) per group of rules sharing the model's id sets
+    (all rows of one engine), as the native batched thinker decides its rows; each row still draws
+    from its own generator, so the result is the row-by-row one."""
+    toks: List[Optional[int]] = [None] * len(rules)
+    groups: Dict[tuple, list] = {}
+    for r, (rule, out) in enumerate(zip(rules, outs)):
+        a, sp = rule.args, rule.special
+        if a["forced_listen"]:
+            toks[r] = sp.listen
+            continue
+        j = len(out)
+        turn_ended = a["turn_ended"]
+        for t in out:  # every fed token ends (turn_eos) or opens the turn (decide())
+            turn_ended = t == sp.turn_eos
+        plan = D.plan_step(rule.policy, j, a["force_speak"], turn_ended)
+        if plan.cut:
+            toks[r] = sp.chunk_eos
+            continue
+        stream = SimpleNamespace(policy=rule.policy, history=list(a["history"]) + [int(t) for t in out])
+        groups.setdefault(rule.group, []).append((r, plan, stream, turn_ended, j))
+    for items in groups.values():
+        rows = [it[0] for it in items]
+        x = raw_logits.index_select(0, torch.tensor(rows, device=raw_logits.device)).float()
+        bnd, main = D.choose_tokens(rules[rows[0]].th, [it[2] for it in items], x, [it[1] for it in items],
+                                    [generators[r] for r in rows])
+        for k, (r, plan, _stream, turn_ended, j) in enumerate(items):
+            toks[r] = D.decide(rules[r].special, plan, j, bnd[k], main[k], turn_ended).token
+    return toks  # type: ignore[return-value]
 
 
 class VllmStream:

@@ -241,10 +241,10 @@ class DuplexDecisionProcessor(LogitsProcessor):
 
     Rows whose request carries ``SamplingParams.extra_args["duplexkit"]`` (a unit's state,
     :func:`duplexkit.engine.vllm_duplex.decision_args`) get the native decision of the step
-    (:func:`duplexkit.engine.vllm_duplex.decide_token`, on the raw float32 logits and the tokens the
+    (:func:`duplexkit.engine.vllm_duplex.decide_tokens`, on the raw float32 logits and the tokens the
     unit decided so far): every other logit becomes -inf, so greedy sampling picks it. Other rows
-    are untouched. Not argmax-invariant. Cost: one decision per duplex row per step, on the host
-    side of the sampler (small next to a forward; not measured on a GPU yet).
+    are untouched. Not argmax-invariant. Cost: per step, one batched decision of all duplex rows (one
+    host sync), beside the sampler.
     """
 
     MAX_GENERATORS = 4096
@@ -309,15 +309,23 @@ class DuplexDecisionProcessor(LogitsProcessor):
                 self._rows[a] = rb
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        from duplexkit.engine.vllm_duplex import _Rule, decide_token
+        """Decide every duplex row of the step at once (:func:`decide_tokens`: one host sync per
+        step, not one per row), then leave each such row only its token's logit."""
+        from duplexkit.engine.vllm_duplex import _Rule, decide_tokens
 
-        for i, row in self._rows.items():
+        if not self._rows:
+            return logits
+        items = sorted(self._rows.items())
+        for _i, row in items:
             if row[2] is None:
                 row[2] = _Rule(row[0], logits.shape[-1])
-            tok = decide_token(row[2], logits[i], row[1], self._generator(row[0]))
-            keep = logits[i, tok].clone()
-            logits[i] = float("-inf")
-            logits[i, tok] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+        rows = torch.tensor([i for i, _ in items], device=logits.device)
+        toks = decide_tokens([row[2] for _, row in items], logits.index_select(0, rows), [row[1] for _, row in items],
+                             [self._generator(row[0]) for _, row in items])
+        tok = torch.tensor(toks, device=logits.device)
+        keep = logits[rows, tok]
+        logits.index_fill_(0, rows, float("-inf"))
+        logits[rows, tok] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
         return logits
 
 

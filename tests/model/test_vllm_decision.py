@@ -12,7 +12,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from duplexkit.engine.vllm_duplex import EXTRA_KEY, VllmDuplexThinker, _Rule, decide_token, decision_args  # noqa: E402
+from duplexkit.engine.vllm_duplex import (  # noqa: E402
+    EXTRA_KEY,
+    VllmDuplexThinker,
+    _Rule,
+    decide_token,
+    decide_tokens,
+    decision_args,
+)
 from duplexkit.models.minicpmo45 import duplex as D  # noqa: E402
 from duplexkit.models.minicpmo45.thinker import ThinkerStream  # noqa: E402
 
@@ -85,3 +92,33 @@ def test_decide_token_and_replay_equal_the_native_unit_loop(temperature):
         kinds.add((want.decision, want.generated_ids[-2], want.end_of_turn))
     # every way a unit ends occurred: forced listen, listen, chunk_eos (boundary or cut), turn_eos, chunk_tts_eos
     assert {k[1] for k in kinds} >= {1, 5} and any(k[2] for k in kinds) and any(k[0] == "listen" for k in kinds)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_decide_tokens_of_a_step_equal_row_by_row(temperature):
+    """The processor decides every row of an engine step in one batch (decide_tokens); each row must
+    get the token decide_token gives it alone, with its own generator, over many steps of 6 streams
+    in mixed states (forced listen, forced speak, after a turn end, mid-unit)."""
+    th = _thinker()
+    rng = np.random.default_rng(11)
+    n = 6
+    pol = D.DuplexPolicy(temperature=temperature, min_unit_tokens=2, max_unit_tokens=6)
+    gens_a = [torch.Generator().manual_seed(100 + r) if temperature else None for r in range(n)]
+    gens_b = [torch.Generator().manual_seed(100 + r) if temperature else None for r in range(n)]
+    seen = set()
+    for step in range(60):
+        rules, outs = [], []
+        for r in range(n):
+            st = ThinkerStream(f"s{r}", pol, kv=None, generator=None)
+            st.turn_ended = bool(rng.random() < 0.3)
+            st.history = [int(t) for t in rng.integers(12, V, 5)]
+            flags = (bool(rng.random() < 0.15), bool(rng.random() < 0.3))
+            s = D.start_unit(pol, 3, flags[0], flags[1], False, st.turn_ended)
+            rules.append(_Rule(decision_args(th, st, s, f"s{r}", r), V))
+            outs.append([int(t) for t in rng.integers(12, V, int(rng.integers(0, 7)))])
+        logits = torch.stack(_logits(rng, n))
+        batched = decide_tokens(rules, logits, outs, gens_a)
+        alone = [decide_token(rules[r], logits[r], outs[r], gens_b[r]) for r in range(n)]
+        assert batched == alone, step
+        seen.update(batched)
+    assert {SP.listen, SP.chunk_eos} <= seen and len(seen) > 8  # forced listens, cuts and model choices
