@@ -41,11 +41,5 @@ def slow_load(marker: str, seconds: float) -> ScriptedEngine:
     from pathlib import Path
 
     Path(marker).write_text("loading")
-    # in short slices, as a real load runs bytecode between its C calls: a signal the kernel hands
-    # to another thread of the child (its pipe reader) only reaches Python's handler when the main
-    # thread next runs bytecode, and one long sleep would hold it back until the "load" ended
-    # (seen once under load: SIGINT during loading did not stop it)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        time.sleep(0.05)
+    time.sleep(seconds)
     return ScriptedEngine()
