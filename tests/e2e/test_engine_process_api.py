@@ -138,10 +138,18 @@ def test_sigint_while_loading_stops_the_load(tmp_path):
         except BaseException as exc:  # noqa: BLE001 - inspected below
             box["result"] = exc
 
-    t = threading.Thread(target=start)
-    t.start()
-    while not marker.exists() and t.is_alive():
-        threading.Event().wait(0.05)
+    # A process started with SIGINT ignored (under nohup, or as a background job of a shell without
+    # job control: how the suite may be started) passes that on to the spawned child, and Python
+    # keeps it ignored, as a server started that way should. Give the child a terminal's default
+    # disposition, which is what this test is about; restored once the child runs.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        t = threading.Thread(target=start)
+        t.start()
+        while not marker.exists() and t.is_alive():
+            threading.Event().wait(0.05)
+    finally:
+        signal.signal(signal.SIGINT, old)
     os.kill(proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C reaches the whole process group
     t.join()
     assert isinstance(box["result"], EngineLoadError), box
