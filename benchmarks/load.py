@@ -29,8 +29,9 @@ arenas; mapped files) and the thread count, at the baseline and after. The serve
 
 Diagnostics: ``DUPLEXKIT_LOAD_TRACEMALLOC=DIR`` writes tracemalloc snapshots of the server at the
 baseline and after (``server-1.snap``, ``server-2.snap``); ``DUPLEXKIT_LOAD_DIAG=DIR`` writes the
-server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, its Python
-threads, ``sys._debugmallocstats()`` (pymalloc's arenas and pools) and, after the load, the live small
+server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, glibc's heap
+chunk by chunk and ``malloc_info`` on ``PYTHONMALLOC=malloc`` (:mod:`benchmarks.heap_diag`:
+``heap-N.txt``, ``malloc_info-N.xml``), its Python threads, ``sys._debugmallocstats()`` (pymalloc's arenas and pools) and, after the load, the live small
 objects that sit in memory mapped since the baseline (``server-1.txt``, ``server-2.txt``).
 
 Checked per session: the §12 event-stream invariants (ordering, sequence numbers: the project's
@@ -165,8 +166,16 @@ def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode:
             for t, n in tally.most_common(40):
                 f.write(f"  {n:6d} {t}: {examples[t]}\n")
 
+        heap = None
+        if sys.platform.startswith("linux") and os.environ.get("PYTHONMALLOC") == "malloc":
+            from benchmarks.heap_diag import HeapDiag
+
+            heap = HeapDiag(diag)  # glibc's heap chunk by chunk, malloc_info (heap-N.txt, malloc_info-N.xml)
+
         def mallocstats(*_a) -> None:
             # sys._debugmallocstats() writes pymalloc's arena/pool report to C stderr (fd 2)
+            if heap is not None:
+                heap.snapshot()
             dtaken[0] += 1
             out = Path(diag) / f"server-{dtaken[0]}.txt"
             with open(out, "w") as f:
@@ -443,7 +452,12 @@ async def main_async(args) -> dict:
         if os.environ.get("DUPLEXKIT_LOAD_DIAG"):
             Path(os.environ["DUPLEXKIT_LOAD_DIAG"], "smaps-2.txt").write_text(Path(f"/proc/{child.pid}/smaps").read_text())
             os.kill(child.pid, signal.SIGUSR2)
-            await asyncio.sleep(2)
+            report, size = Path(os.environ["DUPLEXKIT_LOAD_DIAG"], "server-2.txt"), -1
+            for _ in range(600):  # the heap walk takes a while; then wait until the report stops growing
+                await asyncio.sleep(2)
+                if report.exists() and report.stat().st_size == size:
+                    break
+                size = report.stat().st_size if report.exists() else -1
         lags = array.array("d", Path(lag_file).read_bytes()).tolist() if Path(lag_file).exists() else []
     finally:
         child.terminate()
