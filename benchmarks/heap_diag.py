@@ -27,6 +27,7 @@ import collections
 import ctypes
 import ctypes.util
 import gc
+import re
 import sys
 import tracemalloc
 from pathlib import Path
@@ -216,7 +217,7 @@ class HeapDiag:
                         owner[b] = x
         starts = sorted(owner)
         tally, nbytes, pages_of, examples = collections.Counter(), collections.Counter(), collections.defaultdict(set), {}
-        pinning_pages = set()
+        pinning_pages, peeks = set(), collections.defaultdict(list)
         key_word = tcache_key(lo)
         out.append(f"tcache key: {key_word:#x}" if key_word is not None else "tcache key: not found")
         for i in range(0, len(chunks) - 2, 2):
@@ -244,6 +245,15 @@ class HeapDiag:
                         examples[key] = id(o)
                 else:
                     key = f"raw chunk {1 << (size - 1).bit_length()} B class"
+            if key not in examples and len(peeks[key]) < 4:  # printable text in the chunk, read raw
+                if found is not None and found[0] is str:  # compact ASCII: length at +16, text at +48 (3.11)
+                    n = ctypes.c_ssize_t.from_address(found[1] + 16).value
+                    raw = ctypes.string_at(found[1] + 48, max(0, min(n, 60, p + size - found[1] - 48)))
+                else:
+                    raw = ctypes.string_at(p + 16, min(size - 16, 128))
+                text = re.findall(rb"[ -~]{3,}", raw)
+                if text:
+                    peeks[key].append(b"|".join(text)[:60].decode())
             tally[key] += 1
             nbytes[key] += size
             pages_of[key].update(touched)
@@ -259,6 +269,8 @@ class HeapDiag:
                     if tb is not None:
                         line += "\n" + "\n".join("        " + l for l in tb.format(limit=8, most_recent_first=True))
                 del obj
+            elif peeks.get(key):
+                line += "  text: " + " ; ".join(map(repr, peeks[key]))
             out.append(line)
         del live, owner, starts
         gc.collect()

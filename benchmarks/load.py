@@ -96,9 +96,10 @@ SCRIPT = {"units_per_turn": 3, "speak_after_units": None}
 
 
 def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str) -> None:
-    from duplexkit.memory import use_malloc_for_objects
+    from duplexkit.memory import fix_mmap_threshold, use_malloc_for_objects
 
     use_malloc_for_objects()  # as ``duplexkit serve`` does (--allocator pymalloc: PYTHONMALLOC=pymalloc)
+    fix_mmap_threshold()  # as ``duplexkit serve`` does (MALLOC_MMAP_THRESHOLD_=N keeps N)
     import uvicorn  # noqa: F401
 
     from duplexkit.testing import ScriptedEngine

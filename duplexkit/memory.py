@@ -24,6 +24,22 @@ mapped with its free pools resident (measured: 5 extra arenas, ~5 MiB of free po
 ``PYTHONMALLOC=malloc`` (CPython's documented switch, https://docs.python.org/3/using/cmdline.html#envvar-PYTHONMALLOC),
 so that small objects also come from glibc's malloc and ``malloc_trim`` gives their free pages back
 one 4 KiB page at a time.
+
+What ``malloc_trim`` cannot give back is a page that still holds one live chunk (or a free chunk's
+header). The brk heap grows with the load's high-water mark; the few allocations that outlive a soak
+(a container's re-allocated storage, a C extension's handle, a thread's cached free chunks) land
+anywhere in it, mostly in the region the peak added, one per page. :func:`fix_mmap_threshold` sets
+glibc's ``M_MMAP_THRESHOLD`` to a fixed :data:`MMAP_THRESHOLD` (32 KiB) with ``mallopt(3)``, so that a
+session's large buffers (1 s of 24 kHz output audio is a 64 000-character base64 string, kept in the
+replay journal; its JSON frame; PCM and numpy arrays) are mmapped chunks, unmapped on free, and never
+spread the heap: glibc's default threshold starts at 128 KiB and, each time a mmapped chunk is freed,
+rises to that chunk's size (up to 32 MiB on 64-bit; "dynamic mmap threshold" in mallopt(3),
+https://man7.org/linux/man-pages/man3/mallopt.3.html), after which even megabyte buffers come from the
+heap. Measured in benchmarks/NOTES.md ("what pins the brk heap"). An operator's own setting wins:
+nothing is changed when ``MALLOC_MMAP_THRESHOLD_`` is set or ``GLIBC_TUNABLES`` names
+``glibc.malloc.mmap_threshold`` (glibc reads both at start, tunables(7)). Only the server process sets
+it: the engine process keeps glibc's adaptive default, which suits torch's many same-sized CPU tensors
+(a fixed threshold would mmap, fault in and unmap each one).
 """
 
 from __future__ import annotations
@@ -40,10 +56,20 @@ from typing import Optional
 
 logger = logging.getLogger("duplexkit.memory")
 
-__all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "ALLOCATOR_ENV"]
+__all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "fix_mmap_threshold",
+           "ALLOCATOR_ENV", "MMAP_THRESHOLD"]
 
 #: CPython's allocator switch (read once at interpreter start-up).
 ALLOCATOR_ENV = "PYTHONMALLOC"
+
+#: The fixed mmap threshold the server sets, bytes: requests of at least this size are mmapped. Below
+#: the 64 000-character base64 string of 1 s of 24 kHz PCM16 output audio (the bulk of a session's
+#: replay journal), above a 100 ms input append's (4 268 characters). glibc's own floor is 0, its
+#: ceiling 32 MiB (HEAP_MAX_SIZE / 2), its default 128 KiB before it adapts (mallopt(3)).
+MMAP_THRESHOLD = 32 * 1024
+
+#: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc.h``).
+_M_MMAP_THRESHOLD = -3
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -51,6 +77,8 @@ if sys.platform.startswith("linux"):
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         _libc.malloc_trim.argtypes = [ctypes.c_size_t]
         _libc.malloc_trim.restype = ctypes.c_int
+        _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        _libc.mallopt.restype = ctypes.c_int
     except (OSError, AttributeError):  # musl and others have no malloc_trim
         _libc = None
 
@@ -114,6 +142,25 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
             pass
     (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
     return True  # only when a test's execve returns
+
+
+def fix_mmap_threshold(environ: Optional[dict] = None, threshold: int = MMAP_THRESHOLD) -> Optional[int]:
+    """Set glibc's ``M_MMAP_THRESHOLD`` to ``threshold`` bytes in this process (``mallopt(3)``; this also
+    turns off glibc's dynamic adjustment of it), so that buffers of ``threshold`` bytes or more are
+    mmapped and returned to the OS when freed instead of spreading the brk heap (module docstring).
+
+    Returns the threshold set, or None when nothing was changed: not glibc, the operator set it
+    (``MALLOC_MMAP_THRESHOLD_`` in the environment, or ``glibc.malloc.mmap_threshold`` in
+    ``GLIBC_TUNABLES``), or ``mallopt`` refused the value (it returns 0 for one above 32 MiB).
+    ``environ`` is for tests (default ``os.environ``). Called by ``duplexkit serve`` in the server
+    process, after :func:`use_malloc_for_objects`.
+    """
+    env = os.environ if environ is None else environ
+    if _libc is None or "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc.mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
+        return None
+    if not _libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
+        return None
+    return int(threshold)
 
 
 def cuda_memory() -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from .common import (
     CliError,
@@ -116,12 +117,16 @@ def _engine_process(args, scripted: dict):
 
 def cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    mmap_threshold = None
     if getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False):
-        from duplexkit.memory import use_malloc_for_objects
+        from duplexkit.memory import fix_mmap_threshold, use_malloc_for_objects
 
         # small objects on glibc's malloc, so that RSS returns to its baseline after load (the trim
         # after sessions close cannot reach pymalloc's arenas); PYTHONMALLOC=pymalloc keeps pymalloc
         use_malloc_for_objects()
+        # large buffers mmapped, so that they do not spread the brk heap (MALLOC_MMAP_THRESHOLD_ keeps
+        # an operator's value)
+        mmap_threshold = fix_mmap_threshold()
     sock = _bind(args.host, args.port)
     import logging
 
@@ -129,6 +134,10 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if mmap_threshold is not None:
+        logging.getLogger("duplexkit.memory").info(
+            "allocator: PYTHONMALLOC=%s, glibc mmap threshold fixed at %d bytes",
+            os.environ.get("PYTHONMALLOC", "pymalloc"), mmap_threshold)
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),

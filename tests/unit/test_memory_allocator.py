@@ -119,3 +119,82 @@ def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "duplexkit", "serve", "scripted", "--port", "0"])
     assert cli.main() != 0
     assert len(calls) == 1 and calls[0][1] == sys.orig_argv and calls[0][2]["PYTHONMALLOC"] == "malloc"
+
+
+# glibc raises its mmap threshold to the size of each mmapped chunk freed (up to 32 MiB), after which a
+# session's 64 000-character base64 strings come from the brk heap and spread it; the fixed threshold
+# keeps them mmapped (duplexkit.memory.fix_mmap_threshold; benchmarks/NOTES.md "what pins the brk heap")
+_THRESHOLD = textwrap.dedent("""
+    import json, sys
+    from duplexkit import memory
+
+    def heap():
+        for line in open("/proc/self/maps"):
+            if line.rstrip().endswith("[heap]"):
+                return tuple(int(x, 16) for x in line.split()[0].split("-"))
+        return (0, 0)
+
+    fixed = memory.fix_mmap_threshold() if sys.argv[1] == "fixed" else None
+    big = bytearray(8 << 20)  # mmapped at any threshold; freeing it raises glibc's dynamic one to 8 MiB
+    del big
+    lo, hi = heap()
+    bufs = [bytes(64_000 + i) for i in range(64)]  # 4 MB of a journal's base64 strings
+    lo2, hi2 = heap()
+    print(json.dumps({"fixed": fixed, "heap_growth": (hi2 - lo2) - (hi - lo),
+                      "in_heap": sum(lo2 <= id(b) < hi2 for b in bufs)}))
+""")
+
+
+def _threshold_run(mode: str) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _THRESHOLD, mode], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_fixed_mmap_threshold_keeps_large_buffers_out_of_the_heap():
+    default, fixed = _threshold_run("default"), _threshold_run("fixed")
+    # glibc's adapted threshold: all 64 on the heap, which grows by their 4 MB
+    assert default["fixed"] is None and default["in_heap"] == 64 and default["heap_growth"] >= 4_000_000, default
+    # fixed: the heap serves what its free space holds (the threshold applies when it would have to
+    # grow); the rest is mmapped, and unmapped when freed
+    assert fixed["fixed"] == memory.MMAP_THRESHOLD, fixed
+    assert fixed["heap_growth"] <= 0 and fixed["in_heap"] <= 4, fixed
+
+
+class _FakeLibc:
+    def __init__(self, ok: int = 1) -> None:
+        self.calls, self.ok = [], ok
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return self.ok
+
+
+def test_fix_mmap_threshold_sets_m_mmap_threshold(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold({}) == 32 * 1024
+    assert libc.calls == [(-3, 32 * 1024)]  # M_MMAP_THRESHOLD (glibc malloc.h)
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=65536"}])
+def test_an_operator_mmap_threshold_is_kept(monkeypatch, env):
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold(env) is None
+    assert libc.calls == []
+
+
+def test_mmap_threshold_not_set_without_glibc_or_when_refused(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", None)
+    assert memory.fix_mmap_threshold({}) is None
+    libc = _FakeLibc(ok=0)
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold({}, threshold=64 << 20) is None
+    assert libc.calls == [(-3, 64 << 20)]
