@@ -110,6 +110,42 @@ def tcache_key(lo: int):
     return None
 
 
+def numpy_cached_blocks() -> set:
+    """Addresses of the free blocks numpy keeps in its small-block caches (``datacache``: up to 7 blocks
+    for each size below 1024 bytes; ``dimcache``: shapes/strides; numpy/_core/src/multiarray/alloc.c,
+    ``cache_bucket {npy_uintp available; void *ptrs[7];}``), read through the static symbols of
+    ``_multiarray_umath`` (``nm``); empty when numpy is not loaded or the symbols are stripped."""
+    import subprocess
+
+    mod = sys.modules.get("numpy._core._multiarray_umath")
+    if mod is None:
+        return set()
+    path = mod.__file__
+    try:
+        syms = subprocess.run(["nm", path], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    base = None
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[5] == path and int(parts[2], 16) == 0:
+            base = int(parts[0].split("-")[0], 16)
+            break
+    if base is None:
+        return set()
+    out = set()
+    for line in syms.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[2] in ("datacache", "dimcache"):
+            n = 1024 if parts[2] == "datacache" else 16
+            addr = base + int(parts[0], 16)
+            for b in range(n):
+                avail = ctypes.c_size_t.from_address(addr + 64 * b).value
+                for k in range(min(avail, 7)):
+                    out.add(ctypes.c_size_t.from_address(addr + 64 * b + 8 + 8 * k).value)
+    return out
+
+
 def _all_types() -> dict:
     seen: dict = {}
     stack = [object]
@@ -177,20 +213,25 @@ class HeapDiag:
         self.base_res = bytearray()
 
     def snapshot(self) -> None:
+        """Report ``heap-N.txt`` and ``malloc_info-N.xml``. The first call (the baseline) only records
+        which pages are resident (milliseconds: it runs on the event loop at the start of the measured
+        load); the chunk walk, seconds on a large heap, runs on later calls."""
         self.n += 1
         lo, hi = heap_range()
         res = resident_pages(lo, hi)
+        head = f"heap {lo:#x}-{hi:#x}: {(hi - lo) / 2**20:.1f} MiB mapped, {sum(res) * PAGE / 2**20:.1f} MiB resident"
+        if self.n == 1:
+            malloc_info(self.dir / f"malloc_info-{self.n}.xml")
+            self.base_lo, self.base_hi, self.base_res = lo, hi, res
+            (self.dir / f"heap-{self.n}.txt").write_text(head + "\n")
+            return
         chunks = walk(lo, hi)
         malloc_info(self.dir / f"malloc_info-{self.n}.xml")
         nfree, free_bytes = chunks[-2], chunks[-1]
         used = sum(chunks[1:-2:2])
-        lines = [f"heap {lo:#x}-{hi:#x}: {(hi - lo) / 2**20:.1f} MiB mapped, {sum(res) * PAGE / 2**20:.1f} MiB resident; "
-                 f"in use {(len(chunks) - 2) // 2} chunks {used / 2**20:.1f} MiB; free {nfree} chunks "
+        lines = [f"{head}; in use {(len(chunks) - 2) // 2} chunks {used / 2**20:.1f} MiB; free {nfree} chunks "
                  f"{free_bytes / 2**20:.1f} MiB"]
-        if self.n == 1:
-            self.base_lo, self.base_hi, self.base_res = lo, hi, res
-        else:
-            lines += self._pinned(lo, hi, res, chunks)
+        lines += self._pinned(lo, hi, res, chunks)
         (self.dir / f"heap-{self.n}.txt").write_text("\n".join(lines) + "\n")
 
     def _pinned(self, lo: int, hi: int, res: bytearray, chunks: array.array) -> list:
@@ -218,6 +259,8 @@ class HeapDiag:
         starts = sorted(owner)
         tally, nbytes, pages_of, examples = collections.Counter(), collections.Counter(), collections.defaultdict(set), {}
         pinning_pages, peeks = set(), collections.defaultdict(list)
+        npcache = numpy_cached_blocks()
+        out.append(f"blocks in numpy's small-block caches: {len(npcache)}")
         key_word = tcache_key(lo)
         out.append(f"tcache key: {key_word:#x}" if key_word is not None else "tcache key: not found")
         for i in range(0, len(chunks) - 2, 2):
@@ -228,7 +271,9 @@ class HeapDiag:
                 continue
             pinning_pages.update(touched)
             found = _object_at(p + 16, size, types)
-            if key_word is not None and size <= 1040 and ctypes.c_size_t.from_address(p + 24).value == key_word:
+            if p + 16 in npcache:
+                key = f"free, in numpy's small-block cache ({1 << (size - 1).bit_length()} B class)"
+            elif key_word is not None and size <= 1040 and ctypes.c_size_t.from_address(p + 24).value == key_word:
                 key = f"free, in a tcache ({1 << (size - 1).bit_length()} B class)"
             elif found is not None:
                 key = f"{found[0].__module__}.{found[0].__qualname__}"

@@ -1,7 +1,7 @@
 """Load and soak benchmark of the bundled server (issue 13, deliverables 4, 6, 7).
 
 Usage: python benchmarks/load.py [--sessions 64] [--seconds 300] [--burners 3] [--mode process|inprocess]
-       [--warmup-s 20] [--allocator serve|pymalloc] [--json out.json]
+       [--warmup-s 20] [--allocator serve|pymalloc] [--mmap-threshold fixed|adaptive] [--json out.json]
 
 Starts ``duplexkit``'s server with a ScriptedEngine in a child process, ``--burners`` threads that
 burn CPU in pure Python (they model the engine's three stage threads' Python work), and an
@@ -25,7 +25,9 @@ Reported for the server process (the acceptance number) and, in process mode, th
 with where it sits (``/proc/PID/smaps``: anonymous memory, of it the brk heap and glibc's per-thread
 arenas; mapped files) and the thread count, at the baseline and after. The server runs as
 ``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` (:func:`duplexkit.memory.use_malloc_for_objects`);
-``--allocator pymalloc`` keeps CPython's default small-object allocator, for comparison.
+``--allocator pymalloc`` keeps CPython's default small-object allocator, for comparison; and with glibc's
+mmap threshold fixed (:func:`duplexkit.memory.fix_mmap_threshold`), ``--mmap-threshold adaptive`` keeps
+glibc's default, for comparison.
 
 Diagnostics: ``DUPLEXKIT_LOAD_TRACEMALLOC=DIR`` writes tracemalloc snapshots of the server at the
 baseline and after (``server-1.snap``, ``server-2.snap``); ``DUPLEXKIT_LOAD_DIAG=DIR`` writes the
@@ -95,11 +97,13 @@ def burning_scripted_engine(burners: int, **script):
 SCRIPT = {"units_per_turn": 3, "speak_after_units": None}
 
 
-def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str) -> None:
+def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str,
+                mmap_threshold: str = "fixed") -> None:
     from duplexkit.memory import fix_mmap_threshold, use_malloc_for_objects
 
     use_malloc_for_objects()  # as ``duplexkit serve`` does (--allocator pymalloc: PYTHONMALLOC=pymalloc)
-    fix_mmap_threshold()  # as ``duplexkit serve`` does (MALLOC_MMAP_THRESHOLD_=N keeps N)
+    if mmap_threshold == "fixed":
+        fix_mmap_threshold()  # as ``duplexkit serve`` does (MALLOC_MMAP_THRESHOLD_=N keeps N)
     import uvicorn  # noqa: F401
 
     from duplexkit.testing import ScriptedEngine
@@ -396,7 +400,8 @@ async def main_async(args) -> dict:
     if args.allocator == "pymalloc":
         env["PYTHONMALLOC"] = "pymalloc"
     child = subprocess.Popen([sys.executable, __file__, "--child", str(port), "--burners", str(args.burners),
-                              "--lag-file", lag_file, "--sessions", str(args.sessions), "--mode", args.mode],
+                              "--lag-file", lag_file, "--sessions", str(args.sessions), "--mode", args.mode,
+                              "--mmap-threshold", args.mmap_threshold],
                              env=env)
     try:
         for _ in range(300):
@@ -480,7 +485,7 @@ async def main_async(args) -> dict:
             "engine_rss_baseline_mib": round(erss0, 1), "engine_rss_peak_mib": round(epeak[0], 1),
             "engine_rss_after_mib": round(erss1, 1),
             "engine_rss_after_vs_baseline_pct": round((erss1 / erss0 - 1) * 100, 1) if epid else None,
-            "server_allocator": allocator,
+            "server_allocator": allocator, "server_mmap_threshold": args.mmap_threshold,
             "server_cpu_s_during_load": round(cpu1 - cpu0, 1),
             "server_peak_threads": peak_threads[0],
             "server_mem_baseline": mem0, "server_mem_after": mem1,
@@ -522,16 +527,20 @@ def main() -> int:
     ap.add_argument("--allocator", default="serve", choices=["serve", "pymalloc"],
                     help="the server's small-object allocator: serve (what `duplexkit serve` picks: glibc "
                          "malloc unless PYTHONMALLOC is set) or pymalloc (CPython's default, for comparison)")
+    ap.add_argument("--mmap-threshold", default="fixed", choices=["fixed", "adaptive"],
+                    help="the server's glibc mmap threshold: fixed (what `duplexkit serve` sets, "
+                         "duplexkit.memory.MMAP_THRESHOLD) or adaptive (glibc's default, for comparison)")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lag-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        serve_child(args.child, args.burners, args.lag_file, max(8, args.sessions), args.mode)
+        serve_child(args.child, args.burners, args.lag_file, max(8, args.sessions), args.mode, args.mmap_threshold)
         return 0
     res = asyncio.run(main_async(args))
     print(json.dumps(res, indent=2))
-    print(f"\nRSS, read 10 s after the last session closed (server allocator: {res['server_allocator']}):")
+    print(f"\nRSS, read 10 s after the last session closed (server allocator: {res['server_allocator']}, "
+          f"glibc mmap threshold: {res['server_mmap_threshold']}):")
     print(rss_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
