@@ -99,11 +99,13 @@ SCRIPT = {"units_per_turn": 3, "speak_after_units": None}
 
 def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str,
                 mmap_threshold: str = "fixed") -> None:
-    from duplexkit.memory import fix_mmap_threshold, use_malloc_for_objects
+    from duplexkit.memory import fix_mmap_threshold, numpy_without_block_cache, use_malloc_for_objects
 
     use_malloc_for_objects()  # as ``duplexkit serve`` does (--allocator pymalloc: PYTHONMALLOC=pymalloc)
     if mmap_threshold == "fixed":
         fix_mmap_threshold()  # as ``duplexkit serve`` does (MALLOC_MMAP_THRESHOLD_=N keeps N)
+    if os.environ.get("DUPLEXKIT_LOAD_NUMPY_CACHE") != "1":  # as serve does; =1 keeps numpy's block cache
+        numpy_without_block_cache()
     import uvicorn  # noqa: F401
 
     from duplexkit.testing import ScriptedEngine

@@ -40,6 +40,12 @@ nothing is changed when ``MALLOC_MMAP_THRESHOLD_`` is set or ``GLIBC_TUNABLES`` 
 ``glibc.malloc.mmap_threshold`` (glibc reads both at start, tunables(7)). Only the server process sets
 it: the engine process keeps glibc's adaptive default, which suits torch's many same-sized CPU tensors
 (a fixed threshold would mmap, fault in and unmap each one).
+
+Most of what still pins heap pages after a load is free memory that caches hold on to: glibc's
+per-thread tcache (at most 7 chunks per size class, out of reach of ``malloc_trim``) and numpy's
+small-block cache (up to 7 freed data blocks of each size under 1024 bytes, never released: a session's
+short float32 audio frames). :func:`numpy_without_block_cache` switches numpy's array data to CPython's
+raw allocator through numpy's data-memory policy API (NEP 49), so that those blocks are freed.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from typing import Optional
 logger = logging.getLogger("duplexkit.memory")
 
 __all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "fix_mmap_threshold",
-           "ALLOCATOR_ENV", "MMAP_THRESHOLD"]
+           "numpy_without_block_cache", "ALLOCATOR_ENV", "MMAP_THRESHOLD", "NUMPY_HANDLER_NAME"]
 
 #: CPython's allocator switch (read once at interpreter start-up).
 ALLOCATOR_ENV = "PYTHONMALLOC"
@@ -161,6 +167,72 @@ def fix_mmap_threshold(environ: Optional[dict] = None, threshold: int = MMAP_THR
     if not _libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
         return None
     return int(threshold)
+
+
+#: name of the numpy data-memory handler set by :func:`numpy_without_block_cache`
+NUMPY_HANDLER_NAME = "duplexkit_raw"
+
+_numpy_handler = None  # (the handler struct, its capsule): numpy keeps pointers into them for ever
+
+
+class _Allocator(ctypes.Structure):
+    # CPython's PyMemAllocatorEx and numpy's PyDataMemAllocator (version 1) share this layout; numpy's
+    # free takes a third argument (the size), which the C calling convention lets CPython's ignore
+    _fields_ = [("ctx", ctypes.c_void_p), ("malloc", ctypes.c_void_p), ("calloc", ctypes.c_void_p),
+                ("realloc", ctypes.c_void_p), ("free", ctypes.c_void_p)]
+
+
+class _Handler(ctypes.Structure):  # numpy's PyDataMem_Handler (numpy/ndarraytypes.h)
+    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8), ("allocator", _Allocator)]
+
+
+def numpy_without_block_cache() -> Optional[str]:
+    """Make numpy allocate array data with CPython's raw allocator (``malloc`` itself) instead of its
+    default handler, which keeps up to 7 freed blocks of each size under 1024 bytes for reuse and never
+    gives them back (numpy/_core/src/multiarray/alloc.c, ``datacache``).
+
+    Why: after a load, those cached blocks (a session's short audio frames: float32 arrays of a few
+    hundred samples) sit one per page all over the brk heap the load grew, and ``malloc_trim`` cannot
+    return a page that holds one (benchmarks/NOTES.md, "what pins the brk heap"). How: numpy's
+    documented data-memory policy API (NEP 49, https://numpy.org/doc/stable/reference/c-api/data_memory.html):
+    a ``PyDataMem_Handler`` named :data:`NUMPY_HANDLER_NAME` whose functions are
+    ``PyMem_GetAllocator(PYMEM_DOMAIN_RAW)``'s, in a ``"mem_handler"`` capsule, passed to
+    ``PyDataMem_SetHandler`` (slot 304 of numpy's C-API table, numpy >= 1.22). The handler is a context
+    variable: call this in the main thread before the event loop starts (tasks and ``to_thread`` copy
+    the context); arrays made earlier keep the handler they were made with.
+
+    Returns the handler name in effect, or None when numpy is too old or not importable.
+    """
+    global _numpy_handler
+    try:
+        import numpy as np
+
+        try:
+            from numpy._core import _multiarray_umath as umath, multiarray
+        except ImportError:  # numpy 1.x
+            from numpy.core import _multiarray_umath as umath, multiarray
+    except ImportError:
+        return None
+    if not hasattr(multiarray, "get_handler_name"):
+        return None
+    if _numpy_handler is None:
+        api = ctypes.pythonapi
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        api.PyCapsule_New.restype = ctypes.py_object
+        api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        api.PyMem_GetAllocator.restype = None
+        api.PyMem_GetAllocator.argtypes = [ctypes.c_int, ctypes.POINTER(_Allocator)]
+        raw = _Allocator()
+        api.PyMem_GetAllocator(0, ctypes.byref(raw))  # PYMEM_DOMAIN_RAW
+        handler = _Handler(NUMPY_HANDLER_NAME.encode(), 1, raw)
+        capsule = api.PyCapsule_New(ctypes.addressof(handler), b"mem_handler", None)
+        _numpy_handler = (handler, capsule)
+    table = ctypes.cast(ctypes.pythonapi.PyCapsule_GetPointer(umath._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
+    set_handler = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[304])  # PyDataMem_SetHandler
+    set_handler(_numpy_handler[1])
+    del np
+    return multiarray.get_handler_name()
 
 
 def cuda_memory() -> dict:

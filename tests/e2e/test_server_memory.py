@@ -58,6 +58,8 @@ async def test_serve_runs_on_malloc_and_sessions_leave_no_series_behind(question
         # and glibc's mmap threshold fixed (mallopt accepted it: the line is logged only then), so that
         # large buffers do not spread the brk heap (tests/unit/test_memory_allocator.py shows the effect)
         assert f"glibc mmap threshold fixed at {memory.MMAP_THRESHOLD} bytes" in srv.output()
+        # and numpy's arrays made without its small-block cache (same test file as the threshold's)
+        assert f"numpy data handler {memory.NUMPY_HANDLER_NAME}" in srv.output()
         # and its engine process inherits it (on pymalloc it kept +11.9 % after 64 x 300 s: NOTES)
         children = [int(c) for t in Path(f"/proc/{srv.proc.pid}/task").iterdir()  # spawned by the loader thread
                     for c in (t / "children").read_text().split()]
@@ -79,4 +81,4 @@ async def test_an_operator_choice_of_allocator_is_kept(monkeypatch):
     with ServerProc("scripted", env={"PYTHONMALLOC": "pymalloc", "MALLOC_MMAP_THRESHOLD_": "131072"}) as srv:
         assert _environ(srv.proc.pid).get("PYTHONMALLOC") == "pymalloc"
         assert _environ(srv.proc.pid).get("MALLOC_MMAP_THRESHOLD_") == "131072"  # glibc applies it at start
-        assert "mmap threshold fixed" not in srv.output()  # and the server does not override it
+        assert "glibc mmap threshold not set" in srv.output()  # and the server does not override it

@@ -198,3 +198,71 @@ def test_mmap_threshold_not_set_without_glibc_or_when_refused(monkeypatch):
     monkeypatch.setattr(memory, "_libc", libc)
     assert memory.fix_mmap_threshold({}, threshold=64 << 20) is None
     assert libc.calls == [(-3, 64 << 20)]
+
+
+# numpy's default data handler keeps up to 7 freed blocks of each size under 1024 bytes and never gives
+# them back; after a load they pin one heap page each (benchmarks/NOTES.md "what pins the brk heap").
+# Here: 7 arrays of each size, each followed by 4 KiB of other data (so that each sits on a page of its
+# own, as a load's short audio frames do), all freed, collect + trim.
+_NUMPY_BLOCKS = textwrap.dedent("""
+    import gc, json, sys
+    import numpy as np
+    from duplexkit.memory import malloc_trim, numpy_without_block_cache
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+    handler = numpy_without_block_cache() if sys.argv[1] == "raw" else None
+    gc.collect(); malloc_trim()
+    before = rss()
+    arrays, filler = [], []
+    for n in range(1, 1024):
+        for _ in range(7):
+            arrays.append(np.full(n, 1, np.uint8))
+            filler.append(bytes(4096))
+    peak = rss()
+    del arrays, filler
+    gc.collect(); malloc_trim()
+    print(json.dumps({"handler": handler, "grown": peak - before, "kept": rss() - before}))
+""")
+
+
+def _numpy_blocks(mode: str) -> dict:
+    import json
+
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    out = subprocess.run([sys.executable, "-c", _NUMPY_BLOCKS, mode], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_numpy_without_block_cache_gives_freed_small_arrays_back():
+    cached, raw = _numpy_blocks("default"), _numpy_blocks("raw")
+    for r in (cached, raw):
+        assert r["grown"] > 7161 * 4096, r  # the 7 161 arrays and their neighbours were resident
+    assert raw["handler"] == memory.NUMPY_HANDLER_NAME
+    # numpy's cache: every cached block keeps its page (~28 MiB); raw: the pages go back
+    assert cached["kept"] > 0.6 * 7161 * 4096, cached
+    assert raw["kept"] < 0.15 * 7161 * 4096, raw
+
+
+def test_numpy_handler_reaches_tasks_and_workers_of_the_loop():
+    code = textwrap.dedent("""
+        import asyncio, json
+        import numpy as np
+        from numpy._core import multiarray
+        from duplexkit.memory import numpy_without_block_cache
+
+        numpy_without_block_cache()
+        name = lambda: multiarray.get_handler_name(np.ones(3))
+        async def main():
+            return [name(), await asyncio.to_thread(name)]
+        print(json.dumps(asyncio.run(main())))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['["duplexkit_raw",', '"duplexkit_raw"]']
