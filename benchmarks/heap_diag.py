@@ -257,7 +257,8 @@ class HeapDiag:
                     for b in buffers_of(x):
                         owner[b] = x
         starts = sorted(owner)
-        tally, nbytes, pages_of, examples = collections.Counter(), collections.Counter(), collections.defaultdict(set), {}
+        tally, nbytes, examples = collections.Counter(), collections.Counter(), {}
+        pages_of = collections.defaultdict(set)
         pinning_pages, peeks = set(), collections.defaultdict(list)
         npcache = numpy_cached_blocks()
         out.append(f"blocks in numpy's small-block caches: {len(npcache)}")

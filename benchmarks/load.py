@@ -24,17 +24,21 @@ the first-use high-water of N sessions' buffers (imports, allocator arenas, per-
 Reported for the server process (the acceptance number) and, in process mode, the engine process;
 with where it sits (``/proc/PID/smaps``: anonymous memory, of it the brk heap and glibc's per-thread
 arenas; mapped files) and the thread count, at the baseline and after. The server runs as
-``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` (:func:`duplexkit.memory.use_malloc_for_objects`);
-``--allocator pymalloc`` keeps CPython's default small-object allocator, for comparison; and with glibc's
-mmap threshold fixed (:func:`duplexkit.memory.fix_mmap_threshold`), ``--mmap-threshold adaptive`` keeps
-glibc's default, for comparison.
+``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` and glibc's tcache off
+(:func:`duplexkit.memory.use_malloc_for_objects`), glibc's mmap threshold fixed
+(:func:`duplexkit.memory.fix_mmap_threshold`), numpy without its small-block cache
+(:func:`duplexkit.memory.numpy_without_block_cache`). For comparison: ``--allocator pymalloc`` keeps
+CPython's default small-object allocator (and no re-execution: glibc's tcache stays on);
+``--mmap-threshold adaptive`` keeps glibc's default threshold; ``DUPLEXKIT_LOAD_NUMPY_CACHE=1`` keeps
+numpy's cache.
 
 Diagnostics: ``DUPLEXKIT_LOAD_TRACEMALLOC=DIR`` writes tracemalloc snapshots of the server at the
 baseline and after (``server-1.snap``, ``server-2.snap``); ``DUPLEXKIT_LOAD_DIAG=DIR`` writes the
 server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, glibc's heap
 chunk by chunk and ``malloc_info`` on ``PYTHONMALLOC=malloc`` (:mod:`benchmarks.heap_diag`:
-``heap-N.txt``, ``malloc_info-N.xml``), its Python threads, ``sys._debugmallocstats()`` (pymalloc's arenas and pools) and, after the load, the live small
-objects that sit in memory mapped since the baseline (``server-1.txt``, ``server-2.txt``).
+``heap-N.txt``, ``malloc_info-N.xml``), its Python threads, ``sys._debugmallocstats()`` (pymalloc's
+arenas and pools) and, after the load, the live small objects that sit in memory mapped since the
+baseline (``server-1.txt``, ``server-2.txt``).
 
 Checked per session: the §12 event-stream invariants (ordering, sequence numbers: the project's
 EventStreamChecker), no ``input_backpressure`` (appends refused), no ``server_error``, no close that

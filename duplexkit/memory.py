@@ -42,10 +42,12 @@ it: the engine process keeps glibc's adaptive default, which suits torch's many 
 (a fixed threshold would mmap, fault in and unmap each one).
 
 Most of what still pins heap pages after a load is free memory that caches hold on to: glibc's
-per-thread tcache (at most 7 chunks per size class, out of reach of ``malloc_trim``) and numpy's
-small-block cache (up to 7 freed data blocks of each size under 1024 bytes, never released: a session's
-short float32 audio frames). :func:`numpy_without_block_cache` switches numpy's array data to CPython's
-raw allocator through numpy's data-memory policy API (NEP 49), so that those blocks are freed.
+per-thread tcache (up to 7 chunks per size class per thread, out of reach of ``malloc_trim``) and
+numpy's small-block cache (up to 7 freed data blocks of each size under 1024 bytes, never released: a
+session's short float32 audio frames). The re-executed server runs with the tcache off
+(:func:`use_malloc_for_objects`, a glibc tunable), and :func:`numpy_without_block_cache` switches
+numpy's array data to CPython's raw allocator through numpy's data-memory policy API (NEP 49), so that
+those blocks are freed.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from typing import Optional
 logger = logging.getLogger("duplexkit.memory")
 
 __all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "fix_mmap_threshold",
-           "numpy_without_block_cache", "ALLOCATOR_ENV", "MMAP_THRESHOLD", "NUMPY_HANDLER_NAME"]
+           "numpy_without_block_cache", "ALLOCATOR_ENV", "MMAP_THRESHOLD", "NUMPY_HANDLER_NAME", "TCACHE_TUNABLE"]
 
 #: CPython's allocator switch (read once at interpreter start-up).
 ALLOCATOR_ENV = "PYTHONMALLOC"
@@ -73,6 +75,11 @@ ALLOCATOR_ENV = "PYTHONMALLOC"
 #: replay journal), above a 100 ms input append's (4 268 characters). glibc's own floor is 0, its
 #: ceiling 32 MiB (HEAP_MAX_SIZE / 2), its default 128 KiB before it adapts (mallopt(3)).
 MMAP_THRESHOLD = 32 * 1024
+
+#: The glibc tunable the re-executed server runs with: no per-thread cache of freed chunks (tunables(7)).
+TCACHE_TUNABLE = "glibc.malloc.tcache_count=0"
+#: Carries the operator's ``GLIBC_TUNABLES`` (maybe empty) through the re-execution, for the children.
+_TUNABLES_SAVED = "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES"
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc.h``).
 _M_MMAP_THRESHOLD = -3
@@ -124,9 +131,16 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
 
 def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
     """Re-execute this process with ``PYTHONMALLOC=malloc`` so that Python's small objects come from
-    glibc's malloc, which :func:`malloc_trim` can give back page by page (see the module docstring).
+    glibc's malloc, which :func:`malloc_trim` can give back page by page (see the module docstring),
+    and with glibc's per-thread cache off (``glibc.malloc.tcache_count=0`` appended to
+    ``GLIBC_TUNABLES``, tunables(7); the cache keeps up to 7 freed chunks of each size class per thread,
+    out of reach of ``malloc_trim``: after a load they pinned about half of the heap pages left,
+    benchmarks/NOTES.md). An operator's ``GLIBC_TUNABLES`` is kept and extended; one that names
+    ``glibc.malloc.tcache_count`` is left as it is. glibc reads tunables at start only, so they go in
+    the re-executed environment; the process's own children (the engine process) get the operator's
+    ``GLIBC_TUNABLES`` back: the next call, in the re-executed process, restores it in ``os.environ``.
 
-    Returns False, and does nothing, when it does not apply: not glibc (no ``malloc_trim``), the
+    Returns False, and does nothing else, when it does not apply: not glibc (no ``malloc_trim``), the
     environment is ignored (``python -E``/``-I``), or ``PYTHONMALLOC`` is already set by anyone (so
     the re-executed process does not loop, and an operator keeps pymalloc with
     ``PYTHONMALLOC=pymalloc``). Otherwise it does not return: the interpreter is replaced (same pid,
@@ -138,6 +152,12 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
         OSError: the interpreter could not be executed.
     """
     env = os.environ if environ is None else environ
+    if _TUNABLES_SAVED in env:  # the re-executed process: its children get the operator's tunables
+        saved = env.pop(_TUNABLES_SAVED)
+        if saved:
+            env["GLIBC_TUNABLES"] = saved
+        else:
+            env.pop("GLIBC_TUNABLES", None)
     if _libc is None or sys.flags.ignore_environment or env.get(ALLOCATOR_ENV):
         return False
     logger.debug("re-executing with %s=malloc", ALLOCATOR_ENV)
@@ -146,7 +166,12 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
             stream.flush()
         except (AttributeError, ValueError, OSError):
             pass
-    (execve or os.execve)(sys.executable, list(sys.orig_argv), dict(env, **{ALLOCATOR_ENV: "malloc"}))
+    new = dict(env, **{ALLOCATOR_ENV: "malloc"})
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.tcache_count" not in tunables:
+        new["GLIBC_TUNABLES"] = f"{tunables}:{TCACHE_TUNABLE}" if tunables else TCACHE_TUNABLE
+        new[_TUNABLES_SAVED] = tunables
+    (execve or os.execve)(sys.executable, list(sys.orig_argv), new)
     return True  # only when a test's execve returns
 
 
@@ -162,7 +187,8 @@ def fix_mmap_threshold(environ: Optional[dict] = None, threshold: int = MMAP_THR
     process, after :func:`use_malloc_for_objects`.
     """
     env = os.environ if environ is None else environ
-    if _libc is None or "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc.mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
+    operator_set = "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc.mmap_threshold" in env.get("GLIBC_TUNABLES", "")
+    if _libc is None or operator_set:
         return None
     if not _libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
         return None

@@ -139,7 +139,8 @@ def cmd_serve(args) -> int:
     if tuned:
         logging.getLogger("duplexkit.memory").info(
             "allocator: PYTHONMALLOC=%s, %s, numpy data handler %s", os.environ.get("PYTHONMALLOC", "pymalloc"),
-            f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold else "glibc mmap threshold not set",
+            f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold
+            else "glibc mmap threshold not set",
             numpy_handler)
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(

@@ -71,8 +71,33 @@ def test_re_executes_with_malloc_when_unset(monkeypatch):
     assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
     (exe, argv, new_env), = calls
     assert exe == sys.executable and argv == list(sys.orig_argv)
-    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc"}
+    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc",
+                       "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0", "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES": ""}
     assert "PYTHONMALLOC" not in env  # the caller's mapping is not changed
+
+
+def test_re_exec_extends_an_operator_tunables_and_children_get_them_back(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", object())
+    calls = []
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
+    (_, _, new_env), = calls
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    # the re-executed process: the same call restores the operator's value for its children
+    assert memory.use_malloc_for_objects(new_env, execve=lambda *a: calls.append(a)) is False
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
+    assert len(calls) == 1
+
+
+def test_an_operator_tcache_setting_is_kept(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", object())
+    calls = []
+    env = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
+    assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
+    (_, _, new_env), = calls
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=3"
+    assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
 
 
 @pytest.mark.parametrize("value", ["malloc", "pymalloc", "malloc_debug"])
@@ -93,12 +118,16 @@ def test_no_re_exec_without_glibc(monkeypatch):
 @glibc
 def test_real_re_exec_keeps_pid_and_arguments():
     code = ("import os, sys\nfrom duplexkit.memory import use_malloc_for_objects\n"
-            "use_malloc_for_objects()\nprint(os.getpid(), os.environ.get('PYTHONMALLOC'), sys.argv[1:])")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+            "use_malloc_for_objects()\n"
+            "exec_env = dict(kv.split(b'=', 1) for kv in open('/proc/self/environ', 'rb').read().split(b'\\0') if kv)\n"
+            "print(os.getpid(), os.environ.get('PYTHONMALLOC'), exec_env[b'GLIBC_TUNABLES'].decode(),\n"
+            "      os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONMALLOC", "GLIBC_TUNABLES")}
     p = subprocess.Popen([sys.executable, "-c", code, "a", "b"], env=env, stdout=subprocess.PIPE, text=True)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0
-    assert out.split(None, 2) == [str(p.pid), "malloc", "['a', 'b']\n"]
+    # same pid; glibc started with the tcache off; the process's children would not inherit it
+    assert out.split(None, 4) == [str(p.pid), "malloc", "glibc.malloc.tcache_count=0", "None", "['a', 'b']\n"]
 
 
 def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
