@@ -31,11 +31,12 @@ header). The brk heap grows with the load's high-water mark; the few allocations
 anywhere in it, mostly in the region the peak added, one per page. :func:`fix_mmap_threshold` sets
 glibc's ``M_MMAP_THRESHOLD`` to a fixed :data:`MMAP_THRESHOLD` (32 KiB) with ``mallopt(3)``, so that a
 session's large buffers (1 s of 24 kHz output audio is a 64 000-character base64 string, kept in the
-replay journal; its JSON frame; PCM and numpy arrays) are mmapped chunks, unmapped on free, and never
-spread the heap: glibc's default threshold starts at 128 KiB and, each time a mmapped chunk is freed,
-rises to that chunk's size (up to 32 MiB on 64-bit; "dynamic mmap threshold" in mallopt(3),
-https://man7.org/linux/man-pages/man3/mallopt.3.html), after which even megabyte buffers come from the
-heap. Measured in benchmarks/NOTES.md ("what pins the brk heap"). An operator's own setting wins:
+replay journal; its JSON frame; PCM and numpy arrays) are mmapped, and unmapped on free, instead of
+growing the heap (one that fits a free heap chunk still takes it: the threshold decides how the heap
+grows, not how it is reused). glibc's default threshold starts at 128 KiB and, each time a mmapped
+chunk is freed, rises to that chunk's size (up to 32 MiB on 64-bit; "dynamic mmap threshold" in
+mallopt(3), https://man7.org/linux/man-pages/man3/mallopt.3.html), after which even megabyte buffers
+grow the heap. At 64 sessions x 5 min the journals' audio grew the heap by ~540 MiB. Measured in benchmarks/NOTES.md ("what pins the brk heap"). An operator's own setting wins:
 nothing is changed when ``MALLOC_MMAP_THRESHOLD_`` is set or ``GLIBC_TUNABLES`` names
 ``glibc.malloc.mmap_threshold`` (glibc reads both at start, tunables(7)). Only the server process sets
 it: the engine process keeps glibc's adaptive default, which suits torch's many same-sized CPU tensors
