@@ -1,7 +1,7 @@
 """Load and soak benchmark of the bundled server (issue 13, deliverables 4, 6, 7).
 
 Usage: python benchmarks/load.py [--sessions 64] [--seconds 300] [--burners 3] [--mode process|inprocess]
-       [--warmup-s 20] [--allocator serve|pymalloc] [--json out.json]
+       [--warmup-s 20] [--allocator serve|pymalloc] [--mmap-threshold fixed|adaptive] [--json out.json]
 
 Starts ``duplexkit``'s server with a ScriptedEngine in a child process, ``--burners`` threads that
 burn CPU in pure Python (they model the engine's three stage threads' Python work), and an
@@ -24,14 +24,21 @@ the first-use high-water of N sessions' buffers (imports, allocator arenas, per-
 Reported for the server process (the acceptance number) and, in process mode, the engine process;
 with where it sits (``/proc/PID/smaps``: anonymous memory, of it the brk heap and glibc's per-thread
 arenas; mapped files) and the thread count, at the baseline and after. The server runs as
-``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` (:func:`duplexkit.memory.use_malloc_for_objects`);
-``--allocator pymalloc`` keeps CPython's default small-object allocator, for comparison.
+``duplexkit serve`` does: re-executed with ``PYTHONMALLOC=malloc`` and glibc's tcache off
+(:func:`duplexkit.memory.use_malloc_for_objects`), glibc's mmap threshold fixed
+(:func:`duplexkit.memory.fix_mmap_threshold`), numpy without its small-block cache
+(:func:`duplexkit.memory.numpy_without_block_cache`). For comparison: ``--allocator pymalloc`` keeps
+CPython's default small-object allocator (and no re-execution: glibc's tcache stays on);
+``--mmap-threshold adaptive`` keeps glibc's default threshold; ``DUPLEXKIT_LOAD_NUMPY_CACHE=1`` keeps
+numpy's cache.
 
 Diagnostics: ``DUPLEXKIT_LOAD_TRACEMALLOC=DIR`` writes tracemalloc snapshots of the server at the
 baseline and after (``server-1.snap``, ``server-2.snap``); ``DUPLEXKIT_LOAD_DIAG=DIR`` writes the
-server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, its Python
-threads, ``sys._debugmallocstats()`` (pymalloc's arenas and pools) and, after the load, the live small
-objects that sit in memory mapped since the baseline (``server-1.txt``, ``server-2.txt``).
+server's ``/proc/PID/smaps`` (``smaps-1.txt``, ``smaps-2.txt``) and, from inside it, glibc's heap
+chunk by chunk and ``malloc_info`` on ``PYTHONMALLOC=malloc`` (:mod:`benchmarks.heap_diag`:
+``heap-N.txt``, ``malloc_info-N.xml``), its Python threads, ``sys._debugmallocstats()`` (pymalloc's
+arenas and pools) and, after the load, the live small objects that sit in memory mapped since the
+baseline (``server-1.txt``, ``server-2.txt``).
 
 Checked per session: the §12 event-stream invariants (ordering, sequence numbers: the project's
 EventStreamChecker), no ``input_backpressure`` (appends refused), no ``server_error``, no close that
@@ -94,10 +101,15 @@ def burning_scripted_engine(burners: int, **script):
 SCRIPT = {"units_per_turn": 3, "speak_after_units": None}
 
 
-def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str) -> None:
-    from duplexkit.memory import use_malloc_for_objects
+def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode: str,
+                mmap_threshold: str = "fixed") -> None:
+    from duplexkit.memory import fix_mmap_threshold, numpy_without_block_cache, use_malloc_for_objects
 
     use_malloc_for_objects()  # as ``duplexkit serve`` does (--allocator pymalloc: PYTHONMALLOC=pymalloc)
+    if mmap_threshold == "fixed":
+        fix_mmap_threshold()  # as ``duplexkit serve`` does (MALLOC_MMAP_THRESHOLD_=N keeps N)
+    if os.environ.get("DUPLEXKIT_LOAD_NUMPY_CACHE") != "1":  # as serve does; =1 keeps numpy's block cache
+        numpy_without_block_cache()
     import uvicorn  # noqa: F401
 
     from duplexkit.testing import ScriptedEngine
@@ -165,8 +177,16 @@ def serve_child(port: int, burners: int, lag_file: str, max_sessions: int, mode:
             for t, n in tally.most_common(40):
                 f.write(f"  {n:6d} {t}: {examples[t]}\n")
 
+        heap = None
+        if sys.platform.startswith("linux") and os.environ.get("PYTHONMALLOC") == "malloc":
+            from benchmarks.heap_diag import HeapDiag
+
+            heap = HeapDiag(diag)  # glibc's heap chunk by chunk, malloc_info (heap-N.txt, malloc_info-N.xml)
+
         def mallocstats(*_a) -> None:
             # sys._debugmallocstats() writes pymalloc's arena/pool report to C stderr (fd 2)
+            if heap is not None:
+                heap.snapshot()
             dtaken[0] += 1
             out = Path(diag) / f"server-{dtaken[0]}.txt"
             with open(out, "w") as f:
@@ -386,7 +406,8 @@ async def main_async(args) -> dict:
     if args.allocator == "pymalloc":
         env["PYTHONMALLOC"] = "pymalloc"
     child = subprocess.Popen([sys.executable, __file__, "--child", str(port), "--burners", str(args.burners),
-                              "--lag-file", lag_file, "--sessions", str(args.sessions), "--mode", args.mode],
+                              "--lag-file", lag_file, "--sessions", str(args.sessions), "--mode", args.mode,
+                              "--mmap-threshold", args.mmap_threshold],
                              env=env)
     try:
         for _ in range(300):
@@ -443,7 +464,12 @@ async def main_async(args) -> dict:
         if os.environ.get("DUPLEXKIT_LOAD_DIAG"):
             Path(os.environ["DUPLEXKIT_LOAD_DIAG"], "smaps-2.txt").write_text(Path(f"/proc/{child.pid}/smaps").read_text())
             os.kill(child.pid, signal.SIGUSR2)
-            await asyncio.sleep(2)
+            report, size = Path(os.environ["DUPLEXKIT_LOAD_DIAG"], "server-2.txt"), -1
+            for _ in range(600):  # the heap walk takes a while; then wait until the report stops growing
+                await asyncio.sleep(2)
+                if report.exists() and report.stat().st_size == size:
+                    break
+                size = report.stat().st_size if report.exists() else -1
         lags = array.array("d", Path(lag_file).read_bytes()).tolist() if Path(lag_file).exists() else []
     finally:
         child.terminate()
@@ -465,7 +491,7 @@ async def main_async(args) -> dict:
             "engine_rss_baseline_mib": round(erss0, 1), "engine_rss_peak_mib": round(epeak[0], 1),
             "engine_rss_after_mib": round(erss1, 1),
             "engine_rss_after_vs_baseline_pct": round((erss1 / erss0 - 1) * 100, 1) if epid else None,
-            "server_allocator": allocator,
+            "server_allocator": allocator, "server_mmap_threshold": args.mmap_threshold,
             "server_cpu_s_during_load": round(cpu1 - cpu0, 1),
             "server_peak_threads": peak_threads[0],
             "server_mem_baseline": mem0, "server_mem_after": mem1,
@@ -507,16 +533,20 @@ def main() -> int:
     ap.add_argument("--allocator", default="serve", choices=["serve", "pymalloc"],
                     help="the server's small-object allocator: serve (what `duplexkit serve` picks: glibc "
                          "malloc unless PYTHONMALLOC is set) or pymalloc (CPython's default, for comparison)")
+    ap.add_argument("--mmap-threshold", default="fixed", choices=["fixed", "adaptive"],
+                    help="the server's glibc mmap threshold: fixed (what `duplexkit serve` sets, "
+                         "duplexkit.memory.MMAP_THRESHOLD) or adaptive (glibc's default, for comparison)")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lag-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        serve_child(args.child, args.burners, args.lag_file, max(8, args.sessions), args.mode)
+        serve_child(args.child, args.burners, args.lag_file, max(8, args.sessions), args.mode, args.mmap_threshold)
         return 0
     res = asyncio.run(main_async(args))
     print(json.dumps(res, indent=2))
-    print(f"\nRSS, read 10 s after the last session closed (server allocator: {res['server_allocator']}):")
+    print(f"\nRSS, read 10 s after the last session closed (server allocator: {res['server_allocator']}, "
+          f"glibc mmap threshold: {res['server_mmap_threshold']}):")
     print(rss_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

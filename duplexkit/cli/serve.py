@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from .common import (
     CliError,
@@ -116,12 +117,18 @@ def _engine_process(args, scripted: dict):
 
 def cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
-    if getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False):
-        from duplexkit.memory import use_malloc_for_objects
+    tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
+    mmap_threshold = numpy_handler = None
+    if tuned:
+        from duplexkit.memory import fix_mmap_threshold, numpy_without_block_cache, use_malloc_for_objects
 
         # small objects on glibc's malloc, so that RSS returns to its baseline after load (the trim
         # after sessions close cannot reach pymalloc's arenas); PYTHONMALLOC=pymalloc keeps pymalloc
         use_malloc_for_objects()
+        # large buffers mmapped, so that they do not spread the brk heap (MALLOC_MMAP_THRESHOLD_ keeps
+        # an operator's value); numpy's freed small blocks given back, not cached (duplexkit/memory.py)
+        mmap_threshold = fix_mmap_threshold()
+        numpy_handler = numpy_without_block_cache()
     sock = _bind(args.host, args.port)
     import logging
 
@@ -129,6 +136,12 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if tuned:
+        logging.getLogger("duplexkit.memory").info(
+            "allocator: PYTHONMALLOC=%s, %s, numpy data handler %s", os.environ.get("PYTHONMALLOC", "pymalloc"),
+            f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold
+            else "glibc mmap threshold not set",
+            numpy_handler)
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),

@@ -55,11 +55,20 @@ async def test_serve_runs_on_malloc_and_sessions_leave_no_series_behind(question
                     "--metrics", "public") as srv:
         # re-executed in place: the pid that was started, now with small objects on malloc
         assert _environ(srv.proc.pid).get("PYTHONMALLOC") == "malloc"
+        # and glibc's mmap threshold fixed (mallopt accepted it: the line is logged only then), so that
+        # large buffers do not spread the brk heap (tests/unit/test_memory_allocator.py shows the effect)
+        assert f"glibc mmap threshold fixed at {memory.MMAP_THRESHOLD} bytes" in srv.output()
+        # and numpy's arrays made without its small-block cache (same test file as the threshold's)
+        assert f"numpy data handler {memory.NUMPY_HANDLER_NAME}" in srv.output()
         # and its engine process inherits it (on pymalloc it kept +11.9 % after 64 x 300 s: NOTES)
         children = [int(c) for t in Path(f"/proc/{srv.proc.pid}/task").iterdir()  # spawned by the loader thread
                     for c in (t / "children").read_text().split()]
         engines = [c for c in children if b"multiprocessing" in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert engines and all(_environ(c).get("PYTHONMALLOC") == "malloc" for c in engines), children
+        # the server runs without glibc's per-thread cache (its freed chunks pinned heap pages after
+        # load); the engine process keeps it (the server's environment is restored for its children)
+        assert memory.TCACHE_TUNABLE in _environ(srv.proc.pid).get("GLIBC_TUNABLES", "")
+        assert all("tcache_count" not in _environ(c).get("GLIBC_TUNABLES", "") for c in engines)
         ids = [await _spoken_session(srv, speech) for _ in range(2)]
         await _idle(srv)
         after_two = set(scrape(srv.url))
@@ -73,5 +82,7 @@ async def test_serve_runs_on_malloc_and_sessions_leave_no_series_behind(question
 
 
 async def test_an_operator_choice_of_allocator_is_kept(monkeypatch):
-    with ServerProc("scripted", env={"PYTHONMALLOC": "pymalloc"}) as srv:
+    with ServerProc("scripted", env={"PYTHONMALLOC": "pymalloc", "MALLOC_MMAP_THRESHOLD_": "131072"}) as srv:
         assert _environ(srv.proc.pid).get("PYTHONMALLOC") == "pymalloc"
+        assert _environ(srv.proc.pid).get("MALLOC_MMAP_THRESHOLD_") == "131072"  # glibc applies it at start
+        assert "glibc mmap threshold not set" in srv.output()  # and the server does not override it

@@ -71,8 +71,33 @@ def test_re_executes_with_malloc_when_unset(monkeypatch):
     assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
     (exe, argv, new_env), = calls
     assert exe == sys.executable and argv == list(sys.orig_argv)
-    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc"}
+    assert new_env == {"PATH": "/usr/bin", "PYTHONPATH": "x", "PYTHONMALLOC": "malloc",
+                       "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0", "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES": ""}
     assert "PYTHONMALLOC" not in env  # the caller's mapping is not changed
+
+
+def test_re_exec_extends_an_operator_tunables_and_children_get_them_back(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", object())
+    calls = []
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
+    (_, _, new_env), = calls
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    # the re-executed process: the same call restores the operator's value for its children
+    assert memory.use_malloc_for_objects(new_env, execve=lambda *a: calls.append(a)) is False
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
+    assert len(calls) == 1
+
+
+def test_an_operator_tcache_setting_is_kept(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", object())
+    calls = []
+    env = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
+    assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
+    (_, _, new_env), = calls
+    assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=3"
+    assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
 
 
 @pytest.mark.parametrize("value", ["malloc", "pymalloc", "malloc_debug"])
@@ -93,12 +118,16 @@ def test_no_re_exec_without_glibc(monkeypatch):
 @glibc
 def test_real_re_exec_keeps_pid_and_arguments():
     code = ("import os, sys\nfrom duplexkit.memory import use_malloc_for_objects\n"
-            "use_malloc_for_objects()\nprint(os.getpid(), os.environ.get('PYTHONMALLOC'), sys.argv[1:])")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+            "use_malloc_for_objects()\n"
+            "exec_env = dict(kv.split(b'=', 1) for kv in open('/proc/self/environ', 'rb').read().split(b'\\0') if kv)\n"
+            "print(os.getpid(), os.environ.get('PYTHONMALLOC'), exec_env[b'GLIBC_TUNABLES'].decode(),\n"
+            "      os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONMALLOC", "GLIBC_TUNABLES")}
     p = subprocess.Popen([sys.executable, "-c", code, "a", "b"], env=env, stdout=subprocess.PIPE, text=True)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0
-    assert out.split(None, 2) == [str(p.pid), "malloc", "['a', 'b']\n"]
+    # same pid; glibc started with the tcache off; the process's children would not inherit it
+    assert out.split(None, 4) == [str(p.pid), "malloc", "glibc.malloc.tcache_count=0", "None", "['a', 'b']\n"]
 
 
 def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
@@ -119,3 +148,150 @@ def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "duplexkit", "serve", "scripted", "--port", "0"])
     assert cli.main() != 0
     assert len(calls) == 1 and calls[0][1] == sys.orig_argv and calls[0][2]["PYTHONMALLOC"] == "malloc"
+
+
+# glibc raises its mmap threshold to the size of each mmapped chunk freed (up to 32 MiB), after which a
+# session's 64 000-character base64 strings come from the brk heap and spread it; the fixed threshold
+# keeps them mmapped (duplexkit.memory.fix_mmap_threshold; benchmarks/NOTES.md "what pins the brk heap")
+_THRESHOLD = textwrap.dedent("""
+    import json, sys
+    from duplexkit import memory
+
+    def heap():
+        for line in open("/proc/self/maps"):
+            if line.rstrip().endswith("[heap]"):
+                return tuple(int(x, 16) for x in line.split()[0].split("-"))
+        return (0, 0)
+
+    fixed = memory.fix_mmap_threshold() if sys.argv[1] == "fixed" else None
+    big = bytearray(8 << 20)  # mmapped at any threshold; freeing it raises glibc's dynamic one to 8 MiB
+    del big
+    lo, hi = heap()
+    bufs = [bytes(64_000 + i) for i in range(64)]  # 4 MB of a journal's base64 strings
+    lo2, hi2 = heap()
+    print(json.dumps({"fixed": fixed, "heap_growth": (hi2 - lo2) - (hi - lo),
+                      "in_heap": sum(lo2 <= id(b) < hi2 for b in bufs)}))
+""")
+
+
+def _threshold_run(mode: str) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _THRESHOLD, mode], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_fixed_mmap_threshold_keeps_large_buffers_out_of_the_heap():
+    default, fixed = _threshold_run("default"), _threshold_run("fixed")
+    # glibc's adapted threshold: all 64 on the heap, which grows by their 4 MB
+    assert default["fixed"] is None and default["in_heap"] == 64 and default["heap_growth"] >= 4_000_000, default
+    # fixed: the heap serves what its free space holds (the threshold applies when it would have to
+    # grow); the rest is mmapped, and unmapped when freed
+    assert fixed["fixed"] == memory.MMAP_THRESHOLD, fixed
+    assert fixed["heap_growth"] <= 0 and fixed["in_heap"] <= 4, fixed
+
+
+class _FakeLibc:
+    def __init__(self, ok: int = 1) -> None:
+        self.calls, self.ok = [], ok
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return self.ok
+
+
+def test_fix_mmap_threshold_sets_m_mmap_threshold(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold({}) == 32 * 1024
+    assert libc.calls == [(-3, 32 * 1024)]  # M_MMAP_THRESHOLD (glibc malloc.h)
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=65536"}])
+def test_an_operator_mmap_threshold_is_kept(monkeypatch, env):
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold(env) is None
+    assert libc.calls == []
+
+
+def test_mmap_threshold_not_set_without_glibc_or_when_refused(monkeypatch):
+    monkeypatch.setattr(memory, "_libc", None)
+    assert memory.fix_mmap_threshold({}) is None
+    libc = _FakeLibc(ok=0)
+    monkeypatch.setattr(memory, "_libc", libc)
+    assert memory.fix_mmap_threshold({}, threshold=64 << 20) is None
+    assert libc.calls == [(-3, 64 << 20)]
+
+
+# numpy's default data handler keeps up to 7 freed blocks of each size under 1024 bytes and never gives
+# them back; after a load they pin one heap page each (benchmarks/NOTES.md "what pins the brk heap").
+# Here: 7 arrays of each size, each followed by 4 KiB of other data (so that each sits on a page of its
+# own, as a load's short audio frames do), all freed, collect + trim.
+_NUMPY_BLOCKS = textwrap.dedent("""
+    import gc, json, sys
+    import numpy as np
+    from duplexkit.memory import malloc_trim, numpy_without_block_cache
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+    handler = numpy_without_block_cache() if sys.argv[1] == "raw" else None
+    gc.collect(); malloc_trim()
+    before = rss()
+    arrays, filler = [], []
+    for n in range(1, 1024):
+        for _ in range(7):
+            arrays.append(np.full(n, 1, np.uint8))
+            filler.append(bytes(4096))
+    peak = rss()
+    del arrays, filler
+    gc.collect(); malloc_trim()
+    print(json.dumps({"handler": handler, "grown": peak - before, "kept": rss() - before}))
+""")
+
+
+def _numpy_blocks(mode: str) -> dict:
+    import json
+
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    out = subprocess.run([sys.executable, "-c", _NUMPY_BLOCKS, mode], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_numpy_without_block_cache_gives_freed_small_arrays_back():
+    cached, raw = _numpy_blocks("default"), _numpy_blocks("raw")
+    for r in (cached, raw):
+        assert r["grown"] > 7161 * 4096, r  # the 7 161 arrays and their neighbours were resident
+    assert raw["handler"] == memory.NUMPY_HANDLER_NAME
+    # numpy's cache: every cached block keeps its page (~28 MiB); raw: the pages go back
+    assert cached["kept"] > 0.6 * 7161 * 4096, cached
+    assert raw["kept"] < 0.15 * 7161 * 4096, raw
+
+
+def test_numpy_handler_reaches_tasks_and_workers_of_the_loop():
+    code = textwrap.dedent("""
+        import asyncio, json
+        import numpy as np
+        from numpy._core import multiarray
+        from duplexkit.memory import numpy_without_block_cache
+
+        numpy_without_block_cache()
+        name = lambda: multiarray.get_handler_name(np.ones(3))
+        async def main():
+            return [name(), await asyncio.to_thread(name)]
+        print(json.dumps(asyncio.run(main())))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['["duplexkit_raw",', '"duplexkit_raw"]']
