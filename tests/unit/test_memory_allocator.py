@@ -192,7 +192,9 @@ def test_fixed_mmap_threshold_keeps_large_buffers_out_of_the_heap():
     # fixed: the heap serves what its free space holds (the threshold applies when it would have to
     # grow); the rest is mmapped, and unmapped when freed
     assert fixed["fixed"] == memory.MMAP_THRESHOLD, fixed
-    assert fixed["heap_growth"] <= 0 and fixed["in_heap"] <= 4, fixed
+    # (the heap may still grow by a top-pad step or two, 128 KiB each, for the interpreter's own
+    # small allocations: far below the 4 MB the buffers would take)
+    assert fixed["heap_growth"] < 1_000_000 and fixed["in_heap"] <= 4, fixed
 
 
 class _FakeLibc:
