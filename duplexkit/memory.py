@@ -228,7 +228,8 @@ def numpy_without_block_cache() -> Optional[str]:
     variable: call this in the main thread before the event loop starts (tasks and ``to_thread`` copy
     the context); arrays made earlier keep the handler they were made with.
 
-    Returns the handler name in effect, or None when numpy is too old or not importable.
+    Returns the handler name in effect, or None when numpy is too old, too new (3 or later: the C-API
+    slot is not checked there) or not importable.
     """
     global _numpy_handler
     try:
@@ -241,6 +242,9 @@ def numpy_without_block_cache() -> Optional[str]:
     except ImportError:
         return None
     if not hasattr(multiarray, "get_handler_name"):
+        return None
+    if int(np.__version__.split(".")[0]) >= 3:  # slot 304 is checked for numpy 1.22-2.x only
+        logger.info("numpy %s: its block cache is kept (the handler slot is not checked for it)", np.__version__)
         return None
     if _numpy_handler is None:
         api = ctypes.pythonapi
