@@ -174,14 +174,18 @@ _THRESHOLD = textwrap.dedent("""
 """)
 
 
-def _threshold_run(mode: str) -> dict:
+def _probe(code: str, mode: str, env: dict, timeout: float) -> dict:
+    """Run a measuring script in a fresh interpreter; its last line of stdout is a JSON dict."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", _THRESHOLD, mode], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, mode], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def _threshold_run(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    return _probe(_THRESHOLD, mode, env, 120)
 
 
 @glibc
@@ -261,13 +265,7 @@ _NUMPY_BLOCKS = textwrap.dedent("""
 
 
 def _numpy_blocks(mode: str) -> dict:
-    import json
-
-    env = dict(os.environ, PYTHONMALLOC="malloc")
-    out = subprocess.run([sys.executable, "-c", _NUMPY_BLOCKS, mode], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return _probe(_NUMPY_BLOCKS, mode, dict(os.environ, PYTHONMALLOC="malloc"), 300)
 
 
 @glibc
