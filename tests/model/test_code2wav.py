@@ -224,6 +224,22 @@ def test_turn_reset_restores_state(c2w, voice_a):
     np.testing.assert_array_equal(c2w.push(st, codes[:25]), first[0])
 
 
+def test_streams_of_one_voice_share_its_base_cache_until_they_speak(c2w, voice_a):
+    """A new (or reset) stream holds the voice's base cache tensors themselves, no copy; speaking
+    replaces them with the stream's own, and never writes into the shared ones (a second stream of
+    the voice then still says exactly what the first said)."""
+    codes = _codes(55, 12)
+    a, b = c2w.new_stream(voice_a, seed=3), c2w.new_stream(voice_a, seed=3)
+    base = {k: (v.data_ptr(), v.clone()) for k, v in a.base_cache.items()}
+    for st in (a, b):
+        assert {k: v.data_ptr() for k, v in st.flow_cache.items()} == {k: p for k, (p, _) in base.items()}
+    out_a = [c2w.push(a, codes[:25]), c2w.push(a, codes[25:], last=True)]
+    assert all(a.base_cache[k].data_ptr() == p and torch.equal(a.base_cache[k], v) for k, (p, v) in base.items())
+    out_b = [c2w.push(b, codes[:25]), c2w.push(b, codes[25:], last=True)]
+    for x, y in zip(out_a, out_b):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_interleaved_streams_do_not_cross_talk(c2w, voice_a, voice_b):
     ca, cb = _codes(60, 9), _codes(60, 10)
 

@@ -296,9 +296,15 @@ class Code2Wav:
 
     def reset_turn(self, stream: Code2WavStream) -> None:
         """Drop pending codes and restore the prompt-only base cache, an empty HiFT cache and the 3 x 4218
-        carry (what a terminal flush does after emitting)."""
+        carry (what a terminal flush does after emitting).
+
+        The stream refers to its reference voice's base cache (shared by every stream of that voice)
+        instead of copying it: the flow only reads its input cache (the package's
+        ``inference_chunk`` and the batched graphs copy from it; each chunk's new cache is a new
+        tensor set), so a listening stream costs no flow-cache memory. A copy was 378 MiB per stream
+        at real size (benchmarks/NOTES.md, 48 streams on one H200)."""
         self._check_open(stream)
-        stream.flow_cache = {k: v.clone() for k, v in stream.base_cache.items()}
+        stream.flow_cache = dict(stream.base_cache)
         stream.hift_cache = None
         stream.carry = np.full(LOOKAHEAD_CODES, SILENCE_CODE, np.int64)
         stream.pending = np.zeros(0, np.int64)
