@@ -257,8 +257,19 @@ def numpy_without_block_cache() -> Optional[str]:
         raw = _Allocator()
         api.PyMem_GetAllocator(0, ctypes.byref(raw))  # PYMEM_DOMAIN_RAW
         handler = _Handler(NUMPY_HANDLER_NAME.encode(), 1, raw)
-        capsule = api.PyCapsule_New(ctypes.addressof(handler), b"mem_handler", None)
-        _numpy_handler = (handler, capsule)
+        # numpy keeps a pointer to the handler in every array made with it, also while the
+        # interpreter shuts down, after this module's objects are gone: the struct lives in memory
+        # from libc's malloc that is never freed (a ctypes object here crashed the server at exit,
+        # SIGSEGV, seen in tests/e2e/test_engine_process.py)
+        libc = _libc if _libc is not None else ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        mem = libc.malloc(ctypes.sizeof(_Handler))
+        if not mem:
+            return None
+        ctypes.memmove(mem, ctypes.addressof(handler), ctypes.sizeof(_Handler))
+        capsule = api.PyCapsule_New(mem, b"mem_handler", None)
+        _numpy_handler = (mem, capsule)
     table = ctypes.cast(ctypes.pythonapi.PyCapsule_GetPointer(umath._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
     set_handler = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[304])  # PyDataMem_SetHandler
     set_handler(_numpy_handler[1])
