@@ -121,9 +121,10 @@ def decide_token(rule: _Rule, raw_logits: torch.Tensor, out: Sequence[int],
 
 
 def decide_tokens(rules: Sequence[_Rule], raw_logits: torch.Tensor, outs: Sequence[Sequence[int]],
-                  generators: Sequence[Optional[torch.Generator]]) -> List[int]:
-    """:func:`decide_token` for the rows of one engine step at once: raw logits [N, V], one rule,
-    token list and generator per row. Rows that need the model's choice go through one
+                  generators: Sequence[Optional[torch.Generator]], rows: Optional[Sequence[int]] = None) -> List[int]:
+    """:func:`decide_token` for the rows of one engine step at once: raw logits [M, V], one rule,
+    token list and generator per decided row; ``rows[r]`` is the logits row of rule ``r`` (default
+    ``r``), so a caller passes the step's whole logits without gathering them first. Rows that need the model's choice go through one
     :func:`duplex.choose_tokens` call (one host sync) per group of rules sharing the model's id sets
     (all rows of one engine), as the native batched thinker decides its rows; each row still draws
     from its own generator, so the result is the row-by-row one."""
@@ -145,10 +146,11 @@ def decide_tokens(rules: Sequence[_Rule], raw_logits: torch.Tensor, outs: Sequen
         stream = SimpleNamespace(policy=rule.policy, history=list(a["history"]) + [int(t) for t in out])
         groups.setdefault(rule.group, []).append((r, plan, stream, turn_ended, j))
     for items in groups.values():
-        rows = [it[0] for it in items]
-        x = raw_logits.index_select(0, torch.tensor(rows, device=raw_logits.device)).float()
-        bnd, main = D.choose_tokens(rules[rows[0]].th, [it[2] for it in items], x, [it[1] for it in items],
-                                    [generators[r] for r in rows])
+        idx = [it[0] for it in items]
+        src = idx if rows is None else [int(rows[r]) for r in idx]
+        x = raw_logits.index_select(0, torch.tensor(src, device=raw_logits.device)).float()
+        bnd, main = D.choose_tokens(rules[idx[0]].th, [it[2] for it in items], x, [it[1] for it in items],
+                                    [generators[r] for r in idx])
         for k, (r, plan, _stream, turn_ended, j) in enumerate(items):
             toks[r] = D.decide(rules[r].special, plan, j, bnd[k], main[k], turn_ended).token
     return toks  # type: ignore[return-value]

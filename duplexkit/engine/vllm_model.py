@@ -319,9 +319,10 @@ class DuplexDecisionProcessor(LogitsProcessor):
         for _i, row in items:
             if row[2] is None:
                 row[2] = _Rule(row[0], logits.shape[-1])
-        rows = torch.tensor([i for i, _ in items], device=logits.device)
-        toks = decide_tokens([row[2] for _, row in items], logits.index_select(0, rows), [row[1] for _, row in items],
-                             [self._generator(row[0]) for _, row in items])
+        idx = [i for i, _ in items]
+        toks = decide_tokens([row[2] for _, row in items], logits, [row[1] for _, row in items],
+                             [self._generator(row[0]) for _, row in items], rows=idx)
+        rows = torch.tensor(idx, device=logits.device)
         tok = torch.tensor(toks, device=logits.device)
         keep = logits[rows, tok]
         logits.index_fill_(0, rows, float("-inf"))

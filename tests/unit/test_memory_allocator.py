@@ -76,26 +76,28 @@ def test_re_executes_with_malloc_when_unset(monkeypatch):
     assert "PYTHONMALLOC" not in env  # the caller's mapping is not changed
 
 
-def test_re_exec_extends_an_operator_tunables_and_children_get_them_back(monkeypatch):
+def _re_exec_env(monkeypatch, env: dict) -> dict:
+    """The environment ``use_malloc_for_objects`` re-executes with (glibc assumed)."""
     monkeypatch.setattr(memory, "_libc", object())
     calls = []
-    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
     assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
     (_, _, new_env), = calls
+    return new_env
+
+
+def test_re_exec_extends_an_operator_tunables_and_children_get_them_back(monkeypatch):
+    new_env = _re_exec_env(monkeypatch, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    calls = []
     assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
     # the re-executed process: the same call restores the operator's value for its children
     assert memory.use_malloc_for_objects(new_env, execve=lambda *a: calls.append(a)) is False
     assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
     assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
-    assert len(calls) == 1
+    assert calls == []  # no second re-execution
 
 
 def test_an_operator_tcache_setting_is_kept(monkeypatch):
-    monkeypatch.setattr(memory, "_libc", object())
-    calls = []
-    env = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
-    assert memory.use_malloc_for_objects(env, execve=lambda *a: calls.append(a)) is True
-    (_, _, new_env), = calls
+    new_env = _re_exec_env(monkeypatch, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"})
     assert new_env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=3"
     assert "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES" not in new_env
 
