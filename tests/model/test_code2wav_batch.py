@@ -121,21 +121,22 @@ def per_stream_outputs(c2w):
 def test_batched_code2wav_equals_per_stream_path(c2w, per_stream_outputs, variant):
     """All streams of a round in one call. ``sub1``: the Euler loop of a flow group runs stream by
     stream after one encoder call for the group (the CUDA layout, where the loop replays graphs of
-    <= 4 streams: CFG rows regrouped per sub-batch, encoder rows picked by offset). ``pad``: HiFT
+    <= 4 streams: CFG rows regrouped per sub-batch, encoder rows picked by offset; a turn's last
+    chunks, which keep no new cache, too). ``pad``: HiFT
     calls padded to 4 or 8 rows (the CUDA default pads to powers of two)."""
     if c2w.device.type == "cuda" and variant != "whole":
         pytest.skip("CUDA runs its own defaults")
     ref = per_stream_outputs
     s0 = dict(c2w.stats)
-    saved = (c2w.euler_sub_batch, c2w.hift_buckets)
+    saved = (c2w.euler_sub_batch, c2w.last_sub_batch, c2w.hift_buckets)
     if variant == "sub1":
-        c2w.euler_sub_batch = 1
+        c2w.euler_sub_batch = c2w.last_sub_batch = 1
     if variant == "pad":
         c2w.hift_buckets = (4, 8)
     try:
         got = _run(c2w, batched=True)
     finally:
-        c2w.euler_sub_batch, c2w.hift_buckets = saved
+        c2w.euler_sub_batch, c2w.last_sub_batch, c2w.hift_buckets = saved
     n_chunks = 0
     for r, (a, b) in enumerate(zip(ref, got)):
         assert len(a) == len(b)
@@ -199,3 +200,33 @@ def test_encoder_rows_are_independent_of_padding_rows(c2w):
     finally:
         for st in sts:
             c2w.close(st)
+
+
+def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
+    """The Euler loop's scratch (DiT blocks' caches, and on CUDA every graph's static buffers) is one
+    set of flat buffers sized for GRAPH_MAX_BATCH streams, not one set per batch size or graph: 1..4
+    streams add nothing after the first call; only a larger eager group adds its own buffer."""
+    from duplexkit.models.minicpmo45.fast_code2wav import GRAPH_MAX_BATCH
+
+    codes = np.full(25, 4218, np.int64)
+
+    def round_of(n):
+        sts = [c2w.new_stream(None, seed=k) for k in range(n)]
+        try:
+            c2w.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
+        finally:
+            for st in sts:
+                c2w.close(st)
+
+    round_of(1)
+    first = c2w.scratch_bytes()
+    assert first > 0
+    for n in range(2, GRAPH_MAX_BATCH + 1):
+        round_of(n)
+        assert c2w.scratch_bytes() == first, n
+    if c2w.euler_sub_batch is None:  # CPU: a bigger group runs whole, on the eager buffer
+        round_of(GRAPH_MAX_BATCH + 2)
+        assert c2w.scratch_bytes() > first
+        grown = c2w.scratch_bytes()
+        round_of(GRAPH_MAX_BATCH + 1)
+        assert c2w.scratch_bytes() == grown

@@ -21,11 +21,18 @@ ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
 """Batch buckets of the captured encoder (a batch above 32 runs it eagerly)."""
 
 
-def _capture(c2w: "BatchedCode2Wav", fn):
-    """Warm ``fn`` up on a side stream, then capture it (:func:`.fast_kv.capture_graph`, private pool)."""
+def _capture(c2w: "BatchedCode2Wav", fn, pool: str):
+    """Warm ``fn`` up on a side stream, then capture it (:func:`.fast_kv.capture_graph`) into the
+    Code2Wav's memory pool ``pool`` ("encoder" or "dit", one each: graphs of one pool replay one at a
+    time and their outputs are copied before the next replay of that pool)."""
+    import torch
+
     from .fast_kv import capture_graph
 
-    return capture_graph(fn, c2w.device)
+    handle = c2w._graph_pools.get(pool)
+    if handle is None:
+        handle = c2w._graph_pools[pool] = torch.cuda.graph_pool_handle()
+    return capture_graph(fn, c2w.device, pool=handle)
 
 
 class EncoderGraph:
@@ -52,7 +59,7 @@ class EncoderGraph:
             return flow.encoder_proj(h).transpose(1, 2).contiguous(), c_cnn, c_att
 
         with torch.inference_mode():
-            self.graph, (self.mu, self.new_cnn, self.new_att) = _capture(c2w, fn)
+            self.graph, (self.mu, self.new_cnn, self.new_att) = _capture(c2w, fn, "encoder")
 
     def run(self, tok, cnn, att):
         B = tok.shape[0]
@@ -64,24 +71,23 @@ class EncoderGraph:
 
 
 class DiTGraph:
-    """The 10-step Euler loop over the DiT for (Bb streams, T chunk frames, L cached frames)."""
+    """The 10-step Euler loop over the DiT for (Bb streams, T chunk frames, L cached frames).
+
+    Its static buffers are views of the Code2Wav's shared scratch (:meth:`BatchedCode2Wav.dit_scratch`),
+    which every Euler-loop graph uses: ``run`` copies the live rows in, replays, and returns views
+    the caller copies before the next replay of any of them."""
 
     def __init__(self, c2w: "BatchedCode2Wav", Bb: int, T: int, L: int) -> None:
-        torch = c2w.torch
-        dec = c2w.flow.decoder
-        kw = dict(device=c2w.device, dtype=c2w.dtype)
-        n, depth, h, hd2 = c2w.n_timesteps, c2w._depth, c2w._heads, 2 * c2w._head_dim
+        buf = c2w.dit_scratch
         self.Bb = Bb
-        self.x0 = torch.zeros(Bb, dec.out_channels, T, **kw)
-        self.mu_in = torch.zeros(2 * Bb, dec.out_channels, T, **kw)
-        self.spks_in = torch.zeros(2 * Bb, dec.out_channels, **kw)
-        self.cond_in = torch.zeros(2 * Bb, dec.out_channels, T, **kw)
-        self.cnn = torch.zeros(n, depth, 2 * Bb, c2w._conv_ch, 2, **kw)
-        self.att = torch.zeros(n, depth, 2 * Bb, h, L, hd2, **kw)
-        self.att_out = torch.empty(n, depth, 2 * Bb, h, L + T, hd2, **kw)
-        self.cnn_out = torch.empty(n, depth, 2 * Bb, c2w._conv_ch, 2, **kw)
+        self.x0, self.mu_in, self.cond_in = buf("x0", Bb, T), buf("mu_in", Bb, T), buf("cond_in", Bb, T)
+        self.spks_in = buf("spks_in", Bb, 0)
+        self.cnn, self.cnn_out = buf("cnn", Bb, 0), buf("cnn_out", Bb, 0)
+        self.att, self.att_out = buf("att", Bb, L), buf("att_out", Bb, L + T)
+        self.cond_in.zero_()  # read, never written (the package's zero conditioning)
+        c2w._buffers(Bb)  # the DiT blocks' scratch exists before the capture (no allocation inside it)
         args = (Bb, self.x0, self.mu_in, self.spks_in, self.cond_in, self.cnn, self.att, self.att_out, self.cnn_out)
-        self.graph, (self.x, self.new_cnn, self.new_att) = _capture(c2w, lambda: c2w._euler(*args))
+        self.graph, (self.x, self.new_cnn, self.new_att) = _capture(c2w, lambda: c2w._euler(*args), "dit")
 
     def run(self, B: int, x0, mu_in, spks_in, cnn, att):
         import torch

@@ -22,6 +22,19 @@ grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built 
 package) is precomputed per batch size outside the graph. Captures hold
 :data:`~.fast_kv.CAPTURE_GATE` exclusive; every other call holds it shared. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
 
+**Memory.** The Euler-loop graphs replay one at a time (under the Code2Wav lock) and their callers
+copy the outputs before the next replay, so all of them take their static inputs, outputs and DiT
+scratch as views of ONE set of flat buffers sized for 4 streams at the frame capacity
+(:meth:`BatchedCode2Wav.scratch_bytes`), and capture into one shared memory pool (the encoder graphs
+into another: their outputs are read across Euler-loop replays). Derived sizes at real size: the
+per-step caches (fp32, 10 steps x 16 blocks x 2 CFG rows x 8 heads x 128) of ~400 cached frames are
+~0.5 GB per stream row, in and out; a graph of its own per (rows 1/2/4, chunk frames, cached frames)
+held ~1 GB per row, tens of GB for one voice's shapes, and 48 streams ran out of memory on the H200
+(benchmarks/NOTES.md, 2026-12-02).
+A turn's last chunk writes no new flow cache (the stream returns to its voice's base cache after it)
+and runs in sub-batches of :data:`LAST_SUB_BATCH` streams on CUDA, so many turns ending in one round
+do not allocate every stream's caches at once.
+
 Why: one flow call costs ~0.3-0.4 s of CPU (launch bound); HiFT per stream cost ~25 ms of CPU each,
 so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
 """
@@ -37,7 +50,7 @@ from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS"]
+__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH"]
 
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
@@ -45,6 +58,10 @@ HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_MAX_BATCH = 4
 """Flow calls of at most this many streams replay a captured Euler-loop graph on CUDA (bigger
 groups run as sub-batches of this size; fp32 per-step caches would cost ~10 GB per graph of 16)."""
+
+LAST_SUB_BATCH = 8
+"""On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at
+most this many streams: each row needs its caches gathered (~0.4-0.6 GB per stream at real size)."""
 
 
 class BatchedCode2Wav(Code2Wav):
@@ -61,7 +78,11 @@ class BatchedCode2Wav(Code2Wav):
     def __init__(self, *a, hift_batched: bool = True, **kw) -> None:
         super().__init__(*a, **kw)
         self.hift_batched = bool(hift_batched)
-        self._batch_buffers: Dict[Tuple[int, int], tuple] = {}
+        #: flat device buffers by role, shared by every Euler-loop graph and eager call (_scratch_view)
+        self._scratch: Dict[str, Any] = {}
+        self._scratch_capacity = 0
+        #: CUDA graph memory pools: "encoder" and "dit" (see module doc)
+        self._graph_pools: Dict[str, Any] = {}
         self._dit_graphs: Dict[Tuple[int, int, int], DiTGraph] = {}
         self._enc_graphs: Dict[tuple, EncoderGraph] = {}
         self._time_tables: Dict[int, tuple] = {}
@@ -70,6 +91,8 @@ class BatchedCode2Wav(Code2Wav):
         #: non-final Euler loops run in sub-batches of this many streams (None: the whole group);
         #: the captured graphs' size on CUDA
         self.euler_sub_batch = GRAPH_MAX_BATCH if self._use_graphs else None
+        #: a turn's last chunks run the Euler loop in sub-batches of this many streams (None: whole group)
+        self.last_sub_batch = LAST_SUB_BATCH if self.device.type == "cuda" else None
         #: HiFT calls are padded to these row counts (None: no padding). On CUDA the conv plans are
         #: autotuned per shape (cudnn.benchmark): padding keeps the shapes to the few that warmup()
         #: tunes, instead of a new tuning for each batch size met mid-run
@@ -166,20 +189,66 @@ class BatchedCode2Wav(Code2Wav):
         return (len(new), bool(last), shapes, int(st.prompt.mel.shape[1]), hc is None,
                 None if hc is None else tuple(hc["mel"].shape))
 
-    def _buffers(self, B: int) -> tuple:
-        """DiT cache buffers for a batch of 2B rows (CFG), sized like :meth:`_ensure_capacity`."""
+    def _scratch_view(self, role: str, shape: Tuple[int, ...], graph_rows: int = 0):
+        """A contiguous view with ``shape`` of the flat scratch buffer ``role`` (zero-filled when made).
+
+        The buffers are sized at the current frame capacity; a role of the captured graphs
+        (``graph_rows`` > 0: its size for :data:`GRAPH_MAX_BATCH` streams) is made at that size at
+        once. A capacity change (a voice with a longer prompt) or a request larger than the buffer
+        makes a new buffer and drops the Euler-loop graphs (they point at the old one)."""
         torch = self.torch
-        key = (B, self._capacity)
-        buf = self._batch_buffers.get(key)
-        if buf is None:
-            if any(k[1] != self._capacity for k in self._batch_buffers):
-                self._dit_graphs.clear()  # captured with the old buffers
-            self._batch_buffers = {k: v for k, v in self._batch_buffers.items() if k[1] == self._capacity}
-            kw = dict(device=self.device, dtype=self.dtype)
-            buf = (torch.empty(self._depth, 2 * B, self._heads, self._capacity, 2 * self._head_dim, **kw),
-                   torch.zeros(self._depth, 2 * B, self._conv_ch, 2, **kw))
-            self._batch_buffers[key] = buf
-        return buf
+        if self._scratch_capacity != self._capacity:
+            self._scratch.clear()
+            self._dit_graphs.clear()
+            self._scratch_capacity = self._capacity
+        n = 1
+        for d in shape:
+            n *= int(d)
+        flat = self._scratch.get(role)
+        if flat is None or flat.numel() < n:
+            if flat is not None:
+                self._dit_graphs.clear()
+            flat = torch.zeros(max(n, graph_rows), device=self.device, dtype=self.dtype)
+            self._scratch[role] = flat
+        return flat[:n].view(*shape)
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the shared flat scratch buffers (graph inputs, outputs and DiT caches)."""
+        return sum(t.numel() * t.element_size() for t in self._scratch.values())
+
+    def dit_scratch(self, role: str, rows: int, frames: int):
+        """The Euler loop's buffer ``role`` for ``rows`` streams (2 x rows CFG rows) and ``frames`` time
+        frames (``x0``: [B, 80, T]; ``mu_in``, ``cond_in``: [2B, 80, T]; ``spks_in``: [2B, 80]; ``cnn``,
+        ``cnn_out``: [n, depth, 2B, C, 2]; ``att``: [n, depth, 2B, h, L, 2hd] with L = ``frames``;
+        ``att_out``: the same with L + T; ``abuf`` [depth, 2B, h, capacity, 2hd] and ``cbuf``
+        [depth, 2B, C, 2]: the DiT blocks' per-step scratch). Rows up to :data:`GRAPH_MAX_BATCH` share
+        one buffer with the graphs; more rows (eager calls) use a second one, grown as needed."""
+        dec = self.flow.decoder
+        n, depth, h, hd2, C = self.n_timesteps, self._depth, self._heads, 2 * self._head_dim, dec.out_channels
+        cap = self._capacity
+        shapes = {
+            "x0": lambda B, T: (B, C, T),
+            "mu_in": lambda B, T: (2 * B, C, T),
+            "cond_in": lambda B, T: (2 * B, C, T),
+            "spks_in": lambda B, T: (2 * B, C),
+            "cnn": lambda B, T: (n, depth, 2 * B, self._conv_ch, 2),
+            "cnn_out": lambda B, T: (n, depth, 2 * B, self._conv_ch, 2),
+            "att": lambda B, T: (n, depth, 2 * B, h, T, hd2),
+            "att_out": lambda B, T: (n, depth, 2 * B, h, T, hd2),
+            "abuf": lambda B, T: (depth, 2 * B, h, cap, hd2),
+            "cbuf": lambda B, T: (depth, 2 * B, self._conv_ch, 2),
+        }[role]
+        if rows <= GRAPH_MAX_BATCH:
+            full = 1
+            for d in shapes(GRAPH_MAX_BATCH, cap):
+                full *= int(d)
+            return self._scratch_view(role, shapes(rows, frames), graph_rows=full)
+        return self._scratch_view(role + "/eager", shapes(rows, frames))
+
+    def _buffers(self, B: int) -> tuple:
+        """The DiT blocks' cache scratch for a batch of 2B rows (CFG): (att [depth, 2B, h, capacity,
+        2hd], cnn [depth, 2B, C, 2]), views of the shared scratch (:meth:`dit_scratch`)."""
+        return self.dit_scratch("abuf", B, 0), self.dit_scratch("cbuf", B, 0)
 
     def _time_table(self, B: int):
         """(t embeddings [n, 2B, 1, hidden], dt [n]) of the cosine schedule, computed once per B with
@@ -211,7 +280,8 @@ class BatchedCode2Wav(Code2Wav):
         first), calling the DiT blocks the way ``DiT.forward_chunk`` does (inputs packed along the
         channel axis, no mask) with the precomputed time embeddings: no host work, capturable.
         Writes the per-step caches into ``att_out`` [n, depth, 2B, h, >= L+T, 2hd] and
-        ``cnn_out``; returns (x [B, 80, T], cnn_out, att_out[..., :L+T, :])."""
+        ``cnn_out``; returns (x [B, 80, T], cnn_out, att_out[..., :L+T, :]). With ``att_out`` None (a
+        turn's last chunk: its caches are never read) no cache is written and (x, None, None) returned."""
         torch = self.torch
         n = self.n_timesteps
         dec = self.flow.decoder
@@ -225,10 +295,13 @@ class BatchedCode2Wav(Code2Wav):
         for step in range(1, n + 1):
             xin = torch.cat([torch.cat([x, x], dim=0), mu_in, spk_rep, cond_in], dim=1)
             d = est.blocks_forward_chunk(xin, t_emb[step - 1], None, cnn[step - 1], att[step - 1], cbuf, abuf)
-            cnn_out[step - 1].copy_(cbuf)
-            att_out[step - 1, :, :, :, :LT].copy_(abuf[:, :, :, :LT])
+            if att_out is not None:
+                cnn_out[step - 1].copy_(cbuf)
+                att_out[step - 1, :, :, :, :LT].copy_(abuf[:, :, :, :LT])
             dc, du = d.chunk(2, dim=0)
             x = x + dts[step - 1] * ((1.0 + rate) * dc - rate * du)
+        if att_out is None:
+            return x, None, None
         return x, cnn_out, att_out[:, :, :, :, :LT]
 
     def _encode(self, tok, cnn, att, last: bool):
@@ -266,7 +339,8 @@ class BatchedCode2Wav(Code2Wav):
 
     def _euler_batch(self, mu, spk, cnn, att, last: bool):
         """The CFM Euler loop for B rows (``mu`` [B, 80, T], projected ``spk`` [B, 80], DiT caches
-        [n, depth, 2B, ...] with the B conditional rows first). Returns (x [B, 80, T], cnn, att)."""
+        [n, depth, 2B, ...] with the B conditional rows first). Returns (x [B, 80, T], cnn, att); for
+        ``last`` (x, None, None)."""
         torch = self.torch
         B = mu.shape[0]
         dec = self.flow.decoder
@@ -285,6 +359,8 @@ class BatchedCode2Wav(Code2Wav):
                     self.stats["dit_graph_captures"] = self.stats.get("dit_graph_captures", 0) + 1
             if g is not None:
                 return g.run(B, x0, mu_in, spks_in, cnn, att)
+        if last:  # the stream returns to its voice's base cache after this chunk: no new caches
+            return self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, None, None)
         n = self.n_timesteps
         att_out = torch.empty(n, *att.shape[1:4], att.shape[4] + mu.shape[2], att.shape[5], device=mu.device,
                               dtype=att.dtype)
@@ -309,7 +385,7 @@ class BatchedCode2Wav(Code2Wav):
             spk = flow.spk_embed_affine_layer(F.normalize(torch.cat([st.prompt.spk for st, _ in group], dim=0), dim=1))
             mu, c_cnn, c_att = self._encode(tok, torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),
                                             torch.cat([c["conformer_att_cache"] for c in cs], dim=1), last)
-            step = (self.euler_sub_batch or B) if not last else B
+            step = (self.euler_sub_batch or B) if not last else (self.last_sub_batch or B)
             for k in range(0, B, step):
                 sub = cs[k:k + step]
                 b = len(sub)
@@ -319,8 +395,12 @@ class BatchedCode2Wav(Code2Wav):
                 att = torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in sub]
                                 + [c["estimator_att_cache"][:, :, 1:2] for c in sub], dim=2)
                 x, new_cnn, new_att = self._euler_batch(mu[k:k + b], spk[k:k + b], cnn, att, last)
+                del cnn, att
                 for j in range(b):
                     i = k + j
+                    if last:  # unchanged: reset to the voice's base cache after this chunk
+                        out.append((x[j:j + 1].clone(), dict(sub[j]), tokens[i]))
+                        continue
                     cache = {
                         "conformer_cnn_cache": c_cnn[i:i + 1].clone(),
                         "conformer_att_cache": c_att[:, i:i + 1].clone(),
