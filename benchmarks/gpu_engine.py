@@ -341,6 +341,22 @@ class StackSampler:
         return "\n".join(lines)
 
 
+def memory_line(model, dev) -> str:
+    """One line of where GPU memory sits (GiB): allocated / reserved / peak since the last reset, the
+    static KV pools, Code2Wav's shared Euler-loop scratch and its captured graphs."""
+    if dev.type != "cuda":
+        return "memory: (CPU run)"
+    g = 2 ** 30
+    parts = [f"allocated {torch.cuda.memory_allocated(dev) / g:.1f}", f"reserved {torch.cuda.memory_reserved(dev) / g:.1f}",
+             f"peak {torch.cuda.max_memory_allocated(dev) / g:.1f}",
+             f"KV thinker {model.thinker.pool.nbytes() / g:.1f} + talker {model.talker.pool.nbytes() / g:.1f}"]
+    c2w = getattr(model, "code2wav", None)
+    if c2w is not None and hasattr(c2w, "scratch_bytes"):
+        parts.append(f"code2wav scratch {c2w.scratch_bytes() / g:.2f} ({len(c2w._dit_graphs)} Euler-loop graphs, "
+                     f"{len(c2w._enc_graphs)} encoder graphs)")
+    return "memory (GiB): " + ", ".join(parts)
+
+
 def make_layout(device: str, max_seqs: int) -> Layout:
     st = lambda dt, frac: {"device": device, "dtype": dt, "max_num_seqs": max_seqs,  # noqa: E731
                            **({"memory_fraction": frac} if device != "cpu" else {})}
@@ -371,7 +387,8 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
                 if sampler:
                     sampler.__exit__(None, None, None)
                     print(f"[{mode} N={n_tok}] {n} streams: stage-thread stacks\n{sampler.report()}", flush=True)
-                print(f"[{mode} N={n_tok}] {n} streams done in {time.perf_counter() - t:.1f} s", flush=True)
+                print(f"[{mode} N={n_tok}] {n} streams done in {time.perf_counter() - t:.1f} s; {memory_line(model, dev)}",
+                      flush=True)
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
             print_level_table(rows, f"\n== {mode}: N={n_tok} decided tokens per speaking unit, size={args.size}, "
                                     f"pace={args.pace}, peak GPU memory {mem:.1f} GiB (times in ms)")
@@ -434,7 +451,7 @@ def main(argv=None) -> int:
         # the encoder graph and HiFT batch buckets (1, 2, 4, ... 64) up to the largest level
         buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max(levels))
         nt += model.code2wav.warmup(batch_sizes=buckets)
-    print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s; {memory_line(model, dev)}", flush=True)
 
     if a.profile and dev.type == "cuda":
         try:

@@ -66,8 +66,7 @@ from typing import Optional
 logger = logging.getLogger("duplexkit.memory")
 
 __all__ = ["malloc_trim", "schedule_trim", "cuda_memory", "use_malloc_for_objects", "fix_mmap_threshold",
-           "numpy_without_block_cache", "ALLOCATOR_ENV", "MMAP_THRESHOLD", "NUMPY_HANDLER_NAME", "TCACHE_TUNABLE",
-           "ARENA_TUNABLE", "startup_tunables"]
+           "numpy_without_block_cache", "ALLOCATOR_ENV", "MMAP_THRESHOLD", "NUMPY_HANDLER_NAME", "TCACHE_TUNABLE"]
 
 #: CPython's allocator switch (read once at interpreter start-up).
 ALLOCATOR_ENV = "PYTHONMALLOC"
@@ -80,14 +79,8 @@ MMAP_THRESHOLD = 32 * 1024
 
 #: The glibc tunable the re-executed server runs with: no per-thread cache of freed chunks (tunables(7)).
 TCACHE_TUNABLE = "glibc.malloc.tcache_count=0"
-#: ... and one malloc arena for all its threads (tunables(7); glibc's default allows 8 per core). On
-#: 16 cores the 64 x 5 min soak left the worker threads' own arenas 2.4 MiB above their baseline (3 %
-#: of the server's RSS, benchmarks/NOTES.md); the server's threads hold the GIL around nearly every
-#: allocation they make, so sharing one arena costs no parallelism.
-ARENA_TUNABLE = "glibc.malloc.arena_max=1"
 #: Carries the operator's ``GLIBC_TUNABLES`` (maybe empty) through the re-execution, for the children.
 _TUNABLES_SAVED = "DUPLEXKIT_OPERATOR_GLIBC_TUNABLES"
-_started_with_tunables: Optional[str] = None  # see startup_tunables()
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc.h``).
 _M_MMAP_THRESHOLD = -3
@@ -140,12 +133,11 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
 def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
     """Re-execute this process with ``PYTHONMALLOC=malloc`` so that Python's small objects come from
     glibc's malloc, which :func:`malloc_trim` can give back page by page (see the module docstring),
-    with glibc's per-thread cache off (``glibc.malloc.tcache_count=0`` appended to
+    and with glibc's per-thread cache off (``glibc.malloc.tcache_count=0`` appended to
     ``GLIBC_TUNABLES``, tunables(7); the cache keeps up to 7 freed chunks of each size class per thread,
     out of reach of ``malloc_trim``: after a load they pinned about half of the heap pages left,
-    benchmarks/NOTES.md) and one malloc arena (:data:`ARENA_TUNABLE`). An operator's
-    ``GLIBC_TUNABLES`` is kept and extended; a setting it names (``tcache_count``, ``arena_max``) is
-    left as it is. glibc reads tunables at start only, so they go in
+    benchmarks/NOTES.md). An operator's ``GLIBC_TUNABLES`` is kept and extended; one that names
+    ``glibc.malloc.tcache_count`` is left as it is. glibc reads tunables at start only, so they go in
     the re-executed environment; the process's own children (the engine process) get the operator's
     ``GLIBC_TUNABLES`` back: the next call, in the re-executed process, restores it in ``os.environ``.
 
@@ -161,9 +153,7 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
         OSError: the interpreter could not be executed.
     """
     env = os.environ if environ is None else environ
-    global _started_with_tunables
     if _TUNABLES_SAVED in env:  # the re-executed process: its children get the operator's tunables
-        _started_with_tunables = env.get("GLIBC_TUNABLES")
         saved = env.pop(_TUNABLES_SAVED)
         if saved:
             env["GLIBC_TUNABLES"] = saved
@@ -179,20 +169,11 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
             pass
     new = dict(env, **{ALLOCATOR_ENV: "malloc"})
     tunables = env.get("GLIBC_TUNABLES", "")
-    ours = [t for t in (TCACHE_TUNABLE, ARENA_TUNABLE) if t.split("=", 1)[0] not in tunables]
-    if ours:
-        new["GLIBC_TUNABLES"] = ":".join(([tunables] if tunables else []) + ours)
+    if "glibc.malloc.tcache_count" not in tunables:
+        new["GLIBC_TUNABLES"] = f"{tunables}:{TCACHE_TUNABLE}" if tunables else TCACHE_TUNABLE
         new[_TUNABLES_SAVED] = tunables
     (execve or os.execve)(sys.executable, list(sys.orig_argv), new)
     return True  # only when a test's execve returns
-
-
-def startup_tunables() -> Optional[str]:
-    """The ``GLIBC_TUNABLES`` this process was re-executed with by :func:`use_malloc_for_objects` (glibc
-    reads them only at start), or None when it was not. ``os.environ`` holds the operator's value again
-    by then (for the children), and ``/proc/self/environ`` does not tell either: glibc 2.36 cuts the
-    string there at the first tunable while parsing it (the settings still apply)."""
-    return _started_with_tunables
 
 
 def fix_mmap_threshold(environ: Optional[dict] = None, threshold: int = MMAP_THRESHOLD) -> Optional[int]:

@@ -120,8 +120,7 @@ def cmd_serve(args) -> int:
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
     if tuned:
-        from duplexkit.memory import (fix_mmap_threshold, numpy_without_block_cache, startup_tunables,
-                                       use_malloc_for_objects)
+        from duplexkit.memory import fix_mmap_threshold, numpy_without_block_cache, use_malloc_for_objects
 
         # small objects on glibc's malloc, so that RSS returns to its baseline after load (the trim
         # after sessions close cannot reach pymalloc's arenas); PYTHONMALLOC=pymalloc keeps pymalloc
@@ -139,11 +138,10 @@ def cmd_serve(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if tuned:
         logging.getLogger("duplexkit.memory").info(
-            "allocator: PYTHONMALLOC=%s, %s, numpy data handler %s, GLIBC_TUNABLES=%s",
-            os.environ.get("PYTHONMALLOC", "pymalloc"),
+            "allocator: PYTHONMALLOC=%s, %s, numpy data handler %s", os.environ.get("PYTHONMALLOC", "pymalloc"),
             f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold
             else "glibc mmap threshold not set",
-            numpy_handler, startup_tunables() or "(none)")
+            numpy_handler)
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
