@@ -206,7 +206,7 @@ class BatchedCode2Wav(Code2Wav):
             n *= int(d)
         flat = self._scratch.get(role)
         if flat is None or flat.numel() < n:
-            if flat is not None:
+            if flat is not None and not role.endswith("/eager"):  # eager buffers feed no graph
                 self._dit_graphs.clear()
             flat = torch.zeros(max(n, graph_rows), device=self.device, dtype=self.dtype)
             self._scratch[role] = flat
