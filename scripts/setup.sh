@@ -163,5 +163,8 @@ if ! venv_ok; then
   echo "[setup] error: duplexkit[all] was installed but does not import from $PWD" >&2
   exit 1
 fi
+if grep -q "BuildBackendWarning: Editable installation" "$PIP_LOG" 2>/dev/null; then
+  echo "[setup] (the 'Editable installation' notice above is setuptools' standard note for an editable install; nothing is wrong)"
+fi
 setup_stamp >"$STAMP_FILE"
 echo "[setup] done: $VENV"
