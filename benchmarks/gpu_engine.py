@@ -30,12 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -357,6 +359,48 @@ def memory_line(model, dev) -> str:
     return "memory (GiB): " + ", ".join(parts)
 
 
+def snapshot_summary(snap: dict, top: int = 15) -> str:
+    """Live CUDA blocks of a ``torch.cuda.memory._snapshot()`` grouped by where they were allocated:
+    the project's own frames of each block's stack (``duplexkit/`` and ``benchmarks/``; "torch" when
+    none), largest groups first, with the graph pools' share. Needs the allocation history recorded
+    (``torch.cuda.memory._record_memory_history``) before the blocks were allocated."""
+    groups: dict = {}
+    pooled = total = 0
+    for seg in snap.get("segments", []):
+        in_pool = tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)
+        for blk in seg.get("blocks", []):
+            if blk.get("state") != "active_allocated":
+                continue
+            size = int(blk.get("size", 0))
+            total += size
+            pooled += size if in_pool else 0
+            own = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in blk.get("frames", [])
+                   if "duplexkit" in f.get("filename", "") or "benchmarks" in f.get("filename", "")]
+            key = " <- ".join(own[:4]) or "torch"
+            n, b = groups.get(key, (0, 0))
+            groups[key] = (n + 1, b + size)
+    g = 2 ** 30
+    lines = [f"  live blocks {total / g:.2f} GiB, of which in CUDA graph pools {pooled / g:.2f} GiB"]
+    for key, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {b / g:8.2f} GiB {n:6d} blocks  {key}")
+    return "\n".join(lines)
+
+
+def dump_memory(directory: Optional[str], name: str) -> None:
+    """``--memory-snapshot``: write ``torch.cuda.memory._snapshot()`` as DIR/NAME.pickle (for
+    https://pytorch.org/memory_viz) and print :func:`snapshot_summary`."""
+    if not directory or not torch.cuda.is_available():
+        return
+    import pickle
+
+    gc.collect()
+    snap = torch.cuda.memory._snapshot()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(Path(directory) / f"{name}.pickle", "wb") as f:
+        pickle.dump(snap, f)
+    print(f"memory snapshot {name} (after gc.collect()):\n{snapshot_summary(snap)}", flush=True)
+
+
 def make_layout(device: str, max_seqs: int) -> Layout:
     st = lambda dt, frac: {"device": device, "dtype": dt, "max_num_seqs": max_seqs,  # noqa: E731
                            **({"memory_fraction": frac} if device != "cpu" else {})}
@@ -389,6 +433,7 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
                     print(f"[{mode} N={n_tok}] {n} streams: stage-thread stacks\n{sampler.report()}", flush=True)
                 print(f"[{mode} N={n_tok}] {n} streams done in {time.perf_counter() - t:.1f} s; {memory_line(model, dev)}",
                       flush=True)
+                dump_memory(args.memory_snapshot, f"{mode}_N{n_tok}_{n}streams")
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
             print_level_table(rows, f"\n== {mode}: N={n_tok} decided tokens per speaking unit, size={args.size}, "
                                     f"pace={args.pace}, peak GPU memory {mem:.1f} GiB (times in ms)")
@@ -416,6 +461,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sample-stacks", action="store_true",
                     help="print where each stage thread spent its wall time per level (stack sampling)")
+    ap.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                    help="record CUDA allocations with their Python stacks; after the start-up captures and after "
+                         "each level write DIR/<when>.pickle and print the live memory by allocation site")
     ap.add_argument("--c2w-hift", choices=("batched", "per-stream"), default="batched",
                     help="Code2Wav HiFT: one call for all streams of a round (per-row noise) or one per stream")
     a = ap.parse_args(argv)
@@ -427,6 +475,8 @@ def main(argv=None) -> int:
     pin_sdpa_backend()
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}", flush=True)
+    if a.memory_snapshot and dev.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     bw = copy_bandwidth(dev)
     t = time.perf_counter()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -452,6 +502,7 @@ def main(argv=None) -> int:
         buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max(levels))
         nt += model.code2wav.warmup(batch_sizes=buckets)
     print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s; {memory_line(model, dev)}", flush=True)
+    dump_memory(a.memory_snapshot, "after_warmup")
 
     if a.profile and dev.type == "cuda":
         try:
