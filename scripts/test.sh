@@ -42,9 +42,9 @@ fi
 t0=$SECONDS
 run_pytest -m "not ray"
 rc_main=$?
-echo "[test] main suite: $((SECONDS - t0)) s (about 20 min on 2 idle cores, 30-35 min with both busy)"
+echo "[test] main suite: $((SECONDS - t0)) s (about 20 min on 2 idle cores, 20-35 min with both busy)"
 t1=$SECONDS
-echo "[test] Ray Serve group (marker ray): budget about 2.5 min on 2 idle cores, 11-15 min with both busy"
+echo "[test] Ray Serve group (marker ray): budget about 2.5 min on 2 idle cores, 2-15 min with both busy"
 run_pytest -m ray
 rc_ray=$?
 echo "[test] Ray Serve group: $((SECONDS - t1)) s"
