@@ -124,6 +124,12 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
             return
         _last = now
         gc.collect()  # on the loop: finalizers of the freed cycles may touch loop objects
+        # CPython's method cache (4096 slots) keeps a reference to the name string of each cached
+        # attribute lookup; a library that looks a method up by a freshly built name keeps one such
+        # string alive per slot it last filled (soxr: getattr(obj, f"process_{dtype}") for every
+        # resampler, ~100 strings each on its own heap page after 64 sessions x 5 min,
+        # benchmarks/NOTES.md). Clearing it costs a few lookups that refill it.
+        sys._clear_type_cache()
         if _libc is not None:
             loop.create_task(asyncio.to_thread(malloc_trim))
 

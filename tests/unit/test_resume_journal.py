@@ -119,3 +119,31 @@ def test_scheduled_trim_frees_reference_cycles_the_collector_has_not_reached():
     finally:
         if was:
             gc.enable()
+
+
+def test_scheduled_trim_drops_attribute_names_held_by_the_type_cache():
+    """CPython's method cache holds a reference to the name string of a cached attribute lookup; a
+    library that builds the name afresh per object (soxr's ``getattr(obj, f"process_{dtype}")`` per
+    resampler) leaves such strings alive on pages the load touched. The trim clears the cache."""
+    import asyncio
+    import sys
+
+    from duplexkit import memory
+
+    class Resampler:
+        def process_float32(self):
+            return None
+
+    name = "".join(["process_", "float32"])  # a new str object, not the interned one
+    before = sys.getrefcount(name)
+    getattr(Resampler(), name)
+    if sys.getrefcount(name) == before:
+        pytest.skip("this interpreter's type cache keeps no reference to lookup names")
+
+    async def run() -> None:
+        memory._last = 0.0
+        memory.schedule_trim(delay_s=0.01, min_interval_s=0.0)
+        await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+    assert sys.getrefcount(name) == before
