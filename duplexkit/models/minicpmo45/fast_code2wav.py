@@ -41,6 +41,7 @@ so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -189,26 +190,24 @@ class BatchedCode2Wav(Code2Wav):
         return (len(new), bool(last), shapes, int(st.prompt.mel.shape[1]), hc is None,
                 None if hc is None else tuple(hc["mel"].shape))
 
-    def _scratch_view(self, role: str, shape: Tuple[int, ...], graph_rows: int = 0):
+    def _scratch_view(self, role: str, shape: Tuple[int, ...], min_numel: int = 0):
         """A contiguous view with ``shape`` of the flat scratch buffer ``role`` (zero-filled when made).
 
-        The buffers are sized at the current frame capacity; a role of the captured graphs
-        (``graph_rows`` > 0: its size for :data:`GRAPH_MAX_BATCH` streams) is made at that size at
-        once. A capacity change (a voice with a longer prompt) or a request larger than the buffer
+        The buffers are sized at the current frame capacity; a buffer is made with at least
+        ``min_numel`` elements (a role of the captured graphs: its size for :data:`GRAPH_MAX_BATCH`
+        streams, so that no graph's view outgrows it). A capacity change (a voice with a longer prompt) or a request larger than the buffer
         makes a new buffer and drops the Euler-loop graphs (they point at the old one)."""
         torch = self.torch
         if self._scratch_capacity != self._capacity:
             self._scratch.clear()
             self._dit_graphs.clear()
             self._scratch_capacity = self._capacity
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = math.prod(shape)
         flat = self._scratch.get(role)
         if flat is None or flat.numel() < n:
             if flat is not None and not role.endswith("/eager"):  # eager buffers feed no graph
                 self._dit_graphs.clear()
-            flat = torch.zeros(max(n, graph_rows), device=self.device, dtype=self.dtype)
+            flat = torch.zeros(max(n, min_numel), device=self.device, dtype=self.dtype)
             self._scratch[role] = flat
         return flat[:n].view(*shape)
 
@@ -239,10 +238,7 @@ class BatchedCode2Wav(Code2Wav):
             "cbuf": lambda B, T: (depth, 2 * B, self._conv_ch, 2),
         }[role]
         if rows <= GRAPH_MAX_BATCH:
-            full = 1
-            for d in shapes(GRAPH_MAX_BATCH, cap):
-                full *= int(d)
-            return self._scratch_view(role, shapes(rows, frames), graph_rows=full)
+            return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(GRAPH_MAX_BATCH, cap)))
         return self._scratch_view(role + "/eager", shapes(rows, frames))
 
     def _buffers(self, B: int) -> tuple:
