@@ -458,16 +458,13 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
 
     mem("building the model")
     model.thinker.policy_defaults = {"min_unit_tokens": int(tokens), "max_unit_tokens": int(tokens)}
-    if dev.type == "cuda":
-        every = list(range(1, max_sessions + 3))
-        model.thinker.warmup(every, 512)
-        mem("the thinker's captures")
-        model.talker.warmup(every, 512)
-        mem("the talker's captures")
-        if hasattr(model.code2wav, "warmup"):  # the encoder/HiFT batch buckets up to the largest level
-            model.code2wav.warmup(batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max_sessions))
-            mem("the vocoder's captures")
     engine = DuplexEngine(model, make_layout(device, max_sessions + 2))
+    if dev.type == "cuda":
+        # every batch bucket, each stage's warm-up on its own worker thread (what
+        # DuplexEngine.from_pretrained does: cuDNN keeps autotuned plans per thread)
+        sizes = model.code2wav.warmup_sizes(max_sessions) if hasattr(model.code2wav, "warmup_sizes") else None
+        engine.warmup(512, code2wav_sizes=sizes)
+        mem("the stages' captures (on their threads)")
     if dev.type == "cuda" and warm_turn:
         ms = engine.warmup_turn()  # what DuplexEngine.from_pretrained does on CUDA
         print(f"warm-up turn: first audio after {ms or 0:.0f} ms", flush=True)

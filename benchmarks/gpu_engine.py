@@ -386,6 +386,25 @@ def snapshot_summary(snap: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def garbage_report(dev) -> str:
+    """Run ``gc.collect()`` and say what it freed: objects in reference cycles (by type, largest
+    counts first) and the CUDA memory that was held only by them."""
+    before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        n = gc.collect()
+        kinds: dict = {}
+        for o in gc.garbage:
+            kinds[type(o).__name__] = kinds.get(type(o).__name__, 0) + 1
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+    gc.collect()
+    freed = (before - torch.cuda.memory_allocated(dev)) / 2**30 if dev.type == "cuda" else 0.0
+    top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:8])
+    return f"gc.collect(): {n} objects in reference cycles ({top or 'none'}); CUDA memory freed {freed:.2f} GiB"
+
+
 def dump_memory(directory: Optional[str], name: str) -> None:
     """``--memory-snapshot``: write ``torch.cuda.memory._snapshot()`` as DIR/NAME.pickle (for
     https://pytorch.org/memory_viz) and print :func:`snapshot_summary`."""
@@ -413,6 +432,21 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
     dev = torch.device(args.device)
     engine = DuplexEngine(model, make_layout(args.device, max(levels)))
     try:
+        # every batch bucket the runtime can form (no capture mid-run), each stage's on its own
+        # worker thread (cuDNN keeps autotuned plans per thread), as DuplexEngine.from_pretrained does
+        t = time.perf_counter()
+        if args.warmup_on == "caller":  # the previous way, for A/B: plans tuned on this thread only
+            m = model
+            every = list(range(1, max(levels) + 1))
+            nt = sum(int(obj.warmup(every, 512)) for obj in (m.thinker, m.talker) if hasattr(obj, "warmup"))
+            if m.code2wav is not None and hasattr(m.code2wav, "warmup_sizes"):
+                nt += m.code2wav.warmup(batch_sizes=m.code2wav.warmup_sizes(max(levels)))
+        else:
+            nt = engine.warmup(512)
+        print(f"[{mode}] warm-up on the {args.warmup_on} thread(s): captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s; "
+              f"{memory_line(model, dev)}", flush=True)
+        print(f"[{mode}] {garbage_report(dev)}", flush=True)
+        dump_memory(args.memory_snapshot, f"{mode}_after_warmup")
         for n_tok in [int(x) for x in args.tokens.split(",")]:
             model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
             t = time.perf_counter()
@@ -466,6 +500,9 @@ def main(argv=None) -> int:
                          "each level write DIR/<when>.pickle and print the live memory by allocation site")
     ap.add_argument("--c2w-hift", choices=("batched", "per-stream"), default="batched",
                     help="Code2Wav HiFT: one call for all streams of a round (per-row noise) or one per stream")
+    ap.add_argument("--warmup-on", choices=("stage", "caller"), default="stage",
+                    help="run the start-up warm-ups on the engine's stage threads (as DuplexEngine does) or on "
+                         "the calling thread (the previous way; cuDNN's tuned plans are per thread)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend
@@ -492,17 +529,8 @@ def main(argv=None) -> int:
     print("floors (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in fl.items()), flush=True)
     results = {"size": a.size, "device": str(dev), "bw": bw, "floors": fl, "weights_GiB": weights}
     fast_th, fast_tk = model.thinker, model.talker
-    t = time.perf_counter()
-    every = list(range(1, max(levels) + 1))  # every batch bucket the runtime can form (no capture mid-run)
-    nt = fast_th.warmup(every, 512) + fast_tk.warmup(every, 512)
     if model.code2wav is not None and hasattr(model.code2wav, "hift_batched"):
         model.code2wav.hift_batched = a.c2w_hift == "batched"
-    if model.code2wav is not None and hasattr(model.code2wav, "warmup"):
-        # the encoder graph and HiFT batch buckets (1, 2, 4, ... 64) up to the largest level
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * max(levels))
-        nt += model.code2wav.warmup(batch_sizes=buckets)
-    print(f"captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s; {memory_line(model, dev)}", flush=True)
-    dump_memory(a.memory_snapshot, "after_warmup")
 
     if a.profile and dev.type == "cuda":
         try:

@@ -36,6 +36,7 @@ their modules): ``CheckpointError``, ``ConfigError``, ``TokenizerError``, ``Chat
 
 from __future__ import annotations
 
+import traceback
 from enum import Enum
 from typing import Optional
 
@@ -57,6 +58,7 @@ __all__ = [
     "DuplexError",
     "DuplexConnectionError",
     "DuplexTimeout",
+    "detach_traceback",
 ]
 
 
@@ -352,3 +354,30 @@ class DuplexTimeout(DuplexError, TimeoutError):
 
     def __init__(self, message: str) -> None:
         super().__init__("timeout", message)
+
+
+def detach_traceback(exc: BaseException) -> BaseException:
+    """Return ``exc`` with its traceback (and its causes' and contexts') replaced by a note.
+
+    A stage function that catches an exception and hands it back in a result list makes a
+    reference cycle: the traceback holds the catching frame (and every frame holds its caller),
+    whose locals hold the list that holds the exception. Until Python's cyclic collector runs, the
+    failed call's locals stay alive with it, and on a GPU those are tensors: after an
+    out-of-memory error in the vocoder, the very memory the next call needs (measured:
+    68 GiB of the Code2Wav warm-up kept until ``gc.collect()``, benchmarks/NOTES.md 2026-12-02).
+    The frames are dropped at once; the note (``raised at:`` plus the formatted frames) keeps the
+    place for logs, since ``traceback.format_exception`` prints notes.
+    """
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        if tb is not None:
+            e.add_note("raised at:\n" + "".join(traceback.format_tb(tb)).rstrip())
+            e.__traceback__ = None
+        stack.extend((e.__cause__, e.__context__))
+    return exc

@@ -135,9 +135,22 @@ class DuplexEngine:
         self._runtime = StageRuntime(self.stages, self.layout)
         self._closed = False
 
-    def warmup(self, max_kv_len: int = 512) -> int:
+    def warmup(self, max_kv_len: int = 512, code2wav_sizes: Optional[tuple] = None) -> int:
         """Capture the GPU fast paths' CUDA graphs for every batch size a stage can form
-        (1..``max_num_seqs`` of its layout), so no capture happens while streams are live.
+        (1..``max_num_seqs`` of its layout), so no capture happens while streams are live, and tune
+        the vocoder's convolutions for the batch buckets it will meet.
+
+        Each stage's warm-up runs **on that stage's worker thread**, one stage after the other:
+        PyTorch keeps cuDNN's autotuned convolution plans per thread (``thread_local`` benchmark
+        cache in ATen's cuDNN v8 convolution), so plans tuned on the caller's thread were tuned again
+        by the Code2Wav thread at its first chunks of each batch size, mid-conversation (measured on
+        the H200: 8 new streams waited 2.4-2.8 s for their first audio, benchmarks/NOTES.md).
+
+        Args:
+            max_kv_len: thinker/talker KV positions the captured graphs cover.
+            code2wav_sizes: vocoder batch sizes to warm (default: the vocoder's
+                ``warmup_sizes(max_num_seqs)``, i.e. every HiFT row bucket a batch of up to
+                ``max_num_seqs`` streams is padded to).
 
         A no-op for stages without a ``warmup`` method (the CPU reference path, custom stage
         models). Returns the number of graphs captured. Called by :meth:`from_pretrained` when a
@@ -146,14 +159,21 @@ class DuplexEngine:
         m = self.model
         if m is None:
             return 0
-        n = 0
+        jobs = []
         for stage, obj in (("thinker", getattr(m, "thinker", None)), ("talker", getattr(m, "talker", None))):
             if obj is not None and hasattr(obj, "warmup"):
-                n += int(obj.warmup(list(range(1, self.layout.stages[stage].max_num_seqs + 1)), max_kv_len))
+                sizes = list(range(1, self.layout.stages[stage].max_num_seqs + 1))
+                jobs.append((stage, lambda obj=obj, sizes=sizes: obj.warmup(sizes, max_kv_len)))
         c2w = getattr(m, "code2wav", None)
         if c2w is not None and hasattr(c2w, "warmup"):
-            sizes = tuple(b for b in (1, 2, 4, 8, 16) if b <= self.layout.code2wav.max_num_seqs) or (1,)
-            n += int(c2w.warmup(sizes))
+            sizes = code2wav_sizes
+            if sizes is None:
+                n = self.layout.code2wav.max_num_seqs
+                sizes = c2w.warmup_sizes(n) if hasattr(c2w, "warmup_sizes") else (1,)
+            jobs.append(("code2wav", lambda: c2w.warmup(tuple(sizes))))
+        n = 0
+        for stage, fn in jobs:
+            n += int(self._runtime.run_job(stage, fn).result())
         return n
 
     def warmup_turn(self, timeout_s: float = 120.0) -> Optional[float]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..errors import detach_traceback
 from ..models.minicpmo45.capture_gate import CAPTURE_GATE
 from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
 from .stages import TalkerOut, ThinkerOut, VocoderOut
@@ -78,7 +79,7 @@ def _loop_or_batch(component: Any, fn, items: list) -> list:
         try:
             out.append(fn([it])[0])
         except Exception as exc:  # noqa: BLE001 - confined to this item's stream
-            out.append(exc)
+            out.append(detach_traceback(exc))
     return out
 
 

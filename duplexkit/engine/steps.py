@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from duplexkit.errors import detach_traceback
+
 from .api import AudioChunk, Decision, StreamConfig, TextDelta, TurnEnd
 from .stages import InjectedFault, TalkerWork, ThinkerWork, VocoderWork
 from .streams import _ms, _Slot, _StreamState, _WorkItem
@@ -116,7 +118,7 @@ class StageSteps:
                 raise RuntimeError(f"{stage} returned {len(out)} results for {len(idx)} items")
         except Exception as exc:  # noqa: BLE001 - isolated below
             if len(idx) == 1:
-                results[idx[0]] = exc
+                results[idx[0]] = detach_traceback(exc)
                 return
             log.warning("%s batch of %d raised %s: %s; retrying in halves to isolate the stream",
                         stage, len(idx), type(exc).__name__, exc)
@@ -214,7 +216,7 @@ class StageSteps:
                     st.turn_count += 1
                     st.talker_turn = m.talker_new_turn(None if seed is None else (int(seed) * 1_000_003 + st.turn_count) % (2**63))
             except Exception as exc:  # noqa: BLE001
-                pre[i] = exc
+                pre[i] = detach_traceback(exc)
             items.append(TalkerWork(turn=st.talker_turn, talker_input=res.talker_input, turn_start=turn_start,
                                     turn_end=bool(res.end_of_turn)))
         self._mark_queue_wait(work, "talker")
@@ -242,7 +244,7 @@ class StageSteps:
                 try:
                     st.c2w_handle = m.code2wav_open(st.c2w_voice)
                 except Exception as exc:  # noqa: BLE001
-                    pre[i] = exc
+                    pre[i] = detach_traceback(exc)
             codes, last, _text = it.payload
             items.append(VocoderWork(handle=st.c2w_handle, codes=np.asarray(codes, dtype=np.int64), last=last))
         self._mark_queue_wait(work, "code2wav")

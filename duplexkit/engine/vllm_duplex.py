@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from duplexkit.errors import detach_traceback
 from duplexkit.engine.vllm_thinker import UnitTokens, VllmBackendError, VllmSession, hidden_rows
 from duplexkit.models.minicpmo45 import duplex as D
 from duplexkit.models.minicpmo45.duplex import DuplexPolicy, UnitResult
@@ -269,6 +270,7 @@ class VllmDuplexThinker:
         try:
             rows = self.embed_units([items[i][0] for i in live], [items[i][1] for i in live])
         except Exception as exc:  # noqa: BLE001 - reported per item, like the engine's other failures
+            detach_traceback(exc)
             for i in live:
                 out[i] = exc
             return out

@@ -244,3 +244,38 @@ async def test_warmup_turn_works_under_a_running_loop():
     outs = await _collect(s, lambda o: any(isinstance(x, AudioChunk) for x in o))
     assert any(isinstance(x, AudioChunk) for x in outs)
     await s.aclose()
+
+
+def test_warmup_runs_each_stage_warmup_on_its_own_worker_thread():
+    """DuplexEngine.warmup runs the thinker's, talker's and vocoder's warm-ups on their stage
+    threads, one after the other: cuDNN's autotuned convolution plans are kept per thread, so the
+    vocoder's tuned on the caller's thread were tuned again mid-conversation (8 new streams waited
+    2.4-2.8 s for their first audio on the H200, benchmarks/NOTES.md)."""
+    import threading
+    from types import SimpleNamespace
+
+    seen: list = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def warmup(self, sizes, *rest):
+            seen.append((self.name, threading.current_thread().name, tuple(sizes)))
+            return 1
+
+        def warmup_sizes(self, n):
+            return (1, 2, n)
+
+    toy = ToyStages(turn_units=1)
+    toy.model = SimpleNamespace(thinker=Part("thinker"), talker=Part("talker"), code2wav=Part("code2wav"))
+    eng = DuplexEngine(toy, _layout(3))
+    try:
+        assert eng.warmup(256) == 3
+        assert seen == [("thinker", "duplexkit-thinker", (1, 2, 3)), ("talker", "duplexkit-talker", (1, 2, 3)),
+                        ("code2wav", "duplexkit-code2wav", (1, 2, 3))]
+        seen.clear()
+        eng.warmup(256, code2wav_sizes=(4,))
+        assert seen[-1] == ("code2wav", "duplexkit-code2wav", (4,))
+    finally:
+        asyncio.run(eng.aclose())

@@ -230,3 +230,65 @@ def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
         grown = c2w.scratch_bytes()
         round_of(GRAPH_MAX_BATCH + 1)
         assert c2w.scratch_bytes() == grown
+
+
+def test_failed_call_frees_its_tensors_at_once(c2w, monkeypatch):
+    """The tensors of a failed flow call are freed when push_batch returns, without Python's cyclic
+    collector (the returned exception keeps no frames: duplexkit.errors.detach_traceback). Before,
+    exception -> traceback -> push_batch's frame -> its result list -> exception was a cycle, and on
+    the H200 an out-of-memory error in the Code2Wav warm-up left 68 GiB allocated until a collection."""
+    import gc
+    import traceback
+    import weakref
+
+    held = []
+
+    def failing_group(group, last):
+        t = torch.zeros(1024, device=c2w.device)  # a tensor of the failed call's frames
+        held.append(weakref.ref(t))
+        raise RuntimeError("injected flow failure")
+
+    sts = [c2w.new_stream(None, seed=k) for k in (1, 2)]  # two streams of one shape: one flow group
+    gc.disable()
+    try:
+        monkeypatch.setattr(c2w, "_flow_group", failing_group)
+        res = c2w.push_batch([SimpleNamespace(handle=st, codes=np.arange(25), last=False) for st in sts])
+        assert isinstance(res[0], RuntimeError) and res[1] is res[0]
+        assert held and held[0]() is None, "the failed call's tensor outlived push_batch"
+        text = "".join(traceback.format_exception(res[0]))
+        assert "injected flow failure" in text and "raised at:" in text and "failing_group" in text
+    finally:
+        gc.enable()
+        for st in sts:
+            c2w.close(st)
+
+
+def test_warmup_logs_a_failing_size_and_skips_the_larger_ones(c2w, monkeypatch, caplog):
+    """A batch size whose warm-up chunks fail (out of GPU memory at 64 streams on the H200) is
+    logged with its error and the larger sizes are not tried; the smaller sizes were warmed."""
+    import logging
+
+    real = c2w.push_batch
+    sizes = []
+
+    def push_batch(items):
+        sizes.append(len(items))
+        if len(items) >= 2:
+            return [RuntimeError("injected: out of memory") for _ in items]
+        return real(items)
+
+    monkeypatch.setattr(c2w, "push_batch", push_batch)
+    with caplog.at_level(logging.WARNING, logger="duplexkit.code2wav"):
+        c2w.warmup(batch_sizes=(1, 2, 4), chunks=2)
+    assert sizes == [1, 1, 2]  # size 1: two chunks; size 2: its first chunk failed; size 4 skipped
+    assert any("stopped at 2 streams" in r.getMessage() and "out of memory" in r.getMessage() for r in caplog.records)
+
+
+def test_warmup_sizes_cover_every_hift_bucket_a_round_can_use():
+    from duplexkit.models.minicpmo45.fast_code2wav import BatchedCode2Wav
+
+    assert BatchedCode2Wav.warmup_sizes(1) == (1,)
+    assert BatchedCode2Wav.warmup_sizes(8) == (1, 2, 4, 8)
+    assert BatchedCode2Wav.warmup_sizes(16) == (1, 2, 4, 8, 16)
+    assert BatchedCode2Wav.warmup_sizes(17) == (1, 2, 4, 8, 16, 32)
+    assert BatchedCode2Wav.warmup_sizes(48) == (1, 2, 4, 8, 16, 32, 64)

@@ -353,3 +353,49 @@ def test_session_wrong_format_or_rate(fmt, code, expected):
     e = _err(d.send({"type": "session.update", "session": key}))
     assert e["code"] == code and expected in e["message"]
     assert d.s.settings.input_format == InputFormat("pcm16", 16000)  # all-or-nothing
+
+
+def test_detach_traceback_breaks_the_cycle_and_keeps_the_place():
+    """An exception handed back in a result list (the stage functions' way) keeps no frames: the
+    catching frame's locals are freed without the cyclic collector, and the formatted exception
+    still says where it was raised (a note), for its cause too."""
+    import gc
+    import traceback
+    import weakref
+
+    from duplexkit.errors import detach_traceback
+
+    class Payload:
+        pass
+
+    refs = []
+
+    def inner():
+        p = Payload()
+        refs.append(weakref.ref(p))
+        try:
+            raise KeyError("first")
+        except KeyError as cause:
+            raise RuntimeError("boom") from cause
+
+    def stage():
+        results = [None]
+        local = Payload()
+        refs.append(weakref.ref(local))
+        try:
+            inner()
+        except RuntimeError as exc:
+            results[0] = detach_traceback(exc)
+        return results
+
+    gc.disable()
+    try:
+        res = stage()
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+    exc = res[0]
+    assert exc.__traceback__ is None and exc.__cause__.__traceback__ is None
+    text = "".join(traceback.format_exception(exc))
+    assert "boom" in text and "first" in text and "raised at:" in text and "in inner" in text
+    assert detach_traceback(exc) is exc and text == "".join(traceback.format_exception(exc))  # idempotent

@@ -411,7 +411,7 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
         if not active:
             break
         sel = [r.logits_row for r in active]
-        lg = logits if sel == list(range(logits.shape[0])) else logits[torch.tensor(sel, device=logits.device)]
+        lg = logits if sel == list(range(logits.shape[0])) else logits[S.device_tensor(sel, logits.device)]
         bnd, main = choose_tokens(th, [r.stream for r in active], lg, plans, [generator(r.stream) for r in active])
         fed: List[Tuple[UnitRow, Decision]] = []
         for k, r in enumerate(active):

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ...errors import detach_traceback
 from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
@@ -114,7 +115,7 @@ class BatchedCode2Wav(Code2Wav):
                 self._check_open(w.handle)
                 new = _check_codes(w.codes)
             except Exception as exc:  # noqa: BLE001 - this item only
-                results[i] = exc
+                results[i] = detach_traceback(exc)
                 continue
             st = w.handle
             pending = np.concatenate([st.pending, new])
@@ -144,6 +145,7 @@ class BatchedCode2Wav(Code2Wav):
                         else:
                             flows = self._flow_group([(p["st"], p["jobs"][r][0]) for p in g], last)
                     except Exception as exc:  # noqa: BLE001 - the streams of this group
+                        detach_traceback(exc)
                         for p in g:
                             p["err"] = exc
                         continue
@@ -161,10 +163,23 @@ class BatchedCode2Wav(Code2Wav):
                     else np.zeros(0, np.float32)
         return results
 
+    @staticmethod
+    def warmup_sizes(max_streams: int) -> tuple:
+        """The batch sizes :meth:`warmup` should run for rounds of up to ``max_streams`` streams: every
+        :data:`HIFT_BUCKETS` row count up to the first one >= ``max_streams`` (HiFT calls are padded
+        to these; the encoder graphs use the same buckets up to 32)."""
+        return tuple(b for b in HIFT_BUCKETS if b < 2 * max(1, int(max_streams))) or (1,)
+
     def warmup(self, batch_sizes=(1, 2, 4), chunks: int = 3, ref_voice: Any = None) -> int:
         """Capture the encoder and Euler-loop graphs (and tune HiFT's conv plans) for the default voice
         at these batch sizes now (engine start-up): ``chunks`` chunks of silence codes per size cover
-        the growing-then-trimmed cache shapes. Returns the number of graphs captured."""
+        the growing-then-trimmed cache shapes. Returns the number of graphs captured.
+
+        Run it on the thread that will call :meth:`push_batch` (the engine's Code2Wav worker:
+        cuDNN's autotuned plans are kept per thread). A size whose chunks fail (out of GPU memory,
+        say) is logged as a warning and the larger sizes are skipped: the engine still starts, and
+        rounds of that size tune or fail when they come."""
+        import logging
         from types import SimpleNamespace
 
         def captured():
@@ -174,12 +189,22 @@ class BatchedCode2Wav(Code2Wav):
         codes = np.full(CHUNK_CODES, 4218, np.int64)
         for B in batch_sizes:
             sts = [self.new_stream(ref_voice, seed=k) for k in range(B)]
+            failed = None
             try:
                 for _ in range(chunks):
-                    self.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
+                    out = self.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
+                    failed = next((r for r in out if isinstance(r, BaseException)), None)
+                    del out
+                    if failed is not None:
+                        break
             finally:
                 for st in sts:
                     self.close(st)
+                del sts
+            if failed is not None:
+                logging.getLogger("duplexkit.code2wav").warning(
+                    "code2wav warm-up stopped at %d streams: %s: %s", B, type(failed).__name__, failed)
+                break
         return captured() - n0
 
     # ------------------------------------------------------------------ internals
@@ -418,7 +443,7 @@ class BatchedCode2Wav(Code2Wav):
                 try:
                     p["out"].append(self._finish(p["st"], mel, cache, tokens, last))
                 except Exception as exc:  # noqa: BLE001 - this stream
-                    p["err"] = exc
+                    p["err"] = detach_traceback(exc)
                 self.stats["hift_calls"] += 1
                 self.stats["hift_rows"] += 1
             return
@@ -448,6 +473,7 @@ class BatchedCode2Wav(Code2Wav):
                     speech = self._crossfade_and_hold(sts, mel[:B], speech[:B], source[:B], last)
                 audio = speech.float().cpu().numpy()
             except Exception as exc:  # noqa: BLE001 - the streams of this HiFT call
+                detach_traceback(exc)
                 for g in group:
                     g[0]["err"] = exc
                 continue

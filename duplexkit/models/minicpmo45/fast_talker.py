@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...errors import detach_traceback
 from .fast_kv import CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
@@ -196,7 +197,7 @@ class FastTalker:
                     raise TalkerError(f"one unit needs {need} positions > max_position_embeddings "
                                       f"{cfg.max_position_embeddings}")
             except TalkerError as exc:
-                results[i] = exc
+                results[i] = detach_traceback(exc)
                 continue
             prep.append((i, it, s, embeds))
         groups: Dict[tuple, list] = {}
@@ -233,12 +234,12 @@ class FastTalker:
         x = torch.zeros(B, T, cfg.hidden_size, dtype=self.dtype, device=dev)
         for b, e in enumerate(embeds):
             x[b, : e.shape[0]] = e.to(self.dtype)
-        starts = torch.tensor([t.text_start_pos for t in turns], dtype=torch.long, device=dev)
+        starts = S.device_tensor([t.text_start_pos for t in turns], dev, torch.long)
         pos = starts[:, None] + torch.arange(T, device=dev)[None]
-        slots = torch.tensor([t.slot for t in turns], dtype=torch.long, device=dev)
+        slots = S.device_tensor([t.slot for t in turns], dev, torch.long)
         kv_len = min(-(-(max(t.text_start_pos for t in turns) + T) // 64) * 64, cfg.max_position_embeddings)
         h = decoder_forward(self.talker.model, x, pos, slots, self.pool, kv_len)
-        lens = torch.tensor([e.shape[0] for e in embeds], dtype=torch.long, device=dev)
+        lens = S.device_tensor([e.shape[0] for e in embeds], dev, torch.long)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits0 = F.linear(last, self.talker.head_weight()).float()
         base = starts + lens  # position of the first fed code
@@ -253,10 +254,10 @@ class FastTalker:
                 noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
         kw = dict(
             logits0=logits0, base=base, slots=slots,
-            min_new=torch.tensor(min_new, dtype=torch.long, device=dev),
-            temp=torch.tensor(temp, dtype=torch.float32, device=dev)[:, None],
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            penalty=torch.tensor(penalty, dtype=torch.float32, device=dev)[:, None],
+            min_new=S.device_tensor(min_new, dev, torch.long),
+            temp=S.device_tensor(temp, dev, torch.float32)[:, None],
+            greedy=S.device_tensor(greedy, dev, torch.bool),
+            penalty=S.device_tensor(penalty, dev, torch.float32)[:, None],
             noise=noise,
         )
         if steps <= 0:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...errors import detach_traceback
 from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
@@ -266,7 +267,7 @@ class FastThinker(Thinker):
             groups.setdefault((first, mel.shape, st.whisper.positions, len(st.whisper.keys)), []).append(r)
         out: List[Optional[torch.Tensor]] = [None] * len(sts)
         for (first, _shape, _pos, _nk), rows in groups.items():
-            mel = torch.from_numpy(np.stack([mels[r] for r in rows])).to(self.device, self.dtype)
+            mel = S.device_tensor(np.stack([mels[r] for r in rows]), self.device).to(self.dtype)  # no host sync
             x = enc._convs(mel)
             x = x[:, (0 if first else 1): x.shape[1] - 1]
             n = x.shape[1]
@@ -363,7 +364,7 @@ class FastThinker(Thinker):
                     raise ContextFullError(f"stream {st.stream_id}: thinker context full ({st.kv.length} of "
                                            f"{self.pool.max_len} positions; enable the sliding window)")
             except ValueError as exc:
-                results[i] = exc
+                results[i] = detach_traceback(exc)
                 continue
             st.unit_starts.append(st.kv.length + len(st.pending_ids))
             pieces = [self.embed_ids(st.pending_ids + [sp.unit])]

@@ -212,7 +212,7 @@ class Talker(nn.Module):
         cond = self.condition(token_ids, hidden)
         tail_ids = [self.config.text_eos_token_id, self.config.audio_bos_token_id] if offline \
             else [self.config.audio_bos_token_id]
-        tail = self.emb_text(torch.tensor(tail_ids, dtype=torch.long, device=self.device))
+        tail = self.emb_text(S.device_tensor(tail_ids, self.device, torch.long))
         return torch.cat([cond, tail], dim=0)
 
     def code_embed(self, codes: torch.Tensor) -> torch.Tensor:
@@ -377,6 +377,8 @@ class Talker(nn.Module):
             lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or hi >= self.config.num_text_tokens:
                 raise TalkerError(f"token id outside emb_text range [0, {self.config.num_text_tokens})")
+        if self.device.type == "cuda" and ids.device.type == "cpu":
+            ids = ids.pin_memory()  # an async copy (from pageable memory it waits for the stream)
         return ids.to(device=self.device, dtype=torch.long, non_blocking=True)
 
     def _as_hidden(self, hidden: Any, n: int) -> torch.Tensor:

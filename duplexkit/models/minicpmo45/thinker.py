@@ -33,6 +33,7 @@ from .audio_encoder import AudioEncoder, AudioProjector, WhisperStreamCache
 from .config import MiniCPMOConfig
 from .duplex import DuplexPolicy, UnitInput, UnitResult, run_unit
 from .processor import SAMPLE_RATE, StreamingMel, audio_embed_count, image_to_pixels, log_mel_offline
+from .sampling import device_tensor
 from .tokenizer import SpecialTokens, encode_control, encode_text
 from .vision import Resampler, VisionTower
 
@@ -212,7 +213,7 @@ class Thinker:
 
     def embed_ids(self, ids: Sequence[int]) -> torch.Tensor:
         """int ids -> LLM input embeddings [T, H] (model dtype)."""
-        t = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        t = device_tensor(list(ids), self.device, torch.long)  # pinned, no host sync on CUDA
         return self.m.llm.model.embed_tokens(t)
 
     def forward_embeds(self, embeds: torch.Tensor, kv) -> torch.Tensor:
