@@ -292,3 +292,33 @@ def test_warmup_sizes_cover_every_hift_bucket_a_round_can_use():
     assert BatchedCode2Wav.warmup_sizes(16) == (1, 2, 4, 8, 16)
     assert BatchedCode2Wav.warmup_sizes(17) == (1, 2, 4, 8, 16, 32)
     assert BatchedCode2Wav.warmup_sizes(48) == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_matmul_tf32_is_scoped_to_the_vocoder_call(c2w, monkeypatch):
+    """With ``matmul_tf32`` on (DUPLEXKIT_CODE2WAV_TF32=1, CUDA), fp32 matmuls may use TF32 only
+    while the vocoder works: the process-wide flag is set for the call and restored after it, also
+    when the call fails. Off (the default), the flag is never touched."""
+    seen = []
+    real = c2w._flow_group
+
+    def spy(group, last):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return real(group, last)
+
+    prev = torch.backends.cuda.matmul.allow_tf32
+    sts = [c2w.new_stream(None, seed=k) for k in (1, 2)]
+    try:
+        monkeypatch.setattr(c2w, "_flow_group", spy)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        for on in (False, True):
+            monkeypatch.setattr(c2w, "matmul_tf32", on)
+            out = c2w.push_batch([SimpleNamespace(handle=st, codes=np.arange(25), last=False) for st in sts])
+            assert all(isinstance(o, np.ndarray) for o in out)
+            assert seen[-1] is on and torch.backends.cuda.matmul.allow_tf32 is False
+        monkeypatch.setattr(c2w, "_flow_group", lambda g, last: (_ for _ in ()).throw(RuntimeError("injected")))
+        out = c2w.push_batch([SimpleNamespace(handle=st, codes=np.arange(25), last=False) for st in sts])
+        assert isinstance(out[0], RuntimeError) and torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+        for st in sts:
+            c2w.close(st)

@@ -99,6 +99,10 @@ class BatchedCode2Wav(Code2Wav):
         #: autotuned per shape (cudnn.benchmark): padding keeps the shapes to the few that warmup()
         #: tunes, instead of a new tuning for each batch size met mid-run
         self.hift_buckets = HIFT_BUCKETS if self.device.type == "cuda" else None
+        #: fp32 matmuls on TF32 tensor cores during this vocoder's calls and captures (CUDA only; off by
+        #: default: the reference runs them in full fp32). cuDNN's convolutions already use TF32 by
+        #: default. DUPLEXKIT_CODE2WAV_TF32=1 turns it on
+        self.matmul_tf32 = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "0") == "1"
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
 
     # ------------------------------------------------------------------ public
@@ -125,7 +129,7 @@ class BatchedCode2Wav(Code2Wav):
             if w.last:
                 jobs.append((rest, True))
             plans.append(dict(i=i, st=st, jobs=jobs, rest=rest, last=bool(w.last), out=[], err=None))
-        with self._lock:
+        with self._lock, self._matmul_precision():
             r = 0
             while True:
                 live = [p for p in plans if p["err"] is None and len(p["jobs"]) > r]
@@ -481,6 +485,26 @@ class BatchedCode2Wav(Code2Wav):
             self.stats["hift_rows"] += len(group)
             for b, (p, _m, _s, cache, tokens, _l) in enumerate(group):
                 p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
+
+    def _matmul_precision(self):
+        """TF32 fp32 matmuls for the duration of a call when :attr:`matmul_tf32` (the flag is process
+        wide: the engine's other stages run bf16, which it does not touch); a no-op otherwise."""
+        import contextlib
+
+        if not self.matmul_tf32:
+            return contextlib.nullcontext()
+        torch = self.torch
+
+        @contextlib.contextmanager
+        def tf32():
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                yield
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = prev
+
+        return tf32()
 
     def _hift_guard(self, last: bool):
         """HiFT with cuDNN autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk
