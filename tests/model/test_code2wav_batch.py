@@ -322,3 +322,25 @@ def test_matmul_tf32_is_scoped_to_the_vocoder_call(c2w, monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = prev
         for st in sts:
             c2w.close(st)
+
+
+def test_hift_autotunes_only_inside_warmup(c2w, monkeypatch):
+    """cuDNN autotuning is on for HiFT only while warmup() runs (then the tuned plans stay with the
+    thread); serving calls never set the process-wide benchmark flag, which other stage threads
+    would meet at their own first calls. The flag is reset when warmup's chunks fail too."""
+    seen = []
+    real = c2w.push_batch
+
+    def spy(items):
+        seen.append(c2w._tuning)
+        return real(items)
+
+    monkeypatch.setattr(c2w, "push_batch", spy)
+    c2w.warmup(batch_sizes=(1,), chunks=1)
+    assert seen == [True] and c2w._tuning is False
+    monkeypatch.setattr(c2w, "push_batch", lambda items: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError):
+        c2w.warmup(batch_sizes=(1,), chunks=1)
+    assert c2w._tuning is False
+    with c2w._hift_guard(last=False):
+        assert torch.backends.cudnn.benchmark is False  # serving: no autotuning

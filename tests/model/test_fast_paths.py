@@ -281,3 +281,17 @@ def test_fast_thinker_step_that_raises_leaves_every_stream_as_it_was(tiny_model,
     for st in sts:
         fast_thinker.close(st)
     assert got == ref
+
+
+def test_audio_conv_warmup_shapes_are_the_units_mel_blocks():
+    """The thinker's start-up warm-up runs its audio convolutions for every batch size at the mel
+    block lengths the streams really produce (unit 0 and later units of StreamingMel), so cuDNN's
+    per-thread plan for each shape is chosen at start-up, not in a live unit."""
+    from duplexkit.models.minicpmo45.fast_thinker import audio_conv_shapes
+    from duplexkit.models.minicpmo45.processor import FIRST_UNIT_WINDOW, UNIT_SAMPLES, StreamingMel
+
+    mel = StreamingMel()
+    t0 = mel.push(np.zeros(FIRST_UNIT_WINDOW, np.float32)).shape[1]
+    t1 = mel.push(np.full(UNIT_SAMPLES, 0.1, np.float32)).shape[1]
+    assert audio_conv_shapes([3, 1, 3]) == sorted({(b, 80, t) for b in (1, 3) for t in (t0, t1)})
+    assert {t0, t1} == {102, 104}

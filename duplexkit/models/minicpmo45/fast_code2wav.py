@@ -104,6 +104,8 @@ class BatchedCode2Wav(Code2Wav):
         #: default. DUPLEXKIT_CODE2WAV_TF32=1 turns it on
         self.matmul_tf32 = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "0") == "1"
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
+        #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
+        self._tuning = False
 
     # ------------------------------------------------------------------ public
     def push_batch(self, items: Sequence[Any]) -> list:
@@ -182,15 +184,25 @@ class BatchedCode2Wav(Code2Wav):
         Run it on the thread that will call :meth:`push_batch` (the engine's Code2Wav worker:
         cuDNN's autotuned plans are kept per thread). A size whose chunks fail (out of GPU memory,
         say) is logged as a warning and the larger sizes are skipped: the engine still starts, and
-        rounds of that size tune or fail when they come."""
-        import logging
-        from types import SimpleNamespace
+        rounds of that size run on untuned plans or fail when they come."""
 
         def captured():
             return self.stats.get("dit_graph_captures", 0) + self.stats.get("encoder_graph_captures", 0)
 
         n0 = captured()
         codes = np.full(CHUNK_CODES, 4218, np.int64)
+        self._tuning = True
+        try:
+            self._warm_sizes(batch_sizes, chunks, ref_voice, codes)
+        finally:
+            self._tuning = False
+        return captured() - n0
+
+    def _warm_sizes(self, batch_sizes, chunks: int, ref_voice: Any, codes) -> None:
+        """:meth:`warmup`'s chunks: ``chunks`` pushes of ``codes`` for each batch size."""
+        import logging
+        from types import SimpleNamespace
+
         for B in batch_sizes:
             sts = [self.new_stream(ref_voice, seed=k) for k in range(B)]
             failed = None
@@ -209,7 +221,6 @@ class BatchedCode2Wav(Code2Wav):
                 logging.getLogger("duplexkit.code2wav").warning(
                     "code2wav warm-up stopped at %d streams: %s: %s", B, type(failed).__name__, failed)
                 break
-        return captured() - n0
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -507,12 +518,17 @@ class BatchedCode2Wav(Code2Wav):
         return tf32()
 
     def _hift_guard(self, last: bool):
-        """HiFT with cuDNN autotuned conv plans for the steady chunk shapes (~25 % less CPU per chunk
-        on the H200, benchmarks/NOTES.md; the turn's variable-length last chunk keeps the heuristics),
-        holding the capture gate shared (:mod:`.capture_gate`): no graph capture on another thread
-        may be open while HiFT launches kernels or (the per-stream path) draws from the default CUDA
-        generator. Shared holds never wait for each other, so the talker does not wait for the
-        vocoder (issue 19 step 8)."""
+        """HiFT holding the capture gate shared (:mod:`.capture_gate`): no graph capture on another
+        thread may be open while HiFT launches kernels or (the per-stream path) draws from the default
+        CUDA generator. Shared holds never wait for each other, so the talker does not wait for the
+        vocoder (issue 19 step 8).
+
+        cuDNN autotuning (``cudnn.benchmark``) is on only inside :meth:`warmup`, for the steady chunk
+        shapes: ~25 % less CPU per chunk on the H200 (benchmarks/NOTES.md). cuDNN keeps the plan of
+        each shape per thread after its first call, tuned or not, so the warmed shapes keep their
+        tuned plans and the rest (a turn's variable-length last chunk, a shape met later) get the
+        heuristic plan. The flag is process wide: set while serving, it also made the other stage
+        threads autotune their own new shapes in the middle of a unit."""
         import contextlib
 
         from .fast_kv import CAPTURE_GATE
@@ -520,5 +536,6 @@ class BatchedCode2Wav(Code2Wav):
         torch = self.torch
         stack = contextlib.ExitStack()
         stack.enter_context(CAPTURE_GATE.shared())
-        stack.enter_context(torch.backends.cudnn.flags(enabled=True, benchmark=not last and self.device.type == "cuda"))
+        tune = self._tuning and not last and self.device.type == "cuda"
+        stack.enter_context(torch.backends.cudnn.flags(enabled=True, benchmark=tune))
         return stack

@@ -101,6 +101,18 @@ class _StepGraph:
         return self.h[:n, :t], (None if self.logits is None else self.logits[:n])
 
 
+def audio_conv_shapes(batch_sizes) -> List[Tuple[int, int, int]]:
+    """The mel batches [B, 80, T] the thinker's audio encoder meets: every batch size B of
+    ``batch_sizes`` with the unit-0 and the later units' block length T of
+    :class:`~.processor.StreamingMel` (102 and 104 frames)."""
+    from .processor import FIRST_UNIT_WINDOW, UNIT_SAMPLES, StreamingMel
+
+    mel = StreamingMel()
+    frames = sorted({mel.push(np.zeros(FIRST_UNIT_WINDOW, np.float32)).shape[1],
+                     mel.push(np.zeros(UNIT_SAMPLES, np.float32)).shape[1]})
+    return [(B, 80, T) for B in sorted({int(b) for b in batch_sizes}) for T in frames]
+
+
 class FastThinker(Thinker):
     """Batched :class:`Thinker` (see module doc). ``batched = True`` tells the engine to hand it
     the whole batch in one ``step_units`` call.
@@ -240,8 +252,11 @@ class FastThinker(Thinker):
 
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 1024) -> int:
         """Capture the decode-step graphs of these batch buckets for KV lengths up to
-        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit. Returns the number
-        of graphs captured (0 without CUDA graphs)."""
+        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit, and run the audio
+        encoder's convolutions once per batch size (:meth:`_warm_audio_convs`). Run it on the thread
+        that will step the streams (the engine's thinker worker). Returns the number of graphs
+        captured (0 without CUDA graphs)."""
+        self._warm_audio_convs(batch_sizes)
         if not self.use_graphs:
             return 0
         n0 = self.stats["graph_captures"]
@@ -251,6 +266,20 @@ class FastThinker(Thinker):
                     self._graph(B, 1, L)
                     self._graph(B, PREFILL_TOKENS, L)
         return self.stats["graph_captures"] - n0
+
+    def _warm_audio_convs(self, batch_sizes) -> None:
+        """Run the Whisper front convolutions once for every batch size and both unit mel lengths
+        (unit 0 and the later units) on CUDA. cuDNN picks a convolution plan at the first call of a
+        shape on each thread and keeps it for that thread (ATen's ``thread_local`` plan cache); a
+        first call that meets the process-wide ``cudnn.benchmark`` flag on (another thread's
+        autotuned region) autotunes, which takes a live unit's time. Warmed here, the thinker's
+        plans are chosen at start-up. The units' audio is grouped by mel length, not bucketed, so
+        every size from 1 to the stage's ``max_num_seqs`` is a shape of its own."""
+        if self.audio is None or self.device.type != "cuda":
+            return
+        with torch.inference_mode():
+            for shape in audio_conv_shapes(batch_sizes):
+                self.audio._convs(torch.zeros(shape, device=self.device, dtype=self.dtype))
 
     def _audio_embeds_batch(self, sts: List[ThinkerStream], audios: list) -> List[torch.Tensor]:
         """:meth:`Thinker.audio_embeds_stream` for several streams: the streaming mel per stream
