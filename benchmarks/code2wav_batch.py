@@ -12,6 +12,15 @@ Prints ms per round (median over ``--rounds``) and the ratios. CPU by default wi
 (``--size tiny``); ``--device cuda --size real`` measures the real-size flow and HiFT with random weights.
 
     python benchmarks/code2wav_batch.py --streams 1,4,8 --rounds 5
+
+``--save-audio FILE`` keeps the batched way's audio of every round (``.npz``); ``--compare-to FILE``
+prints, per level, how far this run's batched audio is from a saved run's (max |diff| and SNR in dB).
+The model, codes and seeds are the same in every run, so two processes that differ in one setting
+(e.g. ``DUPLEXKIT_CODE2WAV_TF32=1``, which must be set before the CUDA graphs are captured) measure
+that setting's numerical effect:
+
+    python benchmarks/code2wav_batch.py --device cuda --size real --save-audio /tmp/fp32.npz
+    DUPLEXKIT_CODE2WAV_TF32=1 python benchmarks/code2wav_batch.py --device cuda --size real --compare-to /tmp/fp32.npz
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    ap.add_argument("--save-audio", default=None, metavar="FILE", help="write the batched way's audio (.npz)")
+    ap.add_argument("--compare-to", default=None, metavar="FILE",
+                    help="compare the batched way's audio with a file written by --save-audio")
     a = ap.parse_args()
 
     import torch
@@ -57,8 +69,10 @@ def main() -> int:
         for st, c in zip(sts, codes):
             c2w.push(st, c)
 
-    def batched(flag):
-        def run(sts, codes):
+    audio: dict = {}  # "<streams>/<round>" -> float32 [streams, samples] of the batched way
+
+    def batched(flag, keep=False):
+        def run(sts, codes, key=None):
             c2w.hift_batched = flag
             try:
                 res = c2w.push_batch([SimpleNamespace(handle=st, codes=c, last=False) for st, c in zip(sts, codes)])
@@ -67,10 +81,13 @@ def main() -> int:
             bad = [r for r in res if isinstance(r, BaseException)]
             if bad:
                 raise bad[0]
+            if keep and key is not None:
+                audio[key] = np.stack(res).astype(np.float32)
         return run
 
-    ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True))]
-    print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True, keep=True))]
+    print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"code2wav TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}", flush=True)
     print(f"{'streams':>7} {'per-stream ms':>14} {'flow-batched ms':>16} {'batched ms':>11} "
           f"{'per-stream/batched':>19} {'flow-batched/batched':>21}", flush=True)
     for n in levels:
@@ -81,7 +98,10 @@ def main() -> int:
             for name, fn in ways:
                 sync()
                 t = time.perf_counter()
-                fn(sts[name], codes)
+                if name == "batched":
+                    fn(sts[name], codes, f"{n}/{r}")
+                else:
+                    fn(sts[name], codes)
                 sync()
                 if r >= 2:
                     times[name].append((time.perf_counter() - t) * 1000.0)
@@ -91,7 +111,27 @@ def main() -> int:
         for v in sts.values():
             for st in v:
                 c2w.close(st)
+    if a.save_audio:
+        np.savez(a.save_audio, **audio)
+        print(f"batched audio of {len(audio)} rounds written to {a.save_audio}", flush=True)
+    if a.compare_to:
+        print(compare(audio, dict(np.load(a.compare_to))), flush=True)
     return 0
+
+
+def compare(mine: dict, ref: dict) -> str:
+    """Per level: max |mine - ref| and the SNR of mine against ref (dB, over all rounds and streams)."""
+    lines = [f"{'streams':>7} {'rounds':>6} {'max |diff|':>11} {'SNR dB':>7}  (against the saved run)"]
+    levels = sorted({int(k.split("/")[0]) for k in mine if k in ref})
+    for n in levels:
+        keys = [k for k in mine if k.startswith(f"{n}/") and k in ref and mine[k].shape == ref[k].shape]
+        x = np.concatenate([mine[k].ravel() for k in keys]).astype(np.float64)
+        y = np.concatenate([ref[k].ravel() for k in keys]).astype(np.float64)
+        err = x - y
+        e2 = np.sum(err * err)
+        snr = float("inf") if e2 == 0 else 10 * np.log10(np.sum(y * y) / e2)
+        lines.append(f"{n:>7} {len(keys):>6} {np.abs(err).max():>11.2e} {snr:>7.1f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
