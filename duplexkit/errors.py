@@ -377,7 +377,11 @@ def detach_traceback(exc: BaseException) -> BaseException:
         seen.add(id(e))
         tb = e.__traceback__
         if tb is not None:
-            e.add_note("raised at:\n" + "".join(traceback.format_tb(tb)).rstrip())
+            note = "raised at:\n" + "".join(traceback.format_tb(tb)).rstrip()
+            if hasattr(e, "add_note"):
+                e.add_note(note)
+            else:  # Python 3.10: no add_note (and format_exception does not print notes there)
+                e.__notes__ = [*getattr(e, "__notes__", []), note]
             e.__traceback__ = None
         stack.extend((e.__cause__, e.__context__))
     return exc

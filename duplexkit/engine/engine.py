@@ -155,7 +155,13 @@ class DuplexEngine:
         A no-op for stages without a ``warmup`` method (the CPU reference path, custom stage
         models). Returns the number of graphs captured. Called by :meth:`from_pretrained` when a
         stage runs on CUDA; ``benchmarks/gpu_engine.py`` measured ~18 s for 39 graphs on an H200.
+
+        Raises:
+            RuntimeError: called on one of the engine's stage threads (it would wait for itself), or
+                the engine is closed.
         """
+        if threading.current_thread() in self._runtime._threads:
+            raise RuntimeError("DuplexEngine.warmup() called on a stage worker thread: it would wait for itself")
         m = self.model
         if m is None:
             return 0
@@ -170,7 +176,7 @@ class DuplexEngine:
             if sizes is None:
                 n = self.layout.code2wav.max_num_seqs
                 sizes = c2w.warmup_sizes(n) if hasattr(c2w, "warmup_sizes") else (1,)
-            jobs.append(("code2wav", lambda: c2w.warmup(tuple(sizes))))
+            jobs.append(("code2wav", lambda sizes=tuple(sizes): c2w.warmup(sizes)))
         n = 0
         for stage, fn in jobs:
             n += int(self._runtime.run_job(stage, fn).result())

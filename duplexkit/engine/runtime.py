@@ -385,6 +385,10 @@ class StageRuntime(StageSteps):
             with self._cond:
                 while True:
                     if self._stop:
+                        while self._jobs[stage]:  # never started: their callers must not wait for ever
+                            _fn, fut = self._jobs[stage].popleft()
+                            if fut.set_running_or_notify_cancel():
+                                fut.set_exception(RuntimeError("engine is closed"))
                         return
                     if self._jobs[stage]:
                         job = self._jobs[stage].popleft()

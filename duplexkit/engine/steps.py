@@ -117,17 +117,21 @@ class StageSteps:
             if len(out) != len(idx):
                 raise RuntimeError(f"{stage} returned {len(out)} results for {len(idx)} items")
         except Exception as exc:  # noqa: BLE001 - isolated below
-            if len(idx) == 1:
-                results[idx[0]] = detach_traceback(exc)
-                return
-            log.warning("%s batch of %d raised %s: %s; retrying in halves to isolate the stream",
-                        stage, len(idx), type(exc).__name__, exc)
-            mid = len(idx) // 2
-            self._call_split(stage, fn, items, idx[:mid], results)
-            self._call_split(stage, fn, items, idx[mid:], results)
+            # no frames kept: the failed call's tensors are freed before the retries run
+            err = detach_traceback(exc)
+        else:
+            for i, r in zip(idx, out):
+                results[i] = r
             return
-        for i, r in zip(idx, out):
-            results[i] = r
+        if len(idx) == 1:
+            results[idx[0]] = err
+            return
+        log.warning("%s batch of %d raised %s: %s; retrying in halves to isolate the stream",
+                    stage, len(idx), type(err).__name__, err)
+        del err
+        mid = len(idx) // 2
+        self._call_split(stage, fn, items, idx[:mid], results)
+        self._call_split(stage, fn, items, idx[mid:], results)
 
     def _mark_queue_wait(self, work: list, stage: str) -> None:
         """Add the time each item waited in its stage queue to its unit's ``queue_ms`` (and to

@@ -279,3 +279,29 @@ def test_warmup_runs_each_stage_warmup_on_its_own_worker_thread():
         assert seen[-1] == ("code2wav", "duplexkit-code2wav", (4,))
     finally:
         asyncio.run(eng.aclose())
+
+
+def test_warmup_refuses_a_stage_thread_and_queued_jobs_fail_on_close():
+    """warmup() called on a stage worker would wait for itself: it raises instead. Jobs still queued
+    when the engine closes get an error instead of leaving their callers waiting for ever."""
+    import threading
+
+    toy = ToyStages(turn_units=1)
+    eng = DuplexEngine(toy, _layout(2))
+    try:
+        fut = eng._runtime.run_job("thinker", lambda: eng.warmup())
+        with pytest.raises(RuntimeError, match="stage worker thread"):
+            fut.result(timeout=10)
+        gate = threading.Event()
+        first = eng._runtime.run_job("talker", lambda: gate.wait(10))  # holds the talker thread
+        queued = eng._runtime.run_job("talker", lambda: "never")
+    finally:
+        closing = threading.Thread(target=lambda: asyncio.run(eng.aclose()))
+        closing.start()
+    import time as _t
+    _t.sleep(0.3)  # aclose has set _stop; the talker thread is still in the first job
+    gate.set()
+    closing.join(30)
+    assert first.result(timeout=10) is True
+    with pytest.raises(RuntimeError, match="closed"):
+        queued.result(timeout=10)

@@ -290,8 +290,9 @@ def test_warmup_sizes_cover_every_hift_bucket_a_round_can_use():
     assert BatchedCode2Wav.warmup_sizes(1) == (1,)
     assert BatchedCode2Wav.warmup_sizes(8) == (1, 2, 4, 8)
     assert BatchedCode2Wav.warmup_sizes(16) == (1, 2, 4, 8, 16)
-    assert BatchedCode2Wav.warmup_sizes(17) == (1, 2, 4, 8, 16, 32)
-    assert BatchedCode2Wav.warmup_sizes(48) == (1, 2, 4, 8, 16, 32, 64)
+    assert BatchedCode2Wav.warmup_sizes(17) == (1, 2, 4, 8, 16, 17)  # 17 streams pad to the 32-row bucket
+    assert BatchedCode2Wav.warmup_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert BatchedCode2Wav.warmup_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
 
 
 def test_matmul_tf32_is_scoped_to_the_vocoder_call(c2w, monkeypatch):
@@ -339,8 +340,35 @@ def test_hift_autotunes_only_inside_warmup(c2w, monkeypatch):
     c2w.warmup(batch_sizes=(1,), chunks=1)
     assert seen == [True] and c2w._tuning is False
     monkeypatch.setattr(c2w, "push_batch", lambda items: (_ for _ in ()).throw(RuntimeError("injected")))
-    with pytest.raises(RuntimeError):
-        c2w.warmup(batch_sizes=(1,), chunks=1)
+    c2w.warmup(batch_sizes=(1, 2), chunks=1)  # a raised error is logged like a returned one
     assert c2w._tuning is False
     with c2w._hift_guard(last=False):
         assert torch.backends.cudnn.benchmark is False  # serving: no autotuning
+
+
+def test_warmup_survives_a_raised_error_and_frees_its_streams(c2w, monkeypatch, caplog):
+    """An error raised while warming a size (out of memory opening the streams, say) is logged, the
+    larger sizes are skipped, the streams opened for it are closed, and the engine start goes on."""
+    import logging
+
+    real_new = c2w.new_stream
+    opened, closed = [], []
+    real_close = c2w.close
+
+    def new_stream(*a, **kw):
+        if len(opened) == 2:
+            raise RuntimeError("injected: CUDA out of memory")
+        st = real_new(*a, **kw)
+        opened.append(st)
+        return st
+
+    def close(st):
+        closed.append(st)
+        return real_close(st)
+
+    monkeypatch.setattr(c2w, "new_stream", new_stream)
+    monkeypatch.setattr(c2w, "close", close)
+    with caplog.at_level(logging.WARNING, logger="duplexkit.code2wav"):
+        c2w.warmup(batch_sizes=(1, 2, 4), chunks=1)  # size 1 ok; size 2 fails at its second stream
+    assert len(opened) == 2 and closed == opened
+    assert any("stopped at 2 streams" in r.getMessage() and "out of memory" in r.getMessage() for r in caplog.records)

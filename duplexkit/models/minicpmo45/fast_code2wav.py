@@ -101,7 +101,9 @@ class BatchedCode2Wav(Code2Wav):
         self.hift_buckets = HIFT_BUCKETS if self.device.type == "cuda" else None
         #: fp32 matmuls on TF32 tensor cores during this vocoder's calls and captures (CUDA only; off by
         #: default: the reference runs them in full fp32). cuDNN's convolutions already use TF32 by
-        #: default. DUPLEXKIT_CODE2WAV_TF32=1 turns it on
+        #: default. DUPLEXKIT_CODE2WAV_TF32=1 turns it on. The flag is process wide: while the vocoder
+        #: works, other threads' fp32 matmuls (a float32 thinker layout, the application's own) may
+        #: run TF32 too; graphs captured under it keep it
         self.matmul_tf32 = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "0") == "1"
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
         #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
@@ -173,8 +175,11 @@ class BatchedCode2Wav(Code2Wav):
     def warmup_sizes(max_streams: int) -> tuple:
         """The batch sizes :meth:`warmup` should run for rounds of up to ``max_streams`` streams: every
         :data:`HIFT_BUCKETS` row count up to the first one >= ``max_streams`` (HiFT calls are padded
-        to these; the encoder graphs use the same buckets up to 32)."""
-        return tuple(b for b in HIFT_BUCKETS if b < 2 * max(1, int(max_streams))) or (1,)
+        to these; the encoder graphs use the same buckets up to 32), the last one as ``max_streams``
+        streams (padded to that bucket, as a real round of that many is: no memory for streams that
+        cannot exist)."""
+        n = max(1, int(max_streams))
+        return tuple(min(b, n) for b in HIFT_BUCKETS if b < 2 * n)
 
     def warmup(self, batch_sizes=(1, 2, 4), chunks: int = 3, ref_voice: Any = None) -> int:
         """Capture the encoder and Euler-loop graphs (and tune HiFT's conv plans) for the default voice
@@ -204,15 +209,19 @@ class BatchedCode2Wav(Code2Wav):
         from types import SimpleNamespace
 
         for B in batch_sizes:
-            sts = [self.new_stream(ref_voice, seed=k) for k in range(B)]
+            sts = []
             failed = None
             try:
+                for k in range(B):
+                    sts.append(self.new_stream(ref_voice, seed=k))
                 for _ in range(chunks):
                     out = self.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
                     failed = next((r for r in out if isinstance(r, BaseException)), None)
                     del out
                     if failed is not None:
                         break
+            except Exception as exc:  # noqa: BLE001 - out of memory opening streams, say: same as a failed chunk
+                failed = detach_traceback(exc)
             finally:
                 for st in sts:
                     self.close(st)

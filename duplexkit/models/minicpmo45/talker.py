@@ -378,7 +378,7 @@ class Talker(nn.Module):
             if lo < 0 or hi >= self.config.num_text_tokens:
                 raise TalkerError(f"token id outside emb_text range [0, {self.config.num_text_tokens})")
         if self.device.type == "cuda" and ids.device.type == "cpu":
-            ids = ids.pin_memory()  # an async copy (from pageable memory it waits for the stream)
+            ids = ids.to(torch.long).pin_memory()  # an async copy (from pageable memory it waits for the stream)
         return ids.to(device=self.device, dtype=torch.long, non_blocking=True)
 
     def _as_hidden(self, hidden: Any, n: int) -> torch.Tensor:
