@@ -419,6 +419,7 @@ def _serve_inprocess(engine, max_sessions: int):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
+    server.duplexkit_thread = th  # joined at the end, after the app's shutdown has closed the engine
     while not server.started:
         time.sleep(0.1)
     return server, f"ws://127.0.0.1:{port}"
@@ -630,7 +631,13 @@ def main(argv=None) -> int:
             server.terminate()
             server.wait(30)
         elif server is not None:
+            # let uvicorn run the app's shutdown (sessions closed, engine closed): leaving the process
+            # with the engine's threads still in torch/onnxruntime calls ended it with SIGABRT
+            # ("terminate called without an active exception", exit 134)
             server.should_exit = True
+            th = getattr(server, "duplexkit_thread", None)
+            if th is not None:
+                th.join(120)
     print(f"\nmodel {a.model if a.url is None else a.url}  (ms; 100 ms appends paced in real time; "
           f"VAD silence_duration_ms {a.silence_ms})")
     print_table(rows)
