@@ -174,8 +174,8 @@ class DuplexEngine:
         if c2w is not None and hasattr(c2w, "warmup"):
             sizes = code2wav_sizes
             if sizes is None:
-                n = self.layout.code2wav.max_num_seqs
-                sizes = c2w.warmup_sizes(n) if hasattr(c2w, "warmup_sizes") else (1,)
+                cap = self.layout.code2wav.max_num_seqs
+                sizes = c2w.warmup_sizes(cap) if hasattr(c2w, "warmup_sizes") else (1,)
             jobs.append(("code2wav", lambda sizes=tuple(sizes): c2w.warmup(sizes)))
         n = 0
         for stage, fn in jobs:

@@ -299,7 +299,10 @@ def test_warmup_refuses_a_stage_thread_and_queued_jobs_fail_on_close():
         closing = threading.Thread(target=lambda: asyncio.run(eng.aclose()))
         closing.start()
     import time as _t
-    _t.sleep(0.3)  # aclose has set _stop; the talker thread is still in the first job
+    deadline = _t.monotonic() + 30
+    while not eng._runtime._stop and _t.monotonic() < deadline:  # aclose has stopped the runtime while
+        _t.sleep(0.01)  # the talker thread is still in the first job
+    assert eng._runtime._stop
     gate.set()
     closing.join(30)
     assert first.result(timeout=10) is True

@@ -41,6 +41,7 @@ so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any, Dict, List, Sequence, Tuple
@@ -506,25 +507,19 @@ class BatchedCode2Wav(Code2Wav):
             for b, (p, _m, _s, cache, tokens, _l) in enumerate(group):
                 p["out"].append(self._commit_chunk(p["st"], cache, tokens, last, audio[b].copy()))
 
+    @contextlib.contextmanager
     def _matmul_precision(self):
         """TF32 fp32 matmuls for the duration of a call when :attr:`matmul_tf32` (the flag is process
         wide: the engine's other stages run bf16, which it does not touch); a no-op otherwise."""
-        import contextlib
-
         if not self.matmul_tf32:
-            return contextlib.nullcontext()
-        torch = self.torch
-
-        @contextlib.contextmanager
-        def tf32():
-            prev = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                yield
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = prev
-
-        return tf32()
+            yield
+            return
+        flags = self.torch.backends.cuda.matmul
+        prev, flags.allow_tf32 = flags.allow_tf32, True
+        try:
+            yield
+        finally:
+            flags.allow_tf32 = prev
 
     def _hift_guard(self, last: bool):
         """HiFT holding the capture gate shared (:mod:`.capture_gate`): no graph capture on another
@@ -538,8 +533,6 @@ class BatchedCode2Wav(Code2Wav):
         tuned plans and the rest (a turn's variable-length last chunk, a shape met later) get the
         heuristic plan. The flag is process wide: set while serving, it also made the other stage
         threads autotune their own new shapes in the middle of a unit."""
-        import contextlib
-
         from .fast_kv import CAPTURE_GATE
 
         torch = self.torch
