@@ -124,7 +124,17 @@ async def test_long_compressed_ref_audio_refused_on_websocket(srv):
         assert ev["error"]["code"] == "ref_audio_invalid" and "got 368" in ev["error"]["message"]
 
 
+async def _no_sessions_left(srv, timeout_s: float = 60) -> None:
+    """Wait until the earlier tests' sessions have released their slots (a closed session frees its
+    slot once its engine stream has closed: on a loaded machine that can lag the client's close)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while (await client.get(srv.url + "/health")).json().get("sessions_active", 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
 async def test_per_client_session_limit(srv):
+    await _no_sessions_left(srv)
     a = await websockets.connect(srv.ws_url + "/v1/realtime")
     b = await websockets.connect(srv.ws_url + "/v1/realtime")
     try:
