@@ -16,11 +16,12 @@ Prints ms per round (median over ``--rounds``) and the ratios. CPU by default wi
 ``--save-audio FILE`` keeps the batched way's audio of every round (``.npz``); ``--compare-to FILE``
 prints, per level, how far this run's batched audio is from a saved run's (max |diff| and SNR in dB).
 The model, codes and seeds are the same in every run, so two processes that differ in one setting
-(e.g. ``DUPLEXKIT_CODE2WAV_TF32=1``, which must be set before the CUDA graphs are captured) measure
-that setting's numerical effect:
+(e.g. ``DUPLEXKIT_CODE2WAV_TF32=1``, which must be set before the CUDA graphs are captured, or
+``--dtype float16``: the same random flow cast to half precision) measure that setting's numerical effect:
 
     python benchmarks/code2wav_batch.py --device cuda --size real --save-audio /tmp/fp32.npz
     DUPLEXKIT_CODE2WAV_TF32=1 python benchmarks/code2wav_batch.py --device cuda --size real --compare-to /tmp/fp32.npz
+    python benchmarks/code2wav_batch.py --device cuda --size real --dtype float16 --compare-to /tmp/fp32.npz
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="the flow's dtype (float16: the reference's Token2wav(float16=True); HiFT stays float32)")
     ap.add_argument("--save-audio", default=None, metavar="FILE", help="write the batched way's audio (.npz)")
     ap.add_argument("--compare-to", default=None, metavar="FILE",
                     help="compare the batched way's audio with a file written by --save-audio")
@@ -55,7 +58,8 @@ def main() -> int:
 
     dev = torch.device(a.device)
     gen = torch.Generator(device=dev).manual_seed(0)
-    c2w = _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=a.size == "real", batched=True)
+    c2w = _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=a.size == "real", batched=True,
+                           dtype=getattr(torch, a.dtype))
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
     if hasattr(c2w, "warmup") and dev.type == "cuda":
         c2w.warmup(batch_sizes=tuple(levels))
@@ -87,7 +91,7 @@ def main() -> int:
 
     ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True, keep=True))]
     print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"code2wav TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}", flush=True)
+          f"flow {a.dtype}, code2wav TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}", flush=True)
     print(f"{'streams':>7} {'per-stream ms':>14} {'flow-batched ms':>16} {'batched ms':>11} "
           f"{'per-stream/batched':>19} {'flow-batched/batched':>21}", flush=True)
     for n in levels:

@@ -433,7 +433,8 @@ def _start_local(a, max_sessions: int):
     return _serve_inprocess(load_engine(a.model, progress=False, scripted=scripted), max_sessions)
 
 
-def build_random_engine(model_name: str, device: str, tokens: int, max_sessions: int, warm_turn: bool = True):
+def build_random_engine(model_name: str, device: str, tokens: int, max_sessions: int, warm_turn: bool = True,
+                        code2wav_dtype: str = "float32"):
     """random-real / random-tiny: build the model with random weights, capture its graphs for every
     batch size up to ``max_sessions + 2`` and run the warm-up turn (CUDA), as ``DuplexEngine.from_pretrained``
     would; returns the engine. Module-level so that an engine process can call it
@@ -450,7 +451,9 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
-                               kv_slots=max_sessions + 2, with_code2wav=True)
+                               kv_slots=max_sessions + 2, with_code2wav=True,
+                               code2wav_dtype=getattr(torch, code2wav_dtype))
+    print(f"code2wav flow dtype {code2wav_dtype}", flush=True)
 
     def mem(what: str) -> None:
         if dev.type == "cuda":
@@ -477,7 +480,7 @@ def _start_random(a, max_sessions: int):
     """random-real / random-tiny: serve a random-weight engine with create_app + uvicorn in this
     process; the engine in this process too, or (``--engine-process``) in its own process as
     ``duplexkit serve`` runs it by default."""
-    args = (a.model, a.device, int(a.tokens), max_sessions, not a.no_warm_turn)
+    args = (a.model, a.device, int(a.tokens), max_sessions, not a.no_warm_turn, a.code2wav_dtype)
     if a.engine_process:
         from duplexkit.engine.process import EngineProcess, EngineSpec
 
@@ -565,6 +568,8 @@ def main(argv=None) -> int:
     ap.add_argument("--unit-delay-ms", type=float, default=0.0, help="scripted: simulated engine compute per unit")
     ap.add_argument("--tokens", default="19", help="random-*: decided tokens per speaking unit")
     ap.add_argument("--device", default="cuda", help="random-*: torch device")
+    ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
+                    help="random-*: the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--trace", action="store_true",

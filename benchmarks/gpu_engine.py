@@ -482,6 +482,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
+                    help="the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
     ap.add_argument("--units", type=int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", default="19,5", help="decided tokens per speaking unit (comma list)")
     ap.add_argument("--modes", default="fast",
@@ -518,7 +520,12 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(a.size, dtype=dtype, device=dev, fast=True, thinker_max_len=a.kv_len,
-                               kv_slots=max(levels), with_code2wav=not a.no_audio)
+                               kv_slots=max(levels), with_code2wav=not a.no_audio,
+                               code2wav_dtype=getattr(torch, a.code2wav_dtype))
+    c2w = model.code2wav
+    if c2w is not None:
+        print(f"code2wav: flow {a.code2wav_dtype}, TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}",
+              flush=True)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")

@@ -293,7 +293,8 @@ class DuplexEngine:
         if dname not in ("float32", "bfloat16", "float16"):
             raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")
         talker_dtype = dtype or lay.talker.dtype
-        model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype)},
+        model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype),
+                                  "code2wav": _torch_dtype(lay.code2wav.dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
                      progress=progress, fast={"thinker": False} if plan is not None else None)
         if plan is not None:  # the thinker's language model on vLLM, the rest native (docs/vllm.md)

@@ -13,7 +13,8 @@ Per stage:
 
 * ``device``: ``cpu``, ``cuda`` or ``cuda:N``; the thinker may list several devices together with
   ``tensor_parallel_size`` (the 8x RTX 4090 layout).
-* ``dtype``: ``float32`` | ``bfloat16`` | ``float16``.
+* ``dtype``: ``float32`` | ``bfloat16`` | ``float16``; for ``code2wav`` ``float32`` | ``float16`` (the
+  flow's precision, the reference ``Token2wav``'s two modes; HiFT always runs in float32).
 * ``memory_fraction``: share of the device's memory the stage may use, in (0, 1]; ignored on the
   CPU. The stages placed on one CUDA device must not add up to more than 1.0.
 * ``max_num_seqs``: the most streams one stage step serves (>= 1).
@@ -156,6 +157,9 @@ def _parse_stage(stage: str, raw, source: str) -> StageLayout:
     dtype = raw.get("dtype", "float32")
     if dtype not in _DTYPES:
         raise LayoutError(f"{where}.dtype must be one of {list(_DTYPES)}, got {dtype!r}", source)
+    if stage == "code2wav" and dtype not in ("float32", "float16"):
+        raise LayoutError(f"{where}.dtype must be float32 or float16 (the reference Token2wav's two modes), "
+                          f"got {dtype!r}", source)
     mns = raw.get("max_num_seqs", 4)
     if not isinstance(mns, int) or isinstance(mns, bool) or mns < 1:
         raise LayoutError(f"{where}.max_num_seqs must be an integer >= 1, got {mns!r}", source)

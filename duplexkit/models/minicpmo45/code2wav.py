@@ -142,6 +142,9 @@ class Code2Wav:
         self.torch = torch
         self.device = torch.device(device)
         self.dtype = dtype or torch.float32
+        if self.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"code2wav dtype must be float32 or float16 (the reference Token2wav's two modes), "
+                             f"got {self.dtype}")
         self.flow = flow.eval()
         self.hift = hift.eval()
         window = getattr(hift, "stft_window", None)
@@ -274,7 +277,7 @@ class Code2Wav:
         torch = self.torch
         self._ensure_capacity(pf.mel.shape[1])
         pad = torch.full((1, LOOKAHEAD_CODES), SILENCE_CODE, dtype=pf.tokens.dtype, device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.flow_autocast():
             cache = self.flow.setup_cache(torch.cat([pf.tokens, pad], dim=1), pf.mel, pf.spk,
                                           n_timesteps=self.n_timesteps)
         return {k: v.clone() for k, v in cache.items()}
@@ -406,11 +409,22 @@ class Code2Wav:
         self._ensure_capacity(pf.mel.shape[1])
         tokens = np.concatenate([stream.carry, new])
         tok = torch.from_numpy(tokens.astype(np.int64)).to(self.device)[None]
-        with torch.inference_mode():
+        with torch.inference_mode(), self.flow_autocast():
             mel, cache = self.flow.inference_chunk(token=tok, spk=pf.spk, cache=stream.flow_cache,
                                                    last_chunk=last, n_timesteps=self.n_timesteps)
             cache = {k: v.clone() for k, v in cache.items()}
         return mel, cache, tokens
+
+    def flow_autocast(self):
+        """The context the flow (encoder + CFM/DiT) runs in: for a float16 flow, ``torch.autocast`` to
+        float16 over the half-precision weights, as the reference's ``Token2wav(float16=True)`` does
+        (stepaudio2 0.1.1 ``token2wav.py``: ``flow.half()`` and ``torch.amp.autocast("cuda",
+        dtype=torch.float16)`` around every flow call); nothing for float32. HiFT is never inside it
+        (float32 in both of the reference's modes). ``cache_enabled=False``: no cached weight casts
+        that a CUDA-graph capture could hold on to."""
+        if self.dtype == self.torch.float32:
+            return contextlib.nullcontext()
+        return self.torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
 
     def _hift_guard(self, last: bool):
         """Context around the HiFT call (its NSF source draws random phase). Subclasses add locks or

@@ -310,7 +310,7 @@ class BatchedCode2Wav(Code2Wav):
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         t, dt = t_span[0].reshape(1), t_span[1] - t_span[0]
         embs, dts = [], []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.flow_autocast():
             for step in range(1, n + 1):
                 embs.append(est.t_embedder(t.repeat(2 * B)).unsqueeze(1))
                 dts.append(dt.reshape(1))
@@ -426,7 +426,7 @@ class BatchedCode2Wav(Code2Wav):
         tokens = [np.concatenate([st.carry, new]) for st, new in group]
         cs = [st.flow_cache for st, _ in group]
         out = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.flow_autocast():
             tok = torch.from_numpy(np.stack(tokens).astype(np.int64)).to(self.device)
             spk = flow.spk_embed_affine_layer(F.normalize(torch.cat([st.prompt.spk for st, _ in group], dim=0), dim=1))
             mu, c_cnn, c_att = self._encode(tok, torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),

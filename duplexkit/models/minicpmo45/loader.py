@@ -272,9 +272,11 @@ def load(
 
     Args:
         path: directory with config.json, tokenizer files and safetensors.
-        dtype: parameter dtype (float32, bfloat16, float16), one for all stages or per stage
-            ``{"thinker": .., "talker": ..}`` (missing stages use float32). Code2Wav always runs in
-            float32 (its flow/HiFT scratch caches are float32, docs/model.md §7.5).
+        dtype: parameter dtype (float32, bfloat16, float16), one for the thinker and talker, or per
+            stage ``{"thinker": .., "talker": .., "code2wav": ..}`` (missing stages use float32).
+            Code2Wav's flow runs in float32 (default) or float16 (the reference's
+            ``Token2wav(float16=True)``: half weights under autocast); HiFT always runs in float32
+            (docs/model.md §7.5). A single dtype applies to the thinker and talker only.
         devices: one device for all stages, or {"thinker": .., "talker": .., "code2wav": ..}.
         with_code2wav: build Code2Wav when ``assets/token2wav`` exists.
         progress: print short progress lines.
@@ -287,6 +289,7 @@ def load(
     Raises:
         CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
             bad config or tokenizer (wrapped).
+        ValueError: an unsupported dtype (Code2Wav: other than float32 / float16).
     """
     from .thinker import Thinker
 
@@ -299,8 +302,12 @@ def load(
             raise ValueError(f"unknown stage(s) in dtype: {sorted(bad)} (use thinker/talker/code2wav)")
         dt = _dtype(dtype.get("thinker", torch.float32))
         dt_talker = _dtype(dtype.get("talker", torch.float32))
+        dt_c2w = _dtype(dtype.get("code2wav", torch.float32))
     else:
         dt = dt_talker = _dtype(dtype)
+        dt_c2w = torch.float32
+    if dt_c2w not in (torch.float32, torch.float16):
+        raise ValueError(f"code2wav dtype must be float32 or float16 (the reference Token2wav's two modes), got {dt_c2w}")
     devs = _devices(devices)
     try:
         cfg = MiniCPMOConfig.from_file(d)
@@ -394,7 +401,7 @@ def load(
             raise CheckpointError("code2wav module has no Code2Wav.from_dir")
         layout_err = getattr(c2w_mod, "Code2WavLayoutError", None)
         try:
-            code2wav = builder(t2w_dir, device=devs["code2wav"])
+            code2wav = builder(t2w_dir, device=devs["code2wav"], dtype=dt_c2w)
         except Exception as e:  # noqa: BLE001 - only layout errors are re-typed
             if layout_err is not None and isinstance(e, layout_err):
                 raise CheckpointError(f"{t2w_dir}: {e}") from e

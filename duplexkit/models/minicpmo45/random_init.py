@@ -105,7 +105,11 @@ def _tokenizer(tmp: Path):
     return tok, SpecialTokens.resolve(tok)
 
 
-def _random_code2wav(tmp: Path, device: torch.device, gen: torch.Generator, real: bool, batched: bool = True):
+def _random_code2wav(tmp: Path, device: torch.device, gen: torch.Generator, real: bool, batched: bool = True,
+                     dtype: Optional[torch.dtype] = None):
+    """A random-weight Code2Wav (real or tiny flow geometry, the package's HiFT). The flow's weights
+    are drawn in float32 and then cast to ``dtype`` (float32 default, or float16: the same model in the
+    reference's half-precision mode), so runs that differ only in ``dtype`` compare like for like."""
     import numpy as np
 
     from . import code2wav as c2w
@@ -124,6 +128,8 @@ def _random_code2wav(tmp: Path, device: torch.device, gen: torch.Generator, real
                 p.normal_(0.0, 0.01, generator=gen)
             else:
                 p.normal_(0.0, 1.0 / float(np.sqrt(int(np.prod(p.shape[1:])))), generator=gen)
+    dtype = dtype or torch_.float32
+    flow = flow.to(dtype)
     from stepaudio2.flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator
 
     width = 512 if real else 64
@@ -136,18 +142,21 @@ def _random_code2wav(tmp: Path, device: torch.device, gen: torch.Generator, real
         from .fast_code2wav import BatchedCode2Wav as cls
     else:
         cls = c2w.Code2Wav
-    return cls(flow, hift, prompt_encoder=c2w.StandinPromptEncoder(), device=device, dtype=torch_.float32,
+    return cls(flow, hift, prompt_encoder=c2w.StandinPromptEncoder(), device=device, dtype=dtype,
                         default_voice=voice, layout="tiny")
 
 
 def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat16,
                        device: Union[str, torch.device] = "cuda", seed: int = 0, with_code2wav: bool = True,
-                       fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4) -> MiniCPMO45:
+                       fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4,
+                       code2wav_dtype: Optional[torch.dtype] = None) -> MiniCPMO45:
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
         size: ``"real"`` (docs/model.md §1.1) or ``"tiny"`` (docs/model.md §9 sizes).
-        dtype: thinker / talker dtype (Code2Wav stays float32, the layouts' choice).
+        dtype: thinker / talker dtype.
+        code2wav_dtype: the Code2Wav flow's dtype, float32 (default, the bundled layouts' choice) or
+            float16 (the reference's ``Token2wav(float16=True)``); HiFT runs in float32 either way.
         fast: use the batched fast paths (:class:`~.fast_thinker.FastThinker`,
             :class:`~.fast_talker.FastTalker`, :class:`~.fast_code2wav.BatchedCode2Wav`); default: on CUDA.
         thinker_max_len / kv_slots: static KV positions per stream and initial slots (fast path).
@@ -198,7 +207,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             from .fast_talker import FastTalker
 
             talker = FastTalker(tk, slots=kv_slots)
-        code2wav = _random_code2wav(tmp, dev, gen, size == "real", batched=bool(fast)) if with_code2wav else None
+        code2wav = _random_code2wav(tmp, dev, gen, size == "real", batched=bool(fast),
+                                    dtype=code2wav_dtype) if with_code2wav else None
     return MiniCPMO45(config=cfg, tokenizer=tok, special=special, thinker=thinker, talker=talker, code2wav=code2wav,
                       random_weights=True, model_dir=None, devices={s: str(dev) for s in ("thinker", "talker", "code2wav")},
                       dtype=dtype)
