@@ -296,9 +296,9 @@ def test_warmup_sizes_cover_every_hift_bucket_a_round_can_use():
 
 
 def test_matmul_tf32_is_scoped_to_the_vocoder_call(c2w, monkeypatch):
-    """With ``matmul_tf32`` on (DUPLEXKIT_CODE2WAV_TF32=1, CUDA), fp32 matmuls may use TF32 only
-    while the vocoder works: the process-wide flag is set for the call and restored after it, also
-    when the call fails. Off (the default), the flag is never touched."""
+    """With ``matmul_tf32`` on (the CUDA default), fp32 matmuls may use TF32 only while the vocoder
+    works: the process-wide flag is set for the call and restored after it, also when the call
+    fails. Off (CPU, or DUPLEXKIT_CODE2WAV_TF32=0), the flag is never touched."""
     seen = []
     real = c2w._flow_group
 
@@ -372,3 +372,13 @@ def test_warmup_survives_a_raised_error_and_frees_its_streams(c2w, monkeypatch, 
         c2w.warmup(batch_sizes=(1, 2, 4), chunks=1)  # size 1 ok; size 2 fails at its second stream
     assert len(opened) == 2 and closed == opened
     assert any("stopped at 2 streams" in r.getMessage() and "out of memory" in r.getMessage() for r in caplog.records)
+
+
+def test_matmul_tf32_default_is_on_for_cuda_only(monkeypatch):
+    from duplexkit.models.minicpmo45.fast_code2wav import matmul_tf32_default
+
+    monkeypatch.delenv("DUPLEXKIT_CODE2WAV_TF32", raising=False)
+    assert matmul_tf32_default("cuda:0") and matmul_tf32_default(torch.device("cuda"))
+    assert not matmul_tf32_default("cpu")
+    monkeypatch.setenv("DUPLEXKIT_CODE2WAV_TF32", "0")
+    assert not matmul_tf32_default("cuda:0")

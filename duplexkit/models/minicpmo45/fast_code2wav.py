@@ -53,7 +53,7 @@ from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH"]
+__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH", "matmul_tf32_default"]
 
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
@@ -65,6 +65,19 @@ groups run as sub-batches of this size; fp32 per-step caches would cost ~10 GB p
 LAST_SUB_BATCH = 8
 """On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at
 most this many streams: each row needs its caches gathered (~0.4-0.6 GB per stream at real size)."""
+
+
+def matmul_tf32_default(device) -> bool:
+    """Whether the vocoder's fp32 matmuls run on TF32 tensor cores: on for CUDA devices unless the
+    environment sets ``DUPLEXKIT_CODE2WAV_TF32=0``; never on the CPU.
+
+    Measured on an H200 at real size with random weights (benchmarks/NOTES.md, stop 16,
+    ``benchmarks/code2wav_batch.py --compare-to``): audio within 2.8e-5 (max abs) of full fp32, SNR
+    75 dB, for 67.2 -> 49.7 ms per chunk at 1 stream and 660 -> 498 ms per round at 32. The
+    reference runs these matmuls in fp32 (``Token2wav(float16=False)``), PyTorch's default."""
+    import torch
+
+    return torch.device(device).type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "1") != "0"
 
 
 class BatchedCode2Wav(Code2Wav):
@@ -100,12 +113,11 @@ class BatchedCode2Wav(Code2Wav):
         #: autotuned per shape (cudnn.benchmark): padding keeps the shapes to the few that warmup()
         #: tunes, instead of a new tuning for each batch size met mid-run
         self.hift_buckets = HIFT_BUCKETS if self.device.type == "cuda" else None
-        #: fp32 matmuls on TF32 tensor cores during this vocoder's calls and captures (CUDA only; off by
-        #: default: the reference runs them in full fp32). cuDNN's convolutions already use TF32 by
-        #: default. DUPLEXKIT_CODE2WAV_TF32=1 turns it on. The flag is process wide: while the vocoder
-        #: works, other threads' fp32 matmuls (a float32 thinker layout, the application's own) may
-        #: run TF32 too; graphs captured under it keep it
-        self.matmul_tf32 = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "0") == "1"
+        #: fp32 matmuls on TF32 tensor cores during this vocoder's calls and captures (CUDA only;
+        #: :func:`matmul_tf32_default`). cuDNN's convolutions already use TF32 by PyTorch's default. The
+        #: flag is process wide: while the vocoder works, other threads' fp32 matmuls (a float32 thinker
+        #: layout, the application's own) may run TF32 too; graphs captured under it keep it
+        self.matmul_tf32 = matmul_tf32_default(self.device)
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
         #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
         self._tuning = False
