@@ -2,6 +2,9 @@
 
     # on the lent H200 (see benchmarks/NOTES.md for the wheels to carry):
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_engine.py --size real --out $OUT/gpu_engine.json
+    # A/B of the thinker's own CUDA stream (two processes; the header line says which):
+    DUPLEXKIT_THINKER_STREAM=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048
+    python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048
     # debug run on a CPU:
     python benchmarks/gpu_engine.py --size tiny --device cpu --streams 1,2 --units 3
 
@@ -438,11 +441,18 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
         if args.warmup_on == "caller":  # the previous way, for A/B: plans tuned on this thread only
             m = model
             every = list(range(1, max(levels) + 1))
-            nt = sum(int(obj.warmup(every, 512)) for obj in (m.thinker, m.talker) if hasattr(obj, "warmup"))
+            nt = 0
+            for stage, obj in (("thinker", m.thinker), ("talker", m.talker)):
+                if hasattr(obj, "warmup"):
+                    with engine.stages.stage_scope(stage):  # the thinker's own stream when it has one
+                        nt += int(obj.warmup(every, 512))
             if m.code2wav is not None and hasattr(m.code2wav, "warmup_sizes"):
                 nt += m.code2wav.warmup(batch_sizes=m.code2wav.warmup_sizes(max(levels)))
         else:
             nt = engine.warmup(512)
+        ts = engine.stages.thinker_stream
+        print(f"[{mode}] thinker stream: " + ("default (shared with talker and code2wav)" if ts is None else
+                                               f"own, priority {ts.priority}"), flush=True)
         print(f"[{mode}] warm-up on the {args.warmup_on} thread(s): captured {nt} CUDA graphs in {time.perf_counter() - t:.1f} s; "
               f"{memory_line(model, dev)}", flush=True)
         print(f"[{mode}] {garbage_report(dev)}", flush=True)
@@ -502,10 +512,18 @@ def main(argv=None) -> int:
                          "each level write DIR/<when>.pickle and print the live memory by allocation site")
     ap.add_argument("--c2w-hift", choices=("batched", "per-stream"), default="batched",
                     help="Code2Wav HiFT: one call for all streams of a round (per-row noise) or one per stream")
+    ap.add_argument("--thinker-stream", choices=("env", "on", "off"), default="env",
+                    help="run the thinker on its own high-priority CUDA stream (sets DUPLEXKIT_THINKER_STREAM "
+                         "for this process; env: keep the variable as it is, unset = off)")
     ap.add_argument("--warmup-on", choices=("stage", "caller"), default="stage",
                     help="run the start-up warm-ups on the engine's stage threads (as DuplexEngine does) or on "
                          "the calling thread (the previous way; cuDNN's tuned plans are per thread)")
     a = ap.parse_args(argv)
+    from duplexkit.engine.thinker_stream import ENV_VAR, thinker_stream_requested
+
+    if a.thinker_stream != "env":
+        os.environ[ENV_VAR] = "1" if a.thinker_stream == "on" else "0"
+    th_stream = thinker_stream_requested()
     dev = torch.device(a.device)
     from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend
     from duplexkit.models.minicpmo45.random_init import build_random_model
@@ -513,7 +531,9 @@ def main(argv=None) -> int:
 
     pin_sdpa_backend()
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}", flush=True)
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+          f"thinker stream {'on' if th_stream else 'off'} ({ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"
+          f"{'' if dev.type == 'cuda' or not th_stream else ', ignored on the CPU'})", flush=True)
     if a.memory_snapshot and dev.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     bw = copy_bandwidth(dev)
@@ -534,7 +554,8 @@ def main(argv=None) -> int:
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     fl = floors(model, bw if bw == bw else 1e11)
     print("floors (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in fl.items()), flush=True)
-    results = {"size": a.size, "device": str(dev), "bw": bw, "floors": fl, "weights_GiB": weights}
+    results = {"size": a.size, "device": str(dev), "bw": bw, "floors": fl, "weights_GiB": weights,
+               "thinker_stream": th_stream and dev.type == "cuda"}
     fast_th, fast_tk = model.thinker, model.talker
     if model.code2wav is not None and hasattr(model.code2wav, "hift_batched"):
         model.code2wav.hift_batched = a.c2w_hift == "batched"

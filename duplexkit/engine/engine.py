@@ -152,6 +152,10 @@ class DuplexEngine:
                 ``warmup_sizes(max_num_seqs)``, i.e. every HiFT row bucket a batch of up to
                 ``max_num_seqs`` streams is padded to).
 
+        Each warm-up runs under the stage model's ``stage_scope(stage)`` when it has one, so with
+        ``DUPLEXKIT_THINKER_STREAM=1`` the thinker's graphs are captured from the thinker's own CUDA
+        stream (:mod:`duplexkit.engine.thinker_stream`).
+
         A no-op for stages without a ``warmup`` method (the CPU reference path, custom stage
         models). Returns the number of graphs captured. Called by :meth:`from_pretrained` when a
         stage runs on CUDA; ``benchmarks/gpu_engine.py`` measured ~18 s for 39 graphs on an H200.
@@ -177,9 +181,21 @@ class DuplexEngine:
                 cap = self.layout.code2wav.max_num_seqs
                 sizes = c2w.warmup_sizes(cap) if hasattr(c2w, "warmup_sizes") else (1,)
             jobs.append(("code2wav", lambda sizes=tuple(sizes): c2w.warmup(sizes)))
+        scope = getattr(self.stages, "stage_scope", None)  # the thinker's own CUDA stream, when it has one
+
+        def in_scope(stage: str, fn):
+            if scope is None:
+                return fn
+
+            def run():
+                with scope(stage):
+                    return fn()
+
+            return run
+
         n = 0
         for stage, fn in jobs:
-            n += int(self._runtime.run_job(stage, fn).result())
+            n += int(self._runtime.run_job(stage, in_scope(stage, fn)).result())
         return n
 
     def warmup_turn(self, timeout_s: float = 120.0) -> Optional[float]:

@@ -16,10 +16,16 @@ Every method here runs on the owning stage's worker thread (never on the event l
 model's CUDA-graph capture gate shared (:mod:`duplexkit.models.minicpmo45.capture_gate`): the three
 stage threads run concurrently, and a graph captured lazily on one of them waits until no other is
 launching GPU work, instead of breaking their launches and itself.
+
+With ``DUPLEXKIT_THINKER_STREAM=1`` (opt-in, CUDA thinkers only) the thinker methods run on a
+dedicated high-priority CUDA stream and hand the talker their hidden rows with a ready event:
+``talker_input`` is then ``(token_ids, hidden, event)`` instead of ``(token_ids, hidden)``
+(:mod:`duplexkit.engine.thinker_stream`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -30,6 +36,7 @@ from ..errors import detach_traceback
 from ..models.minicpmo45.capture_gate import CAPTURE_GATE
 from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
 from .stages import TalkerOut, ThinkerOut, VocoderOut
+from .thinker_stream import ThinkerCudaStream, accept, thinker_stream_requested
 
 __all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
 
@@ -48,6 +55,28 @@ def _gpu_work(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _thinker_work(fn: Callable) -> Callable:
+    """:func:`_gpu_work` on the thinker's own CUDA stream when it has one (:meth:`MiniCPMO45Stages.stage_scope`)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with CAPTURE_GATE.shared(), self.stage_scope("thinker"):
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _talker_payload(talker_input: Any) -> tuple:
+    """``(token_ids, hidden)`` of a thinker's hand-over; a 3-tuple's ready event is waited for on the
+    current stream of ``hidden``'s device first (:func:`~.thinker_stream.accept`)."""
+    if len(talker_input) == 3:
+        token_ids, hidden, ready = talker_input
+        accept(hidden, ready)
+        return token_ids, hidden
+    token_ids, hidden = talker_input
+    return token_ids, hidden
 
 
 @dataclass
@@ -90,17 +119,50 @@ class MiniCPMO45Stages:
         model: the loaded model (``.thinker``, ``.talker``, ``.code2wav`` or None).
         model_id: reported id (default ``"minicpm-o-4.5"``).
         talker_temperature: talker sampling temperature (default 0.8, docs/model.md §6).
+        thinker_stream: run the thinker's work on a dedicated high-priority CUDA stream
+            (:mod:`duplexkit.engine.thinker_stream`); None (default) reads ``DUPLEXKIT_THINKER_STREAM``
+            (unset = off). Ignored when the model's thinker is not on a CUDA device.
+
+    Raises:
+        ValueError: ``DUPLEXKIT_THINKER_STREAM`` holds something other than an on/off value.
     """
 
+    _thinker_stream: Optional[ThinkerCudaStream] = None  # class default: none (also for objects built without __init__)
+
     def __init__(self, model: Any, *, model_id: str = "minicpm-o-4.5",
-                 talker_temperature: float = TALKER_TEMPERATURE) -> None:
+                 talker_temperature: float = TALKER_TEMPERATURE, thinker_stream: Optional[bool] = None) -> None:
         self.model = model
         self.model_id = model_id
         self.random_weights = bool(getattr(model, "random_weights", False))
         self.talker_temperature = float(talker_temperature)
+        want = thinker_stream_requested() if thinker_stream is None else bool(thinker_stream)
+        dev = getattr(getattr(model, "thinker", None), "device", None)
+        if want and dev is not None and str(dev).startswith("cuda"):
+            self._thinker_stream = ThinkerCudaStream(dev)
+
+    @property
+    def thinker_stream(self) -> Any:
+        """The thinker's dedicated ``torch.cuda.Stream``, or None when the thinker runs on the
+        current stream of its thread (the default: the legacy default stream; always on CPU)."""
+        return None if self._thinker_stream is None else self._thinker_stream.stream
+
+    def stage_scope(self, stage: str) -> Any:
+        """Context manager under which ``stage``'s work runs: the thinker's dedicated CUDA stream
+        for ``"thinker"`` when it has one, else a no-op. :meth:`DuplexEngine.warmup` runs each
+        stage's warm-up under it, so the thinker's graphs are captured from its own stream."""
+        if stage == "thinker" and self._thinker_stream is not None:
+            return self._thinker_stream.scope()
+        return contextlib.nullcontext()
+
+    def _handover(self, token_ids: Any, hidden: Any) -> tuple:
+        """The talker's payload of a thinker result: ``(token_ids, hidden)``, plus a ready event
+        recorded on the thinker stream when it has one (call it after the producing work)."""
+        if self._thinker_stream is None or not getattr(hidden, "is_cuda", False):
+            return (token_ids, hidden)
+        return (token_ids, hidden, self._thinker_stream.mark_ready())
 
     # ------------------------------------------------------------------ thinker
-    @_gpu_work
+    @_thinker_work
     def thinker_open(self, config: StreamConfig) -> Any:
         ref = None if config.ref_voice is None else np.asarray(config.ref_voice.audio, np.float32)
         return self.model.thinker.new_stream(
@@ -109,7 +171,7 @@ class MiniCPMO45Stages:
             force_listen_count=int(config.force_listen_count),
         )
 
-    @_gpu_work
+    @_thinker_work
     def thinker_update(self, handle: Any, old: StreamConfig, new: StreamConfig) -> Any:
         """A changed session prefix (instructions, reference voice, seed text) or seed rebuilds the
         context from the new prefix (docs/protocol.md §8.6); a changed temperature or
@@ -133,7 +195,7 @@ class MiniCPMO45Stages:
             pol.force_listen_count = int(new.force_listen_count)
         return handle
 
-    @_gpu_work
+    @_thinker_work
     def thinker_step(self, items: list) -> list:
         from duplexkit.models.minicpmo45.duplex import UnitInput
 
@@ -141,6 +203,11 @@ class MiniCPMO45Stages:
         inputs = [UnitInput(stream=w.handle, audio=w.audio, force_listen=w.force_listen,
                             force_speak=w.force_speak, frame=w.frame) for w in items]
         results = _loop_or_batch(th, th.step_units, inputs)
+        ready = None
+        if self._thinker_stream is not None and any(
+                not isinstance(r, BaseException) and r.decision == "speak" and getattr(r.hidden, "is_cuda", False)
+                for r in results):
+            ready = self._thinker_stream.mark_ready()  # after every kernel that wrote the hidden rows
         out = []
         for r in results:
             if isinstance(r, BaseException):
@@ -150,15 +217,16 @@ class MiniCPMO45Stages:
             out.append(ThinkerOut(
                 decision=r.decision, text=r.text if speak else "", n_tokens=int(r.n_tokens),
                 turn_start=bool(r.turn_start), end_of_turn=bool(r.end_of_turn),
-                talker_input=(r.token_ids, r.hidden) if speak else None, timings=dict(r.timings),
+                talker_input=((r.token_ids, r.hidden) if ready is None else (r.token_ids, r.hidden, ready))
+                if speak else None, timings=dict(r.timings),
             ))
         return out
 
-    @_gpu_work
+    @_thinker_work
     def thinker_end_turn(self, handle: Any) -> None:
         self.model.thinker.end_turn(handle)
 
-    @_gpu_work
+    @_thinker_work
     def thinker_close(self, handle: Any) -> None:
         self.model.thinker.close(handle)
 
@@ -184,7 +252,7 @@ class MiniCPMO45Stages:
         tk = self.model.talker
         inputs = []
         for w in items:
-            token_ids, hidden = w.talker_input
+            token_ids, hidden = _talker_payload(w.talker_input)
             inputs.append(TalkerInput(turn=w.turn.turn, token_ids=token_ids, hidden=hidden,
                                       turn_start=w.turn_start, turn_end=w.turn_end,
                                       temperature=self.talker_temperature, generator=w.turn.generator))
@@ -234,7 +302,7 @@ class MiniCPMO45Stages:
         self._c2w().close(handle)
 
     # ------------------------------------------------------------------ chat (turn-based)
-    @_gpu_work
+    @_thinker_work
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
         """Text pass of :meth:`DuplexEngine.generate` (thinker stage thread).
 
@@ -265,7 +333,7 @@ class MiniCPMO45Stages:
         r = self.model.thinker.chat(list(request.messages), use_tts_template=use_tts,
                                     enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
                                     temperature=float(request.temperature), seed=request.seed, **kw)
-        return ChatThinkerOut(text=r.text, talker_input=(r.tts_token_ids, r.tts_hidden),
+        return ChatThinkerOut(text=r.text, talker_input=self._handover(r.tts_token_ids, r.tts_hidden),
                               finish_reason="length" if r.finish_reason == "length" else "stop",
                               prompt_tokens=int(r.prompt_tokens), completion_tokens=int(len(r.token_ids)))
 
@@ -273,7 +341,7 @@ class MiniCPMO45Stages:
     def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:
         """Codes for the whole spoken span (talker stage thread): int64 [n <= max_codes]
         (reference offline cap 2048, docs/model.md §6)."""
-        token_ids, hidden = talker_input
+        token_ids, hidden = _talker_payload(talker_input)
         if token_ids is None or len(token_ids) == 0:
             return np.zeros(0, np.int64)
         codes = self.model.talker.generate_offline(token_ids, hidden, max_codes=int(max_codes),

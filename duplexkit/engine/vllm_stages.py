@@ -75,7 +75,7 @@ class VllmStages(MiniCPMO45Stages):
 
     def __init__(self, model: Any, checkpoint: Path, engine_args: dict, *, on_cpu: bool,
                  export_dir: Optional[Path] = None, model_id: str = "minicpm-o-4.5") -> None:
-        super().__init__(model, model_id=model_id)
+        super().__init__(model, model_id=model_id, thinker_stream=False)  # vLLM runs the thinker on its own streams
         th = model.thinker
         ckpt = Path(checkpoint).resolve()
         if export_dir is None:

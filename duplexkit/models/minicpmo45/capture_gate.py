@@ -1,7 +1,8 @@
 """The gate between CUDA-graph captures and every other GPU launch of the engine's stage threads.
 
 The engine runs the thinker, the talker and Code2Wav on three threads that share one CUDA context
-and the legacy default stream. A CUDA graph may be captured lazily while the engine serves (a batch
+and the legacy default stream (with ``DUPLEXKIT_THINKER_STREAM=1`` the thinker launches on a stream of
+its own, :mod:`duplexkit.engine.thinker_stream`; the gate applies to it all the same). A CUDA graph may be captured lazily while the engine serves (a batch
 size or length bucket met for the first time). While a capture is open on one thread, a launch or an
 allocation on another thread's legacy stream fails (``cudaErrorStreamCaptureImplicit`` /
 "operation not permitted when stream is capturing"), a draw from the default CUDA generator fails

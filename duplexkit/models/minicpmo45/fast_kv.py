@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["CAPTURE_GATE", "capture_graph", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
+__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
 
 
 from .capture_gate import CAPTURE_GATE  # noqa: E402 - re-exported: captures hold it exclusive, stage work shared
@@ -60,6 +60,18 @@ def capture_graph(fn, device, *, pool=None, warmup: int = 1):
     with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
+
+
+def keep_for_current_stream(*tensors) -> None:
+    """Before dropping tensors: ``record_stream`` each CUDA tensor of ``tensors`` on its device's
+    current stream, so the caching allocator does not reuse its memory until the work queued there
+    by then has run. Needed when a tensor allocated on one stream was last used on another (the
+    opt-in thinker stream, :mod:`duplexkit.engine.thinker_stream`: the KV pool is made on the default
+    stream at load and grown on the thinker's). A no-op in the allocator when the current stream is
+    the tensor's own, and for None and CPU tensors."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class ContextFullError(DuplexkitError, ValueError):
@@ -122,6 +134,7 @@ class KVPool:
         if self.k is not None:
             k[:, : self.n_slots].copy_(self.k[:, : self.n_slots])
             v[:, : self.n_slots].copy_(self.v[:, : self.n_slots])
+            keep_for_current_stream(self.k, self.v)  # the copies above may run on another stream than the old pool's
         old = self.n_slots
         self.k, self.v, self.n_slots = k, v, n
         self.free.extend(range(old, n))

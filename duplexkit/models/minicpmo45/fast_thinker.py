@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from ...errors import detach_traceback
 from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
-from .fast_kv import ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import (ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
+                      fuse_projections, keep_for_current_stream)
 from .thinker import Thinker, ThinkerStream
 
 __all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS"]
@@ -213,6 +214,8 @@ class FastThinker(Thinker):
 
     def _graph(self, B: int, T: int, kv_len: int) -> "_StepGraph":
         if self._graph_version != self.pool.version:
+            for old in self._graphs.values():  # their replays were queued on this thread's stream
+                keep_for_current_stream(old.x, old.pos, old.slots)
             self._graphs.clear()
             self._graph_version = self.pool.version
         g = self._graphs.get((B, T, kv_len))
