@@ -12,6 +12,9 @@ Shared by the fast thinker (:mod:`.fast_thinker`) and the fast talker (:mod:`.fa
   cached positions (a bucket ≥ every row's last position + 1). Attention is written out
   as Hkv-head SDPA with g·T query rows and an additive position mask (no host sync, capturable in
   a CUDA graph; on CUDA the RMSNorms go through ``F.rms_norm``).
+* opt-in, ``DUPLEXKIT_TRITON_DECODE=1`` (read at import): on CUDA the one-token step's attention
+  reads the pool in place (no gather) and the norms / rotary / KV write run fused, as Triton
+  kernels (:mod:`.triton_decode`); off by default, and the CPU path never uses them.
 * positions beyond a row's valid length may hold garbage (padding writes): they are never
   attended, because a row only attends ``j <= pos`` and every later write overwrites them.
 
