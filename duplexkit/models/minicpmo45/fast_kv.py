@@ -12,6 +12,9 @@ Shared by the fast thinker (:mod:`.fast_thinker`) and the fast talker (:mod:`.fa
   cached positions (a bucket ≥ every row's last position + 1). Attention is written out
   as Hkv-head SDPA with g·T query rows and an additive position mask (no host sync, capturable in
   a CUDA graph; on CUDA the RMSNorms go through ``F.rms_norm``).
+* opt-in, ``DUPLEXKIT_TRITON_DECODE=1`` (read at import): on CUDA the one-token step's attention
+  reads the pool in place (no gather) and the norms / rotary / KV write run fused, as Triton
+  kernels (:mod:`.triton_decode`); off by default, and the CPU path never uses them.
 * positions beyond a row's valid length may hold garbage (padding writes): they are never
   attended, because a row only attends ``j <= pos`` and every later write overwrites them.
 
@@ -22,6 +25,7 @@ position (4096 positions = 252 MB per slot).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import List, Optional, Sequence
 
@@ -30,7 +34,11 @@ import torch.nn.functional as F
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "ContextFullError", "decoder_forward", "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled"]
+__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "ContextFullError", "decoder_forward",
+           "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
+
+_TRITON_DECODE = os.environ.get("DUPLEXKIT_TRITON_DECODE", "0") == "1"
+"""Read once at import: a benchmark compares the two paths in separate processes."""
 
 
 from .capture_gate import CAPTURE_GATE  # noqa: E402 - re-exported: captures hold it exclusive, stage work shared
@@ -222,11 +230,31 @@ def fuse_projections(model) -> None:
                 layer._dk_qk_gain = torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hk, -1)])
 
 
+def triton_decode_enabled() -> bool:
+    """``DUPLEXKIT_TRITON_DECODE=1`` was set when this module was imported (default off): then
+    :func:`decoder_forward` on CUDA runs the Triton kernels of :mod:`.triton_decode`."""
+    return _TRITON_DECODE
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if not _TRITON_DECODE:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,
                     kv_len: int) -> torch.Tensor:
     """Run ``model``'s decoder layers (a transformers ``Qwen3Model`` or ``LlamaModel``) and final
     norm on ``x`` [B, T, hidden] at positions ``pos`` [B, T] (long) writing into / attending the
-    ``slots`` [B] (long) of ``pool``. Returns the final-norm hidden states [B, T, hidden]."""
+    ``slots`` [B] (long) of ``pool``. Returns the final-norm hidden states [B, T, hidden].
+
+    With ``DUPLEXKIT_TRITON_DECODE=1`` (read at import; :func:`triton_decode_enabled`) and ``x`` on
+    CUDA (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``: the tests), the
+    residual adds and RMSNorms run fused, and a one-token step (T == 1) runs q/k norm + rotary +
+    KV write and the attention (in place over the pool, no gather) as Triton kernels
+    (:mod:`.triton_decode`); same function, rounding differences only."""
+    if _use_triton(x):
+        return _decoder_forward_triton(model, x, pos, slots, pool, kv_len)
     cos, sin = model.rotary_emb(x, pos)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
     B, T, _ = x.shape
@@ -234,29 +262,8 @@ def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
     bias = attention_bias(pos, kv_len, n_heads // model.config.num_key_value_heads, x.dtype)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
-        hd = a.head_dim
         h = _rms(layer.input_layernorm, x)
-        if hasattr(layer, "_dk_qkv"):
-            qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
-            nk = a.k_proj.weight.shape[0] // hd
-            nq = qkv.shape[2] - 2 * nk
-            qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk:]
-            if hasattr(layer, "_dk_qk_gain"):
-                if x.is_cuda:
-                    qk = F.rms_norm(qk, (hd,), None, a.q_norm.variance_epsilon) * layer._dk_qk_gain
-                else:
-                    qk = torch.cat([a.q_norm(qk[:, :, :nq]), a.k_norm(qk[:, :, nq:])], dim=2)
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, :, :nq], qk[:, :, nq:]
-        else:
-            q = a.q_proj(h).view(B, T, -1, hd)
-            k = a.k_proj(h).view(B, T, -1, hd)
-            v = a.v_proj(h).view(B, T, -1, hd)
-            if hasattr(a, "q_norm"):  # Qwen3
-                q = _rms(a.q_norm, q)
-                k = _rms(a.k_norm, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        q, k, v = _qkv_rope(layer, h, cos, sin, x.is_cuda)
         o = _attention(q, k, v, pool.k[i], pool.v[i], slots, pos, kv_len, a.scaling, bias)
         x = x + a.o_proj(o)
         h = _rms(layer.post_attention_layernorm, x)
@@ -267,6 +274,98 @@ def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
         else:
             x = x + mlp(h)
     return _rms(model.norm, x)
+
+
+def _qkv_projections(layer, h: torch.Tensor):
+    """The layer's projections of ``h`` [B, T, hidden]: q [B,T,H,D], k/v [B,T,Hkv,D] before norm
+    and rotary (views into the fused QKV output when the layer has one)."""
+    a = layer.self_attn
+    hd = a.head_dim
+    B, T, _ = h.shape
+    if hasattr(layer, "_dk_qkv"):
+        qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
+        nk = a.k_proj.weight.shape[0] // hd
+        nq = qkv.shape[2] - 2 * nk
+        return qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
+    return a.q_proj(h).view(B, T, -1, hd), a.k_proj(h).view(B, T, -1, hd), a.v_proj(h).view(B, T, -1, hd)
+
+
+def _decoder_forward_triton(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,
+                            kv_len: int) -> torch.Tensor:
+    """:func:`decoder_forward` through the kernels of :mod:`.triton_decode` (see there)."""
+    from . import triton_decode as td
+
+    cos, sin = model.rotary_emb(x, pos)  # [B, T, D]
+    B, T, _ = x.shape
+    decode = T == 1
+    if decode:
+        pos1, cos1, sin1 = pos[:, 0], cos[:, 0], sin[:, 0]
+    else:
+        cos4, sin4 = cos.unsqueeze(2), sin.unsqueeze(2)
+        n_heads = model.config.num_attention_heads
+        bias = attention_bias(pos, kv_len, n_heads // model.config.num_key_value_heads, x.dtype)
+    res = None
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        ln = layer.input_layernorm
+        if res is None:
+            h = F.rms_norm(x, (x.shape[-1],), ln.weight, ln.variance_epsilon)
+        else:
+            x, h = td.add_rms_norm(x, res, ln.weight, ln.variance_epsilon)
+        if decode:
+            q, k, v = _qkv_projections(layer, h)
+            if hasattr(a, "q_norm"):
+                gq, gk, eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon
+            else:
+                gq = gk = None
+                eps = 0.0
+            qr = td.qk_norm_rope_write(q[:, 0], k[:, 0], v[:, 0], cos1, sin1, gq, gk, eps, pool.k[i], pool.v[i],
+                                       slots, pos1)
+            o = td.decode_attention(qr, pool.k[i], pool.v[i], slots, pos1, kv_len, a.scaling).view(B, 1, -1)
+        else:
+            q, k, v = _qkv_rope(layer, h, cos4, sin4, x.is_cuda)
+            o = _attention(q, k, v, pool.k[i], pool.v[i], slots, pos, kv_len, a.scaling, bias)
+        ln = layer.post_attention_layernorm
+        x, h = td.add_rms_norm(x, a.o_proj(o), ln.weight, ln.variance_epsilon)
+        mlp = layer.mlp
+        if hasattr(layer, "_dk_gu"):
+            g, u = F.linear(h, layer._dk_gu).chunk(2, dim=-1)
+            res = mlp.down_proj(mlp.act_fn(g) * u)
+        else:
+            res = mlp(h)
+    if res is None:
+        return F.rms_norm(x, (x.shape[-1],), model.norm.weight, model.norm.variance_epsilon)
+    return td.add_rms_norm(x, res, model.norm.weight, model.norm.variance_epsilon)[1]
+
+
+def _qkv_rope(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cuda: bool):
+    """The torch path's projections, Qwen3 q/k norms and rotary: q [B,T,H,D], k/v [B,T,Hkv,D]
+    (``cos`` / ``sin`` [B, T, 1, D]; ``cuda`` picks the fused-norm form)."""
+    a = layer.self_attn
+    hd = a.head_dim
+    B, T, _ = h.shape
+    if hasattr(layer, "_dk_qkv"):
+        qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
+        nk = a.k_proj.weight.shape[0] // hd
+        nq = qkv.shape[2] - 2 * nk
+        qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk:]
+        if hasattr(layer, "_dk_qk_gain"):
+            if cuda:
+                qk = F.rms_norm(qk, (hd,), None, a.q_norm.variance_epsilon) * layer._dk_qk_gain
+            else:
+                qk = torch.cat([a.q_norm(qk[:, :, :nq]), a.k_norm(qk[:, :, nq:])], dim=2)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, :, :nq], qk[:, :, nq:]
+    else:
+        q = a.q_proj(h).view(B, T, -1, hd)
+        k = a.k_proj(h).view(B, T, -1, hd)
+        v = a.v_proj(h).view(B, T, -1, hd)
+        if hasattr(a, "q_norm"):  # Qwen3
+            q = _rms(a.q_norm, q)
+            k = _rms(a.k_norm, k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+    return q, k, v
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
