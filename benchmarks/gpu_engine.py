@@ -525,7 +525,7 @@ def main(argv=None) -> int:
         os.environ[ENV_VAR] = "1" if a.thinker_stream == "on" else "0"
     th_stream = thinker_stream_requested()
     dev = torch.device(a.device)
-    from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend
+    from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend, triton_decode_enabled
     from duplexkit.models.minicpmo45.random_init import build_random_model
     from duplexkit.models.minicpmo45.thinker import Thinker
 
@@ -533,7 +533,8 @@ def main(argv=None) -> int:
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
           f"thinker stream {'on' if th_stream else 'off'} ({ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"
-          f"{'' if dev.type == 'cuda' or not th_stream else ', ignored on the CPU'})", flush=True)
+          f"{'' if dev.type == 'cuda' or not th_stream else ', ignored on the CPU'}), "
+          f"Triton decode kernels {'on' if triton_decode_enabled() and dev.type == 'cuda' else 'off'}", flush=True)
     if a.memory_snapshot and dev.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     bw = copy_bandwidth(dev)

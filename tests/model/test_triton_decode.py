@@ -212,6 +212,7 @@ def _run(model, pool, steps, monkeypatch, on: bool):
     from duplexkit.models.minicpmo45 import triton_decode
 
     monkeypatch.setattr(fast_kv, "_TRITON_DECODE", on)
+    monkeypatch.setattr(fast_kv, "_TRITON_ON_CPU", not CUDA)
     calls = []
     orig = triton_decode.decode_attention
     monkeypatch.setattr(triton_decode, "decode_attention", lambda *a, **k: calls.append(1) or orig(*a, **k))
@@ -282,7 +283,7 @@ def test_triton_decode_step_captures_in_a_cuda_graph(monkeypatch):
     torch.testing.assert_close(got.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value,expected", [(None, True), ("0", False), ("1", True)])
 def test_flag_is_read_from_the_environment_at_import(value, expected):
     import subprocess
     import sys
@@ -294,3 +295,15 @@ def test_flag_is_read_from_the_environment_at_import(value, expected):
             "print(fast_kv.triton_decode_enabled(), 'duplexkit.models.minicpmo45.triton_decode' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(expected), "False"]  # the kernels are imported only when first used
+
+
+def test_cpu_tensors_never_take_the_triton_path_by_default(monkeypatch):
+    """On by default means on for CUDA: a CPU forward stays the torch path even with the interpreter
+    variable set in this process (this module sets it), unless a test opts in."""
+    monkeypatch.setattr(fast_kv, "_TRITON_DECODE", True)
+    monkeypatch.setattr(fast_kv, "_TRITON_ON_CPU", False)
+    assert not fast_kv._use_triton(torch.zeros(1, 1, 4))
+    monkeypatch.setattr(fast_kv, "_TRITON_ON_CPU", True)
+    assert fast_kv._use_triton(torch.zeros(1, 1, 4))
+    monkeypatch.setattr(fast_kv, "_TRITON_DECODE", False)
+    assert not fast_kv._use_triton(torch.zeros(1, 1, 4))

@@ -12,9 +12,9 @@ Shared by the fast thinker (:mod:`.fast_thinker`) and the fast talker (:mod:`.fa
   cached positions (a bucket ≥ every row's last position + 1). Attention is written out
   as Hkv-head SDPA with g·T query rows and an additive position mask (no host sync, capturable in
   a CUDA graph; on CUDA the RMSNorms go through ``F.rms_norm``).
-* opt-in, ``DUPLEXKIT_TRITON_DECODE=1`` (read at import): on CUDA the one-token step's attention
-  reads the pool in place (no gather) and the norms / rotary / KV write run fused, as Triton
-  kernels (:mod:`.triton_decode`); off by default, and the CPU path never uses them.
+* on CUDA (default; ``DUPLEXKIT_TRITON_DECODE=0`` at import turns it off) the one-token step's
+  attention reads the pool in place (no gather) and the norms / rotary / KV write run fused, as
+  Triton kernels (:mod:`.triton_decode`); the CPU path never uses them.
 * positions beyond a row's valid length may hold garbage (padding writes): they are never
   attended, because a row only attends ``j <= pos`` and every later write overwrites them.
 
@@ -25,6 +25,7 @@ position (4096 positions = 252 MB per slot).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import List, Optional, Sequence
@@ -37,8 +38,13 @@ from duplexkit.errors import DuplexkitError
 __all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "ContextFullError", "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
 
-_TRITON_DECODE = os.environ.get("DUPLEXKIT_TRITON_DECODE", "0") == "1"
-"""Read once at import: a benchmark compares the two paths in separate processes."""
+_TRITON_DECODE = os.environ.get("DUPLEXKIT_TRITON_DECODE", "1") != "0"
+"""The Triton decode kernels on CUDA: on unless ``DUPLEXKIT_TRITON_DECODE=0`` when this module is
+imported (a benchmark compares the two paths in separate processes)."""
+
+_TRITON_ON_CPU = False
+"""Tests only: also run the kernels on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1``
+set before triton is imported). Never on by itself: the CPU path stays the reference-checked one."""
 
 
 from .capture_gate import CAPTURE_GATE  # noqa: E402 - re-exported: captures hold it exclusive, stage work shared
@@ -231,15 +237,25 @@ def fuse_projections(model) -> None:
 
 
 def triton_decode_enabled() -> bool:
-    """``DUPLEXKIT_TRITON_DECODE=1`` was set when this module was imported (default off): then
-    :func:`decoder_forward` on CUDA runs the Triton kernels of :mod:`.triton_decode`."""
-    return _TRITON_DECODE
+    """Whether :func:`decoder_forward` on CUDA runs the Triton kernels of :mod:`.triton_decode`: yes
+    unless ``DUPLEXKIT_TRITON_DECODE=0`` was set when this module was imported, and Triton is
+    installed (PyTorch's CUDA wheels bring it)."""
+    return _TRITON_DECODE and _triton_installed()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     if not _TRITON_DECODE:
         return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+    if x.is_cuda:
+        return _triton_installed()
+    return _TRITON_ON_CPU and x.device.type == "cpu"
 
 
 def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,
@@ -248,8 +264,8 @@ def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
     norm on ``x`` [B, T, hidden] at positions ``pos`` [B, T] (long) writing into / attending the
     ``slots`` [B] (long) of ``pool``. Returns the final-norm hidden states [B, T, hidden].
 
-    With ``DUPLEXKIT_TRITON_DECODE=1`` (read at import; :func:`triton_decode_enabled`) and ``x`` on
-    CUDA (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``: the tests), the
+    With ``x`` on CUDA and :func:`triton_decode_enabled` (the default; on the CPU only for the
+    tests, under Triton's interpreter), the
     residual adds and RMSNorms run fused, and a one-token step (T == 1) runs q/k norm + rotary +
     KV write and the attention (in place over the pool, no gather) as Triton kernels
     (:mod:`.triton_decode`); same function, rounding differences only."""
