@@ -513,8 +513,8 @@ class TraceCollector(logging.Handler):
 
 
 TRACE_KEYS = ("units_ahead", "decision", "first_audio", "engine.thinker_queue_ms", "engine.thinker_ms",
-              "engine.talker_queue_ms", "engine.talker_ms", "engine.code2wav_queue_ms", "engine.code2wav_ms",
-              "engine.first_audio_ms")
+              "engine.thinker_done_ms", "engine.talker_queue_ms", "engine.talker_ms", "engine.talker_done_ms",
+              "engine.code2wav_queue_ms", "engine.code2wav_ms", "engine.first_audio_ms")
 
 
 def trace_summary(records: list) -> dict:

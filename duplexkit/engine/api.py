@@ -267,7 +267,9 @@ class UnitTimings(EngineOutput):
     Keys used by the built-in engine: ``thinker_prefill_ms``, ``thinker_decode_ms``,
     ``decode_steps``, ``talker_ms``, ``talker_steps``, ``code2wav_ms``, ``queue_ms`` (sum of the
     stage queue waits), ``thinker_queue_ms`` / ``talker_queue_ms`` / ``code2wav_queue_ms`` (each
-    stage's wait), ``first_audio_ms`` (submit -> the unit's first audio chunk), ``total_ms``.
+    stage's wait), ``thinker_done_ms`` / ``talker_done_ms`` (submit -> that stage's result handed
+    on: with the stage times and queue waits they show any time spent between the stages),
+    ``first_audio_ms`` (submit -> the unit's first audio chunk), ``total_ms``.
     """
 
     timings: dict = field(default_factory=dict)

@@ -186,6 +186,7 @@ class StageSteps:
                 tm["thinker_decode_ms"] = round(float(res.timings.get("decode_ms", _ms(t0, t1))), 3)
                 tm["decode_steps"] = int(res.timings.get("decode_steps", res.n_tokens))
                 tm["thinker_ms"] = _ms(t0, t1)
+                tm["thinker_done_ms"] = _ms(slot.t_submit, time.perf_counter())
                 tm["thinker_batch"] = len(work)
                 speak = res.decision == "speak"
                 self._emit(st, slot, Decision(st.id, slot.epoch, slot.unit_index, decision=res.decision,
@@ -233,6 +234,7 @@ class StageSteps:
             for st, it, res in self._current_results("talker", work, results, self._fail_turn):
                 slot = it.slot
                 slot.timings["talker_ms"] = _ms(t0, t1)
+                slot.timings["talker_done_ms"] = _ms(slot.t_submit, time.perf_counter())
                 slot.timings["talker_steps"] = int(res.steps)
                 slot.timings["talker_codes"] = int(len(res.codes))
                 slot.timings["talker_batch"] = len(work)
