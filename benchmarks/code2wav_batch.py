@@ -16,11 +16,12 @@ Prints ms per round (median over ``--rounds``) and the ratios. CPU by default wi
 ``--save-audio FILE`` keeps the batched way's audio of every round (``.npz``); ``--compare-to FILE``
 prints, per level, how far this run's batched audio is from a saved run's (max |diff| and SNR in dB).
 The model, codes and seeds are the same in every run, so two processes that differ in one setting
-(e.g. ``DUPLEXKIT_CODE2WAV_TF32=1``, which must be set before the CUDA graphs are captured, or
-``--dtype float16``: the same random flow cast to half precision) measure that setting's numerical effect:
+(e.g. ``DUPLEXKIT_CODE2WAV_TF32=0``, full fp32 matmuls instead of the CUDA default TF32, which must be
+set before the CUDA graphs are captured, or ``--dtype float16``: the same random flow cast to half
+precision) measure that setting's numerical effect:
 
-    python benchmarks/code2wav_batch.py --device cuda --size real --save-audio /tmp/fp32.npz
-    DUPLEXKIT_CODE2WAV_TF32=1 python benchmarks/code2wav_batch.py --device cuda --size real --compare-to /tmp/fp32.npz
+    DUPLEXKIT_CODE2WAV_TF32=0 python benchmarks/code2wav_batch.py --device cuda --size real --save-audio /tmp/fp32.npz
+    python benchmarks/code2wav_batch.py --device cuda --size real --compare-to /tmp/fp32.npz
     python benchmarks/code2wav_batch.py --device cuda --size real --dtype float16 --compare-to /tmp/fp32.npz
 """
 
