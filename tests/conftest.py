@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+
+def _without_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+# Without CUDA the Triton decode kernels are tested under Triton's interpreter
+# (tests/model/test_triton_decode.py). Triton reads TRITON_INTERPRET when a kernel is decorated, and
+# stepaudio2 imports triton (and decorates its own kernels) as soon as any test imports it, so the
+# variable must be set before the first test module is imported, not in that test module.
+if "TRITON_INTERPRET" not in os.environ and _without_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -78,8 +78,11 @@ async def test_turn_order_and_chunk_sizes():
     assert outs.index(chunks[-1]) < pos["TurnEnd"] < pos["UnitTimings"]
     t = [o for o in outs if isinstance(o, UnitTimings)][0].timings
     for key in ("thinker_prefill_ms", "thinker_decode_ms", "decode_steps", "talker_ms", "talker_steps",
-                "code2wav_ms", "queue_ms", "total_ms"):
+                "code2wav_ms", "queue_ms", "total_ms", "thinker_done_ms", "talker_done_ms", "first_audio_ms"):
         assert key in t
+    # submit -> each stage's hand-over, in stage order, each at least the stage's own time
+    assert t["thinker_ms"] <= t["thinker_done_ms"] <= t["talker_done_ms"] <= t["first_audio_ms"] <= t["total_ms"]
+    assert t["talker_done_ms"] - t["thinker_done_ms"] >= t["talker_ms"] - 0.002  # each rounded to 1 µs
     await s.aclose()
     await eng.aclose()
     assert toy.live == {"thinker": 0, "talker": 0, "code2wav": 0}
