@@ -187,7 +187,7 @@ def test_add_rms_norm_matches_torch(td, dtype, N):
 
 # ---------------------------------------------------------------- decoder_forward, flag on vs off
 
-def _model(kind: str, dtype):
+def _model(kind: str, dtype, device=DEV):
     from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def _model(kind: str, dtype):
         m = LlamaModel(LlamaConfig(num_attention_heads=3, num_key_value_heads=3, head_dim=16, **kw))
     else:
         m = Qwen3Model(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **kw))
-    m = m.to(DEV, dtype).eval()
+    m = m.to(device, dtype).eval()
     with torch.no_grad():  # non-trivial norm gains
         for n, p in m.named_parameters():
             if "norm" in n:
@@ -281,6 +281,57 @@ def test_triton_decode_step_captures_in_a_cuda_graph(monkeypatch):
         eager = decoder_forward(model, x, pos, slots, pool, 1024)
     # the same kernels replayed: equal up to cuBLAS picking another GEMM algorithm under capture
     torch.testing.assert_close(got.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernels_launch_on_the_tensors_device_from_a_stage_thread(monkeypatch):
+    """The ``2gpu`` layout's talker is on cuda:1 and runs on a stage thread, whose current device is
+    0. Triton launches on the current device, so the kernels must switch to the tensors' device: a
+    decode step (eager and captured with capture_graph) equals the torch path on cuda:1."""
+    import threading
+
+    dev = torch.device("cuda:1")
+    monkeypatch.setattr(fast_kv, "_TRITON_DECODE", True)
+    model = _model("llama", torch.bfloat16, dev)
+    cfg = model.config
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 512, dtype=torch.bfloat16,
+                  device=dev, slots=3)
+    pool.k.normal_()
+    pool.v.normal_()
+    x = torch.randn(3, 1, 48, device=dev, dtype=torch.bfloat16)
+    pos = torch.tensor([[300], [7], [0]], device=dev)
+    slots = torch.tensor([0, 2, pool.scratch], device=dev)
+    k0, v0 = pool.k.clone(), pool.v.clone()
+    res = {}
+
+    def run():
+        try:
+            assert torch.cuda.current_device() == 0
+            with torch.no_grad():
+                monkeypatch.setattr(fast_kv, "_TRITON_DECODE", False)
+                res["ref"] = decoder_forward(model, x, pos, slots, pool, 512).clone()
+                monkeypatch.setattr(fast_kv, "_TRITON_DECODE", True)
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                res["eager"] = decoder_forward(model, x, pos, slots, pool, 512).clone()
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                graph, out = fast_kv.capture_graph(lambda: decoder_forward(model, x, pos, slots, pool, 512), dev)
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                graph.replay()
+                res["graph"] = out.clone()
+            torch.cuda.synchronize(dev)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            res["error"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    if "error" in res:
+        raise res["error"]
+    for key in ("eager", "graph"):
+        torch.testing.assert_close(res[key].float(), res["ref"].float(), atol=6e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("value,expected", [(None, True), ("0", False), ("1", True)])
