@@ -110,6 +110,31 @@ def test_decode_attention_long_context_splits(td):
         assert (out[b].double() - ref).abs().max().item() < 1e-5
 
 
+def test_strided_slots_and_pos_are_read_by_row(td):
+    """``slots`` / ``pos`` as column views of a [B, 2] table (stride 2): row b's own values are used
+    (the kernels index ``ptr + b``; a strided view read that way gives another row's values or
+    an out-of-range slot)."""
+    gen = torch.Generator().manual_seed(5)
+    H, hkv, D, S, L = 4, 2, 16, 2, 100
+    kc, vc = _cache(S, L, hkv, D, torch.float32, gen)
+    q = torch.randn(2, H, D, generator=gen).to(DEV)
+    table_s = torch.tensor([[0, 9], [1, 9]], device=DEV)  # 9: no such slot
+    table_p = torch.tensor([[5, 90], [40, 3]], device=DEV)
+    slots, pos = table_s[:, 0], table_p[:, 1]
+    assert slots.stride(0) == 2
+    ref = td.decode_attention(q, kc, vc, slots.clone(), pos.clone(), L, D ** -0.5)
+    out = td.decode_attention(q, kc, vc, slots, pos, L, D ** -0.5)
+    assert torch.equal(out, ref)
+    k = torch.randn(2, hkv, D, generator=gen).to(DEV)
+    v = torch.randn(2, hkv, D, generator=gen).to(DEV)
+    cs = torch.ones(2, D, device=DEV)
+    sn = torch.zeros(2, D, device=DEV)
+    kr, vr = kc.clone(), vc.clone()
+    td.qk_norm_rope_write(q, k, v, cs, sn, None, None, 0.0, kr, vr, slots.clone(), pos.clone())
+    td.qk_norm_rope_write(q, k, v, cs, sn, None, None, 0.0, kc, vc, slots, pos)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
 def test_decode_attention_rejects_bad_shapes(td):
     kc = torch.zeros(2, 8, 3, 16, device=DEV)
     q = torch.zeros(1, 4, 16, device=DEV)

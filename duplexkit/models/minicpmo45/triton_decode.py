@@ -161,7 +161,8 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots:
         q: [B, H, D] queries (model dtype; the last dim contiguous, any other strides).
         kc / vc: [S+1, Lmax, Hkv, D] one layer's key / value pool (same dtype as ``q``, the last dim
             contiguous). ``H`` must be a multiple of ``Hkv``; ``D`` a power of two >= 16.
-        slots: [B] integer slot per row. pos: [B] integer position of each row's query token.
+        slots: [B] integer slot per row. pos: [B] integer position of each row's query token (any
+            stride: the kernels index them densely, so strided views are made contiguous).
         kv_len: keys considered (host int; ``pos < kv_len`` is expected).
         scale: score scale (usually ``D ** -0.5``).
         n_split: key-range splits (0: :func:`num_splits` chooses; 1: one pass without a merge).
@@ -184,6 +185,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots:
     if slots.shape != (B,) or pos.shape != (B,):
         raise ValueError(f"slots and pos must be [{B}], got {tuple(slots.shape)} / {tuple(pos.shape)}")
     G = H // hkv
+    slots, pos = slots.contiguous(), pos.contiguous()  # the kernel reads Slots + b, Pos + b
     kv_len = int(kv_len)
     if n_split <= 0:
         n_split, chunk = num_splits(B, hkv, kv_len, _sm_count(q.device))
@@ -269,7 +271,7 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
         q_gain / k_gain: [D] RMSNorm gains (Qwen3 ``q_norm`` / ``k_norm``), or both None (Llama:
             no norm). eps: the norms' epsilon.
         kc / vc: [S+1, Lmax, Hkv, D] one layer's pool; row ``b``'s rotated K and its V are written at
-            ``[slots[b], pos[b]]``. slots / pos: [B] integer.
+            ``[slots[b], pos[b]]``. slots / pos: [B] integer (any stride; made contiguous).
 
     Returns:
         the rotated queries [B, H, D] (contiguous, ``q``'s dtype).
@@ -292,6 +294,7 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     if (q_gain is None) != (k_gain is None):
         raise ValueError("give both q_gain and k_gain or neither")
     has_norm = q_gain is not None
+    slots, pos = slots.contiguous(), pos.contiguous()  # the kernel reads Slots + b, Pos + b
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     with _on_device(q):
         _qk_rope_write_kernel[(B, H + hkv)](
