@@ -383,3 +383,16 @@ def test_cpu_tensors_never_take_the_triton_path_by_default(monkeypatch):
     assert fast_kv._use_triton(torch.zeros(1, 1, 4))
     monkeypatch.setattr(fast_kv, "_TRITON_DECODE", False)
     assert not fast_kv._use_triton(torch.zeros(1, 1, 4))
+
+
+def test_pre_ampere_gpus_keep_the_torch_ops(monkeypatch):
+    """The kernels' bf16 tl.dot needs compute capability 8.0: an older GPU takes PyTorch's ops."""
+    fast_kv._triton_capable.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (7, 5))
+    try:
+        assert not fast_kv._triton_capable(0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
+        fast_kv._triton_capable.cache_clear()
+        assert fast_kv._triton_capable(0)
+    finally:
+        fast_kv._triton_capable.cache_clear()

@@ -276,8 +276,16 @@ def _use_triton(x: torch.Tensor) -> bool:
     if not _TRITON_DECODE:
         return False
     if x.is_cuda:
-        return _triton_installed()
+        return _triton_installed() and _triton_capable(x.device.index if x.device.index is not None
+                                                       else torch.cuda.current_device())
     return _TRITON_ON_CPU and x.device.type == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_capable(device_index: int) -> bool:
+    """Compute capability 8.0 or newer (Ampere on): the kernels' bf16 ``tl.dot`` needs it; older
+    GPUs keep PyTorch's ops. Measured only on an H200 (9.0)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,
