@@ -110,6 +110,31 @@ def test_decode_attention_long_context_splits(td):
         assert (out[b].double() - ref).abs().max().item() < 1e-5
 
 
+def test_strided_slots_and_pos_are_read_by_row(td):
+    """``slots`` / ``pos`` as column views of a [B, 2] table (stride 2): row b's own values are used
+    (the kernels index ``ptr + b``; a strided view read that way gives another row's values or
+    an out-of-range slot)."""
+    gen = torch.Generator().manual_seed(5)
+    H, hkv, D, S, L = 4, 2, 16, 2, 100
+    kc, vc = _cache(S, L, hkv, D, torch.float32, gen)
+    q = torch.randn(2, H, D, generator=gen).to(DEV)
+    table_s = torch.tensor([[0, 9], [1, 9]], device=DEV)  # 9: no such slot
+    table_p = torch.tensor([[5, 90], [40, 3]], device=DEV)
+    slots, pos = table_s[:, 0], table_p[:, 1]
+    assert slots.stride(0) == 2
+    ref = td.decode_attention(q, kc, vc, slots.clone(), pos.clone(), L, D ** -0.5)
+    out = td.decode_attention(q, kc, vc, slots, pos, L, D ** -0.5)
+    assert torch.equal(out, ref)
+    k = torch.randn(2, hkv, D, generator=gen).to(DEV)
+    v = torch.randn(2, hkv, D, generator=gen).to(DEV)
+    cs = torch.ones(2, D, device=DEV)
+    sn = torch.zeros(2, D, device=DEV)
+    kr, vr = kc.clone(), vc.clone()
+    td.qk_norm_rope_write(q, k, v, cs, sn, None, None, 0.0, kr, vr, slots.clone(), pos.clone())
+    td.qk_norm_rope_write(q, k, v, cs, sn, None, None, 0.0, kc, vc, slots, pos)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
 def test_decode_attention_rejects_bad_shapes(td):
     kc = torch.zeros(2, 8, 3, 16, device=DEV)
     q = torch.zeros(1, 4, 16, device=DEV)
@@ -187,7 +212,7 @@ def test_add_rms_norm_matches_torch(td, dtype, N):
 
 # ---------------------------------------------------------------- decoder_forward, flag on vs off
 
-def _model(kind: str, dtype):
+def _model(kind: str, dtype, device=DEV):
     from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
@@ -197,7 +222,7 @@ def _model(kind: str, dtype):
         m = LlamaModel(LlamaConfig(num_attention_heads=3, num_key_value_heads=3, head_dim=16, **kw))
     else:
         m = Qwen3Model(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **kw))
-    m = m.to(DEV, dtype).eval()
+    m = m.to(device, dtype).eval()
     with torch.no_grad():  # non-trivial norm gains
         for n, p in m.named_parameters():
             if "norm" in n:
@@ -283,6 +308,57 @@ def test_triton_decode_step_captures_in_a_cuda_graph(monkeypatch):
     torch.testing.assert_close(got.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernels_launch_on_the_tensors_device_from_a_stage_thread(monkeypatch):
+    """The ``2gpu`` layout's talker is on cuda:1 and runs on a stage thread, whose current device is
+    0. Triton launches on the current device, so the kernels must switch to the tensors' device: a
+    decode step (eager and captured with capture_graph) equals the torch path on cuda:1."""
+    import threading
+
+    dev = torch.device("cuda:1")
+    monkeypatch.setattr(fast_kv, "_TRITON_DECODE", True)
+    model = _model("llama", torch.bfloat16, dev)
+    cfg = model.config
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 512, dtype=torch.bfloat16,
+                  device=dev, slots=3)
+    pool.k.normal_()
+    pool.v.normal_()
+    x = torch.randn(3, 1, 48, device=dev, dtype=torch.bfloat16)
+    pos = torch.tensor([[300], [7], [0]], device=dev)
+    slots = torch.tensor([0, 2, pool.scratch], device=dev)
+    k0, v0 = pool.k.clone(), pool.v.clone()
+    res = {}
+
+    def run():
+        try:
+            assert torch.cuda.current_device() == 0
+            with torch.no_grad():
+                monkeypatch.setattr(fast_kv, "_TRITON_DECODE", False)
+                res["ref"] = decoder_forward(model, x, pos, slots, pool, 512).clone()
+                monkeypatch.setattr(fast_kv, "_TRITON_DECODE", True)
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                res["eager"] = decoder_forward(model, x, pos, slots, pool, 512).clone()
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                graph, out = fast_kv.capture_graph(lambda: decoder_forward(model, x, pos, slots, pool, 512), dev)
+                pool.k.copy_(k0)
+                pool.v.copy_(v0)
+                graph.replay()
+                res["graph"] = out.clone()
+            torch.cuda.synchronize(dev)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            res["error"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    if "error" in res:
+        raise res["error"]
+    for key in ("eager", "graph"):
+        torch.testing.assert_close(res[key].float(), res["ref"].float(), atol=6e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("value,expected", [(None, True), ("0", False), ("1", True)])
 def test_flag_is_read_from_the_environment_at_import(value, expected):
     import subprocess
@@ -307,3 +383,16 @@ def test_cpu_tensors_never_take_the_triton_path_by_default(monkeypatch):
     assert fast_kv._use_triton(torch.zeros(1, 1, 4))
     monkeypatch.setattr(fast_kv, "_TRITON_DECODE", False)
     assert not fast_kv._use_triton(torch.zeros(1, 1, 4))
+
+
+def test_pre_ampere_gpus_keep_the_torch_ops(monkeypatch):
+    """The kernels' bf16 tl.dot needs compute capability 8.0: an older GPU takes PyTorch's ops."""
+    fast_kv._triton_capable.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (7, 5))
+    try:
+        assert not fast_kv._triton_capable(0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
+        fast_kv._triton_capable.cache_clear()
+        assert fast_kv._triton_capable(0)
+    finally:
+        fast_kv._triton_capable.cache_clear()

@@ -63,17 +63,39 @@ def capture_graph(fn, device, *, pool=None, warmup: int = 1):
 
     Returns:
         ``(graph, out)``: the ``torch.cuda.CUDAGraph`` and what ``fn`` returned during the capture.
+
+    ``device`` is made current for the warm-up and the capture (a stage thread starts on device 0,
+    and ``torch.cuda.graph`` syncs the current device and begins the capture on a stream of it), and
+    the capture runs on :func:`_capture_stream` of ``device``.
     """
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    with torch.cuda.device(device):
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with CAPTURE_GATE.exclusive(), torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
+                                                        capture_error_mode="thread_local"):
+            out = fn()
     return graph, out
+
+
+_CAPTURE_STREAMS = {}
+
+
+def _capture_stream() -> "torch.cuda.Stream":
+    """The capture stream of the current CUDA device, one per device for every capture of the
+    process (call it holding :data:`CAPTURE_GATE` exclusive). torch's own default is one stream for
+    the whole process, made on whichever device was current at the first capture, so a model on
+    another device (the ``2gpu`` layout's talker and Code2Wav on cuda:1) was captured from a stream
+    of the wrong device. One stream per device, not one per capture: a graph pool shared by several
+    captures reuses the blocks an earlier capture freed only on the same stream."""
+    idx = torch.cuda.current_device()
+    if idx not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[idx] = torch.cuda.Stream(idx)
+    return _CAPTURE_STREAMS[idx]
 
 
 def keep_for_current_stream(*tensors) -> None:
@@ -254,8 +276,16 @@ def _use_triton(x: torch.Tensor) -> bool:
     if not _TRITON_DECODE:
         return False
     if x.is_cuda:
-        return _triton_installed()
+        return _triton_installed() and _triton_capable(x.device.index if x.device.index is not None
+                                                       else torch.cuda.current_device())
     return _TRITON_ON_CPU and x.device.type == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_capable(device_index: int) -> bool:
+    """Compute capability 8.0 or newer (Ampere on): the kernels' bf16 ``tl.dot`` needs it; older
+    GPUs keep PyTorch's ops. Measured only on an H200 (9.0)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, pool: KVPool,

@@ -23,6 +23,7 @@ reduction and the softmax in fp32. Against the torch path the results differ by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Tuple
 
@@ -116,6 +117,14 @@ def _attn_combine_kernel(O, Mp, Lp, Ap, stride_ob, n_split, D: tl.constexpr, BLO
     tl.store(O + b.to(tl.int64) * stride_ob + h * D + offs_d, out.to(O.dtype.element_ty))
 
 
+def _on_device(t: torch.Tensor):
+    """Make ``t``'s CUDA device current for a launch: Triton launches on the calling thread's current
+    device and its current stream (``torch.cuda.current_device()``), not on the device of the
+    tensors, and every new thread starts on device 0 (the talker of the ``2gpu`` layout is on
+    cuda:1). A no-op context for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 _SM_COUNT = {}
 
 
@@ -152,7 +161,8 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots:
         q: [B, H, D] queries (model dtype; the last dim contiguous, any other strides).
         kc / vc: [S+1, Lmax, Hkv, D] one layer's key / value pool (same dtype as ``q``, the last dim
             contiguous). ``H`` must be a multiple of ``Hkv``; ``D`` a power of two >= 16.
-        slots: [B] integer slot per row. pos: [B] integer position of each row's query token.
+        slots: [B] integer slot per row. pos: [B] integer position of each row's query token (any
+            stride: the kernels index them densely, so strided views are made contiguous).
         kv_len: keys considered (host int; ``pos < kv_len`` is expected).
         scale: score scale (usually ``D ** -0.5``).
         n_split: key-range splits (0: :func:`num_splits` chooses; 1: one pass without a merge).
@@ -175,6 +185,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots:
     if slots.shape != (B,) or pos.shape != (B,):
         raise ValueError(f"slots and pos must be [{B}], got {tuple(slots.shape)} / {tuple(pos.shape)}")
     G = H // hkv
+    slots, pos = slots.contiguous(), pos.contiguous()  # the kernel reads Slots + b, Pos + b
     kv_len = int(kv_len)
     if n_split <= 0:
         n_split, chunk = num_splits(B, hkv, kv_len, _sm_count(q.device))
@@ -190,15 +201,16 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots:
     else:
         mp = lp = ap = out  # unused
     dot_f32 = _INTERPRET or q.dtype == torch.float32
-    _attn_split_kernel[(B, hkv, n_split)](
-        q, kc, vc, slots, pos, out, mp, lp, ap,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        out.stride(0), kv_len, chunk, n_split, float(scale),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=BLOCK_N, SPLIT=split, DOT_F32=dot_f32,
-        num_warps=4, num_stages=2)
-    if split:
-        _attn_combine_kernel[(B, H)](out, mp, lp, ap, out.stride(0), n_split, D=D,
-                                     BLOCK_S=max(2, triton.next_power_of_2(n_split)), num_warps=4)
+    with _on_device(q):
+        _attn_split_kernel[(B, hkv, n_split)](
+            q, kc, vc, slots, pos, out, mp, lp, ap,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            out.stride(0), kv_len, chunk, n_split, float(scale),
+            G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=BLOCK_N, SPLIT=split, DOT_F32=dot_f32,
+            num_warps=4, num_stages=2)
+        if split:
+            _attn_combine_kernel[(B, H)](out, mp, lp, ap, out.stride(0), n_split, D=D,
+                                         BLOCK_S=max(2, triton.next_power_of_2(n_split)), num_warps=4)
     return out
 
 
@@ -259,7 +271,7 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
         q_gain / k_gain: [D] RMSNorm gains (Qwen3 ``q_norm`` / ``k_norm``), or both None (Llama:
             no norm). eps: the norms' epsilon.
         kc / vc: [S+1, Lmax, Hkv, D] one layer's pool; row ``b``'s rotated K and its V are written at
-            ``[slots[b], pos[b]]``. slots / pos: [B] integer.
+            ``[slots[b], pos[b]]``. slots / pos: [B] integer (any stride; made contiguous).
 
     Returns:
         the rotated queries [B, H, D] (contiguous, ``q``'s dtype).
@@ -282,12 +294,14 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     if (q_gain is None) != (k_gain is None):
         raise ValueError("give both q_gain and k_gain or neither")
     has_norm = q_gain is not None
+    slots, pos = slots.contiguous(), pos.contiguous()  # the kernel reads Slots + b, Pos + b
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    _qk_rope_write_kernel[(B, H + hkv)](
-        q, k, v, cos, sin, q_gain if has_norm else q, k_gain if has_norm else k, out, kc, vc, slots, pos,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), float(eps),
-        H=H, HALF=D // 2, HAS_NORM=has_norm, num_warps=1)
+    with _on_device(q):
+        _qk_rope_write_kernel[(B, H + hkv)](
+            q, k, v, cos, sin, q_gain if has_norm else q, k_gain if has_norm else k, out, kc, vc, slots, pos,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), float(eps),
+            H=H, HALF=D // 2, HAS_NORM=has_norm, num_warps=1)
     return out
 
 
@@ -327,6 +341,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     s = torch.empty_like(x)
     h = torch.empty_like(x)
     block = triton.next_power_of_2(N)
-    _add_rms_kernel[(rows,)](x, y, weight, s, h, N, float(eps), BLOCK=block,
-                             num_warps=8 if block >= 4096 else (4 if block >= 1024 else 1))
+    with _on_device(x):
+        _add_rms_kernel[(rows,)](x, y, weight, s, h, N, float(eps), BLOCK=block,
+                                 num_warps=8 if block >= 4096 else (4 if block >= 1024 else 1))
     return s, h
