@@ -295,9 +295,12 @@ def test_warmup_refuses_a_stage_thread_and_queued_jobs_fail_on_close():
         fut = eng._runtime.run_job("thinker", lambda: eng.warmup())
         with pytest.raises(RuntimeError, match="stage worker thread"):
             fut.result(timeout=10)
-        gate = threading.Event()
-        first = eng._runtime.run_job("talker", lambda: gate.wait(10))  # holds the talker thread
+        gate, started = threading.Event(), threading.Event()
+        first = eng._runtime.run_job("talker", lambda: started.set() or gate.wait(10))  # holds the talker thread
         queued = eng._runtime.run_job("talker", lambda: "never")
+        # the talker thread is inside the first job before the engine closes (on a loaded machine it
+        # may not have picked it up yet, and a job never started fails on close: that is `queued`)
+        assert started.wait(30)
     finally:
         closing = threading.Thread(target=lambda: asyncio.run(eng.aclose()))
         closing.start()
