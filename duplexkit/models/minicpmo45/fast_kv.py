@@ -322,17 +322,26 @@ def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
     return _rms(model.norm, x)
 
 
-def _qkv_projections(layer, h: torch.Tensor):
-    """The layer's projections of ``h`` [B, T, hidden]: q [B,T,H,D], k/v [B,T,Hkv,D] before norm
-    and rotary (views into the fused QKV output when the layer has one)."""
+def _fused_qkv(layer, h: torch.Tensor):
+    """The fused QKV projection of ``h`` [B, T, hidden] (a layer with ``_dk_qkv``): (qkv [B, T,
+    H + 2 Hkv, D], H, Hkv), query heads first, then key heads, then value heads."""
     a = layer.self_attn
     hd = a.head_dim
     B, T, _ = h.shape
+    qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
+    nk = a.k_proj.weight.shape[0] // hd
+    return qkv, qkv.shape[2] - 2 * nk, nk
+
+
+def _qkv_projections(layer, h: torch.Tensor):
+    """The layer's projections of ``h`` [B, T, hidden]: q [B,T,H,D], k/v [B,T,Hkv,D] before norm
+    and rotary (views into the fused QKV output when the layer has one)."""
     if hasattr(layer, "_dk_qkv"):
-        qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
-        nk = a.k_proj.weight.shape[0] // hd
-        nq = qkv.shape[2] - 2 * nk
+        qkv, nq, nk = _fused_qkv(layer, h)
         return qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
+    a = layer.self_attn
+    hd = a.head_dim
+    B, T, _ = h.shape
     return a.q_proj(h).view(B, T, -1, hd), a.k_proj(h).view(B, T, -1, hd), a.v_proj(h).view(B, T, -1, hd)
 
 
@@ -389,11 +398,8 @@ def _qkv_rope(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cuda
     (``cos`` / ``sin`` [B, T, 1, D]; ``cuda`` picks the fused-norm form)."""
     a = layer.self_attn
     hd = a.head_dim
-    B, T, _ = h.shape
     if hasattr(layer, "_dk_qkv"):
-        qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
-        nk = a.k_proj.weight.shape[0] // hd
-        nq = qkv.shape[2] - 2 * nk
+        qkv, nq, nk = _fused_qkv(layer, h)
         qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk:]
         if hasattr(layer, "_dk_qk_gain"):
             if cuda:
@@ -403,9 +409,7 @@ def _qkv_rope(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cuda
         qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk[:, :, :nq], qk[:, :, nq:]
     else:
-        q = a.q_proj(h).view(B, T, -1, hd)
-        k = a.k_proj(h).view(B, T, -1, hd)
-        v = a.v_proj(h).view(B, T, -1, hd)
+        q, k, v = _qkv_projections(layer, h)
         if hasattr(a, "q_norm"):  # Qwen3
             q = _rms(a.q_norm, q)
             k = _rms(a.k_norm, k)
