@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpt-realtime*/gpt-4o* model ids: serve them with this model, logged (map, default) "
                         "or refuse them with model_not_found")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="thinker dtype override (default: the layout's)")
+                   help="thinker and talker dtype override (default: the layout's; Code2Wav keeps the layout's)")
     p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",
                    help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

@@ -155,11 +155,11 @@ def _parse_stage(stage: str, raw, source: str) -> StageLayout:
     if len({_normal(d) for d in devices}) != len(devices):
         raise LayoutError(f"{where}.device lists a device twice: {list(devices)} ('cuda' is 'cuda:0')", source)
     dtype = raw.get("dtype", "float32")
-    if dtype not in _DTYPES:
-        raise LayoutError(f"{where}.dtype must be one of {list(_DTYPES)}, got {dtype!r}", source)
     if stage == "code2wav" and dtype not in ("float32", "float16"):
         raise LayoutError(f"{where}.dtype must be float32 or float16 (the reference Token2wav's two modes), "
                           f"got {dtype!r}", source)
+    if dtype not in _DTYPES:
+        raise LayoutError(f"{where}.dtype must be one of {list(_DTYPES)}, got {dtype!r}", source)
     mns = raw.get("max_num_seqs", 4)
     if not isinstance(mns, int) or isinstance(mns, bool) or mns < 1:
         raise LayoutError(f"{where}.max_num_seqs must be an integer >= 1, got {mns!r}", source)

@@ -378,7 +378,7 @@ def load(
 
         tts_keys = [k for k in index if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
         if progress:
-            print(f"[duplexkit] loading talker ({len(tts_keys)} tensors) on {devs['talker']}", file=sys.stderr, flush=True)
+            print(f"[duplexkit] loading talker ({len(tts_keys)} tensors, {dt_talker}) on {devs['talker']}", file=sys.stderr, flush=True)
         sd = _read_tensors(index, tts_keys, torch.float32, "cpu", progress="talker weights" if progress else None)
         talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt_talker, device=devs["talker"])
         del sd
@@ -392,7 +392,7 @@ def load(
         from . import code2wav as c2w_mod
 
         if progress:
-            print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']}", file=sys.stderr, flush=True)
+            print(f"[duplexkit] loading code2wav from {t2w_dir} on {devs['code2wav']} (flow {dt_c2w})", file=sys.stderr, flush=True)
         Code2Wav = getattr(c2w_mod, "Code2Wav")
         if fast_on("code2wav"):
             from .fast_code2wav import BatchedCode2Wav as Code2Wav
