@@ -48,6 +48,13 @@ def main() -> int:
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                     help="the flow's dtype (float16: the reference's Token2wav(float16=True); HiFT stays float32)")
+    ap.add_argument("--ways", default="per-stream,flow-batched,batched",
+                    help="comma list of per-stream, flow-batched, batched (the per-stream way is slow at 32)")
+    ap.add_argument("--graph-rows", type=int, default=None,
+                    help="rows of the Euler-loop CUDA graphs (sub-batch size; default 4 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print the batched way's ms per round in the encoder, the Euler loop and "
+                         "HiFT + cross-fade (synchronised around each call: adds a few syncs)")
     ap.add_argument("--save-audio", default=None, metavar="FILE", help="write the batched way's audio (.npz)")
     ap.add_argument("--compare-to", default=None, metavar="FILE",
                     help="compare the batched way's audio with a file written by --save-audio")
@@ -61,6 +68,12 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     c2w = _random_code2wav(Path(tempfile.mkdtemp()), dev, gen, real=a.size == "real", batched=True,
                            dtype=getattr(torch, a.dtype))
+    if a.graph_rows is not None:
+        from duplexkit.models.minicpmo45.fast_code2wav import _graph_rows
+
+        c2w.graph_rows = _graph_rows(a.graph_rows)
+        if c2w.euler_sub_batch is not None:
+            c2w.euler_sub_batch = c2w.graph_rows
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
     if hasattr(c2w, "warmup") and dev.type == "cuda":
         c2w.warmup(batch_sizes=tuple(levels))
@@ -91,18 +104,42 @@ def main() -> int:
         return run
 
     ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True, keep=True))]
+    wanted = [w.strip() for w in a.ways.split(",") if w.strip()]
+    unknown = set(wanted) - {name for name, _ in ways}
+    if unknown or "batched" not in wanted:
+        ap.error(f"--ways: choose from per-stream, flow-batched, batched (batched always), got {a.ways!r}")
+    ways = [w for w in ways if w[0] in wanted]
+    phase_ms: dict = {}  # phase -> ms accumulated in the current batched round
+    if a.phases:
+        for meth, phase in (("_encode", "encoder"), ("_euler_batch", "euler"), ("_vocode", "hift")):
+            orig = getattr(c2w, meth)
+
+            def timed(*args, _orig=orig, _phase=phase, **kw):
+                sync()
+                t = time.perf_counter()
+                try:
+                    return _orig(*args, **kw)
+                finally:
+                    sync()
+                    phase_ms[_phase] = phase_ms.get(_phase, 0.0) + (time.perf_counter() - t) * 1000.0
+
+            setattr(c2w, meth, timed)
     print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"flow {a.dtype}, code2wav TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}", flush=True)
+    print(f"device {dev}: Euler-loop graph rows {c2w.graph_rows}, sub-batch {c2w.euler_sub_batch}", flush=True)
     print(f"{'streams':>7} {'per-stream ms':>14} {'flow-batched ms':>16} {'batched ms':>11} "
-          f"{'per-stream/batched':>19} {'flow-batched/batched':>21}", flush=True)
+          f"{'per-stream/batched':>19} {'flow-batched/batched':>21}"
+          + (f" {'encoder':>8} {'euler':>8} {'hift':>8}" if a.phases else ""), flush=True)
     for n in levels:
         sts = {name: [c2w.new_stream(None, seed=k) for k in range(n)] for name, _ in ways}
         times = {name: [] for name, _ in ways}
+        phases: dict = {}
         for r in range(a.rounds + 2):
             codes = [rng.integers(0, 6561, 25) for _ in range(n)]
             for name, fn in ways:
                 sync()
                 t = time.perf_counter()
+                phase_ms.clear()
                 if name == "batched":
                     fn(sts[name], codes, f"{n}/{r}")
                 else:
@@ -110,9 +147,17 @@ def main() -> int:
                 sync()
                 if r >= 2:
                     times[name].append((time.perf_counter() - t) * 1000.0)
-        med = {k: statistics.median(v) for k, v in times.items()}
+                    if name == "batched":
+                        for k, v in phase_ms.items():
+                            phases.setdefault(k, []).append(v)
+        med = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
+        for k in ("per-stream", "flow-batched"):
+            med.setdefault(k, float("nan"))
+        ph = {k: statistics.median(v) for k, v in phases.items()}
         print(f"{n:>7} {med['per-stream']:>14.1f} {med['flow-batched']:>16.1f} {med['batched']:>11.1f} "
-              f"{med['per-stream'] / med['batched']:>18.2f}x {med['flow-batched'] / med['batched']:>20.2f}x", flush=True)
+              f"{med['per-stream'] / med['batched']:>18.2f}x {med['flow-batched'] / med['batched']:>20.2f}x"
+              + (f" {ph.get('encoder', 0):>8.1f} {ph.get('euler', 0):>8.1f} {ph.get('hift', 0):>8.1f}" if a.phases else ""),
+              flush=True)
         for v in sts.values():
             for st in v:
                 c2w.close(st)

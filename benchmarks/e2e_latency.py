@@ -571,7 +571,7 @@ def main(argv=None) -> int:
     ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
                     help="random-*: the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, help="write the results as JSON here (with the raw latency-trace records)")
     ap.add_argument("--trace", action="store_true",
                     help="serve in this process and print the server's latency trace per level "
                          "(the duplexkit.latency logger; scripted/tiny/random-*)")
@@ -623,6 +623,7 @@ def main(argv=None) -> int:
                 tracer.records = []
             r = asyncio.run(run_level(url, n, a.rounds, a.timeout, a.silence_ms, a.split_commit_ms))
             r["trace"] = trace_summary(tracer.records) if tracer is not None else None
+            r["trace_records"] = list(tracer.records) if tracer is not None else []
             rows.append((n, r))
             print_table([(n, r)])
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['create'])} create / {len(r['vad_eos'])} vad / "
@@ -647,7 +648,7 @@ def main(argv=None) -> int:
           f"VAD silence_duration_ms {a.silence_ms})")
     print_table(rows)
     out = [{"sessions": n, **{k: r[k] for k in ("create", "create_split", "vad_eos", "vad_stop", "barge", "barge_last",
-                                                 "barge_missed", "vad_preempted", "trace")},
+                                                 "barge_missed", "vad_preempted", "trace", "trace_records")},
             "errors": dict(_error_kinds(r["errors"]))} for n, r in rows]
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))

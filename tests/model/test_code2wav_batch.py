@@ -204,10 +204,9 @@ def test_encoder_rows_are_independent_of_padding_rows(c2w):
 
 def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
     """The Euler loop's scratch (DiT blocks' caches, and on CUDA every graph's static buffers) is one
-    set of flat buffers sized for GRAPH_MAX_BATCH streams, not one set per batch size or graph: 1..4
+    set of flat buffers sized for ``graph_rows`` streams, not one set per batch size or graph: 1..4
     streams add nothing after the first call; only a larger eager group adds its own buffer."""
-    from duplexkit.models.minicpmo45.fast_code2wav import GRAPH_MAX_BATCH
-
+    GRAPH_MAX_BATCH = c2w.graph_rows
     codes = np.full(25, 4218, np.int64)
 
     def round_of(n):
@@ -218,10 +217,10 @@ def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
             for st in sts:
                 c2w.close(st)
 
-    round_of(1)
+    round_of(2)  # (1 stream on the CPU takes the per-stream flow, which uses no scratch)
     first = c2w.scratch_bytes()
     assert first > 0
-    for n in range(2, GRAPH_MAX_BATCH + 1):
+    for n in range(1, GRAPH_MAX_BATCH + 1):
         round_of(n)
         assert c2w.scratch_bytes() == first, n
     if c2w.euler_sub_batch is None:  # CPU: a bigger group runs whole, on the eager buffer
@@ -230,6 +229,51 @@ def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
         grown = c2w.scratch_bytes()
         round_of(GRAPH_MAX_BATCH + 1)
         assert c2w.scratch_bytes() == grown
+
+
+def test_graph_rows_choice(monkeypatch):
+    """The Euler-loop graph rows: GRAPH_MAX_BATCH by default, DUPLEXKIT_CODE2WAV_GRAPH_ROWS or the
+    argument otherwise; anything but a power of two from 1 to 16 is a ValueError naming the choices."""
+    from duplexkit.models.minicpmo45.fast_code2wav import GRAPH_MAX_BATCH, _graph_rows
+
+    monkeypatch.delenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", raising=False)
+    assert _graph_rows(None) == GRAPH_MAX_BATCH == 4
+    assert _graph_rows(8) == 8
+    monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "16")
+    assert _graph_rows(None) == 16
+    assert _graph_rows(2) == 2  # the argument wins
+    for bad in ("3", "32", "0", "eight"):
+        monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", bad)
+        with pytest.raises(ValueError, match="1, 2, 4, 8 or 16"):
+            _graph_rows(None)
+    with pytest.raises(ValueError, match="1, 2, 4, 8 or 16"):
+        _graph_rows(6)
+
+
+def test_scratch_follows_graph_rows(c2w):
+    """The shared scratch is sized for ``graph_rows`` streams: 8 rows need about twice the bytes of 4."""
+    codes = np.full(25, 4218, np.int64)
+    saved = (c2w.graph_rows, c2w.euler_sub_batch, dict(c2w._scratch), c2w._scratch_capacity)
+    sizes = {}
+    try:
+        for rows in (4, 8):
+            c2w.graph_rows = rows
+            c2w._scratch.clear()
+            c2w._dit_graphs.clear()
+            sts = [c2w.new_stream(None, seed=k) for k in range(2)]  # 2: the batched flow, with scratch
+            try:
+                c2w.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
+            finally:
+                for st in sts:
+                    c2w.close(st)
+            sizes[rows] = c2w.scratch_bytes()
+    finally:
+        c2w.graph_rows, c2w.euler_sub_batch = saved[0], saved[1]
+        c2w._scratch.clear()
+        c2w._scratch.update(saved[2])
+        c2w._scratch_capacity = saved[3]
+        c2w._dit_graphs.clear()
+    assert 1.8 < sizes[8] / sizes[4] < 2.2, sizes
 
 
 def test_failed_call_frees_its_tensors_at_once(c2w, monkeypatch):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,12 +59,31 @@ HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
 
 GRAPH_MAX_BATCH = 4
-"""Flow calls of at most this many streams replay a captured Euler-loop graph on CUDA (bigger
-groups run as sub-batches of this size; fp32 per-step caches would cost ~10 GB per graph of 16)."""
+"""The default :attr:`BatchedCode2Wav.graph_rows`: flow calls of at most this many streams replay a
+captured Euler-loop graph on CUDA (bigger groups run as sub-batches of this size). The graphs share
+one scratch set sized for this many rows (~1.3 GiB per row at real size: fp32 per-step DiT caches).
+``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (a power of two, 1-16)."""
 
 LAST_SUB_BATCH = 8
 """On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at
 most this many streams: each row needs its caches gathered (~0.4-0.6 GB per stream at real size)."""
+
+
+def _graph_rows(rows: Optional[int]) -> int:
+    """The Euler-loop graph rows: ``rows``, else ``DUPLEXKIT_CODE2WAV_GRAPH_ROWS``, else
+    :data:`GRAPH_MAX_BATCH`.
+
+    Raises:
+        ValueError: not a power of two from 1 to 16."""
+    if rows is None:
+        env = os.environ.get("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "").strip()
+        try:
+            rows = int(env) if env else GRAPH_MAX_BATCH
+        except ValueError:
+            raise ValueError(f"DUPLEXKIT_CODE2WAV_GRAPH_ROWS must be 1, 2, 4, 8 or 16, got {env!r}") from None
+    if rows not in (1, 2, 4, 8, 16):
+        raise ValueError(f"Code2Wav graph rows must be 1, 2, 4, 8 or 16, got {rows!r}")
+    return int(rows)
 
 
 def matmul_tf32_default(device) -> bool:
@@ -91,9 +110,11 @@ class BatchedCode2Wav(Code2Wav):
 
     batched = True
 
-    def __init__(self, *a, hift_batched: bool = True, **kw) -> None:
+    def __init__(self, *a, hift_batched: bool = True, graph_rows: Optional[int] = None, **kw) -> None:
         super().__init__(*a, **kw)
         self.hift_batched = bool(hift_batched)
+        #: rows of the Euler-loop graphs and of their shared scratch (:data:`GRAPH_MAX_BATCH`)
+        self.graph_rows = _graph_rows(graph_rows)
         #: flat device buffers by role, shared by every Euler-loop graph and eager call (_scratch_view)
         self._scratch: Dict[str, Any] = {}
         self._scratch_capacity = 0
@@ -106,7 +127,7 @@ class BatchedCode2Wav(Code2Wav):
         self._use_graphs = self.device.type == "cuda" and os.environ.get("DUPLEXKIT_CUDA_GRAPHS", "1") != "0"
         #: non-final Euler loops run in sub-batches of this many streams (None: the whole group);
         #: the captured graphs' size on CUDA
-        self.euler_sub_batch = GRAPH_MAX_BATCH if self._use_graphs else None
+        self.euler_sub_batch = self.graph_rows if self._use_graphs else None
         #: a turn's last chunks run the Euler loop in sub-batches of this many streams (None: whole group)
         self.last_sub_batch = LAST_SUB_BATCH if self.device.type == "cuda" else None
         #: HiFT calls are padded to these row counts (None: no padding). On CUDA the conv plans are
@@ -256,7 +277,7 @@ class BatchedCode2Wav(Code2Wav):
         """A contiguous view with ``shape`` of the flat scratch buffer ``role`` (zero-filled when made).
 
         The buffers are sized at the current frame capacity; a buffer is made with at least
-        ``min_numel`` elements (a role of the captured graphs: its size for :data:`GRAPH_MAX_BATCH`
+        ``min_numel`` elements (a role of the captured graphs: its size for :attr:`graph_rows`
         streams, so that no graph's view outgrows it). A capacity change (a voice with a longer prompt) or a request larger than the buffer
         makes a new buffer and drops the Euler-loop graphs (they point at the old one)."""
         torch = self.torch
@@ -282,7 +303,7 @@ class BatchedCode2Wav(Code2Wav):
         frames (``x0``: [B, 80, T]; ``mu_in``, ``cond_in``: [2B, 80, T]; ``spks_in``: [2B, 80]; ``cnn``,
         ``cnn_out``: [n, depth, 2B, C, 2]; ``att``: [n, depth, 2B, h, L, 2hd] with L = ``frames``;
         ``att_out``: the same with L + T; ``abuf`` [depth, 2B, h, capacity, 2hd] and ``cbuf``
-        [depth, 2B, C, 2]: the DiT blocks' per-step scratch). Rows up to :data:`GRAPH_MAX_BATCH` share
+        [depth, 2B, C, 2]: the DiT blocks' per-step scratch). Rows up to :attr:`graph_rows` share
         one buffer with the graphs; more rows (eager calls) use a second one, grown as needed."""
         dec = self.flow.decoder
         n, depth, h, hd2, C = self.n_timesteps, self._depth, self._heads, 2 * self._head_dim, dec.out_channels
@@ -299,8 +320,8 @@ class BatchedCode2Wav(Code2Wav):
             "abuf": lambda B, T: (depth, 2 * B, h, cap, hd2),
             "cbuf": lambda B, T: (depth, 2 * B, self._conv_ch, 2),
         }[role]
-        if rows <= GRAPH_MAX_BATCH:
-            return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(GRAPH_MAX_BATCH, cap)))
+        if rows <= self.graph_rows:
+            return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(self.graph_rows, cap)))
         return self._scratch_view(role + "/eager", shapes(rows, frames))
 
     def _buffers(self, B: int) -> tuple:
@@ -406,8 +427,8 @@ class BatchedCode2Wav(Code2Wav):
         x0 = dec.rand_noise[:, :, offset:offset + mu.size(2)].expand(B, -1, -1)
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spk, torch.zeros_like(spk)], dim=0)
-        if self._use_graphs and not last and B <= GRAPH_MAX_BATCH:
-            Bb = next(b for b in (1, 2, 4) if b >= B)
+        if self._use_graphs and not last and B <= self.graph_rows:
+            Bb = 1 << (B - 1).bit_length()  # graphs for 1, 2, 4, ... rows (graph_rows is a power of two)
             key = (Bb, mu.shape[2], att.shape[4])
             g = self._dit_graphs.get(key)
             if g is None:
