@@ -58,11 +58,14 @@ __all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
 
-GRAPH_MAX_BATCH = 4
+GRAPH_MAX_BATCH = 8
 """The default :attr:`BatchedCode2Wav.graph_rows`: flow calls of at most this many streams replay a
 captured Euler-loop graph on CUDA (bigger groups run as sub-batches of this size). The graphs share
-one scratch set sized for this many rows (~1.3 GiB per row at real size: fp32 per-step DiT caches).
-``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (a power of two, 1-16)."""
+one scratch set sized for this many rows (10.55 GiB at 8 rows at real size: fp32 per-step DiT
+caches). Measured on an H200 at real size (benchmarks/NOTES.md, stop 17, ``code2wav_batch.py
+--graph-rows``): 8 rows instead of 4 take a 32-stream round from 503 to 364 ms (the Euler loop from
+424 to 283) and an 8-stream round from 134 to 110 ms; 48 streams still fit beside the thinker and
+talker. ``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (1, 2, 4, 8 or 16)."""
 
 LAST_SUB_BATCH = 8
 """On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at
