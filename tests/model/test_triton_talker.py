@@ -275,3 +275,19 @@ def test_fused_step_bf16_in_a_cuda_graph_matches_the_triton_path(tt, monkeypatch
             torch.testing.assert_close(v_got.float(), pool.v[:, :4].float(), atol=6e-2, rtol=2e-2)
             pool.k.copy_(k0)
             pool.v.copy_(v0)
+
+
+def test_benchmark_smoke_runs_on_the_cpu():
+    """``benchmarks/talker_step.py --tiny --device cpu`` still runs (interpreter, eager) and prints
+    its table with both paths agreeing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    r = subprocess.run([sys.executable, "benchmarks/talker_step.py", "--tiny", "--device", "cpu", "--batches", "2"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:2] == ["2", "64"]]
+    assert len(row) == 1 and float(row[0][-1]) < 1e-4, r.stdout
