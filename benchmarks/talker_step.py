@@ -5,6 +5,7 @@ Run (from the repository root)::
 
     PYTHONPATH=$PWD python3 benchmarks/talker_step.py                       # one GPU, the table
     PYTHONPATH=$PWD python3 benchmarks/talker_step.py --batches 1,8 --kv 512
+    PYTHONPATH=$PWD python3 benchmarks/talker_step.py --blocks 16,32,32,128,4   # other tile sizes
     PYTHONPATH=$PWD python3 benchmarks/talker_step.py --tiny --device cpu    # smoke (Triton interpreter)
 
 At the real talker shapes (Llama, hidden 768, 20 layers, 12 heads x 64, FFN 3072, random bf16
@@ -125,6 +126,11 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="comma list of kv_len (default 256,512; tiny: 64)")
     ap.add_argument("--replays", type=int, default=None, help="timed replays per case (default 50; cpu 1)")
     ap.add_argument("--no-profile", action="store_true", help="skip the kernel count")
+    ap.add_argument("--blocks", default=None, metavar="HALF,N_OUT,N_FFN,K[,WARPS]",
+                    help="the fused kernels' tile sizes (triton_talker.BLOCK_HALF, BLOCK_N_OUT, BLOCK_N_FFN, "
+                         "BLOCK_K, NUM_WARPS), for tuning")
+    ap.add_argument("--one-split-kv", type=int, default=None,
+                    help="triton_talker.ONE_SPLIT_MAX_KV: the largest kv_len whose attention runs one split")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     if cpu:
@@ -144,6 +150,12 @@ def main() -> None:
         raise SystemExit("DUPLEXKIT_TRITON_DECODE=0: this compares against decoder_forward's Triton path")
     from duplexkit.models.minicpmo45 import triton_talker
 
+    if args.blocks:
+        vals = [int(v) for v in args.blocks.split(",")]
+        for name, v in zip(("BLOCK_HALF", "BLOCK_N_OUT", "BLOCK_N_FFN", "BLOCK_K", "NUM_WARPS"), vals):
+            setattr(triton_talker, name, v)
+    if args.one_split_kv is not None:
+        triton_talker.ONE_SPLIT_MAX_KV = args.one_split_kv
     dev = torch.device(args.device)
     dtype = torch.float32 if cpu else torch.bfloat16
     batches = [int(b) for b in (args.batches or ("1,3" if args.tiny else "1,8,32")).split(",")]
@@ -156,7 +168,8 @@ def main() -> None:
     print(f"{name}  torch {torch.__version__}  triton {triton_talker.triton.__version__}  "
           f"{'tiny' if args.tiny else 'talker'} {cfg.num_hidden_layers} layers x hidden {cfg.hidden_size}  {dtype}")
     print(f"blocks: half {triton_talker.BLOCK_HALF}  n_out {triton_talker.BLOCK_N_OUT}  n_ffn {triton_talker.BLOCK_N_FFN}"
-          f"  k {triton_talker.BLOCK_K}  one-split kv <= {triton_talker.ONE_SPLIT_MAX_KV}")
+          f"  k {triton_talker.BLOCK_K}  warps {triton_talker.NUM_WARPS}  one-split kv <= "
+          f"{triton_talker.ONE_SPLIT_MAX_KV}")
     unit = "ms/step" + (" (eager wall)" if cpu else " (graph of 25)")
     print(f"\n{'B':>3} {'kv':>5} {'decoder_forward':>16} {'fused':>9} {'speedup':>8} {'kern/step':>15} {'max|diff|':>10}"
           f"   [{unit}]")

@@ -40,17 +40,20 @@ import triton.language as tl
 from .triton_decode import _INTERPRET, _on_device, decode_attention
 
 __all__ = ["rms_qkv_rope_write", "gemv_residual", "rms_gate_up_silu", "fused_decode_step", "fused_step_supported",
-           "BLOCK_HALF", "BLOCK_N_OUT", "BLOCK_N_FFN", "BLOCK_K", "ONE_SPLIT_MAX_KV"]
+           "BLOCK_HALF", "BLOCK_N_OUT", "BLOCK_N_FFN", "BLOCK_K", "NUM_WARPS", "MAX_BLOCK_M", "ONE_SPLIT_MAX_KV"]
 
-BLOCK_HALF = 16
+BLOCK_HALF = 8
 """K1: rotary pairs per program (the program computes ``2 * BLOCK_HALF`` columns of each of q, k, v
-of one head: pairs ``j`` and ``j + D/2``); D = 64 gives ``D / 2 / 16 = 2`` programs per head."""
-BLOCK_N_OUT = 32
-"""K3 / K5: output columns per program (hidden 768 -> 24 programs per row block)."""
+of one head: pairs ``j`` and ``j + D/2``); D = 64 gives ``D / 2 / 8 = 4`` programs per head (48 for
+the talker's 12 heads)."""
+BLOCK_N_OUT = 16
+"""K3 / K5: output columns per program (hidden 768 -> 48 programs per row block)."""
 BLOCK_N_FFN = 32
 """K4: gate (and as many up) columns per program (FFN 3072 -> 96 programs per row block)."""
 BLOCK_K = 64
 """Reduction-dim step of every GEMV loop."""
+NUM_WARPS = 4
+"""Warps per program of K1, K3, K4, K5."""
 MAX_BLOCK_M = 64
 """Largest row block (``B`` above it adds row blocks to the grid)."""
 ONE_SPLIT_MAX_KV = 512
@@ -91,10 +94,10 @@ def _mm(a, w, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _rope_split(acc, c_lo, c_hi, s_lo, s_hi, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, DT: tl.constexpr):
-    """acc [BLOCK_M, 2 * BLOCK_HALF] with columns interleaved (pair j's low half, then its high half):
-    rounded to the model dtype (the GEMM output), then rotated; returns the two halves (fp32)."""
-    lo, hi = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [BLOCK_M, BLOCK_HALF, 2]))
+def _rope_split(y, c_lo, c_hi, s_lo, s_hi, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """y [BLOCK_M, 2 * BLOCK_HALF] (fp32) with columns interleaved (pair j's low half, then its high
+    half), rotated; returns the two halves (fp32)."""
+    lo, hi = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_HALF, 2]))
     return lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
 
 
@@ -109,7 +112,7 @@ def _qkv_rope_kernel(X, G, W, Cos, Sin, Q, Kc, Vc, Slots, Pos, B, eps,
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
-    D: tl.constexpr = 2 * HALF
+    D = 2 * HALF
     t = tl.arange(0, 2 * BLOCK_HALF)
     col = jb * BLOCK_HALF + t // 2 + (t % 2) * HALF  # interleaved: pair j low, pair j high, ...
     has_kv = h < HKV  # grouped-query heads: only the first HKV programs' heads have k and v
@@ -128,21 +131,22 @@ def _qkv_rope_kernel(X, G, W, Cos, Sin, Q, Kc, Vc, Slots, Pos, B, eps,
         kvmask = kmask[None, :] & has_kv
         acc_k += _mm(a, tl.load(wk + offs_k[None, :], mask=kvmask, other=0.0), DOT_F32)
         acc_v += _mm(a, tl.load(wv + offs_k[None, :], mask=kvmask, other=0.0), DOT_F32)
-    DT: tl.constexpr = Q.dtype.element_ty
+    DT = Q.dtype.element_ty
     j = jb * BLOCK_HALF + tl.arange(0, BLOCK_HALF)  # this program's pairs: columns j and j + HALF
     m2 = rmask[:, None]
     c_lo = tl.load(Cos + rows64[:, None] * stride_cb + j[None, :], mask=m2, other=0.0).to(tl.float32)
     c_hi = tl.load(Cos + rows64[:, None] * stride_cb + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
     s_lo = tl.load(Sin + rows64[:, None] * stride_sb + j[None, :], mask=m2, other=0.0).to(tl.float32)
     s_hi = tl.load(Sin + rows64[:, None] * stride_sb + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
-    q_lo, q_hi = _rope_split(acc_q, c_lo, c_hi, s_lo, s_hi, BLOCK_M, BLOCK_HALF, DT)
+    # the GEMM outputs rounded to the model dtype (as F.linear returns them), then rotated in fp32
+    q_lo, q_hi = _rope_split(acc_q.to(DT).to(tl.float32), c_lo, c_hi, s_lo, s_hi, BLOCK_M, BLOCK_HALF)
     qdst = Q + rows64[:, None] * (H * D) + h * D + j[None, :]
     tl.store(qdst, q_lo.to(DT), mask=m2)
     tl.store(qdst + HALF, q_hi.to(DT), mask=m2)
     slot = tl.load(Slots + rows, mask=rmask, other=0).to(tl.int64)
     p = tl.load(Pos + rows, mask=rmask, other=0).to(tl.int64)
     mkv = m2 & has_kv
-    k_lo, k_hi = _rope_split(acc_k, c_lo, c_hi, s_lo, s_hi, BLOCK_M, BLOCK_HALF, DT)
+    k_lo, k_hi = _rope_split(acc_k.to(DT).to(tl.float32), c_lo, c_hi, s_lo, s_hi, BLOCK_M, BLOCK_HALF)
     kdst = Kc + (slot * stride_ks + p * stride_kn + h * stride_kh)[:, None] + j[None, :]
     tl.store(kdst, k_lo.to(Kc.dtype.element_ty), mask=mkv)
     tl.store(kdst + HALF, k_hi.to(Kc.dtype.element_ty), mask=mkv)
@@ -154,7 +158,8 @@ def _qkv_rope_kernel(X, G, W, Cos, Sin, Q, Kc, Vc, Slots, Pos, B, eps,
 
 def rms_qkv_rope_write(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: torch.Tensor, n_heads: int,
                        cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor,
-                       pos: torch.Tensor, *, block_half: int = BLOCK_HALF, block_k: int = BLOCK_K) -> torch.Tensor:
+                       pos: torch.Tensor, *, block_half: Optional[int] = None,
+                       block_k: Optional[int] = None) -> torch.Tensor:
     """K1: ``h = rms_norm(x) * norm_w``; ``q, k, v = h @ w_qkv^T`` split by heads; rotary on q and k
     (Llama rotate-half: ``y * cos + rotate_half(y) * sin``); k and v written at ``[slots[b], pos[b]]``
     of ``kc`` / ``vc``; the rotated q returned. One launch.
@@ -168,8 +173,8 @@ def rms_qkv_rope_write(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv:
         cos / sin: [B, D] rotary tables at each row's position (last dim contiguous).
         kc / vc: [S+1, Lmax, Hkv, D] one layer's pool (last dim contiguous).
         slots / pos: [B] integer (made contiguous).
-        block_half / block_k: tile sizes (``block_half`` is capped at ``D / 2``; ``2 * block_half``
-            must be >= 16).
+        block_half / block_k: tile sizes (None: :data:`BLOCK_HALF` / :data:`BLOCK_K` at call time;
+            ``block_half`` is capped at ``D / 2``, ``2 * block_half`` must be >= 16, ``block_k`` >= 16).
 
     Returns:
         q [B, H, D] rotated, in ``x``'s dtype.
@@ -191,7 +196,7 @@ def rms_qkv_rope_write(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv:
     if any(t.stride(-1) != 1 for t in (x, w_qkv, cos, sin, kc, vc)):
         raise ValueError("every tensor needs a contiguous last dim")
     half = D // 2
-    bh = min(int(block_half), half)
+    bh = min(int(block_half or BLOCK_HALF), half)
     if 2 * bh < 16 or half % bh:
         raise ValueError(f"block_half {block_half} must divide D/2 = {half} with 2 * block_half >= 16")
     bm = _block_m(B)
@@ -202,8 +207,8 @@ def rms_qkv_rope_write(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv:
             x, norm_w, w_qkv, cos, sin, q, kc, vc, slots, pos, B, float(eps),
             x.stride(0), w_qkv.stride(0), cos.stride(0), sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2),
-            H=H, HKV=hkv, HALF=half, K=K, BLOCK_M=bm, BLOCK_HALF=bh, BLOCK_K=int(block_k),
-            DOT_F32=_INTERPRET or x.dtype == torch.float32, num_warps=4)
+            H=H, HKV=hkv, HALF=half, K=K, BLOCK_M=bm, BLOCK_HALF=bh, BLOCK_K=int(block_k or BLOCK_K),
+            DOT_F32=_INTERPRET or x.dtype == torch.float32, num_warps=NUM_WARPS)
     return q
 
 
@@ -223,20 +228,21 @@ def _gemv_residual_kernel(A, W, R, Out, B, stride_ab, stride_wn, stride_rb, stri
         a = tl.load(A + rows64[:, None] * stride_ab + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_wn + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += _mm(a, w, DOT_F32)
-    DT: tl.constexpr = Out.dtype.element_ty
+    DT = Out.dtype.element_ty
     m2 = rmask[:, None] & nmask[None, :]
     r = tl.load(R + rows64[:, None] * stride_rb + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     out = r + acc.to(DT).to(tl.float32)  # the projection's output in the model dtype, then the add
     tl.store(Out + rows64[:, None] * stride_ob + cols[None, :], out.to(DT), mask=m2)
 
 
-def gemv_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, *, block_n: int = BLOCK_N_OUT,
-                  block_k: int = BLOCK_K) -> torch.Tensor:
+def gemv_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, *, block_n: Optional[int] = None,
+                  block_k: Optional[int] = None) -> torch.Tensor:
     """K3 / K5: ``res + a @ w^T`` (the product rounded to the model dtype first, as ``x + linear(a)``).
 
     Args:
         a: [B, K] (model dtype, last dim contiguous). w: [N, K] weight (last dim contiguous).
-        res: [B, N] residual (last dim contiguous). block_n / block_k: tile sizes (>= 16).
+        res: [B, N] residual (last dim contiguous).
+        block_n / block_k: tile sizes, >= 16 (None: :data:`BLOCK_N_OUT` / :data:`BLOCK_K` at call time).
 
     Returns:
         [B, N] new tensor in ``res``'s dtype.
@@ -251,12 +257,13 @@ def gemv_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, *, block_
     if any(t.stride(-1) != 1 for t in (a, w, res)):
         raise ValueError("every tensor needs a contiguous last dim")
     bm = _block_m(B)
+    block_n, block_k = int(block_n or BLOCK_N_OUT), int(block_k or BLOCK_K)
     out = torch.empty(B, N, dtype=res.dtype, device=res.device)
     with _on_device(a):
         _gemv_residual_kernel[(triton.cdiv(N, int(block_n)), triton.cdiv(B, bm))](
             a, w, res, out, B, a.stride(0), w.stride(0), res.stride(0), out.stride(0),
-            N=N, K=K, BLOCK_M=bm, BLOCK_N=int(block_n), BLOCK_K=int(block_k),
-            DOT_F32=_INTERPRET or a.dtype == torch.float32, num_warps=4)
+            N=N, K=K, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_F32=_INTERPRET or a.dtype == torch.float32, num_warps=NUM_WARPS)
     return out
 
 
@@ -281,7 +288,7 @@ def _gate_up_kernel(X, G, W, Act, B, eps, stride_xb, stride_wn, stride_ab,
         wmask = nmask[:, None] & kmask[None, :]
         acc_g += _mm(a, tl.load(wg + offs_k[None, :], mask=wmask, other=0.0), DOT_F32)
         acc_u += _mm(a, tl.load(wu + offs_k[None, :], mask=wmask, other=0.0), DOT_F32)
-    DT: tl.constexpr = Act.dtype.element_ty
+    DT = Act.dtype.element_ty
     g = acc_g.to(DT).to(tl.float32)
     u = acc_u.to(DT).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)  # silu(g) in the model dtype, as F.silu returns it
@@ -289,13 +296,13 @@ def _gate_up_kernel(X, G, W, Act, B, eps, stride_xb, stride_wn, stride_ab,
 
 
 def rms_gate_up_silu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_gu: torch.Tensor, *,
-                     block_n: int = BLOCK_N_FFN, block_k: int = BLOCK_K) -> torch.Tensor:
+                     block_n: Optional[int] = None, block_k: Optional[int] = None) -> torch.Tensor:
     """K4: ``h = rms_norm(x) * norm_w``; ``g, u = h @ w_gu^T`` halves; returns ``silu(g) * u``.
 
     Args:
         x: [B, K] residual stream (model dtype, last dim contiguous). norm_w: [K] gain; eps: epsilon.
         w_gu: [2 F, K] fused gate (rows ``[0, F)``) and up (rows ``[F, 2F)``) weight (``layer._dk_gu``).
-        block_n / block_k: tile sizes (>= 16).
+        block_n / block_k: tile sizes, >= 16 (None: :data:`BLOCK_N_FFN` / :data:`BLOCK_K` at call time).
 
     Returns:
         [B, F] in ``x``'s dtype.
@@ -310,12 +317,13 @@ def rms_gate_up_silu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_gu: to
         raise ValueError("x and w_gu need a contiguous last dim")
     FF = w_gu.shape[0] // 2
     bm = _block_m(B)
+    block_n, block_k = int(block_n or BLOCK_N_FFN), int(block_k or BLOCK_K)
     act = torch.empty(B, FF, dtype=x.dtype, device=x.device)
     with _on_device(x):
         _gate_up_kernel[(triton.cdiv(FF, int(block_n)), triton.cdiv(B, bm))](
             x, norm_w, w_gu, act, B, float(eps), x.stride(0), w_gu.stride(0), act.stride(0),
-            FF=FF, K=K, BLOCK_M=bm, BLOCK_N=int(block_n), BLOCK_K=int(block_k),
-            DOT_F32=_INTERPRET or x.dtype == torch.float32, num_warps=4)
+            FF=FF, K=K, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_F32=_INTERPRET or x.dtype == torch.float32, num_warps=NUM_WARPS)
     return act
 
 
