@@ -474,11 +474,11 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
         sel = [r.logits_row for r in active]
         lg = logits if sel == list(range(logits.shape[0])) else logits[S.device_tensor(sel, logits.device)]
         sts = [r.stream for r in active]
-        both = choose_tokens_device(th, sts, lg, plans, [generator(s) for s in sts])
         spec = None
         if speculate is None:
-            bnd, main = both.tolist()
+            bnd, main = choose_tokens(th, sts, lg, plans, [generator(s) for s in sts])
         else:
+            both = choose_tokens_device(th, sts, lg, plans, [generator(s) for s in sts])
             read = HostRead(both)  # before the launch: the event must not wait for the next step
             spec = speculate(sts, both[1])
             bnd, main = read.wait()
