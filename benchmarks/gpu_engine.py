@@ -5,6 +5,9 @@
     # A/B of the thinker's own CUDA stream (two processes; the header line says which):
     DUPLEXKIT_THINKER_STREAM=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048
     python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048
+    # A/B of the thinker's one-step decode lookahead (on by default on CUDA; the build line says which):
+    DUPLEXKIT_THINKER_LOOKAHEAD=0 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048 --units 5
+    DUPLEXKIT_THINKER_LOOKAHEAD=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048 --units 5
     # debug run on a CPU:
     python benchmarks/gpu_engine.py --size tiny --device cpu --streams 1,2 --units 3
 
@@ -552,11 +555,13 @@ def main(argv=None) -> int:
     weights = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     print(f"built {a.size} model in {time.perf_counter() - t:.1f} s; GPU memory after build {weights:.1f} GiB "
           f"(incl. static KV {model.thinker.pool.nbytes() / 2**30:.1f} + {model.talker.pool.nbytes() / 2**30:.1f} GiB); "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; thinker decode lookahead "
+          f"{'on' if getattr(model.thinker, 'lookahead', False) else 'off'}", flush=True)
     fl = floors(model, bw if bw == bw else 1e11)
     print("floors (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in fl.items()), flush=True)
     results = {"size": a.size, "device": str(dev), "bw": bw, "floors": fl, "weights_GiB": weights,
-               "thinker_stream": th_stream and dev.type == "cuda"}
+               "thinker_stream": th_stream and dev.type == "cuda",
+               "thinker_lookahead": bool(getattr(model.thinker, "lookahead", False))}
     fast_th, fast_tk = model.thinker, model.talker
     if model.code2wav is not None and hasattr(model.code2wav, "hift_batched"):
         model.code2wav.hift_batched = a.c2w_hift == "batched"
@@ -582,6 +587,9 @@ def main(argv=None) -> int:
             await bench_mode(view, mode, a, lv, fl, results)
 
     asyncio.run(go())
+    if hasattr(model.thinker, "stats"):  # decode steps, lookahead launches kept / redone
+        print(f"thinker: {model.thinker.stats}", flush=True)
+        results["thinker_stats"] = dict(model.thinker.stats)
     if model.code2wav is not None and hasattr(model.code2wav, "stats"):
         st = model.code2wav.stats
         print(f"code2wav calls: {st}", flush=True)

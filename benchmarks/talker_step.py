@@ -192,8 +192,8 @@ def _interpreter_numpy_fix() -> None:
 
     orig = ti._patch_lang_tensor
 
-    def patched(tensor):
-        orig(tensor)
+    def patched(tensor, *args, **kwargs):  # the signature differs between Triton versions
+        orig(tensor, *args, **kwargs)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     ti._patch_lang_tensor = patched

@@ -245,33 +245,36 @@ def test_batched_code2wav_matches_single_streams():
     assert isinstance(bad[0], ValueError)
 
 
-def test_fast_thinker_step_that_raises_leaves_every_stream_as_it_was(tiny_model, fast_thinker, monkeypatch):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_fast_thinker_step_that_raises_leaves_every_stream_as_it_was(tiny_model, fast_thinker, monkeypatch, lookahead):
     """A batch-level failure mid-decode (after the prefill wrote KV and tokens were drawn) is undone
     for every stream, so the runtime's retry in halves (duplexkit/engine/steps.py) gives exactly the
-    ids of a run that never failed, seeded sampling included."""
+    ids of a run that never failed, seeded sampling included; with and without the one-step
+    lookahead (whose speculative launch is a forward too)."""
+    monkeypatch.setattr(fast_thinker, "lookahead", lookahead)
     policy_kw = dict(temperature=0.7, min_unit_tokens=4)
     units = _units(3, 6)
     ref = _seeded(fast_thinker, policy_kw, units, [17, 18])
     sts = [fast_thinker.new_stream(policy=DuplexPolicy(**policy_kw), seed=s) for s in (17, 18)]
     got = [[], []]
-    real_step = fast_thinker._decode_step
+    real_step = fast_thinker._step_forward
     for i, u in enumerate(units):
         inputs = [UnitInput(st, u, force_speak=i == 0) for st in sts]
         if i == 1:
             calls = {"n": 0}
 
-            def failing(kvs, toks):
+            def failing(kvs, ids, pos, slots):
                 calls["n"] += 1
-                if calls["n"] == 3:  # two decode steps of the batch already ran
+                if calls["n"] == 3:  # two decode forwards of the batch already ran
                     raise RuntimeError("injected batch failure")
-                return real_step(kvs, toks)
+                return real_step(kvs, ids, pos, slots)
 
-            monkeypatch.setattr(fast_thinker, "_decode_step", failing)
+            monkeypatch.setattr(fast_thinker, "_step_forward", failing)
             before = [(st.kv.length, list(st.history), list(st.unit_starts)) for st in sts]
             with pytest.raises(RuntimeError, match="injected"):
                 fast_thinker.step_units(inputs)
             assert [(st.kv.length, list(st.history), list(st.unit_starts)) for st in sts] == before
-            monkeypatch.setattr(fast_thinker, "_decode_step", real_step)
+            monkeypatch.setattr(fast_thinker, "_step_forward", real_step)
             # the runtime's retry: each half alone
             results = fast_thinker.step_units(inputs[:1]) + fast_thinker.step_units(inputs[1:])
         else:

@@ -42,8 +42,8 @@ def _interpreter_numpy_fix():
 
     orig = ti._patch_lang_tensor
 
-    def patched(tensor):
-        orig(tensor)
+    def patched(tensor, *args, **kwargs):  # the signature differs between Triton versions
+        orig(tensor, *args, **kwargs)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     ti._patch_lang_tensor = patched
@@ -232,7 +232,7 @@ def test_fast_talker_unit_with_the_fused_step_gives_the_same_codes(tiny_model, m
     assert got == ref and len(ref[0][0]) == 25
 
 
-@pytest.mark.parametrize("value,expected", [(None, True), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True)])
 def test_switch_is_read_from_the_environment_at_import(value, expected):
     import subprocess
     import sys

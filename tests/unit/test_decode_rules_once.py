@@ -19,7 +19,8 @@ SAMPLER = ROOT / "duplexkit" / "models" / "minicpmo45" / "sampling.py"
 RULE = ROOT / "duplexkit" / "models" / "minicpmo45" / "duplex.py"
 SAMPLING_CALLS = {"topk", "exponential_", "multinomial", "gumbel_softmax"}
 """Always sampling; ``cumsum`` counts on probabilities (``prob``/``softmax``/``pr``), ``pow`` with a penalty."""
-RULE_FUNCTIONS = {"start_unit", "plan_step", "decide", "choose_tokens", "main_pass_logits", "decode_rows"}
+RULE_FUNCTIONS = {"start_unit", "plan_step", "decide", "choose_tokens", "choose_tokens_device", "main_pass_logits",
+                  "decode_rows"}
 
 
 def _sources(root: Path = ROOT):

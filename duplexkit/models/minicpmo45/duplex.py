@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .thinker import Thinker, ThinkerStream
 
 __all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "start_unit", "plan_step", "decide", "StepPlan",
-           "Decision", "UnitStart", "main_pass_logits", "choose_tokens", "decode_rows", "begin_row", "finish_row",
-           "UnitRow"]
+           "Decision", "UnitStart", "main_pass_logits", "choose_tokens", "choose_tokens_device", "decode_rows",
+           "begin_row", "finish_row", "UnitRow", "HostRead", "Speculation"]
 
 
 @dataclass
@@ -309,7 +309,16 @@ def main_pass_logits(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torc
 
 def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor, plans: Sequence[StepPlan],
                   generators: Sequence[Optional[torch.Generator]]) -> Tuple[List[int], List[int]]:
-    """Boundary-pass and main-pass choices of rows of raw logits [N, V] (one host sync).
+    """Boundary-pass and main-pass choices of rows of raw logits [N, V] (one host sync):
+    :func:`choose_tokens_device`, then one ``.tolist()``. Returns ``(boundary ids, main ids)``, N each."""
+    both = choose_tokens_device(th, sts, logits, plans, generators).tolist()
+    return both[0], both[1]
+
+
+def choose_tokens_device(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor,
+                         plans: Sequence[StepPlan], generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """The two passes of :func:`choose_tokens` without the host read: int64 [2, N] on ``logits``' device
+    (row 0 the boundary choices, row 1 the main ones); queues kernels only, no host sync.
 
     Boundary pass: argmax of the raw logits when greedy, else one sample of their softmax. Main pass:
     :func:`main_pass_logits`, then argmax when greedy, else temperature / top-k / top-p sampling
@@ -332,8 +341,7 @@ def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.T
     for (temp, top_k, top_p), rs in groups.items():
         idx = S.device_tensor(rs, dev)
         main[idx] = S.sample(x[idx], [generators[r] for r in rs], temperature=temp, top_k=top_k, top_p=top_p)
-    both = torch.stack([bnd, main]).tolist()
-    return both[0], both[1]
+    return torch.stack([bnd, main])
 
 
 # ------------------------------------------------------------------------------ the unit loop
@@ -393,11 +401,64 @@ def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> Uni
 FeedFn = Callable[[List["ThinkerStream"], List[int]], Tuple[torch.Tensor, torch.Tensor]]
 
 
+class Speculation(Protocol):
+    """A decode step launched before the host knew the tokens (one-step lookahead, :func:`decode_rows`):
+    every row of the launch was fed its main-pass choice at its next position, lengths not advanced."""
+
+    def reuse(self, streams: List["ThinkerStream"]) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[int]]]:
+        """The rows that go on (each fed its speculated token, in launch order, a subset of the
+        launch): ``(hidden [n', H], logits [n', V], rows)`` with ``rows[k]`` the row of stream ``k``
+        in those tensors, and the streams' lengths advanced by one -- when that is exactly what
+        ``feed`` would compute for them; else None (nothing changed; the caller feeds)."""
+
+    def drop(self) -> None:
+        """The launch's results are not used."""
+
+
+SpeculateFn = Callable[[List["ThinkerStream"], torch.Tensor], Optional[Speculation]]
+"""``speculate(streams, tokens)``: launch the decode step of ``streams`` fed int64 [n] device
+``tokens`` (no host sync) and return its :class:`Speculation`, or None when it cannot (context full)."""
+
+
+class HostRead:
+    """A device tensor's values brought to the host without waiting for the whole stream: on CUDA a
+    non-blocking copy into pinned memory and an event recorded after it on the tensor's device's
+    current stream (start it before queueing more work); on the CPU a plain copy.
+
+    Args:
+        t: the tensor to read (any dtype and shape; its values must be final when this is built).
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self.host = t.clone()
+
+    def wait(self) -> list:
+        """Wait for the copy (the event only, not the stream) and return the values as nested lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
-                generator: Callable[["ThinkerStream"], Optional[torch.Generator]]) -> None:
+                generator: Callable[["ThinkerStream"], Optional[torch.Generator]],
+                speculate: Optional[SpeculateFn] = None) -> None:
     """The unit decode of every row in lock step (module doc): :func:`plan_step`, :func:`choose_tokens`,
     :func:`decide`, then ``feed(streams, tokens) -> (hidden [n, H], logits [n, V])`` for the rows that
-    go on. ``logits`` [N, V]: row ``r.logits_row`` belongs to ``r``. Sets each row's terminator."""
+    go on. ``logits`` [N, V]: row ``r.logits_row`` belongs to ``r``. Sets each row's terminator.
+
+    ``speculate`` (optional; the fast thinker's one-step lookahead): after the choices are queued
+    (:func:`choose_tokens_device`) their read to the host is started (:class:`HostRead`), then the
+    next step is launched with every row's main-pass choice before the host waits for the read; when
+    every row that goes on was fed what was launched and :meth:`Speculation.reuse` accepts them, that
+    launch's (hidden, logits) are used, else ``feed`` runs as without it. Same draws, tokens, hidden
+    rows and lengths either way."""
     sp = th.special
     active = [r for r in rows if r.terminator is None]
     j = 0
@@ -412,8 +473,17 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
             break
         sel = [r.logits_row for r in active]
         lg = logits if sel == list(range(logits.shape[0])) else logits[S.device_tensor(sel, logits.device)]
-        bnd, main = choose_tokens(th, [r.stream for r in active], lg, plans, [generator(r.stream) for r in active])
+        sts = [r.stream for r in active]
+        spec = None
+        if speculate is None:
+            bnd, main = choose_tokens(th, sts, lg, plans, [generator(s) for s in sts])
+        else:
+            both = choose_tokens_device(th, sts, lg, plans, [generator(s) for s in sts])
+            read = HostRead(both)  # before the launch: the event must not wait for the next step
+            spec = speculate(sts, both[1])
+            bnd, main = read.wait()
         fed: List[Tuple[UnitRow, Decision]] = []
+        as_launched = True
         for k, r in enumerate(active):
             d = decide(sp, plans[k], j, bnd[k], main[k], r.stream.turn_ended)
             if d.from_main:
@@ -423,18 +493,28 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
             else:
                 r.generated.append(d.token)
                 fed.append((r, d))
+                as_launched &= d.token == main[k]
+        out = None
+        if spec is not None:
+            out = spec.reuse([r.stream for r, _ in fed]) if fed and as_launched else None
+            if out is None:
+                spec.drop()
         if not fed:
             break
-        h, logits = feed([r.stream for r, _ in fed], [d.token for _, d in fed])
+        if out is None:
+            h, logits = feed([r.stream for r, _ in fed], [d.token for _, d in fed])
+            at = list(range(len(fed)))
+        else:
+            h, logits, at = out
         for k, (r, d) in enumerate(fed):
-            r.logits_row = k
+            r.logits_row = at[k]
             r.steps += 1
             r.stream.turn_ended = d.turn_ended
             r.turn_start |= d.turn_start
             r.end_of_turn |= d.end_of_turn
             if d.record:
                 r.rec_ids.append(d.token)
-                r.rec_hidden.append(h[k])
+                r.rec_hidden.append(h[at[k]])
                 mx = r.stream.policy.max_unit_chars
                 if mx is not None and len(th.tokenizer.decode(r.rec_ids, skip_special_tokens=True)) >= mx:
                     r.terminator = sp.chunk_eos

@@ -19,8 +19,8 @@ later, never read).
 
 The 25 one-token steps run :func:`.triton_talker.fused_decode_step` (five kernels per layer instead
 of :func:`.fast_kv.decoder_forward`'s ~12) where the Triton decode kernels are on (CUDA, see
-:func:`.fast_kv.triton_decode_enabled`) unless ``DUPLEXKIT_TALKER_FUSED=0`` was set when this module
-was imported; the prefill always runs :func:`.fast_kv.decoder_forward`.
+:func:`.fast_kv.triton_decode_enabled`) if ``DUPLEXKIT_TALKER_FUSED=1`` was set when this module
+was imported (opt-in: measured slower on the H200); the prefill always runs :func:`.fast_kv.decoder_forward`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ from .talker_decode import penalised_logits
 
 __all__ = ["FastTalker", "FastTalkerTurn", "talker_fused_enabled"]
 
-_TALKER_FUSED = os.environ.get("DUPLEXKIT_TALKER_FUSED", "1") != "0"
-"""The talker's fused decode step (:mod:`.triton_talker`) where the Triton decode kernels run: on
-unless ``DUPLEXKIT_TALKER_FUSED=0`` when this module is imported (a benchmark compares the two
-paths in separate processes)."""
+_TALKER_FUSED = os.environ.get("DUPLEXKIT_TALKER_FUSED", "0") == "1"
+"""The talker's fused decode step (:mod:`.triton_talker`) where the Triton decode kernels run: off
+unless ``DUPLEXKIT_TALKER_FUSED=1`` when this module is imported. Measured on an H200 (benchmarks/
+NOTES.md, stop 17, ``benchmarks/talker_step.py``): 112 instead of 252 kernels per step but 0.82-0.90x
+the speed of :func:`.fast_kv.decoder_forward`'s kernels, so it is opt-in."""
 
 
 def talker_fused_enabled() -> bool:
-    """Whether the unit decode's steps may use :func:`.triton_talker.fused_decode_step`: yes unless
-    ``DUPLEXKIT_TALKER_FUSED=0`` was set at import; it then runs where :func:`.fast_kv.decoder_forward`
+    """Whether the unit decode's steps may use :func:`.triton_talker.fused_decode_step`: only if
+    ``DUPLEXKIT_TALKER_FUSED=1`` was set at import; it then runs where :func:`.fast_kv.decoder_forward`
     would take its Triton path (CUDA, compute capability 8.0 on, ``DUPLEXKIT_TRITON_DECODE`` not 0) and
     the model is one it supports (:func:`.triton_talker.fused_step_supported`)."""
     return _TALKER_FUSED

@@ -14,6 +14,15 @@ CUDA-graph-captured decode steps and sampling on the GPU (one host sync per deco
    for the streams that go on. On CUDA that step is a captured CUDA graph per (batch bucket
    1/2/4/8/16/32, KV-length bucket of 256 positions).
 
+   **One-step lookahead** (``lookahead``, default on CUDA, ``DUPLEXKIT_THINKER_LOOKAHEAD=0`` off): the
+   step's choices are computed on the device, their copy to pinned host memory is started with an
+   event, and the next decode step is launched at once with every row's main-pass choice; the host
+   then waits on the event only, runs the policy, and keeps the launched step when every row that
+   goes on was fed what was launched and the step's graph key (batch bucket, KV-length bucket) is
+   the one the plain step would use (:class:`_Speculation`), else runs the plain step over the same
+   positions. The GPU runs that forward while the host reads the choices and decides.
+   ``stats["lookahead_hits"]`` / ``["lookahead_misses"]`` count kept / discarded launches.
+
 The eager :func:`.duplex.run_unit` runs the same loop with one row, so greedy decoding gives the same
 ids as the reference path, and seeded sampling the same ids on the CPU (tests/model/test_fast_paths.py;
 on CUDA the stream's generator is a device generator seeded like its CPU one, another random stream).
@@ -28,6 +37,7 @@ with :class:`~.fast_kv.ContextFullError`.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -42,12 +52,42 @@ from .fast_kv import (ContextFullError, KVPool, bucket, capture_graph, cuda_grap
                       fuse_projections, keep_for_current_stream)
 from .thinker import Thinker, ThinkerStream
 
-__all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS"]
+__all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS", "LOOKAHEAD_ENV", "lookahead_enabled"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
 PREFILL_TOKENS = 16
 """Unit prefills of at most this many positions (audio-only units: 11-13) run as a captured graph."""
+
+
+LOOKAHEAD_ENV = "DUPLEXKIT_THINKER_LOOKAHEAD"
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
+def lookahead_enabled(device, value: Optional[str] = None) -> bool:
+    """Whether the fast thinker runs its decode with the one-step lookahead (module doc).
+
+    Args:
+        device: the thinker's ``torch.device`` (or string); the default when the setting is unset or
+            empty is on for CUDA and off otherwise.
+        value: the setting to parse (default: ``DUPLEXKIT_THINKER_LOOKAHEAD``).
+
+    Returns:
+        True for ``1`` / ``true`` / ``on`` / ``yes``, False for ``0`` / ``false`` / ``off`` / ``no``
+        (case-insensitive), the device default when unset or empty.
+
+    Raises:
+        ValueError: any other value (a typo should not silently measure the wrong configuration).
+    """
+    v = (os.environ.get(LOOKAHEAD_ENV, "") if value is None else value).strip().lower()
+    if v == "":
+        return torch.device(device).type == "cuda"
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise ValueError(f"{LOOKAHEAD_ENV} must be 1/0 (or true/false, on/off, yes/no), got {v!r}")
 
 
 class StaticKV:
@@ -122,12 +162,16 @@ class FastThinker(Thinker):
         max_len: KV positions per stream (default 8192).
         slots: initial KV slots (grows by 8 when exhausted).
         cuda_graphs: capture decode steps (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``).
+        lookahead: one-step lookahead in the decode loop (module doc; default
+            :func:`lookahead_enabled`: on CUDA unless ``DUPLEXKIT_THINKER_LOOKAHEAD=0``). The
+            attribute ``lookahead`` may be changed between ``step_units`` calls.
     """
 
     batched = True
 
     def __init__(self, modules, config, tokenizer, special, device="cpu", dtype=torch.float32, *,
-                 max_len: int = 8192, slots: int = 4, cuda_graphs: Optional[bool] = None) -> None:
+                 max_len: int = 8192, slots: int = 4, cuda_graphs: Optional[bool] = None,
+                 lookahead: Optional[bool] = None) -> None:
         super().__init__(modules, config, tokenizer, special, device=device, dtype=dtype)
         lm = modules.llm.model
         fuse_projections(lm)
@@ -138,7 +182,8 @@ class FastThinker(Thinker):
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._graphs: Dict[Tuple[int, int, int], _StepGraph] = {}
         self._graph_version = self.pool.version
-        self.stats = {"graph_captures": 0, "decode_steps": 0}
+        self.lookahead = lookahead_enabled(self.device) if lookahead is None else bool(lookahead)
+        self.stats = {"graph_captures": 0, "decode_steps": 0, "lookahead_hits": 0, "lookahead_misses": 0}
 
     @classmethod
     def from_thinker(cls, th: Thinker, **kw) -> "FastThinker":
@@ -225,33 +270,57 @@ class FastThinker(Thinker):
             self.stats["graph_captures"] += 1
         return g
 
-    def _decode_step(self, kvs: List[StaticKV], toks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Feed one token per row -> (hidden [n, H], float32 logits [n, V]); advances lengths."""
+    def _step_key(self, kvs: List[StaticKV]) -> Tuple[int, int]:
+        """What fixes a decode step's computation besides its rows' own inputs: (rows, or the graph's
+        batch bucket with CUDA graphs; the KV-length bucket of the longest row + 1)."""
         n = len(kvs)
-        for kv in kvs:
-            if kv.length + 1 > self.pool.max_len:
-                raise ContextFullError(f"thinker context full at {kv.length} positions")
-        host = torch.tensor([toks, [kv.length for kv in kvs], [kv.slot for kv in kvs]], dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        ids, pos, slots = dev[0], dev[1], dev[2]
         need = max(kv.length for kv in kvs) + 1
         kv_len = min(-(-need // KV_BUCKET) * KV_BUCKET, self.pool.max_len)
-        self.stats["decode_steps"] += 1
+        return (bucket(n, BATCH_BUCKETS) if self.use_graphs else n), kv_len
+
+    def _step_forward(self, kvs: List[StaticKV], ids: torch.Tensor, pos: torch.Tensor,
+                      slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: int64 [n] device ``ids`` at positions [n] into slots [n] -> (hidden
+        [n, H] (a copy of the graph's output), float32 logits [n, V] (the graph's static output with
+        CUDA graphs: read it before the next replay)). Lengths unchanged. Raises ``RuntimeError``
+        when n exceeds the largest graph bucket."""
+        n = len(kvs)
+        _, kv_len = self._step_key(kvs)
         x = self.m.llm.model.embed_tokens(ids)[:, None]
         if self.use_graphs:
             B = bucket(n, BATCH_BUCKETS)
             if n > B:
                 raise RuntimeError(f"batch of {n} exceeds the largest graph bucket {B}")
             h, logits = self._graph(B, 1, kv_len).run(x, pos[:, None], slots)
-            h = h[:, 0].clone()
-        else:
-            h, logits = self._forward_eager(x, pos[:, None], slots, kv_len)
-            h = h[:, 0]
+            return h[:, 0].clone(), logits
+        h, logits = self._forward_eager(x, pos[:, None], slots, kv_len)
+        return h[:, 0], logits
+
+    def _decode_step(self, kvs: List[StaticKV], toks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per row -> (hidden [n, H], float32 logits [n, V]); advances lengths.
+        Raises :class:`ContextFullError` when a row has no position left."""
+        for kv in kvs:
+            if kv.length + 1 > self.pool.max_len:
+                raise ContextFullError(f"thinker context full at {kv.length} positions")
+        dev = S.device_tensor([toks, [kv.length for kv in kvs], [kv.slot for kv in kvs]], self.device, torch.long)
+        self.stats["decode_steps"] += 1
+        h, logits = self._step_forward(kvs, dev[0], dev[1], dev[2])
         for kv in kvs:
             kv.length += 1
         return h, logits
+
+    def _speculate(self, sts: List[ThinkerStream], ids: torch.Tensor) -> Optional["_Speculation"]:
+        """Launch the decode step of ``sts`` fed int64 [n] device ``ids`` (no host sync; lengths
+        unchanged) for :func:`.duplex.decode_rows`' lookahead. None (nothing launched) when a row has
+        no position left or the batch is larger than the largest graph bucket: the plain step then
+        runs (and raises) as without lookahead."""
+        kvs = [st.kv for st in sts]
+        if any(kv.slot is None or kv.length + 1 > self.pool.max_len for kv in kvs) \
+                or (self.use_graphs and len(kvs) > BATCH_BUCKETS[-1]):
+            return None
+        dev = S.device_tensor([[kv.length for kv in kvs], [kv.slot for kv in kvs]], self.device, torch.long)
+        h, logits = self._step_forward(kvs, ids, dev[0], dev[1])
+        return _Speculation(self, sts, self._step_key(kvs), h, logits)
 
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 1024) -> int:
         """Capture the decode-step graphs of these batch buckets for KV lengths up to
@@ -419,12 +488,41 @@ class FastThinker(Thinker):
             st.pending_ids = []
             st.last_prefill_logits = logits_all[r]
             rows.append(begin_row(self, i, items[i], r))
-        decode_rows(self, rows, logits_all, lambda sts, toks: self._decode_step([s.kv for s in sts], toks), self._gen)
+        decode_rows(self, rows, logits_all, lambda sts, toks: self._decode_step([s.kv for s in sts], toks), self._gen,
+                    speculate=self._speculate if self.lookahead else None)
         t2 = time.perf_counter()
         timings = {"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0, "batch": len(live)}
         for row in rows:
             results[row.index] = finish_row(self, row, timings)
         return results
+
+
+class _Speculation:
+    """A decode step launched by :meth:`FastThinker._speculate` (the :class:`.duplex.Speculation` of
+    the fast thinker). Its rows' results are the plain step's when the rows that go on are a subset
+    of the launch, in launch order, fed the launched tokens, and the step key
+    (:meth:`FastThinker._step_key`) of that subset is the launch's: without graphs that means the
+    same rows (the same forward); with graphs the same captured graph, where a row's outputs depend
+    only on its own inputs (the plain path already runs padding rows of other content beside it).
+    A row left out wrote its KV at its next position, past its length: overwritten before it is read."""
+
+    def __init__(self, th: FastThinker, sts: List[ThinkerStream], key: Tuple[int, int], h: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+        self.th, self.key, self.h, self.logits = th, key, h, logits
+        self.row_of = {id(st): r for r, st in enumerate(sts)}
+
+    def reuse(self, sts: List[ThinkerStream]) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[int]]]:
+        rows = [self.row_of.get(id(st)) for st in sts]
+        if not sts or None in rows or rows != sorted(rows) or self.th._step_key([st.kv for st in sts]) != self.key:
+            return None
+        for st in sts:
+            st.kv.length += 1
+        self.th.stats["decode_steps"] += 1
+        self.th.stats["lookahead_hits"] += 1
+        return self.h, self.logits, rows
+
+    def drop(self) -> None:
+        self.th.stats["lookahead_misses"] += 1
 
 
 class _StepSnapshot:
