@@ -16,16 +16,11 @@ drawn before the graph from each turn's generator, as the eager talker draws it 
 on the CPU both give the same codes for the same seed. The graph always runs all 25 steps; codes
 after a sampled EOS are discarded and their KV positions are beyond the turn's length (overwritten
 later, never read).
-
-The 25 one-token steps run :func:`.triton_talker.fused_decode_step` (five kernels per layer instead
-of :func:`.fast_kv.decoder_forward`'s ~12) where the Triton decode kernels are on (CUDA, see
-:func:`.fast_kv.triton_decode_enabled`) if ``DUPLEXKIT_TALKER_FUSED=1`` was set when this module
-was imported (opt-in: measured slower on the H200); the prefill always runs :func:`.fast_kv.decoder_forward`.
 """
 
 from __future__ import annotations
 
-import os
+
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -34,27 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import detach_traceback
-from . import fast_kv
 from .fast_kv import CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
 
-__all__ = ["FastTalker", "FastTalkerTurn", "talker_fused_enabled"]
-
-_TALKER_FUSED = os.environ.get("DUPLEXKIT_TALKER_FUSED", "0") == "1"
-"""The talker's fused decode step (:mod:`.triton_talker`) where the Triton decode kernels run: off
-unless ``DUPLEXKIT_TALKER_FUSED=1`` when this module is imported. Measured on an H200 (benchmarks/
-NOTES.md, stop 17, ``benchmarks/talker_step.py``): 112 instead of 252 kernels per step but 0.82-0.90x
-the speed of :func:`.fast_kv.decoder_forward`'s kernels, so it is opt-in."""
-
-
-def talker_fused_enabled() -> bool:
-    """Whether the unit decode's steps may use :func:`.triton_talker.fused_decode_step`: only if
-    ``DUPLEXKIT_TALKER_FUSED=1`` was set at import; it then runs where :func:`.fast_kv.decoder_forward`
-    would take its Triton path (CUDA, compute capability 8.0 on, ``DUPLEXKIT_TRITON_DECODE`` not 0) and
-    the model is one it supports (:func:`.triton_talker.fused_step_supported`)."""
-    return _TALKER_FUSED
+__all__ = ["FastTalker", "FastTalkerTurn"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
@@ -158,7 +138,6 @@ class FastTalker:
         self._graphs: Dict[Tuple[int, int, int, tuple], _UnitGraph] = {}
         self._graph_version = self.pool.version
         self.stats = {"graph_captures": 0, "units": 0}
-        self._fused_refused: Optional[tuple] = None  # (why the fused step cannot run, or None,) once checked
 
     # ------------------------------------------------------------------ the Talker API
     @property
@@ -327,7 +306,6 @@ class FastTalker:
         eos = self.config.eos_code
         top_k, top_p, min_p, W = filt
         head = self.talker.head_weight()
-        step_fn = self._step_fn(logits0)
         window = torch.full((B, W), V, dtype=torch.long, device=dev)
         eos_col = torch.arange(V, device=dev)[None] == eos
         logits = logits0
@@ -342,23 +320,9 @@ class FastTalker:
             # every returned code is fed, so the KV holds exactly the returned codes (docs/model.md §6;
             # the budget's last sample is never drawn)
             xe = self.talker.code_embed(code)[:, None]
-            h = step_fn(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
+            h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
             logits = F.linear(h, head).float()
         return torch.stack(codes, dim=1)
-
-    def _step_fn(self, like: torch.Tensor):
-        """The one-token forward of the unit decode for tensors on ``like``'s device:
-        :func:`.triton_talker.fused_decode_step` when enabled (module doc) and the model supports
-        it, else :func:`.fast_kv.decoder_forward` (same contract)."""
-        if not (_TALKER_FUSED and fast_kv._use_triton(like)):
-            return decoder_forward
-        from . import triton_talker
-
-        if self._fused_refused is None:  # checked once: (reason or None,)
-            self._fused_refused = (triton_talker.fused_step_supported(self.talker.model),)
-        if self._fused_refused[0] is not None:
-            return decoder_forward
-        return lambda *a: triton_talker.fused_decode_step(*a)
 
 
 _REFERENCE = (None, None, None, 16)
