@@ -16,9 +16,9 @@ engine's code2wav stage calls with all its streams at once. Per round (one synth
   seeded call draws) and its own HiFT cache / cross-fade tail.
 
 On CUDA (:mod:`.code2wav_graphs`) the encoder of non-final chunks replays a graph per (batch bucket
-1..32, cache shape), and the Euler loop a graph per (batch bucket <= 4, chunk frames, cached frames);
-larger groups run the loop as sub-batches of 4 replays. A voice has a few cache shapes (the caches
-grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
+1..32, cache shape), and the Euler loop a graph per (batch bucket 1, 2, 4, ... up to
+:attr:`BatchedCode2Wav.graph_rows`, 8 by default; chunk frames, cached frames); larger groups run
+the loop as sub-batches of that many streams. A voice has a few cache shapes (the caches grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
 package) is precomputed per batch size outside the graph. Captures hold
 :data:`~.fast_kv.CAPTURE_GATE` exclusive; every other call holds it shared. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
 
@@ -451,7 +451,7 @@ class BatchedCode2Wav(Code2Wav):
 
     def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
         """The flow for streams with equal cache shapes (caller holds the lock): one encoder call for
-        the group, the Euler loop in sub-batches of <= 4 when graphs are on. Returns per stream
+        the group, the Euler loop in sub-batches of <= graph_rows when graphs are on. Returns per stream
         (mel [1, 80, T], its new flow caches, tokens), all copies (no graph buffers)."""
         torch = self.torch
         F = torch.nn.functional
