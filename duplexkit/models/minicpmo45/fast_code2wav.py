@@ -18,7 +18,8 @@ engine's code2wav stage calls with all its streams at once. Per round (one synth
 On CUDA (:mod:`.code2wav_graphs`) the encoder of non-final chunks replays a graph per (batch bucket
 1..32, cache shape), and the Euler loop a graph per (batch bucket 1, 2, 4, ... up to
 :attr:`BatchedCode2Wav.graph_rows`, 8 by default; chunk frames, cached frames); larger groups run
-the loop as sub-batches of that many streams. A voice has a few cache shapes (the caches grow to prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
+the loop as sub-batches of that many streams. A voice has a few cache shapes (the caches grow to
+prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
 package) is precomputed per batch size outside the graph. Captures hold
 :data:`~.fast_kv.CAPTURE_GATE` exclusive; every other call holds it shared. :meth:`BatchedCode2Wav.warmup` captures the default voice's shapes.
 
