@@ -587,7 +587,7 @@ def main(argv=None) -> int:
             await bench_mode(view, mode, a, lv, fl, results)
 
     asyncio.run(go())
-    if hasattr(model.thinker, "stats"):  # decode steps, lookahead launches kept / redone
+    if hasattr(model.thinker, "stats"):  # decode steps, lookahead launches kept / discarded
         print(f"thinker: {model.thinker.stats}", flush=True)
         results["thinker_stats"] = dict(model.thinker.stats)
     if model.code2wav is not None and hasattr(model.code2wav, "stats"):

@@ -407,9 +407,10 @@ class Speculation(Protocol):
 
     def reuse(self, streams: List["ThinkerStream"]) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[int]]]:
         """The rows that go on (each fed its speculated token, in launch order, a subset of the
-        launch): ``(hidden [n', H], logits [n', V], rows)`` with ``rows[k]`` the row of stream ``k``
-        in those tensors, and the streams' lengths advanced by one -- when that is exactly what
-        ``feed`` would compute for them; else None (nothing changed; the caller feeds)."""
+        launch): ``(hidden [n, H], logits [n, V], rows)``, the whole launch's n >= len(streams) rows,
+        with ``rows[k]`` the row of stream ``k`` in those tensors, and the streams' lengths advanced
+        by one -- when that is exactly what ``feed`` would compute for them; else None (nothing
+        changed; the caller feeds)."""
 
     def drop(self) -> None:
         """The launch's results are not used."""
@@ -417,7 +418,8 @@ class Speculation(Protocol):
 
 SpeculateFn = Callable[[List["ThinkerStream"], torch.Tensor], Optional[Speculation]]
 """``speculate(streams, tokens)``: launch the decode step of ``streams`` fed int64 [n] device
-``tokens`` (no host sync) and return its :class:`Speculation`, or None when it cannot (context full)."""
+``tokens`` (no host sync) and return its :class:`Speculation`, or None when it cannot (a row without a
+free position or closed, a batch beyond the largest graph bucket)."""
 
 
 class HostRead:
