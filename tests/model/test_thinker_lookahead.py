@@ -173,6 +173,42 @@ def test_fixed_length_units_keep_every_launch(thinkers):
     assert d == {"decode_steps": 15, "lookahead_hits": 15, "lookahead_misses": 0}
 
 
+def test_no_launch_ahead_of_a_listening_streams_first_decision(thinkers, monkeypatch):
+    """Listen units (the stream's turn has ended; the model answers <|listen|> at its first decision):
+    nothing is launched ahead of that decision, so no step is thrown away; a unit that speaks instead
+    is launched ahead from its second step on. Results equal the plain path either way."""
+    off_th, on_th = thinkers
+    sp = off_th.special
+    real = D.decide
+    speak_at = {3}  # unit index that speaks; the others listen
+
+    def decide(spc, plan, j, bnd, main, turn_ended):
+        if j == 0 and turn_ended and seen["unit"] not in speak_at:
+            return real(spc, plan, j, bnd, sp.listen, turn_ended)
+        return real(spc, plan, j, bnd, main, turn_ended)
+
+    monkeypatch.setattr(D, "decide", decide)
+
+    def run(th):
+        st = th.new_stream(policy=DuplexPolicy(temperature=0.7, max_unit_tokens=4), seed=5)
+        out = []
+        before = _counts(th)
+        for i in range(5):
+            seen["unit"] = i
+            (r,) = th.step_units([UnitInput(st, _audio(9, i))])
+            out.append((r.decision, r.generated_ids, r.timings["decode_steps"]))
+        th.close(st)
+        return out, {k: th.stats[k] - v for k, v in before.items()}
+
+    seen = {"unit": 0}
+    off, _ = run(off_th)
+    on, d = run(on_th)
+    assert on == off
+    assert [x[0] for x in off[:4]] == ["listen", "listen", "listen", "speak"]
+    assert d["lookahead_misses"] <= 1  # at most the speaking unit's last launch (it ends by a decision)
+    assert d["lookahead_hits"] >= 1  # the speaking unit's later steps were launched ahead
+
+
 def test_a_decision_other_than_the_launched_token_redoes_the_step(thinkers, monkeypatch):
     """A row that goes on with another token than its main-pass choice (as ``<|listen|>`` becoming
     ``<|tts_bos|>``): the launched step is dropped and the step is fed again at the same positions

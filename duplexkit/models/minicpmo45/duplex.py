@@ -448,6 +448,12 @@ class HostRead:
         return self.host.tolist()
 
 
+def _free_to_listen(plan: StepPlan, st: "ThinkerStream") -> bool:
+    """A row whose unit may end at this decision with ``<|listen|>``: its turn has ended (it is
+    listening) and the step neither masks ``<|listen|>`` nor forces a token."""
+    return st.turn_ended and not plan.mask_listen and not plan.must_continue and not plan.cut
+
+
 def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
                 generator: Callable[["ThinkerStream"], Optional[torch.Generator]],
                 speculate: Optional[SpeculateFn] = None) -> None:
@@ -460,7 +466,8 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
     next step is launched with every row's main-pass choice before the host waits for the read; when
     every row that goes on was fed what was launched and :meth:`Speculation.reuse` accepts them, that
     launch's (hidden, logits) are used, else ``feed`` runs as without it. Same draws, tokens, hidden
-    rows and lengths either way."""
+    rows and lengths either way. Nothing is launched ahead of a unit's first decision when every row
+    is listening and free to stay so (most duplex units are listen units that end there)."""
     sp = th.special
     active = [r for r in rows if r.terminator is None]
     j = 0
@@ -477,7 +484,9 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
         lg = logits if sel == list(range(logits.shape[0])) else logits[S.device_tensor(sel, logits.device)]
         sts = [r.stream for r in active]
         spec = None
-        if speculate is None:
+        if speculate is None or (j == 0 and all(_free_to_listen(p, s) for p, s in zip(plans, sts))):
+            # (no launch ahead of a listening stream's first decision: most such units end there
+            # with <|listen|>, and the launched step would be thrown away)
             bnd, main = choose_tokens(th, sts, lg, plans, [generator(s) for s in sts])
         else:
             both = choose_tokens_device(th, sts, lg, plans, [generator(s) for s in sts])
