@@ -8,6 +8,7 @@ sized to use: tens of MB, not the package's 2.24 GB).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -202,11 +203,36 @@ def test_encoder_rows_are_independent_of_padding_rows(c2w):
             c2w.close(st)
 
 
+@contextlib.contextmanager
+def _graph_rows_set(c2w, rows):
+    """``c2w`` with ``rows`` Euler-loop graph rows and a fresh scratch; everything restored after."""
+    saved = (c2w.graph_rows, c2w.euler_sub_batch, dict(c2w._scratch), c2w._scratch_capacity)
+    c2w.graph_rows = rows
+    if c2w.euler_sub_batch is not None:
+        c2w.euler_sub_batch = rows
+    c2w._scratch.clear()
+    c2w._dit_graphs.clear()
+    try:
+        yield c2w
+    finally:
+        c2w.graph_rows, c2w.euler_sub_batch = saved[0], saved[1]
+        c2w._scratch.clear()
+        c2w._scratch.update(saved[2])
+        c2w._scratch_capacity = saved[3]
+        c2w._dit_graphs.clear()
+
+
 def test_scratch_is_one_buffer_set_for_every_batch_size(c2w):
     """The Euler loop's scratch (DiT blocks' caches, and on CUDA every graph's static buffers) is one
     set of flat buffers sized for ``graph_rows`` streams, not one set per batch size or graph: 1..4
-    streams add nothing after the first call; only a larger eager group adds its own buffer."""
-    GRAPH_MAX_BATCH = c2w.graph_rows
+    streams add nothing after the first call; only a larger eager group adds its own buffer. (On the
+    CPU with 4 graph rows: each stream is a tiny flow call, and 8 rows would double the test's time.)"""
+    rows = c2w.graph_rows if c2w.euler_sub_batch is not None else 4
+    with _graph_rows_set(c2w, rows):
+        _scratch_rounds(c2w, rows)
+
+
+def _scratch_rounds(c2w, GRAPH_MAX_BATCH):
     codes = np.full(25, 4218, np.int64)
 
     def round_of(n):
@@ -253,13 +279,9 @@ def test_graph_rows_choice(monkeypatch):
 def test_scratch_follows_graph_rows(c2w):
     """The shared scratch is sized for ``graph_rows`` streams: 8 rows need about twice the bytes of 4."""
     codes = np.full(25, 4218, np.int64)
-    saved = (c2w.graph_rows, c2w.euler_sub_batch, dict(c2w._scratch), c2w._scratch_capacity)
     sizes = {}
-    try:
-        for rows in (4, 8):
-            c2w.graph_rows = rows
-            c2w._scratch.clear()
-            c2w._dit_graphs.clear()
+    for rows in (4, 8):
+        with _graph_rows_set(c2w, rows):
             sts = [c2w.new_stream(None, seed=k) for k in range(2)]  # 2: the batched flow, with scratch
             try:
                 c2w.push_batch([SimpleNamespace(handle=st, codes=codes, last=False) for st in sts])
@@ -267,12 +289,6 @@ def test_scratch_follows_graph_rows(c2w):
                 for st in sts:
                     c2w.close(st)
             sizes[rows] = c2w.scratch_bytes()
-    finally:
-        c2w.graph_rows, c2w.euler_sub_batch = saved[0], saved[1]
-        c2w._scratch.clear()
-        c2w._scratch.update(saved[2])
-        c2w._scratch_capacity = saved[3]
-        c2w._dit_graphs.clear()
     assert 1.8 < sizes[8] / sizes[4] < 2.2, sizes
 
 
