@@ -50,15 +50,19 @@ def main() -> int:
                     help="the flow's dtype (float16: the reference's Token2wav(float16=True); HiFT stays float32)")
     ap.add_argument("--ways", default="per-stream,flow-batched,batched",
                     help="comma list of per-stream, flow-batched, batched (the per-stream way is slow at 32)")
-    ap.add_argument("--graph-rows", type=int, default=None,
-                    help="rows of the Euler-loop CUDA graphs (sub-batch size; default 4 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
+    ap.add_argument("--graph-rows", type=int, default=None, choices=(1, 2, 4, 8, 16),
+                    help="rows of the Euler-loop CUDA graphs (sub-batch size; default 8 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
     ap.add_argument("--phases", action="store_true",
                     help="also print the batched way's ms per round in the encoder, the Euler loop and "
-                         "HiFT + cross-fade (synchronised around each call: adds a few syncs)")
+                         "HiFT + cross-fade (synchronised around each call: adds a few syncs; a single stream "
+                         "on the CPU takes the per-stream flow, which is not split: 0 there)")
     ap.add_argument("--save-audio", default=None, metavar="FILE", help="write the batched way's audio (.npz)")
     ap.add_argument("--compare-to", default=None, metavar="FILE",
                     help="compare the batched way's audio with a file written by --save-audio")
     a = ap.parse_args()
+    wanted = [w.strip() for w in a.ways.split(",") if w.strip()]
+    if set(wanted) - {"per-stream", "flow-batched", "batched"} or "batched" not in wanted:
+        ap.error(f"--ways: choose from per-stream, flow-batched, batched (batched always), got {a.ways!r}")
 
     import torch
 
@@ -104,10 +108,6 @@ def main() -> int:
         return run
 
     ways = [("per-stream", per_stream), ("flow-batched", batched(False)), ("batched", batched(True, keep=True))]
-    wanted = [w.strip() for w in a.ways.split(",") if w.strip()]
-    unknown = set(wanted) - {name for name, _ in ways}
-    if unknown or "batched" not in wanted:
-        ap.error(f"--ways: choose from per-stream, flow-batched, batched (batched always), got {a.ways!r}")
     ways = [w for w in ways if w[0] in wanted]
     phase_ms: dict = {}  # phase -> ms accumulated in the current batched round
     if a.phases:

@@ -56,4 +56,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Imports, device name, copy bandwidth and bf16 matmul rate of a "
+                                        "GPU machine (needs CUDA).").parse_args()
     main()

@@ -559,6 +559,17 @@ def print_table(rows: list) -> None:
     sys.stdout.flush()
 
 
+def _no_nan(x):
+    """``x`` with every NaN float (a percentile of no samples) as None: strict JSON has no NaN."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_no_nan(v) for v in x]
+    return x
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="scripted", help="scripted | tiny | <checkpoint dir> | random-real | random-tiny")
@@ -571,7 +582,8 @@ def main(argv=None) -> int:
     ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
                     help="random-*: the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
-    ap.add_argument("--out", default=None, help="write the results as JSON here (with the raw latency-trace records)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here (with the raw latency-trace records where they are "
+                         "collected: --trace, or a random-* model)")
     ap.add_argument("--trace", action="store_true",
                     help="serve in this process and print the server's latency trace per level "
                          "(the duplexkit.latency logger; scripted/tiny/random-*)")
@@ -651,7 +663,7 @@ def main(argv=None) -> int:
                                                  "barge_missed", "vad_preempted", "trace", "trace_records")},
             "errors": dict(_error_kinds(r["errors"]))} for n, r in rows]
     if a.out:
-        Path(a.out).write_text(json.dumps({"model": a.model, "levels": out}, indent=1))
+        Path(a.out).write_text(json.dumps(_no_nan({"model": a.model, "levels": out}), indent=1))
     return 0
 
 

@@ -44,6 +44,8 @@ _libc.sbrk.argtypes = [ctypes.c_ssize_t]
 
 def malloc_info(path: Path) -> None:
     fp = _libc.fopen(str(path).encode(), b"w")
+    if not fp:
+        raise OSError(f"cannot open {path} for writing")
     try:
         _libc.malloc_info(0, fp)
     finally:
@@ -323,7 +325,12 @@ class HeapDiag:
         return out
 
 
-if __name__ == "__main__" and len(sys.argv) > 1:
+if __name__ == "__main__" and (len(sys.argv) != 2 or sys.argv[1].startswith("-")):
+    print("usage: python benchmarks/heap_diag.py DIR   (a self-check: two heap snapshots of this process "
+          "into DIR, then prints the second; benchmarks/load.py uses the module with DUPLEXKIT_LOAD_DIAG)")
+    sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+if __name__ == "__main__":
+    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
     d = HeapDiag(sys.argv[1])
     d.snapshot()
     keep = [bytes(64) + str(i).encode() for i in range(20000)]

@@ -78,15 +78,17 @@ def _graph_rows(rows: Optional[int]) -> int:
     :data:`GRAPH_MAX_BATCH`.
 
     Raises:
-        ValueError: not a power of two from 1 to 16."""
+        ValueError: not a power of two from 1 to 16 (naming the variable when it came from there)."""
+    source = "Code2Wav graph rows"
     if rows is None:
         env = os.environ.get("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "").strip()
+        source = "DUPLEXKIT_CODE2WAV_GRAPH_ROWS"
         try:
             rows = int(env) if env else GRAPH_MAX_BATCH
         except ValueError:
-            raise ValueError(f"DUPLEXKIT_CODE2WAV_GRAPH_ROWS must be 1, 2, 4, 8 or 16, got {env!r}") from None
+            raise ValueError(f"{source} must be 1, 2, 4, 8 or 16, got {env!r}") from None
     if rows not in (1, 2, 4, 8, 16):
-        raise ValueError(f"Code2Wav graph rows must be 1, 2, 4, 8 or 16, got {rows!r}")
+        raise ValueError(f"{source} must be 1, 2, 4, 8 or 16, got {rows!r}")
     return int(rows)
 
 
