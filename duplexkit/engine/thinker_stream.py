@@ -40,14 +40,11 @@ the variable unset, nothing here is used and behaviour is unchanged. The vLLM th
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator, Optional
 
 __all__ = ["ENV_VAR", "thinker_stream_requested", "ThinkerCudaStream", "accept"]
 
 ENV_VAR = "DUPLEXKIT_THINKER_STREAM"
-_ON = ("1", "true", "on", "yes")
-_OFF = ("", "0", "false", "off", "no")
 
 
 def thinker_stream_requested(value: Optional[str] = None) -> bool:
@@ -63,12 +60,9 @@ def thinker_stream_requested(value: Optional[str] = None) -> bool:
     Raises:
         ValueError: any other value (a typo should not silently measure the wrong configuration).
     """
-    v = (os.environ.get(ENV_VAR, "") if value is None else value).strip().lower()
-    if v in _ON:
-        return True
-    if v in _OFF:
-        return False
-    raise ValueError(f"{ENV_VAR} must be 1/0 (or true/false, on/off, yes/no), got {v!r}")
+    from duplexkit.models.minicpmo45.fast_kv import env_switch
+
+    return env_switch(ENV_VAR, False, value)
 
 
 class ThinkerCudaStream:

@@ -130,6 +130,35 @@ def pin_sdpa_backend() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+_SWITCH_ON = ("1", "true", "on", "yes")
+_SWITCH_OFF = ("0", "false", "off", "no")
+
+
+def env_switch(name: str, default: bool, value: Optional[str] = None) -> bool:
+    """An on/off setting strictly parsed (``DUPLEXKIT_THINKER_STREAM``, ``DUPLEXKIT_THINKER_LOOKAHEAD``).
+
+    Args:
+        name: the environment variable (read when ``value`` is None; named in the error).
+        default: the result when the setting is unset or empty.
+        value: the setting to parse instead of the environment.
+
+    Returns:
+        True for ``1`` / ``true`` / ``on`` / ``yes``, False for ``0`` / ``false`` / ``off`` / ``no``
+        (case-insensitive, surrounding blanks ignored), ``default`` when unset or empty.
+
+    Raises:
+        ValueError: any other value (a typo should not silently measure the wrong configuration).
+    """
+    v = (os.environ.get(name, "") if value is None else value).strip().lower()
+    if v == "":
+        return bool(default)
+    if v in _SWITCH_ON:
+        return True
+    if v in _SWITCH_OFF:
+        return False
+    raise ValueError(f"{name} must be 1/0 (or true/false, on/off, yes/no), got {v!r}")
+
+
 def cuda_graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs are used on CUDA devices unless ``DUPLEXKIT_CUDA_GRAPHS=0``."""
     import os

@@ -37,7 +37,6 @@ with :class:`~.fast_kv.ContextFullError`.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -49,7 +48,7 @@ from ...errors import detach_traceback
 from . import sampling as S
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import (ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      fuse_projections, keep_for_current_stream)
+                      env_switch, fuse_projections, keep_for_current_stream)
 from .thinker import Thinker, ThinkerStream
 
 __all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS", "LOOKAHEAD_ENV", "lookahead_enabled"]
@@ -61,8 +60,6 @@ PREFILL_TOKENS = 16
 
 
 LOOKAHEAD_ENV = "DUPLEXKIT_THINKER_LOOKAHEAD"
-_ON = ("1", "true", "on", "yes")
-_OFF = ("0", "false", "off", "no")
 
 
 def lookahead_enabled(device, value: Optional[str] = None) -> bool:
@@ -80,14 +77,7 @@ def lookahead_enabled(device, value: Optional[str] = None) -> bool:
     Raises:
         ValueError: any other value (a typo should not silently measure the wrong configuration).
     """
-    v = (os.environ.get(LOOKAHEAD_ENV, "") if value is None else value).strip().lower()
-    if v == "":
-        return torch.device(device).type == "cuda"
-    if v in _ON:
-        return True
-    if v in _OFF:
-        return False
-    raise ValueError(f"{LOOKAHEAD_ENV} must be 1/0 (or true/false, on/off, yes/no), got {v!r}")
+    return env_switch(LOOKAHEAD_ENV, torch.device(device).type == "cuda", value)
 
 
 class StaticKV:
