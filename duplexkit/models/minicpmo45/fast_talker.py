@@ -38,6 +38,13 @@ __all__ = ["FastTalker", "FastTalkerTurn"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_BUCKET = 256
+PREFILL_ROWS = 32
+"""A unit's prefill ``[cond..., audio_bos]`` of at most this many positions runs inside its CUDA
+graph, zero-padded to this length (a duplex unit has ~5-20 text tokens + ``audio_bos``:
+docs/model.md "30-45 positions per unit" with 25 codes); a longer one runs eagerly before a
+decode-only graph."""
+GRAPH_CHUNKS = 1
+"""Default CUDA graphs per unit (:class:`_UnitGraph`)."""
 
 
 class FastTalkerTurn:
@@ -81,15 +88,28 @@ class FastTalkerTurn:
 
 
 class _UnitGraph:
-    """The whole duplex decode (``steps`` samples, each fed) for a (batch, kv_len) bucket."""
+    """One speaking unit for a (batch bucket ``B``, prefill rows ``T``, KV-length bucket, steps,
+    filter) key, over static input buffers (:attr:`inp`).
 
-    def __init__(self, ft: "FastTalker", B: int, kv_len: int, steps: int, filt: tuple) -> None:
+    With ``T > 0`` the unit's prefill runs inside: inputs ``x`` [B, T, hidden] (each row's
+    ``[cond..., audio_bos]``, zero-padded), ``starts`` and ``lens`` [B]; with ``T == 0`` the
+    prefill ran before (inputs ``logits0`` [B, V] float32 and ``base`` [B]). Both then take
+    ``slots``, ``min_new``, ``temp``, ``greedy``, ``penalty`` and the noise [B, steps, V] and return
+    the codes [B, steps] (int64).
+
+    ``chunks`` > 1 splits the steps over that many CUDA graphs replayed back to back, each reading
+    the previous one's static outputs (logits, penalty window, base): a graph launch costs host
+    time per node (~1 µs; one 25-step unit is ~6 900 nodes), so the later launches then overlap the
+    GPU's run of the earlier ones. ``capture=False`` runs the same code eagerly (the CPU tests).
+    """
+
+    def __init__(self, ft: "FastTalker", B: int, T: int, kv_len: int, steps: int, filt: tuple, *,
+                 chunks: int = 1, capture: bool = True) -> None:
         dev = ft.device
         V = ft.config.num_audio_tokens
+        self.ft, self.T, self.kv_len, self.filt = ft, T, kv_len, filt
         self.scratch = ft.pool.scratch
         self.inp = dict(
-            logits0=torch.zeros(B, V, dtype=torch.float32, device=dev),
-            base=torch.zeros(B, dtype=torch.long, device=dev),
             slots=torch.full((B,), self.scratch, dtype=torch.long, device=dev),
             min_new=torch.zeros(B, dtype=torch.long, device=dev),
             temp=torch.ones(B, 1, dtype=torch.float32, device=dev),
@@ -97,20 +117,78 @@ class _UnitGraph:
             penalty=torch.ones(B, 1, dtype=torch.float32, device=dev),
             noise=torch.ones(B, steps, V, dtype=torch.float32, device=dev),
         )
-        self.graph, self.codes = capture_graph(
-            lambda: ft._decode_eager(kv_len=kv_len, steps=steps, filt=filt, **self.inp), dev, pool=ft.graph_pool)
+        if T:
+            self.inp.update(x=torch.zeros(B, T, ft.config.hidden_size, dtype=ft.dtype, device=dev),
+                            starts=torch.zeros(B, dtype=torch.long, device=dev),
+                            lens=torch.ones(B, dtype=torch.long, device=dev))
+        else:
+            self.inp.update(logits0=torch.zeros(B, V, dtype=torch.float32, device=dev),
+                            base=torch.zeros(B, dtype=torch.long, device=dev))
+        cuts = sorted({round(steps * i / max(1, chunks)) for i in range(max(1, chunks) + 1)})
+        self.bounds = list(zip(cuts[:-1], cuts[1:]))
+        self.capture = capture
+        self.graphs: list = []
+        self.codes: list = []
+        if capture:
+            prev = None
+            for a, b in self.bounds:
+                g, (codes, prev) = capture_graph(lambda a=a, b=b, prev=prev: self._chunk(a, b, prev), dev,
+                                                 pool=ft.graph_pool)
+                # a capture computes nothing: run the new graph once on the harmless default inputs
+                # (scratch slot rows) so its outputs, the next chunk's inputs, hold valid codes
+                # before the next chunk's eager warm-up reads them
+                g.replay()
+                self.graphs.append(g)
+                self.codes.append(codes)
 
-    def run(self, **kw) -> torch.Tensor:
-        n = kw["base"].shape[0]
+    def _chunk(self, a: int, b: int, prev: Optional[tuple]):
+        """Steps ``a .. b-1``; the prefill (or the given ``logits0``/``base``) first when ``prev`` is
+        None. Returns (codes [B, b - a], (logits, window, base) for the next chunk)."""
+        inp = self.inp
+        window = None
+        if prev is not None:
+            logits, window, base = prev
+        elif self.T:
+            logits, base = self.ft._prefill(inp["x"], inp["starts"], inp["lens"], inp["slots"], self.kv_len)
+        else:
+            logits, base = inp["logits0"], inp["base"]
+        codes, logits, window = self.ft._decode(
+            logits, window, base, inp["slots"], inp["min_new"], inp["temp"], inp["greedy"], inp["penalty"],
+            inp["noise"], kv_len=self.kv_len, s0=a, s1=b, filt=self.filt)
+        return codes, (logits, window, base)
+
+    def run(self, embeds: Optional[Sequence[torch.Tensor]] = None, **kw) -> torch.Tensor:
+        """Copy the inputs of ``n`` rows (``embeds``: n prefill tensors [len <= T, hidden] when ``T >
+        0``; the other inputs [n, ...]) into the static buffers, pad the rest with harmless rows
+        (scratch slot, greedy) and run the unit. Returns codes [n, steps] (int64; with graphs a view
+        of static outputs, read before the next run)."""
+        inp = self.inp
+        n = kw["slots"].shape[0]
         for k, v in kw.items():
-            self.inp[k][:n].copy_(v)
-        if n < self.inp["base"].shape[0]:
-            self.inp["slots"][n:].fill_(self.scratch)
-            self.inp["base"][n:].zero_()
-            self.inp["greedy"][n:].fill_(True)
-            self.inp["noise"][n:].fill_(1.0)
-        self.graph.replay()
-        return self.codes[:n]
+            inp[k][:n].copy_(v)
+        if embeds is not None:
+            for b, e in enumerate(embeds):
+                inp["x"][b, : e.shape[0]].copy_(e)
+        if n < inp["slots"].shape[0]:
+            inp["slots"][n:].fill_(self.scratch)
+            inp["greedy"][n:].fill_(True)
+            inp["noise"][n:].fill_(1.0)
+            if self.T:
+                inp["starts"][n:].zero_()
+                inp["lens"][n:].fill_(1)
+            else:
+                inp["base"][n:].zero_()
+        if self.capture:
+            for g in self.graphs:
+                g.replay()
+            codes = self.codes
+        else:
+            codes, prev = [], None
+            for a, b in self.bounds:
+                c, prev = self._chunk(a, b, prev)
+                codes.append(c)
+        out = codes[0] if len(codes) == 1 else torch.cat(codes, dim=1)
+        return out[:n]
 
 
 class FastTalker:
@@ -119,12 +197,22 @@ class FastTalker:
     Args:
         talker: the loaded talker (weights shared, not copied).
         slots: initial KV slots (one per live talker turn; grows by 8).
-        cuda_graphs: capture the unit decode (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``).
+        cuda_graphs: capture the unit (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``): its
+            prefill of at most :data:`PREFILL_ROWS` positions and its 25 decode steps.
+        graph_chunks: CUDA graphs per unit, replayed back to back (see :class:`_UnitGraph`; default
+            :data:`GRAPH_CHUNKS`).
+        prefill_rows: prefills of at most this many positions run inside the unit's graph (default
+            :data:`PREFILL_ROWS`; 0: every prefill eagerly before a decode-only graph, the path
+            before stop 18, for ``benchmarks/talker_unit.py``).
+
+    Raises:
+        ValueError: ``graph_chunks`` not in 1..25 or ``prefill_rows`` negative.
     """
 
     batched = True
 
-    def __init__(self, talker: Talker, *, slots: int = 4, cuda_graphs: Optional[bool] = None) -> None:
+    def __init__(self, talker: Talker, *, slots: int = 4, cuda_graphs: Optional[bool] = None,
+                 graph_chunks: Optional[int] = None, prefill_rows: Optional[int] = None) -> None:
         self.talker = talker
         self.config = talker.config
         m = talker.model
@@ -135,7 +223,15 @@ class FastTalker:
                            slots=slots)
         self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._graphs: Dict[Tuple[int, int, int, tuple], _UnitGraph] = {}
+        #: capture the unit graphs (False: run the same unit code eagerly, for tests on the CPU)
+        self.capture_units = self.use_graphs
+        self.graph_chunks = GRAPH_CHUNKS if graph_chunks is None else int(graph_chunks)
+        if not 1 <= self.graph_chunks <= 25:
+            raise ValueError(f"graph_chunks must be 1..25, got {graph_chunks!r}")
+        self.prefill_rows = PREFILL_ROWS if prefill_rows is None else int(prefill_rows)
+        if self.prefill_rows < 0:
+            raise ValueError(f"prefill_rows must be >= 0, got {prefill_rows!r}")
+        self._graphs: Dict[Tuple[int, int, int, int, tuple], _UnitGraph] = {}
         self._graph_version = self.pool.version
         self.stats = {"graph_captures": 0, "units": 0}
 
@@ -159,19 +255,30 @@ class FastTalker:
         return getattr(self.__dict__["talker"], name)
 
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 512, budget: int = DUPLEX_BUDGET) -> int:
-        """Capture the unit-decode graphs of these batch buckets for KV lengths up to ``max_kv_len``
-        now (engine start-up). Returns the number of graphs captured (0 without CUDA graphs)."""
+        """Capture the unit graphs (prefill of :attr:`prefill_rows` rows + ``budget − 1`` steps) of
+        these batch buckets for KV lengths up to ``max_kv_len`` now (engine start-up). Returns the
+        number of units captured (0 without CUDA graphs)."""
         if not self.use_graphs:
             return 0
         n0 = self.stats["graph_captures"]
-        steps = budget - 1
         with torch.no_grad():
             for B in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
                 for L in range(KV_BUCKET, min(max_kv_len, self.config.max_position_embeddings) + 1, KV_BUCKET):
-                    if (B, L, steps, _REFERENCE) not in self._graphs:
-                        self._graphs[(B, L, steps, _REFERENCE)] = _UnitGraph(self, B, L, steps, _REFERENCE)
-                        self.stats["graph_captures"] += 1
+                    self._unit_graph(B, self.prefill_rows, L, budget - 1, _REFERENCE)
         return self.stats["graph_captures"] - n0
+
+    def _unit_graph(self, B: int, T: int, kv_len: int, steps: int, filt: tuple) -> _UnitGraph:
+        """The captured unit of this key (captured now if new; all dropped when the KV pool grew)."""
+        if self._graph_version != self.pool.version:
+            self._graphs.clear()
+            self._graph_version = self.pool.version
+        key = (B, T, kv_len, steps, filt)
+        g = self._graphs.get(key)
+        if g is None:
+            g = _UnitGraph(self, B, T, kv_len, steps, filt, chunks=self.graph_chunks, capture=self.capture_units)
+            self._graphs[key] = g
+            self.stats["graph_captures"] += 1
+        return g
 
     # ------------------------------------------------------------------ batched duplex units
     @torch.no_grad()
@@ -231,20 +338,11 @@ class FastTalker:
             penalty.append(float(s.repetition_penalty))
         B = len(group)
         T = max(e.shape[0] for e in embeds)
-        x = torch.zeros(B, T, cfg.hidden_size, dtype=self.dtype, device=dev)
-        for b, e in enumerate(embeds):
-            x[b, : e.shape[0]] = e.to(self.dtype)
-        starts = S.device_tensor([t.text_start_pos for t in turns], dev, torch.long)
-        pos = starts[:, None] + torch.arange(T, device=dev)[None]
-        slots = S.device_tensor([t.slot for t in turns], dev, torch.long)
-        kv_len = min(-(-(max(t.text_start_pos for t in turns) + T) // 64) * 64, cfg.max_position_embeddings)
-        h = decoder_forward(self.talker.model, x, pos, slots, self.pool, kv_len)
-        lens = S.device_tensor([e.shape[0] for e in embeds], dev, torch.long)
-        last = h[torch.arange(B, device=dev), lens - 1]
-        logits0 = F.linear(last, self.talker.head_weight()).float()
-        base = starts + lens  # position of the first fed code
         steps = budget - 1
         V = cfg.num_audio_tokens
+        max_pos = cfg.max_position_embeddings
+        starts_h = [t.text_start_pos for t in turns]
+        lens_h = [e.shape[0] for e in embeds]
         noise = torch.ones(B, max(steps, 1), V, dtype=torch.float32, device=dev)
         draws = [(b, it) for b, (_i, it, s, _e) in enumerate(group) if not s.greedy and steps > 0]
         # no graph capture may be open on another thread while the default CUDA generator (an
@@ -253,32 +351,38 @@ class FastTalker:
             for b, it in draws:  # the eager talker's draw for a unit (talker_decode.run_jobs)
                 noise[b] = S.exp_noise([it.generator], steps * V, dev).view(steps, V)
         kw = dict(
-            logits0=logits0, base=base, slots=slots,
+            slots=S.device_tensor([t.slot for t in turns], dev, torch.long),
             min_new=S.device_tensor(min_new, dev, torch.long),
             temp=S.device_tensor(temp, dev, torch.float32)[:, None],
             greedy=S.device_tensor(greedy, dev, torch.bool),
             penalty=S.device_tensor(penalty, dev, torch.float32)[:, None],
             noise=noise,
         )
-        if steps <= 0:
-            codes_t = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        starts = S.device_tensor(starts_h, dev, torch.long)
+        lens = S.device_tensor(lens_h, dev, torch.long)
+        max_base = max(p + n for p, n in zip(starts_h, lens_h))
+        # the prefill inside the unit's graph: its padded rows write KV up to start + P - 1
+        P = self.prefill_rows
+        if self.use_graphs and steps > 0 and T <= P and max(starts_h) + P <= max_pos:
+            kvl = min(_round_up(max(max_base + steps, max(starts_h) + P), KV_BUCKET), max_pos)
+            g = self._unit_graph(bucket(B, BATCH_BUCKETS), P, kvl, steps, filt)
+            codes_t = g.run(embeds=embeds, starts=starts, lens=lens, **kw)
         else:
-            max_base = max(t.text_start_pos + e.shape[0] for t, e in zip(turns, embeds))
-            kvl = min(-(-(max_base + steps) // KV_BUCKET) * KV_BUCKET, cfg.max_position_embeddings)
-            if self.use_graphs:
-                if self._graph_version != self.pool.version:
-                    self._graphs.clear()
-                    self._graph_version = self.pool.version
-                Bb = bucket(B, BATCH_BUCKETS)
-                key = (Bb, kvl, steps, filt)
-                g = self._graphs.get(key)
-                if g is None:
-                    g = _UnitGraph(self, Bb, kvl, steps, filt)
-                    self._graphs[key] = g
-                    self.stats["graph_captures"] += 1
-                codes_t = g.run(**kw)
+            x = torch.zeros(B, T, cfg.hidden_size, dtype=self.dtype, device=dev)
+            for b, e in enumerate(embeds):
+                x[b, : e.shape[0]] = e.to(self.dtype)
+            logits0, base = self._prefill(x, starts, lens, kw["slots"], min(_round_up(max(starts_h) + T, 64), max_pos))
+            if steps <= 0:
+                codes_t = torch.zeros(B, 0, dtype=torch.long, device=dev)
             else:
-                codes_t = self._decode_eager(kv_len=kvl, steps=steps, filt=filt, **kw)
+                kvl = min(_round_up(max_base + steps, KV_BUCKET), max_pos)
+                if self.use_graphs:
+                    g = self._unit_graph(bucket(B, BATCH_BUCKETS), 0, kvl, steps, filt)
+                    codes_t = g.run(logits0=logits0, base=base, **kw)
+                else:
+                    codes_t, _, _ = self._decode(logits0, None, base, kw["slots"], kw["min_new"], kw["temp"],
+                                                 kw["greedy"], kw["penalty"], noise, kv_len=kvl, s0=0, s1=steps,
+                                                 filt=filt)
         codes_all = codes_t.cpu().numpy()  # the one host sync of the unit
         self.stats["units"] += B
         eos = cfg.eos_code
@@ -297,20 +401,36 @@ class FastTalker:
                 turn.reset()
         return out
 
-    def _decode_eager(self, *, logits0, base, slots, min_new, temp, greedy, penalty, noise, kv_len: int,
-                      steps: int, filt: tuple) -> torch.Tensor:
-        """``steps`` samples, each fed back at ``base + s``; returns codes [B, steps] (long).
-        ``filt`` = (top_k, top_p, min_p, repetition_window) of every sampled row."""
-        B, V = logits0.shape
-        dev = logits0.device
+    def _prefill(self, x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                 kv_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``x`` [B, T, hidden] (row b's first ``lens[b]`` rows are its prefill, the rest
+        padding) at positions ``starts[b] ...`` of each row's slot. Returns (float32 logits [B, V]
+        of each row's last prefill position, ``base`` = starts + lens [B]: the position of the first
+        fed code). Graph-capturable."""
+        B, T = x.shape[:2]
+        dev = x.device
+        pos = starts[:, None] + torch.arange(T, device=dev)[None]
+        h = decoder_forward(self.talker.model, x, pos, slots, self.pool, kv_len)
+        last = h[torch.arange(B, device=dev), lens - 1]
+        return F.linear(last, self.talker.head_weight()).float(), starts + lens
+
+    def _decode(self, logits, window, base, slots, min_new, temp, greedy, penalty, noise, *, kv_len: int,
+                s0: int, s1: int, filt: tuple):
+        """Steps ``s0 .. s1-1`` of a unit: each samples from ``logits`` [B, V] (float32) and feeds the
+        code at ``base + s``. ``window`` [B, W] holds the last W codes for the repetition penalty
+        (None at step 0: all V, i.e. none). Returns (codes [B, s1 - s0] int64, the next logits, the
+        window). ``filt`` = (top_k, top_p, min_p, repetition_window) of every sampled row.
+        Graph-capturable (no host sync)."""
+        B, V = logits.shape
+        dev = logits.device
         eos = self.config.eos_code
         top_k, top_p, min_p, W = filt
         head = self.talker.head_weight()
-        window = torch.full((B, W), V, dtype=torch.long, device=dev)
+        if window is None:
+            window = torch.full((B, W), V, dtype=torch.long, device=dev)
         eos_col = torch.arange(V, device=dev)[None] == eos
-        logits = logits0
         codes = []
-        for s in range(steps):
+        for s in range(s0, s1):
             lg = logits.masked_fill(eos_col & (min_new[:, None] > s), float("-inf"))
             x = penalised_logits(lg, window, temp, penalty)
             pick = S.sample_with_noise(x, noise[:, s], top_k, top_p, min_p)
@@ -322,7 +442,11 @@ class FastTalker:
             xe = self.talker.code_embed(code)[:, None]
             h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
             logits = F.linear(h, head).float()
-        return torch.stack(codes, dim=1)
+        return torch.stack(codes, dim=1), logits, window
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 _REFERENCE = (None, None, None, 16)

@@ -35,7 +35,7 @@ from torch import nn
 from .meta import meta_device
 from .loader import MiniCPMO45
 
-__all__ = ["real_config_dict", "build_random_model", "REAL_TTS", "REAL_FLOW"]
+__all__ = ["real_config_dict", "build_random_model", "build_random_talker", "REAL_TTS", "REAL_FLOW"]
 
 REAL_TTS = dict(llm_dim=4096, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
                 num_key_value_heads=12, num_hidden_layers=20, max_position_embeddings=4096,
@@ -165,7 +165,6 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
     """
     from .config import MiniCPMOConfig
     from .loader import _build_on_meta
-    from .talker import Talker, TalkerConfig
     from .thinker import Thinker
 
     if size not in ("real", "tiny"):
@@ -197,11 +196,7 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                                   slots=kv_slots)
         else:
             thinker = Thinker(mods, cfg, tok, special, device=dev, dtype=dtype)
-        tc = TalkerConfig.from_tts_config(cfg.tts_config.raw or {})
-        with meta_device():
-            tk = Talker(tc)
-        tk = _materialise(tk, dev, dtype, gen)
-        tk._folded_head = None
+        tk = _random_talker(cfg, dev, dtype, gen)
         talker = tk
         if fast:
             from .fast_talker import FastTalker
@@ -212,3 +207,38 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
     return MiniCPMO45(config=cfg, tokenizer=tok, special=special, thinker=thinker, talker=talker, code2wav=code2wav,
                       random_weights=True, model_dir=None, devices={s: str(dev) for s in ("thinker", "talker", "code2wav")},
                       dtype=dtype)
+
+
+def _random_talker(cfg, dev: torch.device, dtype: torch.dtype, gen: torch.Generator):
+    from .talker import Talker, TalkerConfig
+
+    tc = TalkerConfig.from_tts_config(cfg.tts_config.raw or {})
+    with meta_device():
+        tk = Talker(tc)
+    tk = _materialise(tk, dev, dtype, gen)
+    tk._folded_head = None
+    return tk
+
+
+def build_random_talker(size: str = "real", *, dtype: torch.dtype = torch.bfloat16,
+                        device: Union[str, torch.device] = "cuda", seed: int = 0):
+    """The talker alone (:class:`~.talker.Talker`, real or tiny sizes) with random weights on
+    ``device``, as :func:`build_random_model` builds it (the talker benchmarks: no thinker weights).
+
+    Raises:
+        ValueError: ``size`` is not ``"real"`` or ``"tiny"``.
+    """
+    from .config import MiniCPMOConfig
+
+    if size == "real":
+        cfg_d = real_config_dict()
+    elif size == "tiny":
+        from .tiny import tiny_config_dict
+
+        cfg_d = tiny_config_dict(1024, [2], 1, 3, 4)
+    else:
+        raise ValueError("size must be 'real' or 'tiny'")
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(int(seed))
+    return _random_talker(MiniCPMOConfig.from_dict(cfg_d), dev, dtype, gen)
