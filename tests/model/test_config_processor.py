@@ -119,6 +119,57 @@ def test_streaming_mel_long_buffer_slides():
     assert s._buf.size <= 30 * 16000 + 16000
 
 
+def _whole_buffer_mel_blocks(units):
+    """The reference's streaming mel, computed as it describes it (parity README "Streaming audio
+    front-end"): at every unit the STFT of the whole buffer so far (centre reflect padding), the
+    dynamic max - 8 floor from 5 s of buffer on, the buffer sliding by 10 s past 30 s."""
+    from duplexkit.models.minicpmo45.processor import HOP, N_FFT, _power_mel
+
+    buf, buf_start, out = np.zeros(0), 0, []
+    for k, a in enumerate(units):
+        buf = np.concatenate([buf, a.astype(np.float64)])
+        f0, f1 = max(0, 100 * k - 2), 100 * k + 102
+        if buf.size > 30 * 16000:
+            drop = min(10 * 16000, max(0, f0 * HOP - N_FFT - buf_start))
+            drop -= drop % HOP
+            buf, buf_start = buf[drop:], buf_start + drop
+        mel = _power_mel(np.pad(buf, N_FFT // 2, mode="reflect"), 1 + buf.size // HOP)
+        log = np.log10(np.maximum(mel, 1e-10))
+        if buf.size >= 5 * 16000:
+            log = np.maximum(log, log.max() - 8.0)
+        r0 = buf_start // HOP
+        out.append(((log[:, f0 - r0:f1 - r0] + 4.0) / 4.0).astype(np.float32))
+    return out
+
+
+def test_streaming_mel_equals_the_whole_buffer_stft(fixtures_audio):
+    """64 units of real speech with silences and a loud burst (the floor moves): every block equals
+    the whole-buffer computation, across the 5 s floor switch and two 10 s slides past 30 s; a
+    shallow copy (the thinker's step snapshot) replays the same blocks after the original went on."""
+    import copy
+
+    import soundfile as sf
+
+    speech = np.concatenate([sf.read(str(fixtures_audio / n), dtype="float32")[0]
+                             for n in ("question_16k.wav", "interrupt_16k.wav", "long_question_16k.wav")])
+    rng = np.random.default_rng(5)
+    sig = np.concatenate([speech, np.zeros(32000, np.float32), speech * 0.3, speech])
+    sig = np.tile(sig, -(-(16560 + 63 * 16000) // sig.size))[: 16560 + 63 * 16000].copy()
+    sig[500000:504000] += rng.uniform(-0.9, 0.9, 4000).astype(np.float32)  # a new maximum at ~31 s
+    units = [sig[:16560]] + [sig[16560 + 16000 * i: 16560 + 16000 * (i + 1)] for i in range(63)]
+    ref = _whole_buffer_mel_blocks(units)
+    s = StreamingMel()
+    snap = None
+    for k, (u, want) in enumerate(zip(units, ref)):
+        if k == 40:
+            snap = copy.copy(s)
+        got = s.push(u)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=f"unit {k}")
+    assert s._buf_start >= 2 * 10 * 16000  # slid twice
+    for k in range(40, 50):
+        np.testing.assert_allclose(snap.push(units[k]), ref[k], rtol=0, atol=1e-6, err_msg=f"copy, unit {k}")
+
+
 def test_whisper_stream_cache_resets_at_1500_positions(tiny_model):
     th = tiny_model.thinker
     st = th.new_stream(temperature=0.0)
