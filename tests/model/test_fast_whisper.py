@@ -277,6 +277,58 @@ def test_a_step_that_raises_after_a_reset_is_retried_to_the_reference(tiny_model
         ref.close(rs)
 
 
+class _RerunGraph:
+    """A stand-in for a captured CUDA graph on the CPU: ``replay()`` runs the captured function again
+    on the same static input buffers and copies into the same static output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def test_graph_plumbing_with_padding_rows_on_the_cpu(tiny_model, speech_units, monkeypatch):
+    """The graph path's static buffers, padding rows (scratch slot, position 0), batch / KV buckets
+    and invalidation on pool growth, with the capture replaced by a re-run (no GPU here): three
+    staggered streams in the batch bucket of 4 give the reference rows; a pool growth recaptures."""
+    from duplexkit.models.minicpmo45 import fast_whisper as FW
+
+    keys = []
+
+    def fake_capture(fn, device, *, pool=None, warmup=1):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+        return _RerunGraph(fn, out), out
+
+    monkeypatch.setattr(FW, "capture_graph", fake_capture)
+    real_graph = FW._AudioGraph.__init__
+
+    def init(self, bw, B, n, kv_len):
+        keys.append((B, n, kv_len))
+        real_graph(self, bw, B, n, kv_len)
+
+    monkeypatch.setattr(FW._AudioGraph, "__init__", init)
+    ref = tiny_model.thinker
+    ft = _fast(tiny_model, slots=3)
+    ft.audio_batch.use_graphs = True
+    assert ft.audio_batch.warmup([3]) == 6 and keys == [(4, 50, L) for L in (256, 512, 768, 1024, 1280, 1504)]
+    fs, rs, rows = _staggered(ref, ft, speech_units, (0, 4, 9), 4)
+    _check_rows(rows)
+    assert len(keys) == 6 + 2  # the single-stream lead-in units: bucket 1 at KV 256 and 512
+    used = [g for (B, _, _), g in ft.audio_batch._graphs.items() if B == 4 and g.slots[0] != ft.whisper_pool.scratch]
+    assert used and all(g.slots[3] == ft.whisper_pool.scratch and g.pos0[3] == 0 for g in used)  # the padding row
+    v = ft.whisper_pool.version
+    more = [ft.new_stream() for _ in range(2)]
+    ft._audio_embeds_batch(more, [_unit(speech_units, 3, 0)] * 2)  # the pool grows: graphs are stale
+    assert ft.whisper_pool.version == v + 1 and keys[-1] == (2, 50, 256)
+    _, _, rows = _staggered(ref, ft, speech_units, (1, 2), 2)
+    _check_rows(rows)
+    for st in fs + more:
+        ft.close(st)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager_for_staggered_streams(tiny_dir, speech_units, dtype):
