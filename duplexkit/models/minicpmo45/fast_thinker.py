@@ -7,8 +7,9 @@ CUDA-graph-captured decode steps and sampling on the GPU (one host sync per deco
 1. **Prefill** (per unit): the Whisper streaming encode of every stream in one batched pass
    (:mod:`.fast_whisper`: a static Whisper K/V pool with a slot per stream, per-row positions, so
    streams at different unit indices share the pass; a CUDA graph per (batch bucket, block length,
-   KV-length bucket) on CUDA), then one batched LLM forward over ``[pending terminator, </unit>] <unit> [image] 10
-   audio`` of all streams (rows padded to the longest), writing into each stream's KV slot.
+   KV-length bucket) on CUDA), then one batched LLM forward over ``[pending terminator, </unit>]
+   <unit> [image] 10 audio`` of all streams (rows padded to the longest), writing into each
+   stream's KV slot.
 2. **Decode** (lock step over j = 0..budget−1): the unit loop of :mod:`.duplex` (``decode_rows``:
    the one decision rule ``plan_step`` / ``decide`` per row, the boundary and main passes of
    ``choose_tokens`` over all rows at once with the samplers of :mod:`.sampling`, Gumbel-max with each

@@ -210,7 +210,8 @@ class BatchedWhisper:
         return out + [self.pool.max_len]
 
     @torch.inference_mode()
-    def encode(self, caches: List[PooledWhisperCache], mels: List[np.ndarray], firsts: List[bool]) -> List[torch.Tensor]:
+    def encode(self, caches: List[PooledWhisperCache], mels: List[np.ndarray],
+               firsts: List[bool]) -> List[torch.Tensor]:
         """One unit for each row: float32 mel blocks [80, T_r] (T = 102 for a stream's unit 0, 104
         after) with ``firsts[r]`` True for unit 0 -> the unit's audio embeddings [n / pool_step, H]
         per row (model dtype; 10 x H for a 1-s unit). Advances each cache (resetting it at
