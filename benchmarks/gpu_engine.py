@@ -8,6 +8,8 @@
     # A/B of the thinker's one-step decode lookahead (on by default on CUDA; the build line says which):
     DUPLEXKIT_THINKER_LOOKAHEAD=0 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048 --units 5
     DUPLEXKIT_THINKER_LOOKAHEAD=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048 --units 5
+    # sessions at different unit indices (stream k first runs k % 8 listen-only units), as on a real server:
+    python3 benchmarks/gpu_engine.py --streams 8,32 --tokens 5 --units 6 --stagger 8
     # debug run on a CPU:
     python benchmarks/gpu_engine.py --size tiny --device cpu --streams 1,2 --units 3
 
@@ -125,18 +127,42 @@ def _pct(vals, q):
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
-async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool) -> dict:
-    units = input_units(n_units)
+def lead_in_units(k: int, stagger: int) -> int:
+    """``--stagger K``: stream ``k`` runs ``k % K`` listen-only units before its measured units
+    (0 for every stream when K <= 1)."""
+    return k % stagger if stagger > 1 else 0
+
+
+async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool, stagger: int = 0) -> dict:
+    """One concurrency level. With ``stagger`` K > 1, stream ``k`` first runs :func:`lead_in_units`
+    units (burst, ``force_listen``: no talker / vocoder work, not measured), so at the measured units
+    the streams sit at different unit indices (Whisper cache lengths), as sessions of a real
+    server do; the measured units then start together (realtime or burst)."""
+    leads = [lead_in_units(k, stagger) for k in range(n_streams)]
+    units = input_units(n_units + max(leads))
     streams = await asyncio.gather(*[engine.open_stream(f"g{n_streams}-{k}-{time.monotonic_ns()}",
                                                         StreamConfig(seed=k, output_audio=audio))
                                      for k in range(n_streams)])
+    lead_of = {s.stream_id: n for s, n in zip(streams, leads)}
+    led = {s.stream_id: asyncio.Event() for s in streams}
     timings, ttfp, audio_s, errors = [], [], [], []
-    t0 = time.perf_counter()
     submit0: dict = {}
 
     async def consume(s):
-        got, first, samples = 0, None, 0
+        got, first, samples, skip = 0, None, 0, lead_of[s.stream_id]
+        if skip == 0:
+            led[s.stream_id].set()
         async for o in s.outputs():
+            if skip > 0:  # a lead-in unit (listen): not measured
+                if isinstance(o, UnitTimings):
+                    skip -= 1
+                    if skip == 0:
+                        led[s.stream_id].set()
+                elif isinstance(o, EngineFailure):
+                    errors.append(o.message)
+                    led[s.stream_id].set()
+                    break
+                continue
             if isinstance(o, AudioChunk):
                 samples += len(o.audio)
                 if first is None:
@@ -152,22 +178,32 @@ async def run_level(engine, n_streams: int, n_units: int, pace: str, audio: bool
         ttfp.append(first if first is not None else float("nan"))
         audio_s.append(samples / OUTPUT_SAMPLE_RATE)
 
+    t0 = time.perf_counter()
+
     async def feed():
-        for i, u in enumerate(units):
+        nonlocal t0
+        for s, n in zip(streams, leads):
+            for i in range(n):
+                s.submit(AppendUnit(s.stream_id, 0, unit_index=i, audio=units[i], force_listen=True))
+        for ev in led.values():
+            await ev.wait()
+        t0 = time.perf_counter()
+        for i in range(n_units):
             if pace == "realtime":
                 await asyncio.sleep(max(0.0, t0 + i - time.perf_counter()))
-            for s in streams:
+            for s, n in zip(streams, leads):
                 if i == 0:
                     s.submit(ForceSpeak(s.stream_id, 0))
                     submit0[s.stream_id] = time.perf_counter()
-                s.submit(AppendUnit(s.stream_id, 0, unit_index=i, audio=u))
+                s.submit(AppendUnit(s.stream_id, 0, unit_index=n + i, audio=units[n + i]))
 
     await asyncio.gather(feed(), *[consume(s) for s in streams])
     wall = time.perf_counter() - t0
     for s in streams:
         await s.aclose()
     g = lambda k: [t[k] for t in timings if k in t]  # noqa: E731
-    row = {"streams": n_streams, "units": len(timings), "errors": len(errors), "error_msgs": errors[:3]}
+    row = {"streams": n_streams, "units": len(timings), "errors": len(errors), "error_msgs": errors[:3],
+           "stagger": stagger}
     for name, key in (("total", "total_ms"), ("queue", "queue_ms"), ("prefill", "thinker_prefill_ms"),
                       ("decode", "thinker_decode_ms"), ("thinker", "thinker_ms"), ("talker", "talker_ms"),
                       ("c2w", "code2wav_ms"), ("q_thinker", "thinker_queue_ms"), ("q_talker", "talker_queue_ms"),
@@ -357,12 +393,22 @@ def memory_line(model, dev) -> str:
     g = 2 ** 30
     parts = [f"allocated {torch.cuda.memory_allocated(dev) / g:.1f}", f"reserved {torch.cuda.memory_reserved(dev) / g:.1f}",
              f"peak {torch.cuda.max_memory_allocated(dev) / g:.1f}",
-             f"KV thinker {model.thinker.pool.nbytes() / g:.1f} + talker {model.talker.pool.nbytes() / g:.1f}"]
+             f"KV thinker {model.thinker.pool.nbytes() / g:.1f} + talker {model.talker.pool.nbytes() / g:.1f}"
+             + whisper_kv_text(model, g)]
     c2w = getattr(model, "code2wav", None)
     if c2w is not None and hasattr(c2w, "scratch_bytes"):
         parts.append(f"code2wav scratch {c2w.scratch_bytes() / g:.2f} ({len(c2w._dit_graphs)} Euler-loop graphs, "
                      f"{len(c2w._enc_graphs)} encoder graphs)")
     return "memory (GiB): " + ", ".join(parts)
+
+
+def whisper_kv_text(model, g: float = 2 ** 30) -> str:
+    """`` + Whisper K/V X (N slots)``: the fast thinker's Whisper streaming-cache pool in units of
+    ``g`` bytes (empty for a thinker without one)."""
+    pool = getattr(model.thinker, "whisper_pool", None)
+    if pool is None:
+        return ""
+    return f" + Whisper {pool.nbytes() / g:.2f} ({pool.n_slots} slots)"
 
 
 def snapshot_summary(snap: dict, top: int = 15) -> str:
@@ -474,7 +520,7 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
                 if sampler:
                     sampler.__enter__()
                 rows.append(await run_level(engine, n, args.units if mode != "baseline" else args.baseline_units,
-                                            args.pace, not args.no_audio))
+                                            args.pace, not args.no_audio, args.stagger))
                 if sampler:
                     sampler.__exit__(None, None, None)
                     print(f"[{mode} N={n_tok}] {n} streams: stage-thread stacks\n{sampler.report()}", flush=True)
@@ -483,7 +529,8 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
                 dump_memory(args.memory_snapshot, f"{mode}_N{n_tok}_{n}streams")
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
             print_level_table(rows, f"\n== {mode}: N={n_tok} decided tokens per speaking unit, size={args.size}, "
-                                    f"pace={args.pace}, peak GPU memory {mem:.1f} GiB (times in ms)")
+                                    f"pace={args.pace}, stagger={args.stagger}, peak GPU memory {mem:.1f} GiB "
+                                    "(times in ms)")
             print_floor_table(fl, rows[0], n_tok)
             results[f"{mode}/N={n_tok}"] = {"rows": rows, "peak_GiB": mem}
     finally:
@@ -504,6 +551,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-streams", default="1,4")
     ap.add_argument("--baseline-units", type=int, default=3)
     ap.add_argument("--pace", choices=("realtime", "burst"), default="realtime")
+    ap.add_argument("--stagger", type=int, default=0, metavar="K",
+                    help="stream k first runs k %% K listen-only lead-in units (not measured), so the streams "
+                         "sit at different unit indices, as sessions of a real server do (0/1: all start together)")
     ap.add_argument("--no-audio", action="store_true", help="text-only streams (no talker / code2wav)")
     ap.add_argument("--kv-len", type=int, default=4096, help="thinker KV positions per stream (fast)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
@@ -554,7 +604,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     print(f"built {a.size} model in {time.perf_counter() - t:.1f} s; GPU memory after build {weights:.1f} GiB "
-          f"(incl. static KV {model.thinker.pool.nbytes() / 2**30:.1f} + {model.talker.pool.nbytes() / 2**30:.1f} GiB); "
+          f"(incl. static KV {model.thinker.pool.nbytes() / 2**30:.1f} + {model.talker.pool.nbytes() / 2**30:.1f}"
+          f"{whisper_kv_text(model)} GiB); "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; thinker decode lookahead "
           f"{'on' if getattr(model.thinker, 'lookahead', False) else 'off'}", flush=True)
     fl = floors(model, bw if bw == bw else 1e11)

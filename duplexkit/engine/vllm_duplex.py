@@ -231,7 +231,7 @@ class VllmDuplexThinker:
         """The audio rows of one unit for each stream (the native front end: float32 [10, H] each
         for a 1-s unit of 16 kHz audio, docs/model.md §3.2), advancing each stream's mel and Whisper
         caches. With a native thinker that batches its front end (:class:`FastThinker`: one Whisper
-        pass per group of streams whose caches have the same length) the streams go together;
+        pass for all streams, whatever their cache lengths, over its Whisper pool) the streams go together;
         otherwise (the reference :class:`Thinker`, one stream) one after the other, which gives the
         same rows.
 

@@ -54,3 +54,29 @@ def test_kv_usage_is_empty_without_static_pools():
         assert eng.kv_usage() == {}
     finally:
         asyncio.run(eng.aclose())
+
+
+def test_kv_usage_reports_the_fast_thinkers_whisper_pool():
+    """The fast thinker's Whisper streaming-cache pool (``FastThinker.whisper_pool``) is reported as
+    stage ``thinker_audio`` beside the thinker's KV, and reaches ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from duplexkit.engine import DuplexEngine
+    from duplexkit_server import create_app
+
+    audio = _pool(0)  # the scratch slot only until a stream's first audio unit
+    thinker = SimpleNamespace(pool=_pool(2), whisper_pool=audio)
+    eng = DuplexEngine(SimpleNamespace(thinker=thinker, talker=None, code2wav=None), layout="cpu")
+    try:
+        assert eng.kv_usage()["thinker_audio"] == {"slots_used": 0, "slots_total": 0, "positions_per_slot": 64,
+                                                   "bytes": 2 * 2 * 1 * 64 * 2 * 8 * 4}
+        audio.alloc()  # grows by 2
+        u = eng.kv_usage()["thinker_audio"]
+        assert (u["slots_used"], u["slots_total"], u["bytes"]) == (1, 2, audio.nbytes())
+        body, _ = create_app(eng).state.duplexkit.metrics.render()
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+        assert got[("duplexkit_kv_bytes", (("stage", "thinker_audio"),))] == audio.nbytes()
+        assert set(eng.kv_usage()) == {"thinker", "thinker_audio"}
+    finally:
+        asyncio.run(eng.aclose())

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from duplexkit.errors import DuplexkitError
 
-__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "ContextFullError", "decoder_forward",
+__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError",
+           "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
 
 _TRITON_DECODE = os.environ.get("DUPLEXKIT_TRITON_DECODE", "1") != "0"
@@ -169,10 +170,17 @@ def cuda_graphs_enabled(device: torch.device) -> bool:
 class KVPool:
     """Preallocated per-slot KV storage (see module doc).
 
+    Also the fast thinker's Whisper streaming cache (:mod:`.fast_whisper`: ``n_kv_heads`` = the
+    encoder's attention heads, ``max_len`` = its 1500 source positions rounded up).
+
     Args:
         n_layers / n_kv_heads / head_dim: model geometry.
         max_len: positions per slot.
-        slots: initial slot count (grows by ``grow_by`` when exhausted).
+        slots: initial slot count (0: only the scratch slot until the first :meth:`alloc`; grows by
+            ``grow_by`` when exhausted).
+
+    The slot lock is re-entrant: a slot handle's ``__del__`` (:class:`KVSlot`) may run from a
+    garbage collection triggered inside :meth:`alloc` on the same thread.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, *, dtype: torch.dtype,
@@ -180,12 +188,12 @@ class KVPool:
         self.n_layers, self.n_kv, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, int(max_len)
         self.dtype, self.device = dtype, torch.device(device)
         self.grow_by = max(1, int(grow_by))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.version = 0
         self.n_slots = 0
         self.k = self.v = None
         self.free: List[int] = []
-        self._resize(max(1, int(slots)))
+        self._resize(max(0, int(slots)))
 
     @property
     def scratch(self) -> int:
@@ -221,7 +229,33 @@ class KVPool:
                 self.free.sort()
 
     def nbytes(self) -> int:
+        """Bytes of the K and V storage (every slot and the scratch slot)."""
         return 2 * self.k.numel() * self.k.element_size()
+
+    def slot_bytes(self) -> int:
+        """Bytes of K and V one slot holds (``2 * layers * max_len * heads * head_dim * itemsize``)."""
+        return 2 * self.n_layers * self.max_len * self.n_kv * self.head_dim * self.k.element_size()
+
+
+class KVSlot:
+    """Ownership of one slot of a :class:`KVPool`: allocated at construction, given back by
+    :meth:`release` (idempotent) or, as a last resort, when the handle is garbage-collected.
+    Share the handle object, never copy it (each copy would give the slot back)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.slot: Optional[int] = pool.alloc()
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
+
+    def __del__(self):  # noqa: D401 - best effort (streams are normally closed explicitly)
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def attention_bias(pos: torch.Tensor, kv_len: int, group: int, dtype: torch.dtype) -> torch.Tensor:

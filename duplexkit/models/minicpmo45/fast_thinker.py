@@ -4,9 +4,12 @@ CUDA-graph-captured decode steps and sampling on the GPU (one host sync per deco
 :class:`FastThinker` is a :class:`~.thinker.Thinker` (same public API, docs/model.md) whose
 ``step_units`` runs every stream of the batch together:
 
-1. **Prefill** (per unit): each stream's Whisper streaming encode (per stream, as the reference
-   path), then one batched LLM forward over ``[pending terminator, </unit>] <unit> [image] 10
-   audio`` of all streams (rows padded to the longest), writing into each stream's KV slot.
+1. **Prefill** (per unit): the Whisper streaming encode of every stream in one batched pass
+   (:mod:`.fast_whisper`: a static Whisper K/V pool with a slot per stream, per-row positions, so
+   streams at different unit indices share the pass; a CUDA graph per (batch bucket, block length,
+   KV-length bucket) on CUDA), then one batched LLM forward over ``[pending terminator, </unit>]
+   <unit> [image] 10 audio`` of all streams (rows padded to the longest), writing into each
+   stream's KV slot.
 2. **Decode** (lock step over j = 0..budget−1): the unit loop of :mod:`.duplex` (``decode_rows``:
    the one decision rule ``plan_step`` / ``decide`` per row, the boundary and main passes of
    ``choose_tokens`` over all rows at once with the samplers of :mod:`.sampling`, Gumbel-max with each
@@ -46,9 +49,11 @@ import torch.nn.functional as F
 
 from ...errors import detach_traceback
 from . import sampling as S
+from .audio_encoder import WhisperStreamCache
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
-from .fast_kv import (ContextFullError, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
+from .fast_kv import (ContextFullError, KVPool, KVSlot, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
                       env_switch, fuse_projections, keep_for_current_stream)
+from .fast_whisper import BatchedWhisper, PooledWhisperCache
 from .thinker import Thinker, ThinkerStream
 
 __all__ = ["FastThinker", "StaticKV", "BATCH_BUCKETS", "LOOKAHEAD_ENV", "lookahead_enabled"]
@@ -80,27 +85,16 @@ def lookahead_enabled(device, value: Optional[str] = None) -> bool:
     return env_switch(LOOKAHEAD_ENV, torch.device(device).type == "cuda", value)
 
 
-class StaticKV:
-    """A stream's KV handle: a slot of the thinker's :class:`KVPool` and its valid length."""
+class StaticKV(KVSlot):
+    """A stream's KV handle: a slot of the thinker's :class:`KVPool` (:class:`~.fast_kv.KVSlot`:
+    ``release()`` gives it back) and its valid length."""
 
     def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.slot: Optional[int] = pool.alloc()
+        super().__init__(pool)
         self.length = 0
 
     def get_seq_length(self) -> int:
         return self.length
-
-    def release(self) -> None:
-        if self.slot is not None:
-            self.pool.release(self.slot)
-            self.slot = None
-
-    def __del__(self):  # noqa: D401 - best effort (streams are normally closed explicitly)
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 class _StepGraph:
@@ -155,13 +149,23 @@ class FastThinker(Thinker):
         lookahead: one-step lookahead in the decode loop (module doc; default
             :func:`lookahead_enabled`: on CUDA unless ``DUPLEXKIT_THINKER_LOOKAHEAD=0``). The
             attribute ``lookahead`` may be changed between ``step_units`` calls.
+        whisper_slots: initial slots of the Whisper K/V pool (:mod:`.fast_whisper`; default
+            ``slots``; 147.8 MB each in bf16 on the real model; grows by 8 when exhausted). Taken
+            at a stream's first audio unit, given back by :meth:`close`.
+
+    Attributes:
+        audio_batch: the :class:`~.fast_whisper.BatchedWhisper` (None without an audio encoder).
+        whisper_pool: its :class:`~.fast_kv.KVPool` (None without an audio encoder).
+        stats: counters: ``graph_captures`` / ``decode_steps`` / ``lookahead_hits`` /
+            ``lookahead_misses`` (LLM), ``audio_passes`` (batched Whisper layer passes: one per
+            round) and ``audio_graph_captures``.
     """
 
     batched = True
 
     def __init__(self, modules, config, tokenizer, special, device="cpu", dtype=torch.float32, *,
                  max_len: int = 8192, slots: int = 4, cuda_graphs: Optional[bool] = None,
-                 lookahead: Optional[bool] = None) -> None:
+                 lookahead: Optional[bool] = None, whisper_slots: Optional[int] = None) -> None:
         super().__init__(modules, config, tokenizer, special, device=device, dtype=dtype)
         lm = modules.llm.model
         fuse_projections(lm)
@@ -173,7 +177,19 @@ class FastThinker(Thinker):
         self._graphs: Dict[Tuple[int, int, int], _StepGraph] = {}
         self._graph_version = self.pool.version
         self.lookahead = lookahead_enabled(self.device) if lookahead is None else bool(lookahead)
-        self.stats = {"graph_captures": 0, "decode_steps": 0, "lookahead_hits": 0, "lookahead_misses": 0}
+        self.stats = {"graph_captures": 0, "decode_steps": 0, "lookahead_hits": 0, "lookahead_misses": 0,
+                      "audio_passes": 0, "audio_graph_captures": 0}
+        self.audio_batch: Optional[BatchedWhisper] = None
+        if self.audio is not None:
+            self.audio_batch = BatchedWhisper(
+                self.audio, modules.audio_projection_layer, config.audio_pool_step, dtype=dtype, device=self.device,
+                slots=slots if whisper_slots is None else whisper_slots, use_graphs=self.use_graphs,
+                graph_pool=self.graph_pool, batch_buckets=BATCH_BUCKETS, stats=self.stats)
+
+    @property
+    def whisper_pool(self) -> Optional[KVPool]:
+        """The Whisper K/V pool (:mod:`.fast_whisper`), None without an audio encoder."""
+        return None if self.audio_batch is None else self.audio_batch.pool
 
     @classmethod
     def from_thinker(cls, th: Thinker, **kw) -> "FastThinker":
@@ -207,8 +223,12 @@ class FastThinker(Thinker):
         kv.length = n - (hi - lo)
 
     def close(self, st: ThinkerStream) -> None:
+        """:meth:`Thinker.close`, also giving back the stream's LLM KV slot and Whisper pool slot."""
         if isinstance(st.kv, StaticKV):
             st.kv.release()
+        if isinstance(st.whisper, PooledWhisperCache):
+            st.whisper.release()
+            st.whisper = WhisperStreamCache(resets=st.whisper.resets)
         super().close(st)
 
     def _prefill(self, kvs: List[StaticKV], embeds: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -314,10 +334,12 @@ class FastThinker(Thinker):
 
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 1024) -> int:
         """Capture the decode-step graphs of these batch buckets for KV lengths up to
-        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit, and run the audio
-        encoder's convolutions once per batch size (:meth:`_warm_audio_convs`). Run it on the thread
-        that will step the streams (the engine's thinker worker). Returns the number of graphs
-        captured (0 without CUDA graphs)."""
+        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit, run the audio
+        encoder's convolutions once per batch size (:meth:`_warm_audio_convs`), and capture the
+        batched Whisper pass for every batch bucket x each of its 6 KV-length buckets
+        (:meth:`.fast_whisper.BatchedWhisper.warmup`: 36 graphs for batch sizes 1..32). Run it on
+        the thread that will step the streams (the engine's thinker worker). Returns the number of
+        graphs captured, LLM and Whisper (0 without CUDA graphs)."""
         self._warm_audio_convs(batch_sizes)
         if not self.use_graphs:
             return 0
@@ -327,7 +349,10 @@ class FastThinker(Thinker):
                 for L in range(KV_BUCKET, min(max_kv_len, self.pool.max_len) + 1, KV_BUCKET):
                     self._graph(B, 1, L)
                     self._graph(B, PREFILL_TOKENS, L)
-        return self.stats["graph_captures"] - n0
+        n = self.stats["graph_captures"] - n0
+        if self.audio_batch is not None:
+            n += self.audio_batch.warmup(batch_sizes)
+        return n
 
     def _warm_audio_convs(self, batch_sizes) -> None:
         """Run the Whisper front convolutions once for every batch size and both unit mel lengths
@@ -343,51 +368,41 @@ class FastThinker(Thinker):
             for shape in audio_conv_shapes(batch_sizes):
                 self.audio._convs(torch.zeros(shape, device=self.device, dtype=self.dtype))
 
+    @torch.inference_mode()
     def _audio_embeds_batch(self, sts: List[ThinkerStream], audios: list) -> List[torch.Tensor]:
-        """:meth:`Thinker.audio_embeds_stream` for several streams: the streaming mel per stream
-        (CPU), then one Whisper pass per group of streams whose caches have the same length."""
+        """:meth:`Thinker.audio_embeds_stream` for several streams (each at most once): the
+        streaming mel per stream (CPU), then one batched Whisper pass for all of them, whatever
+        their unit index (:meth:`.fast_whisper.BatchedWhisper.encode`). Each stream's ``whisper``
+        becomes a :class:`~.fast_whisper.PooledWhisperCache` (a pool slot taken at its first audio
+        unit; a reference-path cache is copied in). ``audios``: float32 16 kHz [16560] for a
+        stream's unit 0, [16000] after (shorter is zero-padded). Returns [10, H] per stream (model
+        dtype).
+
+        Raises:
+            ValueError: no audio encoder in this checkpoint, or a stream's cache was released.
+            AudioInputError: a unit of the wrong size (:meth:`.processor.StreamingMel.push`); raised
+                before any stream's Whisper cache changes.
+        """
         if self.audio is None:
             raise ValueError("this checkpoint has no audio encoder (init_audio false)")
-        enc = self.audio
-        mels, groups = [], {}
-        for r, (st, a) in enumerate(zip(sts, audios)):
-            first = st.mel.unit_index == 0
+        mels, firsts = [], []
+        for st, a in zip(sts, audios):
+            firsts.append(st.mel.unit_index == 0)
             mel = st.mel.push(a)
             st.last_mel = mel
             mels.append(mel)
-            groups.setdefault((first, mel.shape, st.whisper.positions, len(st.whisper.keys)), []).append(r)
-        out: List[Optional[torch.Tensor]] = [None] * len(sts)
-        for (first, _shape, _pos, _nk), rows in groups.items():
-            mel = S.device_tensor(np.stack([mels[r] for r in rows]), self.device).to(self.dtype)  # no host sync
-            x = enc._convs(mel)
-            x = x[:, (0 if first else 1): x.shape[1] - 1]
-            n = x.shape[1]
-            caches = [sts[r].whisper for r in rows]
-            if caches[0].positions + n > enc.max_positions:
-                for c in caches:
-                    c.clear()
-                    c.resets += 1
-            p = caches[0].positions
-            h = x + enc.apm.embed_positions.weight[p: p + n].unsqueeze(0)
-            new_k, new_v = [], []
-            for li, layer in enumerate(enc.apm.layers):
-                past = None
-                if caches[0].keys:
-                    past = (torch.cat([c.keys[li] for c in caches]), torch.cat([c.values[li] for c in caches]))
-                h, (k, v) = enc._layer(layer, h, past, None)
-                new_k.append(k)
-                new_v.append(v)
-            for b, c in enumerate(caches):
-                c.keys = [k[b:b + 1] for k in new_k]
-                c.values = [v[b:b + 1] for v in new_v]
-                c.positions = p + n
-            h = enc.apm.layer_norm(h)
-            pr = self.m.audio_projection_layer(h)  # [B, T, H]
-            k = self.config.audio_pool_step
-            pooled = F.avg_pool1d(pr.transpose(1, 2), kernel_size=k, stride=k).transpose(1, 2)
-            for b, r in enumerate(rows):
-                out[r] = pooled[b]
-        return out
+        caches = []
+        for st in sts:
+            st.whisper = self.audio_batch.adopt(st.whisper)
+            caches.append(st.whisper)
+        return self.audio_batch.encode(caches, mels, firsts)
+
+    @torch.inference_mode()
+    def audio_embeds_stream(self, st: ThinkerStream, audio: np.ndarray) -> torch.Tensor:
+        """Streaming audio embeddings of one unit -> [10, H] (model dtype), through the batched pool
+        path with one row (:meth:`_audio_embeds_batch`, same errors); the same values as
+        :meth:`Thinker.audio_embeds_stream` up to float rounding."""
+        return self._audio_embeds_batch([st], [audio])[0]
 
     # ------------------------------------------------------------------ sampling on the GPU
     def _gen(self, st: ThinkerStream) -> Optional[torch.Generator]:
@@ -518,8 +533,9 @@ class _Speculation:
 class _StepSnapshot:
     """What one batched unit step changes in a stream, kept to undo it when the batch call raises.
 
-    The audio front end's state (streaming mel, Whisper cache) and the sampling generators are
-    taken before the audio is encoded; everything else (KV length, pending ids, history, unit
+    The audio front end's state (streaming mel, Whisper cache: a shallow copy, so a pooled cache
+    keeps its slot handle and gets its positions / reset count back; :mod:`.fast_whisper` on why the
+    slot's contents need no undo) and the sampling generators are taken before the audio is encoded; everything else (KV length, pending ids, history, unit
     starts, turn flags, window counters) after the sliding window, because a slide rewrites the KV
     cache in place and its result must stay. Positions written past the restored KV length are
     overwritten by the next prefill and never read. Costs a shallow copy of the stream's fields and
