@@ -1,15 +1,14 @@
 """Benchmark: one speaking unit of the batched talker (``FastTalker.generate_units``), wall time per
-call, for ways of running it on CUDA:
+call, two ways on CUDA, side by side in one process:
 
 * ``eager-prefill``: the unit's prefill runs eagerly, then one CUDA graph of the 25 decode steps
   (``prefill_rows=0``; the path before stop 18);
-* ``graph`` / ``graph xK``: the prefill padded to ``PREFILL_ROWS`` inside the unit's graph, the steps
-  in K graphs replayed back to back (``graph_chunks=K``).
+* ``graph``: the prefill padded to ``PREFILL_ROWS`` inside the unit's graph (the default).
 
 Run (from the repository root)::
 
     PYTHONPATH=$PWD python3 benchmarks/talker_unit.py                    # one GPU: the table
-    PYTHONPATH=$PWD python3 benchmarks/talker_unit.py --batches 1,8 --chunks 1,3 --tokens 5,19
+    PYTHONPATH=$PWD python3 benchmarks/talker_unit.py --batches 1,8 --tokens 5,19
     PYTHONPATH=$PWD python3 benchmarks/talker_unit.py --size tiny --device cpu --units 2   # smoke
 
 The talker is built alone with random weights (``random_init.build_random_talker``; real sizes:
@@ -47,14 +46,10 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=("real", "tiny"), default="real", help="talker sizes (default real)")
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32], help="turns per call (default 1,8,32)")
     ap.add_argument("--tokens", type=_ints, default=[19], help="text tokens per unit, N (default 19)")
-    ap.add_argument("--chunks", type=_ints, default=[1, 2, 3, 5],
-                    help="graphs per unit for the in-graph prefill ways (default 1,2,3,5)")
     ap.add_argument("--units", type=int, default=12, help="units per turn in each pass (default 12)")
     args = ap.parse_args(argv)
     if args.units < 1:
         ap.error("--units must be >= 1")
-    if max(args.chunks) > 25:
-        ap.error("--chunks must be <= 25 (a unit has 25 steps)")
 
     import torch
 
@@ -70,8 +65,7 @@ def main(argv=None) -> int:
     cfg = tk.config
     print(f"talker: {args.size} sizes, random weights ({cfg.num_hidden_layers} layers x {cfg.hidden_size}), "
           f"{dtype}, {dev}" + ("" if dev.type == "cuda" else " -- CPU: a smoke run, not a measurement"))
-    ways = [("eager-prefill", dict(prefill_rows=0, graph_chunks=1))]
-    ways += [("graph" if k == 1 else f"graph x{k}", dict(graph_chunks=k)) for k in args.chunks]
+    ways = [("eager-prefill", dict(prefill_rows=0)), ("graph", dict())]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for N in args.tokens:

@@ -1,6 +1,5 @@
 """The fast talker's unit graph (duplexkit/models/minicpmo45/fast_talker.py ``_UnitGraph``): the
-unit's prefill padded to ``PREFILL_ROWS`` inside the graph, the 25 steps split over chunks, batch
-padding rows, and the eager fallbacks (a prefill longer than ``PREFILL_ROWS``; a slot too close to
+unit's prefill padded to ``PREFILL_ROWS`` inside the graph, batch padding rows, and the eager fallbacks (a prefill longer than ``PREFILL_ROWS``; a slot too close to
 the 4096-position window's end for the padded rows) give the codes of the plain path.
 
 On the CPU the unit code runs eagerly (``capture_units = False``), the same functions a CUDA graph
@@ -38,8 +37,8 @@ def units(tiny_model):
     return out
 
 
-def _graph_shaped(tk, chunks: int) -> FastTalker:
-    ft = FastTalker(tk, cuda_graphs=False, slots=2, graph_chunks=chunks)
+def _graph_shaped(tk) -> FastTalker:
+    ft = FastTalker(tk, cuda_graphs=False, slots=2)
     ft.use_graphs, ft.capture_units = True, False  # the unit-graph code, run eagerly
     return ft
 
@@ -68,15 +67,14 @@ def _run(ft, units, seeds, sampling, start_at=None, long_ids=False, n_ids=None):
     return out
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("sampling", [TalkerSampling(greedy=True), TalkerSampling(),
                                       TalkerSampling(top_k=25, top_p=0.9)], ids=["greedy", "reference", "filtered"])
-def test_unit_graph_code_equals_the_plain_path(tiny_model, units, chunks, sampling):
-    """Three turns in a batch bucket of 4 (one padding row), prefill padded from 9 to 32 rows, the
-    steps split over ``chunks``: the codes of the plain CPU path, unit after unit."""
+def test_unit_graph_code_equals_the_plain_path(tiny_model, units, sampling):
+    """Three turns in a batch bucket of 4 (one padding row), prefill padded from 9 to 32 rows: the
+    codes of the plain CPU path, unit after unit."""
     tk = tiny_model.talker
     plain = FastTalker(tk, cuda_graphs=False, slots=2)
-    ft = _graph_shaped(tk, chunks)
+    ft = _graph_shaped(tk)
     seeds = [None, None, None] if sampling.greedy else [3, 4, 5]
     ref = _run(plain, units, seeds, sampling)
     got = _run(ft, units, seeds, sampling)
@@ -84,7 +82,6 @@ def test_unit_graph_code_equals_the_plain_path(tiny_model, units, chunks, sampli
     assert sum(len(u) for u in ref[0]) > 25  # units spoke
     keys = list(ft._graphs)
     assert keys and all(k[0] == 4 and k[1] == PREFILL_ROWS for k in keys)  # prefill inside, bucket 4
-    assert all(len(g.bounds) == chunks for g in ft._graphs.values())
 
 
 def test_long_prefill_and_window_end_fall_back_to_the_eager_prefill(tiny_model, units):
@@ -93,7 +90,7 @@ def test_long_prefill_and_window_end_fall_back_to_the_eager_prefill(tiny_model, 
     tk = tiny_model.talker
     s = TalkerSampling()
     plain = FastTalker(tk, cuda_graphs=False, slots=2)
-    ft = _graph_shaped(tk, 1)
+    ft = _graph_shaped(tk)
     assert _run(ft, units[:1], [7], s, long_ids=True) == _run(plain, units[:1], [7], s, long_ids=True)
     assert {k[1] for k in ft._graphs} == {0}
     ft._graphs.clear()
@@ -104,17 +101,14 @@ def test_long_prefill_and_window_end_fall_back_to_the_eager_prefill(tiny_model, 
     assert {k[1] for k in ft._graphs} == {0}
 
 
-def test_graph_chunks_and_prefill_rows_are_checked(tiny_model):
-    with pytest.raises(ValueError, match="graph_chunks"):
-        FastTalker(tiny_model.talker, cuda_graphs=False, graph_chunks=0)
+def test_prefill_rows_are_checked(tiny_model):
     with pytest.raises(ValueError, match="prefill_rows"):
         FastTalker(tiny_model.talker, cuda_graphs=False, prefill_rows=-1)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_captured_unit_equals_the_plain_path_on_cuda(tiny_model, units, chunks):
-    """The captured unit (prefill in the graph, ``chunks`` graphs) against the uncaptured fast path
+def test_captured_unit_equals_the_plain_path_on_cuda(tiny_model, units):
+    """The captured unit (prefill in the graph) against the uncaptured fast path
     on the GPU in float32: the same codes for greedy and seeded sampling, two turns at different
     positions, then a second batch of one turn (a smaller batch in the same bucket's graph)."""
     tk = copy.deepcopy(tiny_model.talker).to("cuda")
@@ -122,7 +116,7 @@ def test_captured_unit_equals_the_plain_path_on_cuda(tiny_model, units, chunks):
         for name in ("_dk_qkv", "_dk_gu", "_dk_qk_gain"):
             layer.__dict__.pop(name, None)
     plain = FastTalker(tk, cuda_graphs=False, slots=2)
-    ft = FastTalker(tk, cuda_graphs=True, slots=2, graph_chunks=chunks)
+    ft = FastTalker(tk, cuda_graphs=True, slots=2)
     for sampling, seeds in ((TalkerSampling(greedy=True), [None, None]), (TalkerSampling(), [11, 12])):
         assert _run(ft, units, seeds, sampling) == _run(plain, units, seeds, sampling)
         assert _run(ft, units[:2], seeds[:1], sampling) == _run(plain, units[:2], seeds[:1], sampling)

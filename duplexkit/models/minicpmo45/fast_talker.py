@@ -43,8 +43,6 @@ PREFILL_ROWS = 32
 graph, zero-padded to this length (a duplex unit has ~5-20 text tokens + ``audio_bos``:
 docs/model.md "30-45 positions per unit" with 25 codes); a longer one runs eagerly before a
 decode-only graph."""
-GRAPH_CHUNKS = 1
-"""Default CUDA graphs per unit (:class:`_UnitGraph`)."""
 
 
 class FastTalkerTurn:
@@ -95,19 +93,14 @@ class _UnitGraph:
     ``[cond..., audio_bos]``, zero-padded), ``starts`` and ``lens`` [B]; with ``T == 0`` the
     prefill ran before (inputs ``logits0`` [B, V] float32 and ``base`` [B]). Both then take
     ``slots``, ``min_new``, ``temp``, ``greedy``, ``penalty`` and the noise [B, steps, V] and return
-    the codes [B, steps] (int64).
-
-    ``chunks`` > 1 splits the steps over that many CUDA graphs replayed back to back, each reading
-    the previous one's static outputs (logits, penalty window, base): a graph launch costs host
-    time per node (~1 µs; one 25-step unit is ~6 900 nodes), so the later launches then overlap the
-    GPU's run of the earlier ones. ``capture=False`` runs the same code eagerly (the CPU tests).
+    the codes [B, steps] (int64). ``capture=False`` runs the same code eagerly (the CPU tests).
     """
 
     def __init__(self, ft: "FastTalker", B: int, T: int, kv_len: int, steps: int, filt: tuple, *,
-                 chunks: int = 1, capture: bool = True) -> None:
+                 capture: bool = True) -> None:
         dev = ft.device
         V = ft.config.num_audio_tokens
-        self.ft, self.T, self.kv_len, self.filt = ft, T, kv_len, filt
+        self.ft, self.T, self.kv_len, self.filt, self.steps = ft, T, kv_len, filt, steps
         self.scratch = ft.pool.scratch
         self.inp = dict(
             slots=torch.full((B,), self.scratch, dtype=torch.long, device=dev),
@@ -124,38 +117,20 @@ class _UnitGraph:
         else:
             self.inp.update(logits0=torch.zeros(B, V, dtype=torch.float32, device=dev),
                             base=torch.zeros(B, dtype=torch.long, device=dev))
-        cuts = sorted({round(steps * i / max(1, chunks)) for i in range(max(1, chunks) + 1)})
-        self.bounds = list(zip(cuts[:-1], cuts[1:]))
         self.capture = capture
-        self.graphs: list = []
-        self.codes: list = []
         if capture:
-            prev = None
-            for a, b in self.bounds:
-                g, (codes, prev) = capture_graph(lambda a=a, b=b, prev=prev: self._chunk(a, b, prev), dev,
-                                                 pool=ft.graph_pool)
-                # a capture computes nothing: run the new graph once on the harmless default inputs
-                # (scratch slot rows) so its outputs, the next chunk's inputs, hold valid codes
-                # before the next chunk's eager warm-up reads them
-                g.replay()
-                self.graphs.append(g)
-                self.codes.append(codes)
+            self.graph, self.codes = capture_graph(self._unit, dev, pool=ft.graph_pool)
 
-    def _chunk(self, a: int, b: int, prev: Optional[tuple]):
-        """Steps ``a .. b-1``; the prefill (or the given ``logits0``/``base``) first when ``prev`` is
-        None. Returns (codes [B, b - a], (logits, window, base) for the next chunk)."""
+    def _unit(self) -> torch.Tensor:
+        """The unit on the static inputs: the prefill (or the given ``logits0``/``base``), then the
+        steps. Returns codes [B, steps]."""
         inp = self.inp
-        window = None
-        if prev is not None:
-            logits, window, base = prev
-        elif self.T:
+        if self.T:
             logits, base = self.ft._prefill(inp["x"], inp["starts"], inp["lens"], inp["slots"], self.kv_len)
         else:
             logits, base = inp["logits0"], inp["base"]
-        codes, logits, window = self.ft._decode(
-            logits, window, base, inp["slots"], inp["min_new"], inp["temp"], inp["greedy"], inp["penalty"],
-            inp["noise"], kv_len=self.kv_len, s0=a, s1=b, filt=self.filt)
-        return codes, (logits, window, base)
+        return self.ft._decode(logits, base, inp["slots"], inp["min_new"], inp["temp"], inp["greedy"],
+                               inp["penalty"], inp["noise"], kv_len=self.kv_len, steps=self.steps, filt=self.filt)
 
     def run(self, embeds: Optional[Sequence[torch.Tensor]] = None, **kw) -> torch.Tensor:
         """Copy the inputs of ``n`` rows (``embeds``: n prefill tensors [len <= T, hidden] when ``T >
@@ -178,17 +153,10 @@ class _UnitGraph:
                 inp["lens"][n:].fill_(1)
             else:
                 inp["base"][n:].zero_()
-        if self.capture:
-            for g in self.graphs:
-                g.replay()
-            codes = self.codes
-        else:
-            codes, prev = [], None
-            for a, b in self.bounds:
-                c, prev = self._chunk(a, b, prev)
-                codes.append(c)
-        out = codes[0] if len(codes) == 1 else torch.cat(codes, dim=1)
-        return out[:n]
+        if not self.capture:
+            return self._unit()[:n]
+        self.graph.replay()
+        return self.codes[:n]
 
 
 class FastTalker:
@@ -199,20 +167,18 @@ class FastTalker:
         slots: initial KV slots (one per live talker turn; grows by 8).
         cuda_graphs: capture the unit (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``): its
             prefill of at most :data:`PREFILL_ROWS` positions and its 25 decode steps.
-        graph_chunks: CUDA graphs per unit, replayed back to back (see :class:`_UnitGraph`; default
-            :data:`GRAPH_CHUNKS`).
         prefill_rows: prefills of at most this many positions run inside the unit's graph (default
             :data:`PREFILL_ROWS`; 0: every prefill eagerly before a decode-only graph, the path
             before stop 18, for ``benchmarks/talker_unit.py``).
 
     Raises:
-        ValueError: ``graph_chunks`` not in 1..25 or ``prefill_rows`` negative.
+        ValueError: ``prefill_rows`` negative.
     """
 
     batched = True
 
     def __init__(self, talker: Talker, *, slots: int = 4, cuda_graphs: Optional[bool] = None,
-                 graph_chunks: Optional[int] = None, prefill_rows: Optional[int] = None) -> None:
+                 prefill_rows: Optional[int] = None) -> None:
         self.talker = talker
         self.config = talker.config
         m = talker.model
@@ -225,9 +191,6 @@ class FastTalker:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         #: capture the unit graphs (False: run the same unit code eagerly, for tests on the CPU)
         self.capture_units = self.use_graphs
-        self.graph_chunks = GRAPH_CHUNKS if graph_chunks is None else int(graph_chunks)
-        if not 1 <= self.graph_chunks <= 25:
-            raise ValueError(f"graph_chunks must be 1..25, got {graph_chunks!r}")
         self.prefill_rows = PREFILL_ROWS if prefill_rows is None else int(prefill_rows)
         if self.prefill_rows < 0:
             raise ValueError(f"prefill_rows must be >= 0, got {prefill_rows!r}")
@@ -275,7 +238,7 @@ class FastTalker:
         key = (B, T, kv_len, steps, filt)
         g = self._graphs.get(key)
         if g is None:
-            g = _UnitGraph(self, B, T, kv_len, steps, filt, chunks=self.graph_chunks, capture=self.capture_units)
+            g = _UnitGraph(self, B, T, kv_len, steps, filt, capture=self.capture_units)
             self._graphs[key] = g
             self.stats["graph_captures"] += 1
         return g
@@ -380,9 +343,8 @@ class FastTalker:
                     g = self._unit_graph(bucket(B, BATCH_BUCKETS), 0, kvl, steps, filt)
                     codes_t = g.run(logits0=logits0, base=base, **kw)
                 else:
-                    codes_t, _, _ = self._decode(logits0, None, base, kw["slots"], kw["min_new"], kw["temp"],
-                                                 kw["greedy"], kw["penalty"], noise, kv_len=kvl, s0=0, s1=steps,
-                                                 filt=filt)
+                    codes_t = self._decode(logits0, base, kw["slots"], kw["min_new"], kw["temp"], kw["greedy"],
+                                           kw["penalty"], noise, kv_len=kvl, steps=steps, filt=filt)
         codes_all = codes_t.cpu().numpy()  # the one host sync of the unit
         self.stats["units"] += B
         eos = cfg.eos_code
@@ -414,23 +376,20 @@ class FastTalker:
         last = h[torch.arange(B, device=dev), lens - 1]
         return F.linear(last, self.talker.head_weight()).float(), starts + lens
 
-    def _decode(self, logits, window, base, slots, min_new, temp, greedy, penalty, noise, *, kv_len: int,
-                s0: int, s1: int, filt: tuple):
-        """Steps ``s0 .. s1-1`` of a unit: each samples from ``logits`` [B, V] (float32) and feeds the
-        code at ``base + s``. ``window`` [B, W] holds the last W codes for the repetition penalty
-        (None at step 0: all V, i.e. none). Returns (codes [B, s1 - s0] int64, the next logits, the
-        window). ``filt`` = (top_k, top_p, min_p, repetition_window) of every sampled row.
-        Graph-capturable (no host sync)."""
+    def _decode(self, logits, base, slots, min_new, temp, greedy, penalty, noise, *, kv_len: int, steps: int,
+                filt: tuple) -> torch.Tensor:
+        """``steps`` samples, each from ``logits`` [B, V] (float32, then the fed code's) and fed back at
+        ``base + s``; returns codes [B, steps] (int64). ``filt`` = (top_k, top_p, min_p,
+        repetition_window) of every sampled row. Graph-capturable (no host sync)."""
         B, V = logits.shape
         dev = logits.device
         eos = self.config.eos_code
         top_k, top_p, min_p, W = filt
         head = self.talker.head_weight()
-        if window is None:
-            window = torch.full((B, W), V, dtype=torch.long, device=dev)
+        window = torch.full((B, W), V, dtype=torch.long, device=dev)
         eos_col = torch.arange(V, device=dev)[None] == eos
         codes = []
-        for s in range(s0, s1):
+        for s in range(steps):
             lg = logits.masked_fill(eos_col & (min_new[:, None] > s), float("-inf"))
             x = penalised_logits(lg, window, temp, penalty)
             pick = S.sample_with_noise(x, noise[:, s], top_k, top_p, min_p)
@@ -442,7 +401,7 @@ class FastTalker:
             xe = self.talker.code_embed(code)[:, None]
             h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
             logits = F.linear(h, head).float()
-        return torch.stack(codes, dim=1), logits, window
+        return torch.stack(codes, dim=1)
 
 
 def _round_up(n: int, to: int) -> int:
