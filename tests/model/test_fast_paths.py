@@ -298,3 +298,31 @@ def test_audio_conv_warmup_shapes_are_the_units_mel_blocks():
     t1 = mel.push(np.full(UNIT_SAMPLES, 0.1, np.float32)).shape[1]
     assert audio_conv_shapes([3, 1, 3]) == sorted({(b, 80, t) for b in (1, 3) for t in (t0, t1)})
     assert {t0, t1} == {102, 104}
+
+
+def test_prefill_span_is_the_host_clock_on_the_cpu():
+    from duplexkit.models.minicpmo45.fast_thinker import _GpuSpan
+
+    span = _GpuSpan(torch.device("cpu"))
+    span.mark()
+    assert span.ms(3.5, 10.0) == 3.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_span_times_the_queued_work_on_cuda():
+    """The prefill only queues kernels: the span ends when the last one ran, not when it was queued."""
+    import time
+
+    from duplexkit.models.minicpmo45.fast_thinker import _GpuSpan
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    span = _GpuSpan(dev)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time at ~2 GHz, queued without waiting
+    host_ms = (time.perf_counter() - t0) * 1e3
+    span.mark()
+    torch.cuda.synchronize(dev)
+    total_ms = (time.perf_counter() - t0) * 1e3
+    got = span.ms(host_ms, total_ms)
+    assert host_ms < 20 and 40 < got <= total_ms

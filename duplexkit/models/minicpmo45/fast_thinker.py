@@ -453,6 +453,7 @@ class FastThinker(Thinker):
     def _step_units(self, items: List[UnitInput], live: list, results: list, snaps: dict) -> list:
         sp = self.special
         t0 = time.perf_counter()
+        span = _GpuSpan(self.device)
         # ---- prefill: audio, sliding window (as Thinker.prefill_unit), one batched LLM forward
         auds = self._audio_embeds_batch([items[i].stream for i in live], [items[i].audio for i in live])
         embeds, kept = [], []
@@ -487,6 +488,7 @@ class FastThinker(Thinker):
         last = torch.stack([h[-1] for h in hs])
         logits_all = self.m.llm.lm_head(last).float()
         t1 = time.perf_counter()
+        span.mark()
         rows = []
         for r, i in enumerate(live):
             st = items[i].stream
@@ -496,10 +498,38 @@ class FastThinker(Thinker):
         decode_rows(self, rows, logits_all, lambda sts, toks: self._decode_step([s.kv for s in sts], toks), self._gen,
                     speculate=self._speculate if self.lookahead else None)
         t2 = time.perf_counter()
-        timings = {"prefill_ms": (t1 - t0) * 1000.0, "decode_ms": (t2 - t1) * 1000.0, "batch": len(live)}
+        prefill_ms = span.ms((t1 - t0) * 1000.0, (t2 - t0) * 1000.0)
+        timings = {"prefill_ms": prefill_ms, "decode_ms": (t2 - t0) * 1000.0 - prefill_ms, "batch": len(live)}
         for row in rows:
             results[row.index] = finish_row(self, row, timings)
         return results
+
+
+class _GpuSpan:
+    """Where the prefill ends on the GPU. The prefill only queues its work (no host sync), so the
+    host's clock at its end says when the launches were done, not the work: the decode's first
+    read of the tokens then waits for the rest. On CUDA this times the prefill from the call's start
+    to its last kernel with two CUDA events (the rest of the call is the decode); on the CPU the
+    host's clock is the work's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._ev = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.current_stream(device)
+            self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._ev[0].record(self._stream)
+
+    def mark(self) -> None:
+        """The prefill's work is queued: record its end."""
+        if self._ev is not None:
+            self._ev[1].record(self._stream)
+
+    def ms(self, host_ms: float, total_ms: float) -> float:
+        """Prefill ms: the events' span (at most the call's ``total_ms``) on CUDA, else ``host_ms``."""
+        if self._ev is None:
+            return host_ms
+        self._ev[1].synchronize()  # done already: the decode read tokens computed after it
+        return min(float(self._ev[0].elapsed_time(self._ev[1])), total_ms)
 
 
 class _Speculation:
