@@ -442,3 +442,57 @@ def test_matmul_tf32_default_is_on_for_cuda_only(monkeypatch):
     assert not matmul_tf32_default("cpu")
     monkeypatch.setenv("DUPLEXKIT_CODE2WAV_TF32", "0")
     assert not matmul_tf32_default("cuda:0")
+
+
+def test_turn_end_sub_batch_that_runs_out_of_memory_is_redone_in_halves(c2w, monkeypatch):
+    """A turn's last chunks run eagerly in sub-batches; one that raises OutOfMemoryError (a burst of
+    turn ends) is redone in halves down to one stream: the same audio as stream by stream. An
+    out-of-memory error of a single stream, or of a chunk that keeps its caches, still raises."""
+    if c2w.device.type == "cuda":
+        pytest.skip("the CPU run covers the logic")
+    rng = np.random.default_rng(3)
+    rounds = [(rng.integers(0, 6561, (3, 25)), False), (rng.integers(0, 6561, (3, 9)), True)]
+
+    def run(batched):
+        sts = [c2w.new_stream(None, seed=k) for k in range(3)]
+        outs = []
+        for codes, last in rounds:
+            if batched:
+                res = c2w.push_batch([SimpleNamespace(handle=st, codes=codes[k], last=last) for k, st in enumerate(sts)])
+            else:
+                res = [c2w.push(st, codes[k], last=last) for k, st in enumerate(sts)]
+            outs.append([np.asarray(r) for r in res])
+        for st in sts:
+            c2w.close(st)
+        return outs
+
+    ref = run(False)
+    real = type(c2w)._euler_sub
+    seen = []
+
+    def tight(self, mu, spk, sub, last):
+        seen.append((len(sub), last))
+        if last and len(sub) > 1:
+            raise torch.OutOfMemoryError("simulated: gathered caches do not fit")
+        return real(self, mu, spk, sub, last)
+
+    monkeypatch.setattr(type(c2w), "_euler_sub", tight)
+    s0 = c2w.stats.get("last_oom_splits", 0)
+    got = run(True)
+    for r, (a, b) in enumerate(zip(ref, got)):
+        for k, (x, y) in enumerate(zip(a, b)):
+            np.testing.assert_allclose(y, x, atol=ATOL, rtol=0, err_msg=f"round {r} item {k}")
+    assert seen[0] == (3, False) and seen[1:] == [(3, True), (1, True), (1, True), (1, True)]  # 3 -> 3 // 2
+    assert c2w.stats["last_oom_splits"] - s0 == 1
+
+    def always(self, mu, spk, sub, last):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(type(c2w), "_euler_sub", always)
+    sts = [c2w.new_stream(None, seed=k) for k in range(2)]
+    try:
+        res = c2w.push_batch([SimpleNamespace(handle=st, codes=np.arange(25), last=False) for st in sts])
+        assert all(isinstance(r, torch.OutOfMemoryError) for r in res)  # a chunk that keeps caches: no retry
+    finally:
+        for st in sts:
+            c2w.close(st)

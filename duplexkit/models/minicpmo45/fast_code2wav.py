@@ -452,9 +452,20 @@ class BatchedCode2Wav(Code2Wav):
         cnn_out = torch.empty_like(cnn)
         return self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, att_out, cnn_out)
 
+    def _euler_sub(self, mu, spk, sub: list, last: bool):
+        """The Euler loop of one sub-batch: its streams' estimator caches gathered in the CFG layout
+        (the b conditional rows, then the b unconditional rows), then :meth:`_euler_batch`."""
+        torch = self.torch
+        cnn = torch.cat([c["estimator_cnn_cache"][:, :, 0:1] for c in sub]
+                        + [c["estimator_cnn_cache"][:, :, 1:2] for c in sub], dim=2)
+        att = torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in sub]
+                        + [c["estimator_att_cache"][:, :, 1:2] for c in sub], dim=2)
+        return self._euler_batch(mu, spk, cnn, att, last)
+
     def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
         """The flow for streams with equal cache shapes (caller holds the lock): one encoder call for
-        the group, the Euler loop in sub-batches of <= graph_rows when graphs are on. Returns per stream
+        the group, the Euler loop in sub-batches of <= graph_rows when graphs are on (a turn's last
+        chunks: <= ``last_sub_batch``, halved while one runs out of GPU memory). Returns per stream
         (mel [1, 80, T], its new flow caches, tokens), all copies (no graph buffers)."""
         torch = self.torch
         F = torch.nn.functional
@@ -471,16 +482,25 @@ class BatchedCode2Wav(Code2Wav):
             mu, c_cnn, c_att = self._encode(tok, torch.cat([c["conformer_cnn_cache"] for c in cs], dim=0),
                                             torch.cat([c["conformer_att_cache"] for c in cs], dim=1), last)
             step = (self.euler_sub_batch or B) if not last else (self.last_sub_batch or B)
-            for k in range(0, B, step):
+            k = 0
+            while k < B:
                 sub = cs[k:k + step]
                 b = len(sub)
-                # CFG layout: the b conditional rows, then the b unconditional rows
-                cnn = torch.cat([c["estimator_cnn_cache"][:, :, 0:1] for c in sub]
-                                + [c["estimator_cnn_cache"][:, :, 1:2] for c in sub], dim=2)
-                att = torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in sub]
-                                + [c["estimator_att_cache"][:, :, 1:2] for c in sub], dim=2)
-                x, new_cnn, new_att = self._euler_batch(mu[k:k + b], spk[k:k + b], cnn, att, last)
-                del cnn, att
+                try:
+                    x, new_cnn, new_att = self._euler_sub(mu[k:k + b], spk[k:k + b], sub, last)
+                except torch.OutOfMemoryError:
+                    if not last or b == 1:
+                        raise
+                    x = None
+                if x is None:
+                    # a burst of turn ends: this eager sub-batch's gathered caches (~0.5 GB per
+                    # stream at real size) did not fit beside the rest; redo it in halves (outside
+                    # the except block: its traceback no longer holds the failed call's tensors)
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    step = b // 2
+                    self.stats["last_oom_splits"] = self.stats.get("last_oom_splits", 0) + 1
+                    continue
                 for j in range(b):
                     i = k + j
                     if last:  # unchanged: reset to the voice's base cache after this chunk
@@ -493,6 +513,7 @@ class BatchedCode2Wav(Code2Wav):
                         "estimator_att_cache": torch.cat([new_att[:, :, j:j + 1], new_att[:, :, b + j:b + j + 1]], dim=2),
                     }
                     out.append((x[j:j + 1].clone(), cache, tokens[i]))
+                k += b
         self.stats["flow_calls"] += 1
         self.stats["batched_streams"] += B
         return out
