@@ -18,7 +18,7 @@ def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("script", ["benchmarks/heap_diag.py", "benchmarks/device_smoke.py"])
+@pytest.mark.parametrize("script", ["benchmarks/heap_diag.py", "benchmarks/device_smoke.py", "benchmarks/talker_unit.py"])
 def test_help_prints_usage(script):
     r = _run(script, "--help")
     assert r.returncode == 0, r.stderr
@@ -46,3 +46,21 @@ def test_e2e_json_has_no_nan():
     out = e2e_latency._no_nan({"a": float("nan"), "b": [1.0, float("nan"), {"c": float("nan")}], "d": "x"})
     assert out == {"a": None, "b": [1.0, None, {"c": None}], "d": "x"}
     json.loads(json.dumps(out, allow_nan=False))
+
+
+@pytest.mark.parametrize("args,needle", [(["--batches", "0"], "positive integers"), (["--units", "0"], "--units"),
+                                         (["--tokens", "x"], "comma-separated integers")])
+def test_talker_unit_refuses_bad_arguments(args, needle):
+    r = _run("benchmarks/talker_unit.py", *args)
+    assert r.returncode == 2 and needle in r.stderr
+
+
+def test_talker_unit_smoke_on_the_cpu():
+    """The tiny talker on the CPU: both ways run and the table comes out (not a measurement)."""
+    pytest.importorskip("torch")
+    r = _run("benchmarks/talker_unit.py", "--size", "tiny", "--device", "cpu", "--batches", "1,2", "--units", "2",
+             "--tokens", "5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "not a measurement" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("5 ")]
+    assert [(x[1], x[2]) for x in rows] == [("1", "eager-prefill"), ("1", "graph"), ("2", "eager-prefill"), ("2", "graph")]
