@@ -326,3 +326,43 @@ def test_prefill_span_times_the_queued_work_on_cuda():
     total_ms = (time.perf_counter() - t0) * 1e3
     got = span.ms(host_ms, total_ms)
     assert host_ms < 20 and 40 < got <= total_ms
+
+
+def test_warmup_reserves_the_pools_for_the_largest_batch(tiny_model, monkeypatch, caplog):
+    """Start-up reserves KV slots (thinker, its Whisper pool, talker) for max_num_seqs streams, so
+    opening that many streams never grows a pool (a growth drops every captured graph while streams
+    are live); a device without the memory leaves the pool as it was and says so."""
+    import logging
+
+    from duplexkit.models.minicpmo45.fast_kv import KVPool
+    from duplexkit.models.minicpmo45.fast_talker import FastTalker
+    from duplexkit.models.minicpmo45.fast_thinker import FastThinker
+
+    th = FastThinker.from_thinker(tiny_model.thinker, cuda_graphs=False, slots=2)
+    tk = FastTalker(tiny_model.talker, cuda_graphs=False, slots=1)
+    th.warmup(range(1, 7))
+    tk.warmup(range(1, 7))
+    pools = [th.pool, tk.pool] + ([th.audio_batch.pool] if th.audio_batch is not None else [])
+    assert all(p.n_slots == 6 for p in pools)
+    versions = [p.version for p in pools]
+    sts = [th.new_stream() for _ in range(6)]
+    for st in sts:
+        th.step_units([UnitInput(st, _speech(16560, 3))])
+    turns = [tk.new_turn() for _ in range(6)]
+    for t in turns:
+        t.ensure_slot()
+    assert [p.version for p in pools] == versions  # no growth
+    for st in sts:
+        th.close(st)
+
+    pool = KVPool(2, 1, 8, 16, dtype=torch.float32, device="cpu", slots=1)
+
+    def no_memory(n):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(pool, "_resize", no_memory)
+    with caplog.at_level(logging.WARNING, logger="duplexkit.engine"):
+        from duplexkit.models.minicpmo45.fast_kv import reserve_for_warmup
+
+        reserve_for_warmup(pool, [1, 4], "talker")
+    assert pool.n_slots == 1 and "reserve 4 KV slots" in caplog.text

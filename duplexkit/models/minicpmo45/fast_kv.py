@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from duplexkit.errors import DuplexkitError
 
 __all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError",
+           "reserve_for_warmup",
            "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
 
@@ -213,6 +214,23 @@ class KVPool:
         self.free.extend(range(old, n))
         self.version += 1
 
+    def reserve(self, n: int) -> bool:
+        """Grow the pool to at least ``n`` slots now, in one reallocation (engine start-up, before
+        the graphs are captured: a pool that grows while streams are live drops every captured
+        graph of the model, and the next rounds capture them again, seconds of stalled audio).
+        Returns False, leaving the pool as it was, when the device has no memory for it (it then
+        grows on demand as before)."""
+        with self._lock:
+            if n <= self.n_slots:
+                return True
+            try:
+                self._resize(int(n))
+            except torch.OutOfMemoryError:
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return False
+        return True
+
     def alloc(self) -> int:
         """A free slot index (grows the pool when none is free)."""
         with self._lock:
@@ -235,6 +253,19 @@ class KVPool:
     def slot_bytes(self) -> int:
         """Bytes of K and V one slot holds (``2 * layers * max_len * heads * head_dim * itemsize``)."""
         return 2 * self.n_layers * self.max_len * self.n_kv * self.head_dim * self.k.element_size()
+
+
+def reserve_for_warmup(pool: "KVPool", batch_sizes, what: str) -> None:
+    """:meth:`KVPool.reserve` for the largest of ``batch_sizes`` (a stage's ``max_num_seqs``
+    streams), logging a warning on ``duplexkit.engine`` when the device has no memory for it."""
+    sizes = [int(b) for b in batch_sizes]
+    if sizes and not pool.reserve(max(sizes)):
+        import logging
+
+        logging.getLogger("duplexkit.engine").warning(
+            "%s: no GPU memory to reserve %d KV slots at start-up (%.2f GB each); the pool grows on demand, "
+            "and each growth recaptures the CUDA graphs while streams are live", what, max(sizes),
+            pool.slot_bytes() / 1e9)
 
 
 class KVSlot:

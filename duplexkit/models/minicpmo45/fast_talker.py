@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import detach_traceback
-from .fast_kv import CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward, fuse_projections
+from .fast_kv import (CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
+                      fuse_projections, reserve_for_warmup)
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
@@ -220,7 +221,9 @@ class FastTalker:
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 512, budget: int = DUPLEX_BUDGET) -> int:
         """Capture the unit graphs (prefill of :attr:`prefill_rows` rows + ``budget − 1`` steps) of
         these batch buckets for KV lengths up to ``max_kv_len`` now (engine start-up). Returns the
-        number of units captured (0 without CUDA graphs)."""
+        number of units captured (0 without CUDA graphs). First reserves KV slots for the largest
+        batch size (:func:`.fast_kv.reserve_for_warmup`)."""
+        reserve_for_warmup(self.pool, batch_sizes, "talker")
         if not self.use_graphs:
             return 0
         n0 = self.stats["graph_captures"]

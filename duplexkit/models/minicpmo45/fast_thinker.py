@@ -52,7 +52,7 @@ from . import sampling as S
 from .audio_encoder import WhisperStreamCache
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import (ContextFullError, KVPool, KVSlot, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      env_switch, fuse_projections, keep_for_current_stream)
+                      env_switch, fuse_projections, keep_for_current_stream, reserve_for_warmup)
 from .fast_whisper import BatchedWhisper, PooledWhisperCache
 from .thinker import Thinker, ThinkerStream
 
@@ -334,12 +334,16 @@ class FastThinker(Thinker):
 
     def warmup(self, batch_sizes=(1, 2, 4, 8, 16), max_kv_len: int = 1024) -> int:
         """Capture the decode-step graphs of these batch buckets for KV lengths up to
-        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit, run the audio
+        ``max_kv_len`` now (engine start-up) instead of at a stream's first unit (after reserving
+        KV and Whisper slots for the largest batch size: :func:`.fast_kv.reserve_for_warmup`), run the audio
         encoder's convolutions once per batch size (:meth:`_warm_audio_convs`), and capture the
         batched Whisper pass for every batch bucket x each of its 6 KV-length buckets
         (:meth:`.fast_whisper.BatchedWhisper.warmup`: 36 graphs for batch sizes 1..32). Run it on
         the thread that will step the streams (the engine's thinker worker). Returns the number of
         graphs captured, LLM and Whisper (0 without CUDA graphs)."""
+        reserve_for_warmup(self.pool, batch_sizes, "thinker")
+        if self.audio_batch is not None:
+            reserve_for_warmup(self.audio_batch.pool, batch_sizes, "thinker audio (Whisper)")
         self._warm_audio_convs(batch_sizes)
         if not self.use_graphs:
             return 0
