@@ -380,3 +380,54 @@ def test_cuda_graph_replay_equals_eager_for_staggered_streams(tiny_dir, speech_u
     for st in g_sts:
         graphs.close(st)
     assert len(graphs.whisper_pool.free) == graphs.whisper_pool.n_slots
+
+
+def test_a_closed_stream_is_refused_and_takes_no_pool_slot(tiny_model, speech_units):
+    """Audio for a closed stream (``FastThinker.close`` gave its slot back) raises ValueError, as
+    any later use of a closed stream does, instead of taking a fresh pool slot that only the
+    stream's garbage collection would give back; nothing of the other streams in the call changes."""
+    ft = _fast(tiny_model, slots=2)
+    pool = ft.whisper_pool
+    pol = DuplexPolicy(temperature=0.0)
+    gone, live = ft.new_stream(policy=pol), ft.new_stream(policy=pol)
+    ft._audio_embeds_batch([gone, live], [_unit(speech_units, 0, 0), _unit(speech_units, 1, 0)])
+    ft.close(gone)
+    free0 = list(pool.free)
+    state0 = (live.whisper.positions, live.mel.unit_index, gone.mel.unit_index)
+    with pytest.raises(ValueError, match="closed"):
+        ft.audio_embeds_stream(gone, _unit(speech_units, 0, 1))
+    with pytest.raises(ValueError, match="closed"):
+        ft._audio_embeds_batch([live, gone], [_unit(speech_units, 1, 1), _unit(speech_units, 0, 1)])
+    assert pool.free == free0 and isinstance(gone.whisper, WhisperStreamCache)
+    assert (live.whisper.positions, live.mel.unit_index, gone.mel.unit_index) == state0
+    ft.close(live)
+    assert len(pool.free) == pool.n_slots
+
+
+def test_a_failed_first_audio_step_gives_its_new_slot_back_at_once(tiny_model, speech_units, monkeypatch):
+    """A step that raises after a stream's first audio unit took a pool slot restores the stream's
+    plain cache and gives that slot back when it restores, not when the exception holding the
+    failed call's frames is collected (a caller that keeps the exception kept the slot)."""
+    ft = _fast(tiny_model, slots=1)
+    pool = ft.whisper_pool
+    pol = DuplexPolicy(temperature=0.0, min_unit_tokens=2, max_unit_tokens=2)
+    st = ft.new_stream(policy=pol)
+    assert isinstance(st.whisper, WhisperStreamCache) and len(pool.free) == 1
+
+    def failing(*a, **kw):
+        raise RuntimeError("injected")
+
+    real = ft.audio_batch.forward
+    monkeypatch.setattr(ft.audio_batch, "forward", failing)  # the Whisper pass itself (e.g. out of memory)
+    kept = []
+    try:
+        ft.step_units([UnitInput(st, _unit(speech_units, 0, 0))])
+    except RuntimeError as exc:
+        kept.append(exc)  # the traceback (and the failed call's frames) stay alive
+    assert kept and isinstance(st.whisper, WhisperStreamCache) and st.mel.unit_index == 0
+    assert len(pool.free) == 1 and pool.n_slots == 1  # the slot is back: no growth on the retry
+    monkeypatch.setattr(ft.audio_batch, "forward", real)
+    (res,) = ft.step_units([UnitInput(st, _unit(speech_units, 0, 0))])
+    assert not isinstance(res, Exception) and pool.n_slots == 1 and pool.free == []
+    ft.close(st)
+    assert pool.free == [0]
