@@ -431,3 +431,50 @@ def test_a_failed_first_audio_step_gives_its_new_slot_back_at_once(tiny_model, s
     assert not isinstance(res, Exception) and pool.n_slots == 1 and pool.free == []
     ft.close(st)
     assert pool.free == [0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_on_a_side_stream_across_a_pool_growth(tiny_dir, speech_units):
+    """On a GPU, on a non-default stream (as the thinker runs with ``DUPLEXKIT_THINKER_STREAM=1``):
+    two streams replay the captured pass, then two more streams make the pool grow (reallocated on
+    that stream; every graph is dropped and captured again against the new pool): every round gives
+    the eager rows, and the first streams' cached K/V survived the move."""
+    from duplexkit.models.minicpmo45 import load
+
+    model = load(tiny_dir, devices="cuda", dtype="float32", with_code2wav=False, with_talker=False, progress=False)
+    th = model.thinker
+    graphs = FastThinker.from_thinker(th, cuda_graphs=True, slots=2)
+    eager = FastThinker.from_thinker(th, cuda_graphs=False, slots=2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graphs.warmup([1, 2, 4])
+    torch.cuda.synchronize()
+    g_sts, e_sts, idx = [], [], []
+
+    def add(n):
+        g_sts.extend(graphs.new_stream() for _ in range(n))
+        e_sts.extend(eager.new_stream() for _ in range(n))
+        idx.extend([0] * n)
+
+    def round_():
+        audios = [_unit(speech_units, k, idx[k]) for k in range(len(g_sts))]
+        with torch.cuda.stream(side):
+            got = graphs._audio_embeds_batch(g_sts, audios)
+        want = eager._audio_embeds_batch(e_sts, audios)
+        torch.cuda.synchronize()
+        for k, (g, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g.float(), e.float(), atol=2e-5, rtol=1e-5, msg=lambda m: f"stream {k}: {m}")
+            idx[k] += 1
+
+    add(2)
+    for _ in range(3):
+        round_()
+    pool = graphs.whisper_pool
+    v, caps = pool.version, graphs.stats["audio_graph_captures"]
+    add(2)
+    for _ in range(3):
+        round_()
+    assert pool.version == v + 1 and graphs.stats["audio_graph_captures"] > caps
+    for st in g_sts:
+        graphs.close(st)
+    assert len(pool.free) == pool.n_slots
