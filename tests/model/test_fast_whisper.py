@@ -380,3 +380,101 @@ def test_cuda_graph_replay_equals_eager_for_staggered_streams(tiny_dir, speech_u
     for st in g_sts:
         graphs.close(st)
     assert len(graphs.whisper_pool.free) == graphs.whisper_pool.n_slots
+
+
+def test_a_closed_stream_is_refused_and_takes_no_pool_slot(tiny_model, speech_units):
+    """Audio for a closed stream (``FastThinker.close`` gave its slot back) raises ValueError, as
+    any later use of a closed stream does, instead of taking a fresh pool slot that only the
+    stream's garbage collection would give back; nothing of the other streams in the call changes."""
+    ft = _fast(tiny_model, slots=2)
+    pool = ft.whisper_pool
+    pol = DuplexPolicy(temperature=0.0)
+    gone, live = ft.new_stream(policy=pol), ft.new_stream(policy=pol)
+    ft._audio_embeds_batch([gone, live], [_unit(speech_units, 0, 0), _unit(speech_units, 1, 0)])
+    ft.close(gone)
+    free0 = list(pool.free)
+    state0 = (live.whisper.positions, live.mel.unit_index, gone.mel.unit_index)
+    with pytest.raises(ValueError, match="closed"):
+        ft.audio_embeds_stream(gone, _unit(speech_units, 0, 1))
+    with pytest.raises(ValueError, match="closed"):
+        ft._audio_embeds_batch([live, gone], [_unit(speech_units, 1, 1), _unit(speech_units, 0, 1)])
+    assert pool.free == free0 and isinstance(gone.whisper, WhisperStreamCache)
+    assert (live.whisper.positions, live.mel.unit_index, gone.mel.unit_index) == state0
+    ft.close(live)
+    assert len(pool.free) == pool.n_slots
+
+
+def test_a_failed_first_audio_step_gives_its_new_slot_back_at_once(tiny_model, speech_units, monkeypatch):
+    """A step that raises after a stream's first audio unit took a pool slot restores the stream's
+    plain cache and gives that slot back when it restores, not when the exception holding the
+    failed call's frames is collected (a caller that keeps the exception kept the slot)."""
+    ft = _fast(tiny_model, slots=1)
+    pool = ft.whisper_pool
+    pol = DuplexPolicy(temperature=0.0, min_unit_tokens=2, max_unit_tokens=2)
+    st = ft.new_stream(policy=pol)
+    assert isinstance(st.whisper, WhisperStreamCache) and len(pool.free) == 1
+
+    def failing(*a, **kw):
+        raise RuntimeError("injected")
+
+    real = ft.audio_batch.forward
+    monkeypatch.setattr(ft.audio_batch, "forward", failing)  # the Whisper pass itself (e.g. out of memory)
+    kept = []
+    try:
+        ft.step_units([UnitInput(st, _unit(speech_units, 0, 0))])
+    except RuntimeError as exc:
+        kept.append(exc)  # the traceback (and the failed call's frames) stay alive
+    assert kept and isinstance(st.whisper, WhisperStreamCache) and st.mel.unit_index == 0
+    assert len(pool.free) == 1 and pool.n_slots == 1  # the slot is back: no growth on the retry
+    monkeypatch.setattr(ft.audio_batch, "forward", real)
+    (res,) = ft.step_units([UnitInput(st, _unit(speech_units, 0, 0))])
+    assert not isinstance(res, Exception) and pool.n_slots == 1 and pool.free == []
+    ft.close(st)
+    assert pool.free == [0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_on_a_side_stream_across_a_pool_growth(tiny_dir, speech_units):
+    """On a GPU, on a non-default stream (as the thinker runs with ``DUPLEXKIT_THINKER_STREAM=1``):
+    two streams replay the captured pass, then two more streams make the pool grow (reallocated on
+    that stream; every graph is dropped and captured again against the new pool): every round gives
+    the eager rows, and the first streams' cached K/V survived the move."""
+    from duplexkit.models.minicpmo45 import load
+
+    model = load(tiny_dir, devices="cuda", dtype="float32", with_code2wav=False, with_talker=False, progress=False)
+    th = model.thinker
+    graphs = FastThinker.from_thinker(th, cuda_graphs=True, slots=2)
+    eager = FastThinker.from_thinker(th, cuda_graphs=False, slots=2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graphs.warmup([1, 2, 4])
+    torch.cuda.synchronize()
+    g_sts, e_sts, idx = [], [], []
+
+    def add(n):
+        g_sts.extend(graphs.new_stream() for _ in range(n))
+        e_sts.extend(eager.new_stream() for _ in range(n))
+        idx.extend([0] * n)
+
+    def round_():
+        audios = [_unit(speech_units, k, idx[k]) for k in range(len(g_sts))]
+        with torch.cuda.stream(side):
+            got = graphs._audio_embeds_batch(g_sts, audios)
+        want = eager._audio_embeds_batch(e_sts, audios)
+        torch.cuda.synchronize()
+        for k, (g, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g.float(), e.float(), atol=2e-5, rtol=1e-5, msg=lambda m: f"stream {k}: {m}")
+            idx[k] += 1
+
+    add(2)
+    for _ in range(3):
+        round_()
+    pool = graphs.whisper_pool
+    v, caps = pool.version, graphs.stats["audio_graph_captures"]
+    add(2)
+    for _ in range(3):
+        round_()
+    assert pool.version == v + 1 and graphs.stats["audio_graph_captures"] > caps
+    for st in g_sts:
+        graphs.close(st)
+    assert len(pool.free) == pool.n_slots

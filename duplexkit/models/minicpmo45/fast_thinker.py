@@ -383,12 +383,16 @@ class FastThinker(Thinker):
         dtype).
 
         Raises:
-            ValueError: no audio encoder in this checkpoint, or a stream's cache was released.
+            ValueError: no audio encoder in this checkpoint, a stream is closed (both raised before
+                any stream's state changes), or a stream's cache was released.
             AudioInputError: a unit of the wrong size (:meth:`.processor.StreamingMel.push`); raised
                 before any stream's Whisper cache changes.
         """
         if self.audio is None:
             raise ValueError("this checkpoint has no audio encoder (init_audio false)")
+        for st in sts:  # close() gave the slot back: a closed stream must not take a new one
+            if st.closed:
+                raise ValueError(f"stream {st.stream_id} is closed")
         mels, firsts = [], []
         for st, a in zip(sts, audios):
             firsts.append(st.mel.unit_index == 0)
@@ -595,6 +599,11 @@ class _StepSnapshot:
             delattr(st, k)  # made during the step (e.g. a device generator): made again on retry
         for k, v in self.state.items():
             setattr(st, k, v)
+        cur, old = getattr(st, "whisper", None), self.front["whisper"]
+        if isinstance(cur, PooledWhisperCache) and getattr(old, "handle", None) is not cur.handle:
+            # a slot this step took (the stream's first audio unit): back now, not when the failed
+            # call's frames (held by the exception's traceback) are collected
+            cur.release()
         for k, v in self.front.items():
             setattr(st, k, v)
         st.kv.length = self.kv_length

@@ -43,7 +43,9 @@ A stream's step that raises is undone by the thinker restoring ``positions`` / `
 shallow copy of the :class:`PooledWhisperCache`). Positions at or past the restored length that the
 failed pass wrote are overwritten before they are read; when the failed pass had reset the cache
 (overwriting positions ``0 .. n-1``), the retried unit resets again, because the reset decision
-depends only on the restored length and the block length, which the restored mel state fixes.
+depends only on the restored length and the block length, which the restored mel state fixes. A
+slot the failed step took (the stream's first audio unit) is given back as the stream gets its plain
+cache back. A closed stream's audio is refused (``ValueError``): it never takes a new slot.
 """
 
 from __future__ import annotations
