@@ -559,17 +559,6 @@ def print_table(rows: list) -> None:
     sys.stdout.flush()
 
 
-def _no_nan(x):
-    """``x`` with every NaN float (a percentile of no samples) as None: strict JSON has no NaN."""
-    if isinstance(x, float) and x != x:
-        return None
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_no_nan(v) for v in x]
-    return x
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="scripted", help="scripted | tiny | <checkpoint dir> | random-real | random-tiny")
@@ -663,7 +652,10 @@ def main(argv=None) -> int:
                                                  "barge_missed", "vad_preempted", "trace", "trace_records")},
             "errors": dict(_error_kinds(r["errors"]))} for n, r in rows]
     if a.out:
-        Path(a.out).write_text(json.dumps(_no_nan({"model": a.model, "levels": out}), indent=1))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _cli import no_nan
+
+        Path(a.out).write_text(json.dumps(no_nan({"model": a.model, "levels": out}), indent=1, allow_nan=False))
     return 0
 
 

@@ -246,12 +246,15 @@ def print_level_table(rows: list, title: str) -> None:
 
 
 def print_floor_table(fl: dict, row1: dict, n_tokens: int) -> None:
+    """Each stage's measured median against its floor, at the first stream count of the run."""
     steps = row1["steps"] or n_tokens
     meas = {"thinker prefill": row1["prefill"][0], "thinker decode (per step)": row1["decode"][0] / max(1, steps),
             "talker unit (26 steps)": row1["talker"][0], "code2wav chunk": row1["c2w"][0]}
     flo = {"thinker prefill": fl["prefill"], "thinker decode (per step)": fl["decode_step"],
            "talker unit (26 steps)": fl["talker_unit"], "code2wav chunk": fl.get("c2w_chunk", float("nan"))}
-    print(f"  stage (1 stream, N={n_tokens})        measured ms   floor ms   ratio")
+    n = row1["streams"]
+    label = f"  stage ({n} stream{'s' if n != 1 else ''}, N={n_tokens})"
+    print(f"{label:<35}measured ms   floor ms   ratio")
     for k in meas:
         print(f"  {k:<32} {meas[k]:>11.2f} {flo[k]:>10.2f} {meas[k] / flo[k]:>7.1f}x")
 
@@ -482,7 +485,7 @@ def make_layout(device: str, max_seqs: int) -> Layout:
 
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
-    engine = DuplexEngine(model, make_layout(args.device, max(levels)))
+    engine = DuplexEngine(model, make_layout(str(args.device), max(levels)))
     try:
         # every batch bucket the runtime can form (no capture mid-run), each stage's on its own
         # worker thread (cuDNN keeps autotuned plans per thread), as DuplexEngine.from_pretrained does
@@ -506,7 +509,7 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
               f"{memory_line(model, dev)}", flush=True)
         print(f"[{mode}] {garbage_report(dev)}", flush=True)
         dump_memory(args.memory_snapshot, f"{mode}_after_warmup")
-        for n_tok in [int(x) for x in args.tokens.split(",")]:
+        for n_tok in args.tokens:
             model.thinker.policy_defaults = {"min_unit_tokens": n_tok, "max_unit_tokens": n_tok}
             t = time.perf_counter()
             await run_level(engine, 1, 2, "burst", not args.no_audio)  # warm-up (kernels, voice cache)
@@ -537,25 +540,47 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
         await engine.aclose()
 
 
+def _modes(s: str) -> list:
+    out = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in out if m not in ("fast", "baseline")]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of fast, baseline; got {s!r}")
+    return out
+
+
+def _kv_len(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 256:
+        raise argparse.ArgumentTypeError(f"expected >= 256 positions (a unit's prefill and decode need room), got {v}")
+    return v
+
+
 def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _cli import int_list, no_nan, non_negative_int, positive_int, torch_device
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda[:N] (default: cuda when available)")
+    ap.add_argument("--streams", type=int_list, default="1,4,8,16", help="comma list of stream counts (default 1,4,8,16)")
     ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
                     help="the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
-    ap.add_argument("--units", type=int, default=6, help="units per stream (fast mode)")
-    ap.add_argument("--tokens", default="19,5", help="decided tokens per speaking unit (comma list)")
-    ap.add_argument("--modes", default="fast",
+    ap.add_argument("--units", type=positive_int, default=6, help="units per stream (fast mode)")
+    ap.add_argument("--tokens", type=int_list, default="19,5", help="decided tokens per speaking unit (comma list)")
+    ap.add_argument("--modes", type=_modes, default="fast",
                     help="comma list of fast, baseline")
-    ap.add_argument("--baseline-streams", default="1,4")
-    ap.add_argument("--baseline-units", type=int, default=3)
+    ap.add_argument("--baseline-streams", type=int_list, default="1,4")
+    ap.add_argument("--baseline-units", type=positive_int, default=3)
     ap.add_argument("--pace", choices=("realtime", "burst"), default="realtime")
-    ap.add_argument("--stagger", type=int, default=0, metavar="K",
+    ap.add_argument("--stagger", type=non_negative_int, default=0, metavar="K",
                     help="stream k first runs k %% K listen-only lead-in units (not measured), so the streams "
                          "sit at different unit indices, as sessions of a real server do (0/1: all start together)")
     ap.add_argument("--no-audio", action="store_true", help="text-only streams (no talker / code2wav)")
-    ap.add_argument("--kv-len", type=int, default=4096, help="thinker KV positions per stream (fast)")
+    ap.add_argument("--kv-len", type=_kv_len, default=4096, help="thinker KV positions per stream (fast; >= 256)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sample-stacks", action="store_true",
@@ -577,13 +602,13 @@ def main(argv=None) -> int:
     if a.thinker_stream != "env":
         os.environ[ENV_VAR] = "1" if a.thinker_stream == "on" else "0"
     th_stream = thinker_stream_requested()
-    dev = torch.device(a.device)
+    dev = a.device
     from duplexkit.models.minicpmo45.fast_kv import pin_sdpa_backend, triton_decode_enabled
     from duplexkit.models.minicpmo45.random_init import build_random_model
     from duplexkit.models.minicpmo45.thinker import Thinker
 
     pin_sdpa_backend()
-    levels = [int(x) for x in a.streams.split(",") if x.strip()]
+    levels = a.streams
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
           f"thinker stream {'on' if th_stream else 'off'} ({ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"
           f"{'' if dev.type == 'cuda' or not th_stream else ', ignored on the CPU'}), "
@@ -624,7 +649,7 @@ def main(argv=None) -> int:
             print(f"  profile failed: {type(exc).__name__}: {exc}", flush=True)
 
     async def go():
-        for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+        for mode in a.modes:
             if mode == "fast":
                 view = model
                 lv = levels
@@ -632,9 +657,7 @@ def main(argv=None) -> int:
                 ref = Thinker(fast_th.m, fast_th.config, fast_th.tokenizer, fast_th.special, device=fast_th.device,
                               dtype=fast_th.dtype)
                 view = dataclasses.replace(model, thinker=ref, talker=fast_tk.talker)
-                lv = [int(x) for x in a.baseline_streams.split(",")]
-            else:
-                raise SystemExit(f"unknown mode {mode}")
+                lv = a.baseline_streams
             await bench_mode(view, mode, a, lv, fl, results)
 
     asyncio.run(go())
@@ -646,7 +669,12 @@ def main(argv=None) -> int:
         print(f"code2wav calls: {st}", flush=True)
         results["code2wav_stats"] = dict(st)
     if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1, default=str))
+        Path(a.out).write_text(json.dumps(no_nan(results), indent=1, default=str, allow_nan=False))
+    errors = sum(r["errors"] for res in results.values() if isinstance(res, dict) and "rows" in res
+                 for r in res["rows"])
+    if errors:
+        print(f"{errors} unit(s) failed (see the err column): exit status 1", flush=True)
+        return 1
     return 0
 
 

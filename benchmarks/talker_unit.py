@@ -7,9 +7,12 @@ call, two ways on CUDA, side by side in one process:
 
 Run (from the repository root)::
 
-    PYTHONPATH=$PWD python3 benchmarks/talker_unit.py                    # one GPU: the table
-    PYTHONPATH=$PWD python3 benchmarks/talker_unit.py --batches 1,8 --tokens 5,19
-    PYTHONPATH=$PWD python3 benchmarks/talker_unit.py --size tiny --device cpu --units 2   # smoke
+    duplexkit bench talker_unit                              # one GPU: the table
+    duplexkit bench talker_unit --batches 1,8 --tokens 5,19
+    duplexkit bench talker_unit --device cpu --units 2       # smoke run (tiny sizes on the CPU)
+
+(``python3 benchmarks/talker_unit.py ...`` with the project's environment does the same; on the lent
+GPU machine, with the wheels of docs/benchmarks.md installed and ``PYTHONPATH`` set.)
 
 The talker is built alone with random weights (``random_init.build_random_talker``; real sizes:
 Llama 768 x 20 layers, bf16). Each case runs ``--units`` mid-turn units (25 codes, EOS masked) for
@@ -26,38 +29,37 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
-
-def _ints(s: str) -> list:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import int_list, positive_int, torch_device  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    ap.add_argument("--size", choices=("real", "tiny"), default="real", help="talker sizes (default real)")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 32], help="turns per call (default 1,8,32)")
-    ap.add_argument("--tokens", type=_ints, default=[19], help="text tokens per unit, N (default 19)")
-    ap.add_argument("--units", type=int, default=12, help="units per turn in each pass (default 12)")
-    args = ap.parse_args(argv)
-    if args.units < 1:
-        ap.error("--units must be >= 1")
-
     import torch
+
+    ap = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda[:N] (default: cuda when available)")
+    ap.add_argument("--size", choices=("real", "tiny"), default=None,
+                    help="talker sizes (default: real on CUDA, tiny on the CPU)")
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32], metavar="B,...",
+                    help="turns per call (default 1,8,32)")
+    ap.add_argument("--tokens", type=int_list, default=[19], metavar="N,...",
+                    help="text tokens per unit (default 19; above PREFILL_ROWS - 1 = 31 both ways run the eager prefill)")
+    ap.add_argument("--units", type=positive_int, default=12, help="units per turn in each pass (default 12)")
+    args = ap.parse_args(argv)
+    if args.size is None:
+        args.size = "real" if args.device.type == "cuda" else "tiny"
 
     from duplexkit.models.minicpmo45.fast_talker import PREFILL_ROWS, FastTalker
     from duplexkit.models.minicpmo45.random_init import build_random_talker
     from duplexkit.models.minicpmo45.talker import TalkerInput, TalkerSampling
 
-    dev = torch.device(args.device)
+    dev = args.device
     if max(args.tokens) + 1 > PREFILL_ROWS:
         print(f"note: N + 1 > PREFILL_ROWS ({PREFILL_ROWS}): those units run the eager prefill in every way")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

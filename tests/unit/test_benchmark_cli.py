@@ -37,15 +37,18 @@ def test_code2wav_batch_refuses_bad_arguments_before_building_anything(args, nee
     assert r.returncode == 2 and needle in r.stderr
 
 
-def test_e2e_json_has_no_nan():
+def test_benchmark_json_has_no_nan_or_infinity():
+    """e2e_latency.py and gpu_engine.py write their --out JSON through _cli.no_nan: strict JSON."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import e2e_latency
+        import _cli
     finally:
         sys.path.pop(0)
-    out = e2e_latency._no_nan({"a": float("nan"), "b": [1.0, float("nan"), {"c": float("nan")}], "d": "x"})
+    out = _cli.no_nan({"a": float("nan"), "b": [1.0, float("inf"), {"c": float("-inf")}], "d": "x"})
     assert out == {"a": None, "b": [1.0, None, {"c": None}], "d": "x"}
     json.loads(json.dumps(out, allow_nan=False))
+    for script in ("e2e_latency.py", "gpu_engine.py"):
+        assert "no_nan(" in (REPO / "benchmarks" / script).read_text()
 
 
 @pytest.mark.parametrize("args,needle", [(["--batches", "0"], "positive integers"), (["--units", "0"], "--units"),
@@ -64,3 +67,26 @@ def test_talker_unit_smoke_on_the_cpu():
     assert "not a measurement" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("5 ")]
     assert [(x[1], x[2]) for x in rows] == [("1", "eager-prefill"), ("1", "graph"), ("2", "eager-prefill"), ("2", "graph")]
+
+
+@pytest.mark.parametrize("args,needle", [(["--units", "0"], "--units"), (["--streams", "a"], "comma-separated"),
+                                         (["--streams", "0"], "positive integers"), (["--tokens", ","], "positive"),
+                                         (["--modes", "bogus"], "fast, baseline"), (["--stagger", "-2"], ">= 0"),
+                                         (["--kv-len", "0"], ">= 256"), (["--device", "foo"], "not a torch device")])
+def test_gpu_engine_refuses_bad_arguments_before_building_anything(args, needle):
+    """--units 0 used to hang (no unit was ever submitted); the others failed after the model build."""
+    r = _run("benchmarks/gpu_engine.py", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr[-500:]
+
+
+def test_gpu_engine_exits_non_zero_when_units_fail(tmp_path):
+    """A run whose units fail (14 units of a stream whose thinker context holds 256 positions: the
+    context fills) prints its table and exits 1, not 0; its JSON is strict (no NaN)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "g.json"
+    r = _run("benchmarks/gpu_engine.py", "--size", "tiny", "--device", "cpu", "--streams", "1", "--units", "14",
+             "--tokens", "5", "--pace", "burst", "--no-audio", "--kv-len", "256", "--out", str(out))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "failed (see the err column)" in r.stdout
+    data = json.loads(out.read_text())  # strict: json.loads accepts NaN, so look for it too
+    assert data["fast/N=5"]["rows"][0]["errors"] == 1 and "NaN" not in out.read_text()
