@@ -119,6 +119,20 @@ def test_streaming_mel_long_buffer_slides():
     assert s._buf.size <= 30 * 16000 + 16000
 
 
+def test_streaming_mel_refusals_are_typed_and_leave_the_stream_usable():
+    import warnings
+
+    s = StreamingMel()
+    for bad, needle in ((None, "NoneType"), ("abc", "str"), (np.full(16000, 1e300), "beyond float32"),
+                        (np.array([np.nan] * 10, np.float32), "NaN or Inf"), (np.zeros((2, 8000), np.float32), "shape"),
+                        (np.zeros(16000, np.int16), "floating point")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no numpy overflow warning on the way to the error
+            with pytest.raises(AudioInputError, match=needle):
+                s.push(bad)
+    assert s.unit_index == 0 and s.push(np.zeros(16560, np.float32)).shape == (80, 102)
+
+
 def _whole_buffer_mel_blocks(units):
     """The reference's streaming mel, computed as it describes it (parity README "Streaming audio
     front-end"): at every unit the STFT of the whole buffer so far (centre reflect padding), the

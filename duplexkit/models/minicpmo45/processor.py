@@ -87,14 +87,19 @@ def _hann() -> np.ndarray:
 
 
 def _check_audio(audio) -> np.ndarray:
+    if audio is None or isinstance(audio, (str, bytes)):
+        raise AudioInputError(f"audio must be a 1-D float32 array at 16 kHz, got {type(audio).__name__}")
     a = np.asarray(audio)
     if a.ndim != 1:
         raise AudioInputError(f"audio must be 1-D mono float32 at 16 kHz, got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.floating):
         raise AudioInputError(f"audio must be floating point (float32 in [-1, 1]), got {a.dtype}")
-    a = a.astype(np.float32, copy=False)
     if a.size and not np.all(np.isfinite(a)):
         raise AudioInputError("audio contains NaN or Inf")
+    with np.errstate(over="ignore"):
+        a = a.astype(np.float32, copy=False)
+    if a.size and not np.all(np.isfinite(a)):  # finite float64 beyond float32's range
+        raise AudioInputError("audio has values beyond float32's range (expected samples in [-1, 1])")
     return a
 
 
