@@ -366,3 +366,31 @@ def test_warmup_reserves_the_pools_for_the_largest_batch(tiny_model, monkeypatch
 
         reserve_for_warmup(pool, [1, 4], "talker")
     assert pool.n_slots == 1 and "reserve 4 KV slots" in caplog.text
+
+
+def test_graph_cache_drops_every_graph_when_its_pool_grows(monkeypatch):
+    """The one graph cache of the thinker, its Whisper pass and the talker: built once per key and
+    counted, all dropped after the pool was reallocated, the dropped graphs' static inputs handed to
+    keep_for_current_stream (replays queued on the stream may still read them)."""
+    from types import SimpleNamespace
+
+    from duplexkit.models.minicpmo45 import fast_kv
+
+    kept = []
+    monkeypatch.setattr(fast_kv, "keep_for_current_stream", lambda *t: kept.extend(t))
+    pool = fast_kv.KVPool(1, 1, 4, 8, dtype=torch.float32, device="cpu", slots=1)
+    stats = {}
+    cache = fast_kv.GraphCache(pool, stats, "captures", lambda g: (g.x,))
+    built = []
+
+    def build(tag):
+        built.append(tag)
+        return SimpleNamespace(x=torch.zeros(1), tag=tag)
+
+    a = cache.get_or_build((1, 256), lambda: build("a"))
+    assert cache.get_or_build((1, 256), lambda: build("again")) is a and built == ["a"] and stats["captures"] == 1
+    b = cache.get_or_build((2, 256), lambda: build("b"))
+    pool.alloc(), pool.alloc()  # the second alloc grows the pool: version changes
+    c = cache.get_or_build((1, 256), lambda: build("c"))
+    assert c.tag == "c" and list(cache) == [(1, 256)] and stats["captures"] == 3
+    assert any(t is a.x for t in kept) and any(t is b.x for t in kept)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from duplexkit.errors import DuplexkitError
 
 __all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError",
-           "reserve_for_warmup",
+           "reserve_for_warmup", "GraphCache",
            "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
 
@@ -253,6 +253,32 @@ class KVPool:
     def slot_bytes(self) -> int:
         """Bytes of K and V one slot holds (``2 * layers * max_len * heads * head_dim * itemsize``)."""
         return 2 * self.n_layers * self.max_len * self.n_kv * self.head_dim * self.k.element_size()
+
+
+class GraphCache(dict):
+    """Captured graphs by key over one KV pool (the fast thinker's step graphs, its Whisper passes,
+    the talker's units). :meth:`get_or_build` drops every entry once the pool was reallocated (a
+    growth: the graphs read the old tensors), first keeping each dropped graph's static inputs
+    (``static_inputs(graph)``) alive for the replays already queued on this thread's stream."""
+
+    def __init__(self, pool: "KVPool", stats: dict, counter: str, static_inputs) -> None:
+        super().__init__()
+        self.pool, self.stats, self.counter = pool, stats, counter
+        self._static_inputs = static_inputs
+        self._version = pool.version
+
+    def get_or_build(self, key, build):
+        """The graph of ``key``; ``build()`` captures it when missing (counted in ``stats[counter]``)."""
+        if self._version != self.pool.version:
+            for old in self.values():
+                keep_for_current_stream(*self._static_inputs(old))
+            self.clear()
+            self._version = self.pool.version
+        g = self.get(key)
+        if g is None:
+            g = self[key] = build()
+            self.stats[self.counter] = self.stats.get(self.counter, 0) + 1
+        return g
 
 
 def reserve_for_warmup(pool: "KVPool", batch_sizes, what: str) -> None:

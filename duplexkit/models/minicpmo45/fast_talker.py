@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ...errors import detach_traceback
 from .fast_kv import (CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      fuse_projections, reserve_for_warmup)
+                      fuse_projections, GraphCache, reserve_for_warmup)
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
@@ -195,9 +195,8 @@ class FastTalker:
         self.prefill_rows = PREFILL_ROWS if prefill_rows is None else int(prefill_rows)
         if self.prefill_rows < 0:
             raise ValueError(f"prefill_rows must be >= 0, got {prefill_rows!r}")
-        self._graphs: Dict[Tuple[int, int, int, int, tuple], _UnitGraph] = {}
-        self._graph_version = self.pool.version
         self.stats = {"graph_captures": 0, "units": 0}
+        self._graphs = GraphCache(self.pool, self.stats, "graph_captures", lambda g: g.inp.values())
 
     # ------------------------------------------------------------------ the Talker API
     @property
@@ -235,16 +234,8 @@ class FastTalker:
 
     def _unit_graph(self, B: int, T: int, kv_len: int, steps: int, filt: tuple) -> _UnitGraph:
         """The captured unit of this key (captured now if new; all dropped when the KV pool grew)."""
-        if self._graph_version != self.pool.version:
-            self._graphs.clear()
-            self._graph_version = self.pool.version
-        key = (B, T, kv_len, steps, filt)
-        g = self._graphs.get(key)
-        if g is None:
-            g = _UnitGraph(self, B, T, kv_len, steps, filt, capture=self.capture_units)
-            self._graphs[key] = g
-            self.stats["graph_captures"] += 1
-        return g
+        return self._graphs.get_or_build((B, T, kv_len, steps, filt),
+                                         lambda: _UnitGraph(self, B, T, kv_len, steps, filt, capture=self.capture_units))
 
     # ------------------------------------------------------------------ batched duplex units
     @torch.no_grad()

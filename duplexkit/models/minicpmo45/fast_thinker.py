@@ -41,18 +41,17 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ...errors import detach_traceback
 from . import sampling as S
 from .audio_encoder import WhisperStreamCache
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import (ContextFullError, KVPool, KVSlot, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      env_switch, fuse_projections, keep_for_current_stream, reserve_for_warmup)
+                      GraphCache, env_switch, fuse_projections, reserve_for_warmup)
 from .fast_whisper import BatchedWhisper, PooledWhisperCache
 from .thinker import Thinker, ThinkerStream
 
@@ -174,11 +173,10 @@ class FastThinker(Thinker):
                            device=self.device, slots=slots)
         self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._graphs: Dict[Tuple[int, int, int], _StepGraph] = {}
-        self._graph_version = self.pool.version
         self.lookahead = lookahead_enabled(self.device) if lookahead is None else bool(lookahead)
         self.stats = {"graph_captures": 0, "decode_steps": 0, "lookahead_hits": 0, "lookahead_misses": 0,
                       "audio_passes": 0, "audio_graph_captures": 0}
+        self._graphs = GraphCache(self.pool, self.stats, "graph_captures", lambda g: (g.x, g.pos, g.slots))
         self.audio_batch: Optional[BatchedWhisper] = None
         if self.audio is not None:
             self.audio_batch = BatchedWhisper(
@@ -268,17 +266,7 @@ class FastThinker(Thinker):
         return h, logits
 
     def _graph(self, B: int, T: int, kv_len: int) -> "_StepGraph":
-        if self._graph_version != self.pool.version:
-            for old in self._graphs.values():  # their replays were queued on this thread's stream
-                keep_for_current_stream(old.x, old.pos, old.slots)
-            self._graphs.clear()
-            self._graph_version = self.pool.version
-        g = self._graphs.get((B, T, kv_len))
-        if g is None:
-            g = _StepGraph(self, B, T, kv_len)
-            self._graphs[(B, T, kv_len)] = g
-            self.stats["graph_captures"] += 1
-        return g
+        return self._graphs.get_or_build((B, T, kv_len), lambda: _StepGraph(self, B, T, kv_len))
 
     def _step_key(self, kvs: List[StaticKV]) -> Tuple[int, int]:
         """What fixes a decode step's computation besides its rows' own inputs: (rows, or the graph's

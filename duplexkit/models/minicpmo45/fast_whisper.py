@@ -50,7 +50,7 @@ cache back. A closed stream's audio is refused (``ValueError``): it never takes 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from . import sampling as S
 from .audio_encoder import AudioEncoder, WhisperStreamCache
-from .fast_kv import KVPool, KVSlot, bucket, capture_graph, keep_for_current_stream
+from .fast_kv import GraphCache, KVPool, KVSlot, bucket, capture_graph
 
 __all__ = ["BatchedWhisper", "PooledWhisperCache", "WHISPER_KV_BUCKET"]
 
@@ -168,8 +168,7 @@ class BatchedWhisper:
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("audio_passes", 0)
         self.stats.setdefault("audio_graph_captures", 0)
-        self._graphs: Dict[Tuple[int, int, int], _AudioGraph] = {}
-        self._graph_version = self.pool.version
+        self._graphs = GraphCache(self.pool, self.stats, "audio_graph_captures", lambda g: (g.x, g.pos0, g.slots))
 
     # ------------------------------------------------------------------ per-stream state
     def adopt(self, cache) -> PooledWhisperCache:
@@ -302,17 +301,7 @@ class BatchedWhisper:
 
     # ------------------------------------------------------------------ graphs
     def _graph(self, B: int, n: int, kv_len: int) -> _AudioGraph:
-        if self._graph_version != self.pool.version:  # the pool was reallocated: every graph is stale
-            for old in self._graphs.values():  # their replays were queued on this thread's stream
-                keep_for_current_stream(old.x, old.pos0, old.slots)
-            self._graphs.clear()
-            self._graph_version = self.pool.version
-        g = self._graphs.get((B, n, kv_len))
-        if g is None:
-            g = _AudioGraph(self, B, n, kv_len)
-            self._graphs[(B, n, kv_len)] = g
-            self.stats["audio_graph_captures"] += 1
-        return g
+        return self._graphs.get_or_build((B, n, kv_len), lambda: _AudioGraph(self, B, n, kv_len))
 
     def warmup(self, batch_sizes) -> int:
         """Capture the graphs of every batch bucket of ``batch_sizes`` x every KV-length bucket
