@@ -7,26 +7,23 @@ import argparse
 import math
 
 
-def positive_int(s: str) -> int:
-    """An argparse type: an integer >= 1 (else a usage error)."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def int_at_least(minimum: int, why: str = ""):
+    """An argparse type: an integer >= ``minimum`` (else a usage error, ending with ``why``)."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}{why}, got {v}")
+        return v
+
+    return parse
 
 
-def non_negative_int(s: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def int_list(s: str) -> list:

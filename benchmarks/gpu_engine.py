@@ -548,19 +548,9 @@ def _modes(s: str) -> list:
     return out
 
 
-def _kv_len(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 256:
-        raise argparse.ArgumentTypeError(f"expected >= 256 positions (a unit's prefill and decode need room), got {v}")
-    return v
-
-
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _cli import int_list, no_nan, non_negative_int, positive_int, torch_device
+    from _cli import int_at_least, int_list, no_nan, non_negative_int, positive_int, torch_device
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
@@ -580,7 +570,7 @@ def main(argv=None) -> int:
                     help="stream k first runs k %% K listen-only lead-in units (not measured), so the streams "
                          "sit at different unit indices, as sessions of a real server do (0/1: all start together)")
     ap.add_argument("--no-audio", action="store_true", help="text-only streams (no talker / code2wav)")
-    ap.add_argument("--kv-len", type=_kv_len, default=4096, help="thinker KV positions per stream (fast; >= 256)")
+    ap.add_argument("--kv-len", type=int_at_least(256, " (a unit's prefill and decode need room)"), default=4096, help="thinker KV positions per stream (fast; >= 256)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sample-stacks", action="store_true",
