@@ -104,13 +104,28 @@ class AudioEncoder:
         return sa.out_proj(o), (k, v)
 
     def _layer(self, layer, h, past, mask):
-        r = h
         a, kv = self._attn(layer, layer.self_attn_layer_norm(h), past, mask)
-        h = r + a
-        r = h
-        x = layer.final_layer_norm(h)
-        x = layer.fc2(layer.activation_fn(layer.fc1(x)))
-        return r + x, kv
+        return self._mlp(layer, h + a), kv
+
+    @staticmethod
+    def _mlp(layer, h: torch.Tensor) -> torch.Tensor:
+        """A layer's second half: ``h + fc2(act(fc1(final_layer_norm(h))))``."""
+        return h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
+
+    def stream_frames(self, mel: torch.Tensor, first: bool) -> torch.Tensor:
+        """A streaming unit's encoder input: the convs over mel blocks [B, 80, 102|104], then the
+        first output frame dropped (units >= 1: left context) and the last one -> [B, 50, d]."""
+        x = self._convs(mel)
+        return x[:, (0 if first else 1): x.shape[1] - 1]
+
+    def stream_start(self, cache, n: int) -> int:
+        """Where a streaming block of ``n`` frames starts in ``cache`` (anything with ``positions``,
+        ``resets`` and ``clear()``): its cached count, or 0 after dropping the cache (``resets`` + 1)
+        when the block would pass ``max_source_positions``."""
+        if cache.positions + n > self.max_positions:
+            cache.clear()
+            cache.resets += 1
+        return cache.positions
 
     # -------------------------------------------------------------------------------------------
     def conv_and_positions(self, mel: torch.Tensor) -> torch.Tensor:
@@ -143,13 +158,9 @@ class AudioEncoder:
         ``first``: unit 0 (no left context frame to trim). Updates ``cache`` in place; drops it
         (positions restart at 0) when ``positions + n`` would exceed ``max_source_positions``.
         """
-        x = self._convs(mel_block.unsqueeze(0))
-        x = x[:, (0 if first else 1) : x.shape[1] - 1]
+        x = self.stream_frames(mel_block.unsqueeze(0), first)
         n = x.shape[1]
-        if cache.positions + n > self.max_positions:
-            cache.clear()
-            cache.resets += 1
-        p = cache.positions
+        p = self.stream_start(cache, n)
         h = x + self.apm.embed_positions.weight[p : p + n].unsqueeze(0)
         new_k, new_v = [], []
         for li, layer in enumerate(self.apm.layers):

@@ -234,8 +234,7 @@ class BatchedWhisper:
         by_n: Dict[int, list] = {}
         for (first, _shape), rows in groups.items():
             mel = S.device_tensor(np.stack([mels[r] for r in rows]), self.device).to(self.dtype)  # no host sync
-            x = enc._convs(mel)
-            x = x[:, (0 if first else 1): x.shape[1] - 1]
+            x = enc.stream_frames(mel, first)
             by_n.setdefault(x.shape[1], []).append((rows, x))
         out: List[Optional[torch.Tensor]] = [None] * len(mels)
         for n, parts in by_n.items():
@@ -243,13 +242,7 @@ class BatchedWhisper:
                 raise ValueError(f"audio block of {n} encoder frames exceeds {maxp} positions")
             rows = [r for rs, _ in parts for r in rs]
             x = parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts])
-            pos0 = []
-            for r in rows:
-                c = caches[r]
-                if c.positions + n > maxp:
-                    c.clear()
-                    c.resets += 1
-                pos0.append(c.positions)
+            pos0 = [enc.stream_start(caches[r], n) for r in rows]
             idx = S.device_tensor([pos0, [caches[r].slot for r in rows]], self.device, torch.long)
             y = self._run(x, idx[0], idx[1], self.kv_bucket(max(pos0) + n))
             for b, r in enumerate(rows):
@@ -290,10 +283,7 @@ class BatchedWhisper:
             K = pool.k[li][:, :kv_len].index_select(0, slots).transpose(1, 2)  # [B, H, L, D]
             V = pool.v[li][:, :kv_len].index_select(0, slots).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, K, V, attn_mask=bias, scale=1.0)
-            h = r + sa.out_proj(o.transpose(1, 2).reshape(B, n, H * D))
-            r = h
-            f = layer.final_layer_norm(h)
-            h = r + layer.fc2(layer.activation_fn(layer.fc1(f)))
+            h = enc._mlp(layer, r + sa.out_proj(o.transpose(1, 2).reshape(B, n, H * D)))
         h = apm.layer_norm(h)
         p = self.projector(h)  # [B, n, hidden]
         k = self.pool_step
