@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from duplexkit.errors import DuplexkitError
 
 __all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError",
-           "reserve_for_warmup", "GraphCache",
+           "reserve_for_warmup", "GraphCache", "kv_bucket",
            "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
 
@@ -114,6 +114,12 @@ def keep_for_current_stream(*tensors) -> None:
 
 class ContextFullError(DuplexkitError, ValueError):
     """A stream's static KV slot has no room for the positions a step needs."""
+
+
+def kv_bucket(need: int, step: int, max_len: int) -> int:
+    """The KV length a call attends: ``need`` positions rounded up to a multiple of ``step`` (the
+    graphs' KV-length buckets), at most ``max_len``."""
+    return min(-(-int(need) // step) * step, max_len)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ...errors import detach_traceback
 from .fast_kv import (CAPTURE_GATE, KVPool, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      fuse_projections, GraphCache, reserve_for_warmup)
+                      fuse_projections, GraphCache, kv_bucket, reserve_for_warmup)
 from . import sampling as S
 from .talker import DUPLEX_BUDGET, GREEDY, Talker, TalkerError, TalkerInput, TalkerSampling
 from .talker_decode import penalised_logits
@@ -321,18 +321,18 @@ class FastTalker:
         # the prefill inside the unit's graph: its padded rows write KV up to start + P - 1
         P = self.prefill_rows
         if self.use_graphs and steps > 0 and T <= P and max(starts_h) + P <= max_pos:
-            kvl = min(_round_up(max(max_base + steps, max(starts_h) + P), KV_BUCKET), max_pos)
+            kvl = kv_bucket(max(max_base + steps, max(starts_h) + P), KV_BUCKET, max_pos)
             g = self._unit_graph(bucket(B, BATCH_BUCKETS), P, kvl, steps, filt)
             codes_t = g.run(embeds=embeds, starts=starts, lens=lens, **kw)
         else:
             x = torch.zeros(B, T, cfg.hidden_size, dtype=self.dtype, device=dev)
             for b, e in enumerate(embeds):
                 x[b, : e.shape[0]] = e.to(self.dtype)
-            logits0, base = self._prefill(x, starts, lens, kw["slots"], min(_round_up(max(starts_h) + T, 64), max_pos))
+            logits0, base = self._prefill(x, starts, lens, kw["slots"], kv_bucket(max(starts_h) + T, 64, max_pos))
             if steps <= 0:
                 codes_t = torch.zeros(B, 0, dtype=torch.long, device=dev)
             else:
-                kvl = min(_round_up(max_base + steps, KV_BUCKET), max_pos)
+                kvl = kv_bucket(max_base + steps, KV_BUCKET, max_pos)
                 if self.use_graphs:
                     g = self._unit_graph(bucket(B, BATCH_BUCKETS), 0, kvl, steps, filt)
                     codes_t = g.run(logits0=logits0, base=base, **kw)
@@ -396,10 +396,6 @@ class FastTalker:
             h = decoder_forward(self.talker.model, xe, (base + s)[:, None], slots, self.pool, kv_len)[:, 0]
             logits = F.linear(h, head).float()
         return torch.stack(codes, dim=1)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 _REFERENCE = (None, None, None, 16)

@@ -51,7 +51,7 @@ from . import sampling as S
 from .audio_encoder import WhisperStreamCache
 from .duplex import UnitInput, begin_row, decode_rows, finish_row
 from .fast_kv import (ContextFullError, KVPool, KVSlot, bucket, capture_graph, cuda_graphs_enabled, decoder_forward,
-                      GraphCache, env_switch, fuse_projections, reserve_for_warmup)
+                      GraphCache, env_switch, fuse_projections, kv_bucket, reserve_for_warmup)
 from .fast_whisper import BatchedWhisper, PooledWhisperCache
 from .thinker import Thinker, ThinkerStream
 
@@ -248,11 +248,10 @@ class FastThinker(Thinker):
         slots = S.device_tensor([kv.slot for kv in kvs], self.device, torch.long)
         if self.use_graphs and T <= PREFILL_TOKENS and B <= BATCH_BUCKETS[-1] \
                 and max(kv.length for kv in kvs) + PREFILL_TOKENS <= self.pool.max_len:
-            kv_len = min(-(-(max(kv.length for kv in kvs) + PREFILL_TOKENS) // KV_BUCKET) * KV_BUCKET, self.pool.max_len)
+            kv_len = kv_bucket(max(kv.length for kv in kvs) + PREFILL_TOKENS, KV_BUCKET, self.pool.max_len)
             h, _ = self._graph(bucket(B, BATCH_BUCKETS), PREFILL_TOKENS, kv_len).run(x, pos, slots)
         else:
-            kv_len = -(-(max(kv.length for kv in kvs) + T) // 64) * 64
-            kv_len = min(kv_len, self.pool.max_len)
+            kv_len = kv_bucket(max(kv.length for kv in kvs) + T, 64, self.pool.max_len)
             h = decoder_forward(self.m.llm.model, x, pos, slots, self.pool, kv_len)
         out = []
         for b, (kv, e) in enumerate(zip(kvs, embeds)):
@@ -273,7 +272,7 @@ class FastThinker(Thinker):
         batch bucket with CUDA graphs; the KV-length bucket of the longest row + 1)."""
         n = len(kvs)
         need = max(kv.length for kv in kvs) + 1
-        kv_len = min(-(-need // KV_BUCKET) * KV_BUCKET, self.pool.max_len)
+        kv_len = kv_bucket(need, KV_BUCKET, self.pool.max_len)
         return (bucket(n, BATCH_BUCKETS) if self.use_graphs else n), kv_len
 
     def _step_forward(self, kvs: List[StaticKV], ids: torch.Tensor, pos: torch.Tensor,

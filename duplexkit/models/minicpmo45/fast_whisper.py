@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from . import sampling as S
 from .audio_encoder import AudioEncoder, WhisperStreamCache
-from .fast_kv import GraphCache, KVPool, KVSlot, bucket, capture_graph
+from .fast_kv import GraphCache, KVPool, KVSlot, bucket, capture_graph, kv_bucket
 
 __all__ = ["BatchedWhisper", "PooledWhisperCache", "WHISPER_KV_BUCKET"]
 
@@ -203,7 +203,7 @@ class BatchedWhisper:
     # ------------------------------------------------------------------ the batched pass
     def kv_bucket(self, need: int) -> int:
         """KV length attended by a pass whose longest row ends at ``need`` positions."""
-        return min(-(-int(need) // WHISPER_KV_BUCKET) * WHISPER_KV_BUCKET, self.pool.max_len)
+        return kv_bucket(need, WHISPER_KV_BUCKET, self.pool.max_len)
 
     def kv_buckets(self) -> List[int]:
         """Every KV length :meth:`kv_bucket` can return (256, 512, ..., and the slot length)."""
