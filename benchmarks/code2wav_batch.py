@@ -50,12 +50,15 @@ def main() -> int:
                     help="the flow's dtype (float16: the reference's Token2wav(float16=True); HiFT stays float32)")
     ap.add_argument("--ways", default="per-stream,flow-batched,batched",
                     help="comma list of per-stream, flow-batched, batched (the per-stream way is slow at 32)")
-    ap.add_argument("--graph-rows", type=int, default=None, choices=(1, 2, 4, 8, 16),
+    ap.add_argument("--graph-rows", type=int, default=None, choices=(1, 2, 4, 8, 16, 32),
                     help="rows of the Euler-loop CUDA graphs (sub-batch size; default 8 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
     ap.add_argument("--phases", action="store_true",
                     help="also print the batched way's ms per round in the encoder, the Euler loop and "
                          "HiFT + cross-fade (synchronised around each call: adds a few syncs; a single stream "
                          "on the CPU takes the per-stream flow, which is not split: 0 there)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed rounds of each level, profile one more batched round (torch.profiler, "
+                         "CUDA only): wall, GPU kernel count and time, and the largest kernels")
     ap.add_argument("--save-audio", default=None, metavar="FILE", help="write the batched way's audio (.npz)")
     ap.add_argument("--compare-to", default=None, metavar="FILE",
                     help="compare the batched way's audio with a file written by --save-audio")
@@ -158,15 +161,45 @@ def main() -> int:
               f"{med['per-stream'] / med['batched']:>18.2f}x {med['flow-batched'] / med['batched']:>20.2f}x"
               + (f" {ph.get('encoder', 0):>8.1f} {ph.get('euler', 0):>8.1f} {ph.get('hift', 0):>8.1f}" if a.phases else ""),
               flush=True)
+        if a.profile and dev.type == "cuda" and "batched" in sts:
+            codes = [rng.integers(0, 6561, 25) for _ in range(n)]
+            print(profile_round(torch, lambda: dict(ways)["batched"](sts["batched"], codes), sync), flush=True)
         for v in sts.values():
             for st in v:
                 c2w.close(st)
+    if dev.type == "cuda":
+        g = 2 ** 30
+        print(f"memory: Euler-loop scratch {c2w.scratch_bytes() / g:.2f} GiB ({len(c2w._dit_graphs)} graphs), "
+              f"peak allocated {torch.cuda.max_memory_allocated(dev) / g:.2f} GiB", flush=True)
     if a.save_audio:
         np.savez(a.save_audio, **audio)
         print(f"batched audio of {len(audio)} rounds written to {a.save_audio}", flush=True)
     if a.compare_to:
         print(compare(audio, dict(np.load(a.compare_to))), flush=True)
     return 0
+
+
+def profile_round(torch, fn, sync, top: int = 12) -> str:
+    """torch.profiler over one call of ``fn`` (CUDA kernels, those replayed by CUDA graphs included):
+    wall ms, kernel count, kernel time and share of the wall, and the ``top`` kernels by GPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall = (time.perf_counter() - t) * 1000.0
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    kern = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    n_k = sum(e.count for e in kern)
+    busy = sum(dev_t(e) for e in kern) / 1000.0
+    lines = [f"  profile: wall {wall:.1f} ms, {n_k} GPU kernels, kernel time {busy:.1f} ms "
+             f"({100 * busy / max(wall, 1e-9):.0f} % busy)"]
+    for e in sorted(kern, key=dev_t, reverse=True)[:top]:
+        lines.append(f"    {dev_t(e) / 1000.0:8.2f} ms x{e.count:6d}  {e.key[:100]}")
+    return "\n".join(lines)
 
 
 def compare(mine: dict, ref: dict) -> str:

@@ -259,7 +259,7 @@ def _scratch_rounds(c2w, GRAPH_MAX_BATCH):
 
 def test_graph_rows_choice(monkeypatch):
     """The Euler-loop graph rows: GRAPH_MAX_BATCH by default, DUPLEXKIT_CODE2WAV_GRAPH_ROWS or the
-    argument otherwise; anything but a power of two from 1 to 16 is a ValueError naming the choices."""
+    argument otherwise; anything but a power of two from 1 to 32 is a ValueError naming the choices."""
     from duplexkit.models.minicpmo45.fast_code2wav import GRAPH_MAX_BATCH, _graph_rows
 
     monkeypatch.delenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", raising=False)
@@ -268,11 +268,13 @@ def test_graph_rows_choice(monkeypatch):
     monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "16")
     assert _graph_rows(None) == 16
     assert _graph_rows(2) == 2  # the argument wins
-    for bad in ("3", "32", "0", "eight"):
+    monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "32")
+    assert _graph_rows(None) == 32
+    for bad in ("3", "64", "0", "eight"):
         monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", bad)
-        with pytest.raises(ValueError, match="1, 2, 4, 8 or 16"):
+        with pytest.raises(ValueError, match="1, 2, 4, 8, 16 or 32"):
             _graph_rows(None)
-    with pytest.raises(ValueError, match="1, 2, 4, 8 or 16"):
+    with pytest.raises(ValueError, match="1, 2, 4, 8, 16 or 32"):
         _graph_rows(6)
 
 
@@ -467,16 +469,16 @@ def test_turn_end_sub_batch_that_runs_out_of_memory_is_redone_in_halves(c2w, mon
         return outs
 
     ref = run(False)
-    real = type(c2w)._euler_sub
+    real = type(c2w)._euler_batch
     seen = []
 
     def tight(self, mu, spk, sub, last):
         seen.append((len(sub), last))
         if last and len(sub) > 1:
-            raise torch.OutOfMemoryError("simulated: gathered caches do not fit")
+            raise torch.OutOfMemoryError("simulated: the sub-batch does not fit")
         return real(self, mu, spk, sub, last)
 
-    monkeypatch.setattr(type(c2w), "_euler_sub", tight)
+    monkeypatch.setattr(type(c2w), "_euler_batch", tight)
     s0 = c2w.stats.get("last_oom_splits", 0)
     got = run(True)
     for r, (a, b) in enumerate(zip(ref, got)):
@@ -488,7 +490,7 @@ def test_turn_end_sub_batch_that_runs_out_of_memory_is_redone_in_halves(c2w, mon
     def always(self, mu, spk, sub, last):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(type(c2w), "_euler_sub", always)
+    monkeypatch.setattr(type(c2w), "_euler_batch", always)
     sts = [c2w.new_stream(None, seed=k) for k in range(2)]
     try:
         res = c2w.push_batch([SimpleNamespace(handle=st, codes=np.arange(25), last=False) for st in sts])

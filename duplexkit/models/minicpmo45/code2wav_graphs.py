@@ -75,31 +75,31 @@ class DiTGraph:
 
     Its static buffers are views of the Code2Wav's shared scratch (:meth:`BatchedCode2Wav.dit_scratch`),
     which every Euler-loop graph uses: ``run`` copies the live rows in, replays, and returns views
-    the caller copies before the next replay of any of them."""
+    the caller copies before the next replay of any of them. The attention caches are one buffer,
+    read and written in place (:meth:`BatchedCode2Wav._euler`)."""
 
     def __init__(self, c2w: "BatchedCode2Wav", Bb: int, T: int, L: int) -> None:
         buf = c2w.dit_scratch
-        self.Bb = Bb
+        self.Bb, self.T = Bb, T
         self.x0, self.mu_in, self.cond_in = buf("x0", Bb, T), buf("mu_in", Bb, T), buf("cond_in", Bb, T)
         self.spks_in = buf("spks_in", Bb, 0)
         self.cnn, self.cnn_out = buf("cnn", Bb, 0), buf("cnn_out", Bb, 0)
-        self.att, self.att_out = buf("att", Bb, L), buf("att_out", Bb, L + T)
+        self.kv = buf("kv", Bb, T + L)
         self.cond_in.zero_()  # read, never written (the package's zero conditioning)
-        c2w._buffers(Bb)  # the DiT blocks' scratch exists before the capture (no allocation inside it)
-        args = (Bb, self.x0, self.mu_in, self.spks_in, self.cond_in, self.cnn, self.att, self.att_out, self.cnn_out)
-        self.graph, (self.x, self.new_cnn, self.new_att) = _capture(c2w, lambda: c2w._euler(*args), "dit")
+        args = (Bb, self.x0, self.mu_in, self.spks_in, self.cond_in, self.cnn, self.kv, self.cnn_out)
+        self.graph, self.x = _capture(c2w, lambda: c2w._euler(*args), "dit")
 
-    def run(self, B: int, x0, mu_in, spks_in, cnn, att):
-        import torch
+    def run(self, B: int, x0, mu_in, spks_in, caches):
+        """Replay for the B <= Bb streams of ``caches`` (:func:`.fast_code2wav.gather_caches`); ``mu_in``
+        and ``spks_in`` hold 2B CFG rows. Returns (x [B, 80, T], cnn_out, kv): scratch views with
+        stream j at rows j and Bb + j of the last two."""
+        from .fast_code2wav import gather_caches
 
         Bb = self.Bb
         self.x0[:B].copy_(x0)
-        for dst, src, dim in ((self.mu_in, mu_in, 0), (self.spks_in, spks_in, 0), (self.cnn, cnn, 2), (self.att, att, 2)):
-            dst.narrow(dim, 0, B).copy_(src.narrow(dim, 0, B))
-            dst.narrow(dim, Bb, B).copy_(src.narrow(dim, B, B))
+        for dst, src in ((self.mu_in, mu_in), (self.spks_in, spks_in)):
+            dst[:B].copy_(src[:B])
+            dst[Bb:Bb + B].copy_(src[B:2 * B])
+        gather_caches(caches, self.cnn, self.kv, Bb, self.T)
         self.graph.replay()
-        x = self.x[:B]
-        if B == Bb:
-            return x, self.new_cnn, self.new_att
-        sel = lambda t: torch.cat([t.narrow(2, 0, B), t.narrow(2, Bb, B)], dim=2)  # noqa: E731
-        return x, sel(self.new_cnn), sel(self.new_att)
+        return self.x[:B], self.cnn_out, self.kv

@@ -50,11 +50,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...errors import detach_traceback
-from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
+from .code2wav import CHUNK_CODES, FLOW_CACHE_TAIL_FRAMES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH", "matmul_tf32_default"]
+__all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH", "gather_caches", "matmul_tf32_default"]
 
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
@@ -78,7 +78,7 @@ def _graph_rows(rows: Optional[int]) -> int:
     :data:`GRAPH_MAX_BATCH`.
 
     Raises:
-        ValueError: not a power of two from 1 to 16 (naming the variable when it came from there)."""
+        ValueError: not a power of two from 1 to 32 (naming the variable when it came from there)."""
     source = "Code2Wav graph rows"
     if rows is None:
         env = os.environ.get("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "").strip()
@@ -86,9 +86,9 @@ def _graph_rows(rows: Optional[int]) -> int:
         try:
             rows = int(env) if env else GRAPH_MAX_BATCH
         except ValueError:
-            raise ValueError(f"{source} must be 1, 2, 4, 8 or 16, got {env!r}") from None
-    if rows not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{source} must be 1, 2, 4, 8 or 16, got {rows!r}")
+            raise ValueError(f"{source} must be 1, 2, 4, 8, 16 or 32, got {env!r}") from None
+    if rows not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{source} must be 1, 2, 4, 8, 16 or 32, got {rows!r}")
     return int(rows)
 
 
@@ -103,6 +103,18 @@ def matmul_tf32_default(device) -> bool:
     import torch
 
     return torch.device(device).type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "1") != "0"
+
+
+def gather_caches(caches: Sequence[dict], cnn, kv, Bb: int, T: int) -> None:
+    """Copy the estimator caches of streams ``caches`` (each: att [n, depth, 2, h, L, 2hd], cnn [n,
+    depth, 2, C, 2], CFG rows conditional first) into an Euler loop's buffers: stream j's rows go to
+    rows j and ``Bb + j`` of ``cnn`` [n, depth, 2Bb, C, 2] and, at frames ``T:``, of ``kv`` [n, depth,
+    2Bb, h, T + L, 2hd] (the new frames' place ``:T`` is written by the loop)."""
+    for j, c in enumerate(caches):
+        att, conv = c["estimator_att_cache"], c["estimator_cnn_cache"]
+        for r, row in enumerate((j, Bb + j)):
+            kv[:, :, row, :, T:].copy_(att[:, :, r])
+            cnn[:, :, row].copy_(conv[:, :, r])
 
 
 class BatchedCode2Wav(Code2Wav):
@@ -307,10 +319,10 @@ class BatchedCode2Wav(Code2Wav):
     def dit_scratch(self, role: str, rows: int, frames: int):
         """The Euler loop's buffer ``role`` for ``rows`` streams (2 x rows CFG rows) and ``frames`` time
         frames (``x0``: [B, 80, T]; ``mu_in``, ``cond_in``: [2B, 80, T]; ``spks_in``: [2B, 80]; ``cnn``,
-        ``cnn_out``: [n, depth, 2B, C, 2]; ``att``: [n, depth, 2B, h, L, 2hd] with L = ``frames``;
-        ``att_out``: the same with L + T; ``abuf`` [depth, 2B, h, capacity, 2hd] and ``cbuf``
-        [depth, 2B, C, 2]: the DiT blocks' per-step scratch). Rows up to :attr:`graph_rows` share
-        one buffer with the graphs; more rows (eager calls) use a second one, grown as needed."""
+        ``cnn_out``: [n, depth, 2B, C, 2]; ``kv``: [n, depth, 2B, h, F, 2hd] with F = ``frames``, the
+        per-step attention caches the DiT reads and writes in place, see :meth:`_euler`). Rows up to
+        :attr:`graph_rows` share one buffer with the graphs; more rows (eager calls) use a second one,
+        grown as needed."""
         dec = self.flow.decoder
         n, depth, h, hd2, C = self.n_timesteps, self._depth, self._heads, 2 * self._head_dim, dec.out_channels
         cap = self._capacity
@@ -321,19 +333,11 @@ class BatchedCode2Wav(Code2Wav):
             "spks_in": lambda B, T: (2 * B, C),
             "cnn": lambda B, T: (n, depth, 2 * B, self._conv_ch, 2),
             "cnn_out": lambda B, T: (n, depth, 2 * B, self._conv_ch, 2),
-            "att": lambda B, T: (n, depth, 2 * B, h, T, hd2),
-            "att_out": lambda B, T: (n, depth, 2 * B, h, T, hd2),
-            "abuf": lambda B, T: (depth, 2 * B, h, cap, hd2),
-            "cbuf": lambda B, T: (depth, 2 * B, self._conv_ch, 2),
+            "kv": lambda B, T: (n, depth, 2 * B, h, T, hd2),
         }[role]
         if rows <= self.graph_rows:
             return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(self.graph_rows, cap)))
         return self._scratch_view(role + "/eager", shapes(rows, frames))
-
-    def _buffers(self, B: int) -> tuple:
-        """The DiT blocks' cache scratch for a batch of 2B rows (CFG): (att [depth, 2B, h, capacity,
-        2hd], cnn [depth, 2B, C, 2]), views of the shared scratch (:meth:`dit_scratch`)."""
-        return self.dit_scratch("abuf", B, 0), self.dit_scratch("cbuf", B, 0)
 
     def _time_table(self, B: int):
         """(t embeddings [n, 2B, 1, hidden], dt [n]) of the cosine schedule, computed once per B with
@@ -360,34 +364,59 @@ class BatchedCode2Wav(Code2Wav):
         self._time_tables[B] = hit
         return hit
 
-    def _euler(self, B: int, x, mu_in, spks_in, cond_in, cnn, att, att_out, cnn_out):
+    def _euler(self, B: int, x, mu_in, spks_in, cond_in, cnn, kv, cnn_out):
         """The package's ``solve_euler_chunk`` arithmetic for B streams (2B CFG rows: conditional
-        first), calling the DiT blocks the way ``DiT.forward_chunk`` does (inputs packed along the
-        channel axis, no mask) with the precomputed time embeddings: no host work, capturable.
-        Writes the per-step caches into ``att_out`` [n, depth, 2B, h, >= L+T, 2hd] and
-        ``cnn_out``; returns (x [B, 80, T], cnn_out, att_out[..., :L+T, :]). With ``att_out`` None (a
-        turn's last chunk: its caches are never read) no cache is written and (x, None, None) returned."""
+        first), with the DiT's blocks run by :meth:`_dit_blocks` (``DiT.forward_chunk``'s arithmetic:
+        inputs packed along the channel axis, no mask) on the precomputed time embeddings: no host
+        work, capturable.
+
+        ``kv`` [n, depth, 2B, h, T + L, 2hd]: step s's attention caches, the L cached frames at
+        ``[..., T:, :]`` on entry; each step writes its T new frames at ``[..., :T, :]``, so on return
+        ``kv`` holds the new caches in the package's order (new frames first). ``cnn`` [n, depth, 2B,
+        C, 2] in, ``cnn_out`` out. Returns x [B, 80, T]."""
         torch = self.torch
         n = self.n_timesteps
         dec = self.flow.decoder
-        est = dec.estimator
         t_emb, dts = self._time_table(B)
-        abuf, cbuf = self._buffers(B)
         rate = dec.inference_cfg_rate
         T = x.shape[2]
-        LT = att.shape[4] + T
         spk_rep = spks_in[:, :, None].expand(-1, -1, T)
         for step in range(1, n + 1):
             xin = torch.cat([torch.cat([x, x], dim=0), mu_in, spk_rep, cond_in], dim=1)
-            d = est.blocks_forward_chunk(xin, t_emb[step - 1], None, cnn[step - 1], att[step - 1], cbuf, abuf)
-            if att_out is not None:
-                cnn_out[step - 1].copy_(cbuf)
-                att_out[step - 1, :, :, :, :LT].copy_(abuf[:, :, :, :LT])
+            d = self._dit_blocks(xin, t_emb[step - 1], cnn[step - 1], cnn_out[step - 1], kv[step - 1], T)
             dc, du = d.chunk(2, dim=0)
             x = x + dts[step - 1] * ((1.0 + rate) * dc - rate * du)
-        if att_out is None:
-            return x, None, None
-        return x, cnn_out, att_out[:, :, :, :, :LT]
+        return x
+
+    def _dit_blocks(self, xin, t, cnn, cnn_out, kv, T: int):
+        """``DiT.blocks_forward_chunk`` (stepaudio2-minicpmo 0.1.1) for one Euler step, with each block's
+        attention cache used in place: ``kv[b]`` [2B, h, T + L, 2hd] holds the block's L cached frames
+        (K then V on the last axis) at ``[:, :, T:]``; the new frames' keys and values are written at
+        ``[:, :, :T]`` and attention reads the whole of it. The package instead concatenates
+        ``[new, cached]`` three times per block and step and copies the result into its buffer: the
+        same keys in the same order, so the same attention, without ~4 copies of every cache per step
+        (benchmarks/NOTES.md, stop 19). ``xin`` [2B, 320, T], ``t`` [2B, 1, 512]; block b's new
+        convolution cache goes to ``cnn_out[b]``. Returns [2B, 80, T]."""
+        from stepaudio2.cosyvoice2.flow.decoder_dit import modulate
+
+        F = self.torch.nn.functional
+        est = self.flow.decoder.estimator
+        x = est.in_proj(xin.transpose(1, 2))
+        for b, block in enumerate(est.blocks):
+            sh_msa, sc_msa, g_msa, sh_mlp, sc_mlp, g_mlp, sh_conv, sc_conv, g_conv = \
+                block.adaLN_modulation(t).chunk(9, dim=-1)
+            attn, kvb = block.attn, kv[b]
+            h = modulate(block.norm1(x), sh_msa, sc_msa)
+            q = attn.q_norm(attn.to_heads(attn.to_q(h)))
+            kvb[:, :, :T, :attn.head_dim].copy_(attn.k_norm(attn.to_heads(attn.to_k(h))))
+            kvb[:, :, :T, attn.head_dim:].copy_(attn.to_heads(attn.to_v(h)))
+            o = F.scaled_dot_product_attention(q, kvb[..., :attn.head_dim], kvb[..., attn.head_dim:])
+            x = x + g_msa * attn.proj(o.transpose(1, 2).reshape(x.shape[0], T, -1))
+            x_conv, new_cnn = block.conv.forward_chunk(modulate(block.norm3(x), sh_conv, sc_conv), cnn[b])
+            cnn_out[b].copy_(new_cnn)
+            x = x + g_conv * x_conv
+            x = x + g_mlp * block.mlp(modulate(block.norm2(x), sh_mlp, sc_mlp))
+        return est.final_layer(x, t).transpose(1, 2)
 
     def _encode(self, tok, cnn, att, last: bool):
         """Token embedding + conformer encoder + projection for B rows: (mu [B, 80, T'], new conformer
@@ -422,45 +451,60 @@ class BatchedCode2Wav(Code2Wav):
             self.euler_sub_batch = None
             return None
 
-    def _euler_batch(self, mu, spk, cnn, att, last: bool):
-        """The CFM Euler loop for B rows (``mu`` [B, 80, T], projected ``spk`` [B, 80], DiT caches
-        [n, depth, 2B, ...] with the B conditional rows first). Returns (x [B, 80, T], cnn, att); for
-        ``last`` (x, None, None)."""
+    def _euler_batch(self, mu, spk, caches: list, last: bool):
+        """The CFM Euler loop for the B streams of ``caches`` (each a stream's flow caches: estimator
+        att [n, depth, 2, h, L, 2hd] and cnn [n, depth, 2, C, 2], CFG rows conditional first), ``mu``
+        [B, 80, T], projected ``spk`` [B, 80]. Returns (x [B, 80, T], cnn [n, depth, 2Bb, C, 2], kv
+        [n, depth, 2Bb, h, T + L, 2hd]) with Bb >= B rows per CFG half (stream j: rows j and Bb + j;
+        kv in the package's order, see :meth:`_euler`); both are scratch views (copy before the next
+        call)."""
         torch = self.torch
-        B = mu.shape[0]
+        B, T = mu.shape[0], mu.shape[2]
         dec = self.flow.decoder
-        offset = att.shape[4]
-        x0 = dec.rand_noise[:, :, offset:offset + mu.size(2)].expand(B, -1, -1)
+        L = caches[0]["estimator_att_cache"].shape[4]
+        x0 = dec.rand_noise[:, :, L:L + T].expand(B, -1, -1)
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spk, torch.zeros_like(spk)], dim=0)
         if self._use_graphs and not last and B <= self.graph_rows:
             Bb = 1 << (B - 1).bit_length()  # graphs for 1, 2, 4, ... rows (graph_rows is a power of two)
-            key = (Bb, mu.shape[2], att.shape[4])
+            key = (Bb, T, L)
             g = self._dit_graphs.get(key)
             if g is None:
-                g = self._capture(DiTGraph, self, Bb, mu.shape[2], att.shape[4])
+                g = self._capture(DiTGraph, self, Bb, T, L)
                 if g is not None:
                     self._dit_graphs[key] = g
                     self.stats["dit_graph_captures"] = self.stats.get("dit_graph_captures", 0) + 1
             if g is not None:
-                return g.run(B, x0, mu_in, spks_in, cnn, att)
-        if last:  # the stream returns to its voice's base cache after this chunk: no new caches
-            return self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, None, None)
-        n = self.n_timesteps
-        att_out = torch.empty(n, *att.shape[1:4], att.shape[4] + mu.shape[2], att.shape[5], device=mu.device,
-                              dtype=att.dtype)
-        cnn_out = torch.empty_like(cnn)
-        return self._euler(B, x0, mu_in, spks_in, torch.zeros_like(mu_in), cnn, att, att_out, cnn_out)
+                return g.run(B, x0, mu_in, spks_in, caches)
+        buf = lambda role, frames=T: self.dit_scratch(role, B, frames)  # noqa: E731
+        cnn, cnn_out, kv = buf("cnn", 0), buf("cnn_out", 0), buf("kv", T + L)
+        gather_caches(caches, cnn, kv, B, T)
+        cond = buf("cond_in")
+        cond.zero_()
+        x = self._euler(B, x0, mu_in, spks_in, cond, cnn, kv, cnn_out)
+        return x, cnn_out, kv
 
-    def _euler_sub(self, mu, spk, sub: list, last: bool):
-        """The Euler loop of one sub-batch: its streams' estimator caches gathered in the CFG layout
-        (the b conditional rows, then the b unconditional rows), then :meth:`_euler_batch`."""
+    def _stream_caches(self, st: Code2WavStream, c_cnn, c_att, new_cnn, kv, i: int, j: int, Bb: int) -> dict:
+        """Stream ``st``'s new flow caches (copies) from a group's outputs: conformer row ``i``, Euler
+        rows ``j`` and ``Bb + j``. The estimator's attention cache is trimmed to the prompt frames + the
+        last 100 as it is copied out (:meth:`_trim_flow_cache`'s rule, Token2wav 0.1.1), in one copy."""
         torch = self.torch
-        cnn = torch.cat([c["estimator_cnn_cache"][:, :, 0:1] for c in sub]
-                        + [c["estimator_cnn_cache"][:, :, 1:2] for c in sub], dim=2)
-        att = torch.cat([c["estimator_att_cache"][:, :, 0:1] for c in sub]
-                        + [c["estimator_att_cache"][:, :, 1:2] for c in sub], dim=2)
-        return self._euler_batch(mu, spk, cnn, att, last)
+        keep = st.prompt.mel.shape[1]
+        LT = kv.shape[4]
+        att = torch.empty(*kv.shape[:2], 2, *kv.shape[3:4], min(LT, keep + FLOW_CACHE_TAIL_FRAMES), kv.shape[5],
+                          device=kv.device, dtype=kv.dtype)
+        for r, row in enumerate((j, Bb + j)):
+            if LT > keep + FLOW_CACHE_TAIL_FRAMES:
+                att[:, :, r, :, :keep].copy_(kv[:, :, row, :, :keep])
+                att[:, :, r, :, keep:].copy_(kv[:, :, row, :, LT - FLOW_CACHE_TAIL_FRAMES:])
+            else:
+                att[:, :, r].copy_(kv[:, :, row])
+        return {
+            "conformer_cnn_cache": c_cnn[i:i + 1].clone(),
+            "conformer_att_cache": c_att[:, i:i + 1].clone(),
+            "estimator_cnn_cache": torch.stack([new_cnn[:, :, j], new_cnn[:, :, Bb + j]], dim=2),
+            "estimator_att_cache": att,
+        }
 
     def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
         """The flow for streams with equal cache shapes (caller holds the lock): one encoder call for
@@ -487,31 +531,27 @@ class BatchedCode2Wav(Code2Wav):
                 sub = cs[k:k + step]
                 b = len(sub)
                 try:
-                    x, new_cnn, new_att = self._euler_sub(mu[k:k + b], spk[k:k + b], sub, last)
+                    x, new_cnn, kv = self._euler_batch(mu[k:k + b], spk[k:k + b], sub, last)
                 except torch.OutOfMemoryError:
                     if not last or b == 1:
                         raise
                     x = None
                 if x is None:
-                    # a burst of turn ends: this eager sub-batch's gathered caches (~0.5 GB per
-                    # stream at real size) did not fit beside the rest; redo it in halves (outside
-                    # the except block: its traceback no longer holds the failed call's tensors)
+                    # a burst of turn ends larger than the graph rows runs on the eager scratch (~0.5 GB
+                    # per stream at real size) and did not fit beside the rest; redo it in halves
+                    # (outside the except block: its traceback no longer holds the failed call's tensors)
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
                     step = b // 2
                     self.stats["last_oom_splits"] = self.stats.get("last_oom_splits", 0) + 1
                     continue
+                Bb = kv.shape[2] // 2
                 for j in range(b):
                     i = k + j
                     if last:  # unchanged: reset to the voice's base cache after this chunk
                         out.append((x[j:j + 1].clone(), dict(sub[j]), tokens[i]))
                         continue
-                    cache = {
-                        "conformer_cnn_cache": c_cnn[i:i + 1].clone(),
-                        "conformer_att_cache": c_att[:, i:i + 1].clone(),
-                        "estimator_cnn_cache": torch.cat([new_cnn[:, :, j:j + 1], new_cnn[:, :, b + j:b + j + 1]], dim=2),
-                        "estimator_att_cache": torch.cat([new_att[:, :, j:j + 1], new_att[:, :, b + j:b + j + 1]], dim=2),
-                    }
+                    cache = self._stream_caches(group[i][0], c_cnn, c_att, new_cnn, kv, i, j, Bb)
                     out.append((x[j:j + 1].clone(), cache, tokens[i]))
                 k += b
         self.stats["flow_calls"] += 1
