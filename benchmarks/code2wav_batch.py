@@ -203,17 +203,25 @@ def profile_round(torch, fn, sync, top: int = 12) -> str:
 
 
 def compare(mine: dict, ref: dict) -> str:
-    """Per level: max |mine - ref| and the SNR of mine against ref (dB, over all rounds and streams)."""
-    lines = [f"{'streams':>7} {'rounds':>6} {'max |diff|':>11} {'SNR dB':>7}  (against the saved run)"]
+    """Per level: max |mine - ref| and the SNR of mine against ref (dB, over all rounds and streams),
+    and the stream and round with the lowest SNR (a fault confined to some rows shows there)."""
+    lines = [f"{'streams':>7} {'rounds':>6} {'max |diff|':>11} {'SNR dB':>7} {'worst stream/round':>19} {'its SNR':>8}"
+             "  (against the saved run)"]
     levels = sorted({int(k.split("/")[0]) for k in mine if k in ref})
+
+    def snr_db(x, y):
+        e2 = np.sum((x - y) ** 2)
+        return float("inf") if e2 == 0 else 10 * np.log10(np.sum(y * y) / e2)
+
     for n in levels:
         keys = [k for k in mine if k.startswith(f"{n}/") and k in ref and mine[k].shape == ref[k].shape]
         x = np.concatenate([mine[k].ravel() for k in keys]).astype(np.float64)
         y = np.concatenate([ref[k].ravel() for k in keys]).astype(np.float64)
-        err = x - y
-        e2 = np.sum(err * err)
-        snr = float("inf") if e2 == 0 else 10 * np.log10(np.sum(y * y) / e2)
-        lines.append(f"{n:>7} {len(keys):>6} {np.abs(err).max():>11.2e} {snr:>7.1f}")
+        rows = [(snr_db(mine[k][i].astype(np.float64), ref[k][i].astype(np.float64)), i, k.split("/")[1])
+                for k in keys for i in range(mine[k].shape[0])]
+        worst = min(rows) if rows else (float("nan"), -1, "-")
+        lines.append(f"{n:>7} {len(keys):>6} {np.abs(x - y).max():>11.2e} {snr_db(x, y):>7.1f} "
+                     f"{f'{worst[1]}/{worst[2]}':>19} {worst[0]:>8.1f}")
     return "\n".join(lines)
 
 

@@ -263,7 +263,7 @@ def test_graph_rows_choice(monkeypatch):
     from duplexkit.models.minicpmo45.fast_code2wav import GRAPH_MAX_BATCH, _graph_rows
 
     monkeypatch.delenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", raising=False)
-    assert _graph_rows(None) == GRAPH_MAX_BATCH == 8
+    assert _graph_rows(None) == GRAPH_MAX_BATCH == 16
     assert _graph_rows(4) == 4
     monkeypatch.setenv("DUPLEXKIT_CODE2WAV_GRAPH_ROWS", "16")
     assert _graph_rows(None) == 16

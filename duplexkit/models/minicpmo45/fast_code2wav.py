@@ -17,7 +17,7 @@ engine's code2wav stage calls with all its streams at once. Per round (one synth
 
 On CUDA (:mod:`.code2wav_graphs`) the encoder of non-final chunks replays a graph per (batch bucket
 1..32, cache shape), and the Euler loop a graph per (batch bucket 1, 2, 4, ... up to
-:attr:`BatchedCode2Wav.graph_rows`, 8 by default; chunk frames, cached frames); larger groups run
+:attr:`BatchedCode2Wav.graph_rows`, 16 by default; chunk frames, cached frames); larger groups run
 the loop as sub-batches of that many streams. A voice has a few cache shapes (the caches grow to
 prompt + 100 frames, then are trimmed). The DiT's time embedding (built on the CPU by the
 package) is precomputed per batch size outside the graph. Captures hold
@@ -25,12 +25,15 @@ package) is precomputed per batch size outside the graph. Captures hold
 
 **Memory.** The Euler-loop graphs replay one at a time (under the Code2Wav lock) and their callers
 copy the outputs before the next replay, so all of them take their static inputs, outputs and DiT
-scratch as views of ONE set of flat buffers sized for 4 streams at the frame capacity
-(:meth:`BatchedCode2Wav.scratch_bytes`), and capture into one shared memory pool (the encoder graphs
-into another: their outputs are read across Euler-loop replays). Derived sizes at real size: the
-per-step caches (fp32, 10 steps x 16 blocks x 2 CFG rows x 8 heads x 128) of ~400 cached frames are
-~0.5 GB per stream row, in and out; a graph of its own per (rows 1/2/4, chunk frames, cached frames)
-held ~1 GB per row, tens of GB for one voice's shapes, and 48 streams ran out of memory on the H200
+caches as views of ONE set of flat buffers sized for :attr:`BatchedCode2Wav.graph_rows` streams at the
+frame capacity (:meth:`BatchedCode2Wav.scratch_bytes`), and capture into one shared memory pool (the
+encoder graphs into another: their outputs are read across Euler-loop replays). The per-step
+attention caches (fp32, 10 steps x 16 blocks x 2 CFG rows x 8 heads x 128, ~400 frames: ~0.5 GB per
+stream at real size) are ONE buffer per call, read and written in place: the streams' cached frames
+are copied in, each step writes its new frames beside them, and the new caches (trimmed) are copied
+out (:meth:`BatchedCode2Wav._euler`). Before stop 19 the graphs held them three times (input, output
+and the blocks' scratch) and the package's concatenations copied them ~4 more times per step; a
+graph of its own per shape held ~1 GB per row, and 48 streams ran out of memory on the H200
 (benchmarks/NOTES.md, 2026-12-02).
 A turn's last chunk writes no new flow cache (the stream returns to its voice's base cache after it)
 and runs in sub-batches of :data:`LAST_SUB_BATCH` streams on CUDA, so many turns ending in one round
@@ -59,18 +62,22 @@ __all__ = ["BatchedCode2Wav", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts HiFT calls are padded to on CUDA (a bigger call runs unpadded)."""
 
-GRAPH_MAX_BATCH = 8
+GRAPH_MAX_BATCH = 16
 """The default :attr:`BatchedCode2Wav.graph_rows`: flow calls of at most this many streams replay a
 captured Euler-loop graph on CUDA (bigger groups run as sub-batches of this size). The graphs share
-one scratch set sized for this many rows (10.55 GiB at 8 rows at real size: fp32 per-step DiT
-caches). Measured on an H200 at real size (benchmarks/NOTES.md, stop 17, ``code2wav_batch.py
---graph-rows``): 8 rows instead of 4 take a 32-stream round from 503 to 364 ms (the Euler loop from
-424 to 283) and an 8-stream round from 134 to 110 ms; 48 streams still fit beside the thinker and
-talker. ``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (1, 2, 4, 8 or 16)."""
+one scratch sized for this many rows (fp32 attention caches of every DiT step and block, read and
+written in place: 10.09 GiB at 16 rows at real size, 5.05 at 8, 20.18 at 32). Measured on an H200 at
+real size (benchmarks/NOTES.md, stop 19, ``code2wav_batch.py --graph-rows``, one call): a 32-stream
+round takes 282 ms with 8 rows, 215 with 16, 208 with 32 (before the in-place caches: 362 with 8
+rows); an 8-stream round 92-100 ms at any of them. 32 rows are not the default: their audio differed
+from the 8-row path's by more than the other row counts' in that run (SNR 27.8 dB against 75).
+``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (1, 2, 4, 8, 16 or 32)."""
 
 LAST_SUB_BATCH = 8
 """On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at
-most this many streams: each row needs its caches gathered (~0.4-0.6 GB per stream at real size)."""
+most this many streams: each row needs its caches gathered (~0.4-0.6 GB per stream at real size). Up
+to :attr:`BatchedCode2Wav.graph_rows` rows they use the graphs' shared scratch (no new memory); a
+bigger sub-batch gets its own buffer."""
 
 
 def _graph_rows(rows: Optional[int]) -> int:
