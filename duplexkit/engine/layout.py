@@ -24,6 +24,11 @@ Per stage:
   devices must then be ``cuda:0`` .. ``cuda:N-1`` in order (vLLM puts rank *i* on visible device
   *i*), and N must divide the checkpoint's attention heads (:func:`duplexkit.engine.placement.plan_placement`).
 * ``max_model_len`` (optional): thinker context cap in tokens.
+* ``batch_window_ms`` (optional): the batching window in milliseconds, a finite number >= 0
+  (default 8 for the thinker, 0 for the talker and code2wav, :data:`DEFAULT_BATCH_WINDOW_MS`).
+  When only some of the open streams have a unit queued for the stage, its worker waits up to this
+  long after the oldest queued item's arrival for the others, so units that arrive together run as
+  one batch (docs/architecture.md, "Queues and batching"). 0 picks at once.
 
 Bundled layouts: ``cpu``, ``1gpu`` (default on a GPU), ``2gpu``, ``3gpu``, ``2gpu-tp`` and
 ``8x4090`` (both vLLM thinker, tensor-parallel).
@@ -32,6 +37,7 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +48,7 @@ from duplexkit.errors import LayoutError, LayoutNotSupportedError
 __all__ = [
     "STAGES",
     "BACKENDS",
+    "DEFAULT_BATCH_WINDOW_MS",
     "LAYOUT_DIR",
     "LayoutError",
     "LayoutNotSupportedError",
@@ -57,10 +64,13 @@ LAYOUT_DIR = Path(__file__).resolve().parent / "layouts"
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _STAGE_KEYS = {"device", "dtype", "memory_fraction", "max_num_seqs", "tensor_parallel_size", "max_model_len",
-               "backend"}
+               "backend", "batch_window_ms"}
 BACKENDS = ("native", "vllm")
 """Thinker backends: ``native`` (duplexkit's PyTorch runtime) and ``vllm`` (docs/vllm.md)."""
 _TOP_KEYS = {"name", "description", "stages"}
+DEFAULT_BATCH_WINDOW_MS = {"thinker": 8.0, "talker": 0.0, "code2wav": 0.0}
+"""``batch_window_ms`` of a stage whose layout omits it. Only the thinker needs a window: the streams'
+units reach it one by one, while the talker and code2wav receive a whole thinker batch at once."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,9 @@ class StageLayout:
         tensor_parallel_size: ranks (== len(devices)).
         max_model_len: optional context cap in tokens (thinker).
         backend: ``native`` | ``vllm`` (only the thinker may be ``vllm``).
+        batch_window_ms: how long, in milliseconds, the stage worker may hold queued units for
+            streams that have not sent theirs yet (see the module docstring); 0 picks at once.
+            The layout parser fills in :data:`DEFAULT_BATCH_WINDOW_MS` when a layout omits it.
     """
 
     devices: tuple
@@ -84,6 +97,7 @@ class StageLayout:
     tensor_parallel_size: int = 1
     max_model_len: Optional[int] = None
     backend: str = "native"
+    batch_window_ms: float = 0.0
 
     @property
     def device(self) -> str:
@@ -196,8 +210,13 @@ def _parse_stage(stage: str, raw, source: str) -> StageLayout:
     mml = raw.get("max_model_len")
     if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml < 1):
         raise LayoutError(f"{where}.max_model_len must be an integer >= 1, got {mml!r}", source)
+    window = raw.get("batch_window_ms", DEFAULT_BATCH_WINDOW_MS[stage])
+    if (not isinstance(window, (int, float)) or isinstance(window, bool) or not math.isfinite(window)
+            or window < 0):
+        raise LayoutError(f"{where}.batch_window_ms must be a finite number of milliseconds >= 0, got {window!r}",
+                          source)
     return StageLayout(devices=devices, dtype=dtype, max_num_seqs=mns, memory_fraction=frac,
-                       tensor_parallel_size=tp, max_model_len=mml, backend=backend)
+                       tensor_parallel_size=tp, max_model_len=mml, backend=backend, batch_window_ms=float(window))
 
 
 def _normal(dev: str) -> str:

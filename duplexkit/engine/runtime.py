@@ -14,6 +14,14 @@ Every stream has one FIFO queue per stage. A stage step takes the head item of u
 control items (open, update, end-turn/reset, close) one by one, and hands the work items to the
 :class:`~duplexkit.engine.stages.StageModel` as one batch (a list in, a list out).
 
+Batching window: a stage with ``batch_window_ms`` > 0 (the thinker's default is 8 ms) does not pick
+as soon as one unit is queued. While every queued head is a unit and fewer streams have one than
+``min(open streams, max_num_seqs)`` (open: neither failed nor closing), the worker waits until the
+rest have queued theirs, a job arrives, the engine stops, or ``batch_window_ms`` has passed since
+the oldest queued head was enqueued (:meth:`StageRuntime._window_wait_s`). Units that arrive
+together therefore run as one batch; a unit that already waited that long is never held, a control
+item at a head is never held, and a single open stream never waits.
+
 Per-stream output order
 -----------------------
 Outputs are delivered strictly unit by unit: all outputs of unit *k* (``Decision``, then
@@ -101,7 +109,7 @@ class StageRuntime(StageSteps):
 
     Args:
         model: the batch-shaped stage functions.
-        layout: gives ``max_num_seqs`` per stage.
+        layout: gives ``max_num_seqs`` and ``batch_window_ms`` per stage.
     """
 
     def __init__(self, model: StageModel, layout: Layout) -> None:
@@ -378,6 +386,21 @@ class StageRuntime(StageSteps):
         self._rr[stage] = start + 1
         return picked
 
+    def _window_wait_s(self, stage: str) -> float:
+        """Seconds the stage worker should still wait before picking, by the batching window
+        (module docstring, "Scheduling"); 0.0 means pick now. Called with the lock held."""
+        cfg = self.layout.stages[stage]
+        if cfg.batch_window_ms <= 0:
+            return 0.0
+        heads = [st.q[stage][0] for st in self._streams.values() if st.q[stage]]  # none is busy between steps
+        if not heads or any(it.kind != "unit" for it in heads):
+            return 0.0
+        eligible = sum(1 for st in self._streams.values() if not (st.failed or st.closing or st.finished))
+        if len(heads) >= min(eligible, cfg.max_num_seqs):
+            return 0.0
+        oldest = min(it.t_enqueue for it in heads)
+        return max(0.0, oldest + cfg.batch_window_ms / 1000.0 - time.perf_counter())
+
     def _worker(self, stage: str) -> None:
         step = {"thinker": self._thinker_step, "talker": self._talker_step, "code2wav": self._code2wav_step}[stage]
         while True:
@@ -393,6 +416,10 @@ class StageRuntime(StageSteps):
                     if self._jobs[stage]:
                         job = self._jobs[stage].popleft()
                         break
+                    wait_s = self._window_wait_s(stage)
+                    if wait_s > 0.0:  # woken early by a submit, a job or the stop: decide again
+                        self._cond.wait(wait_s)
+                        continue
                     picked = self._pick(stage)
                     if picked:
                         break

@@ -88,6 +88,12 @@ def _stages(**over):
              thinker__memory_fraction=0.5), "in that order"),
     (_stages(thinker__device="cuda:0", thinker__backend="vllm"), "needs memory_fraction"),
     (_stages(thinker__bogus=1), "unknown keys"),
+    (_stages(thinker__batch_window_ms=-1), "batch_window_ms must be a finite number"),
+    (_stages(talker__batch_window_ms="8"), "batch_window_ms must be a finite number"),
+    (_stages(thinker__batch_window_ms=float("nan")), "batch_window_ms must be a finite number"),
+    (_stages(code2wav__batch_window_ms=float("inf")), "batch_window_ms must be a finite number"),
+    (_stages(thinker__batch_window_ms=True), "batch_window_ms must be a finite number"),
+    (_stages(thinker__batch_window_ms=None), "batch_window_ms must be a finite number"),
     ({"name": "x", "stages": {"thinker": {"device": "cpu"}}}, "missing"),
     ({"stages": {}}, "name"),
     ("not a mapping", "mapping"),
@@ -95,6 +101,24 @@ def _stages(**over):
 def test_invalid_layouts(data, match):
     with pytest.raises(LayoutError, match=match):
         Layout.from_dict(data)
+
+
+def test_batch_window_defaults_to_the_thinker_only_and_keeps_explicit_values(tmp_path):
+    omitted = Layout.from_dict(_stages())
+    assert [omitted.stages[s].batch_window_ms for s in ("thinker", "talker", "code2wav")] == [8.0, 0.0, 0.0]
+    for name in available_layouts():  # the bundled layouts leave it to the default
+        assert load_layout(name).thinker.batch_window_ms == 8.0
+    given = Layout.from_dict(_stages(thinker__batch_window_ms=0, talker__batch_window_ms=2.5,
+                                     code2wav__batch_window_ms=4))
+    assert [given.stages[s].batch_window_ms for s in ("thinker", "talker", "code2wav")] == [0.0, 2.5, 4.0]
+    assert isinstance(given.code2wav.batch_window_ms, float)
+    p = tmp_path / "w.yaml"
+    p.write_text("name: w\nstages:\n  thinker: {device: cpu, batch_window_ms: 20}\n"
+                 "  talker: {device: cpu}\n  code2wav: {device: cpu}\n")
+    assert load_layout(p).thinker.batch_window_ms == 20.0 and load_layout(p).talker.batch_window_ms == 0.0
+    p.write_text(p.read_text().replace("20", ".nan"))  # YAML's NaN
+    with pytest.raises(LayoutError, match="batch_window_ms"):
+        load_layout(p)
 
 
 def test_memory_budget_over_one_device(tmp_path):

@@ -314,3 +314,103 @@ def test_warmup_refuses_a_stage_thread_and_queued_jobs_fail_on_close():
     assert first.result(timeout=10) is True
     with pytest.raises(RuntimeError, match="closed"):
         queued.result(timeout=10)
+
+
+# ------------------------------------------------------------------ the batching window
+
+
+def _window_layout(window_ms: float, max_num_seqs: int = 4) -> Layout:
+    d = {"name": "t", "stages": {s: {"device": "cpu", "max_num_seqs": max_num_seqs} for s in ("thinker", "talker", "code2wav")}}
+    d["stages"]["thinker"]["batch_window_ms"] = window_ms
+    return Layout.from_dict(d)
+
+
+async def _listeners(eng, n: int) -> list:
+    """``n`` open streams; without ForceSpeak their units are listen units (thinker only). An open
+    is a control item: the window never holds it, so each open gets 30 s at most."""
+    return [await asyncio.wait_for(eng.open_stream(f"w{k}", StreamConfig(instructions=f"W{k}-")), 30)
+            for k in range(n)]
+
+
+def _send_unit(s, i: int = 0) -> None:
+    s.submit(AppendUnit(s.stream_id, 0, unit_index=i, audio=_unit(i)))
+
+
+def _thinker_batches(toy: ToyStages) -> list:
+    return [n for st, n in toy.calls if st == "thinker"]
+
+
+def _timings(outs: list) -> dict:
+    return [o for o in outs if isinstance(o, UnitTimings)][0].timings
+
+
+async def test_batch_window_gathers_units_that_arrive_a_few_ms_apart():
+    import time
+
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _window_layout(20000))
+    streams = await _listeners(eng, 4)
+
+    def submit_all():  # like sessions whose units arrive a few ms apart
+        for s in streams:
+            _send_unit(s)
+            time.sleep(0.005)
+
+    await asyncio.to_thread(submit_all)
+    results = await asyncio.gather(*[_collect(s, _units_done(1), timeout=60) for s in streams])
+    assert _thinker_batches(toy) == [4]
+    # picked once the fourth unit came, long before the window ran out; the wait counts as queueing
+    waits = [_timings(outs)["thinker_queue_ms"] for outs in results]
+    assert max(waits) < 10000 and waits[0] >= waits[3]
+    await eng.aclose()
+
+
+async def test_without_window_the_first_unit_is_picked_at_once():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _window_layout(0))
+    streams = await _listeners(eng, 4)
+    _send_unit(streams[0])
+    await _collect(streams[0], _units_done(1), timeout=30)  # the other three have sent nothing yet
+    for s in streams[1:]:
+        _send_unit(s)
+    await asyncio.gather(*[_collect(s, _units_done(1), timeout=30) for s in streams[1:]])
+    sizes = _thinker_batches(toy)
+    assert sizes[0] == 1 and sum(sizes) == 4
+    await eng.aclose()
+
+
+async def test_a_single_open_stream_never_waits_for_the_window():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _window_layout(60000))  # a wait would outlast the 30 s timeout below
+    (s,) = await _listeners(eng, 1)
+    for i in range(3):
+        _send_unit(s, i)
+    await _collect(s, _units_done(3), timeout=30)
+    assert _thinker_batches(toy) == [1, 1, 1]
+    await eng.aclose()
+
+
+async def test_a_stream_that_sends_nothing_holds_the_others_only_for_the_window():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _window_layout(300))
+    a, b, _silent = await _listeners(eng, 3)
+    _send_unit(a)
+    _send_unit(b)
+    outs = await asyncio.gather(_collect(a, _units_done(1), timeout=30), _collect(b, _units_done(1), timeout=30))
+    assert _thinker_batches(toy) == [2]
+    assert _timings(outs[0])["thinker_queue_ms"] >= 299.0  # held the whole window (1 ms for the rounding)
+    await eng.aclose()
+
+
+async def test_a_control_item_or_a_job_is_never_held_by_the_window():
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _window_layout(60000))  # a wait would outlast the 30 s timeouts below
+    a, b, _silent = await _listeners(eng, 3)
+    _send_unit(b)  # held: a and the third stream have not sent their units
+    job = await asyncio.wait_for(asyncio.wrap_future(eng._runtime.run_job("thinker", lambda: "ran")), 30)
+    assert job == "ran" and _thinker_batches(toy) == []
+    # a control item at a's head: picked at once, and b's unit with it (2 of 3 streams queued)
+    a.submit(UpdateStream("w0", 0, config=StreamConfig(instructions="A2-")))
+    await _collect(b, _units_done(1), timeout=30)
+    assert _thinker_batches(toy) == [1]
+    await eng.aclose()
