@@ -56,6 +56,17 @@ def torch_device(s: str):
     return dev
 
 
+def non_negative_float(s: str) -> float:
+    """argparse type: a finite number >= 0 (``--thinker-window-ms``)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
+    return v
+
+
 def no_nan(x):
     """``x`` with every NaN or infinite float as None, recursively (strict JSON has neither)."""
     if isinstance(x, float) and not math.isfinite(x):

@@ -475,17 +475,24 @@ def dump_memory(directory: Optional[str], name: str) -> None:
     print(f"memory snapshot {name} (after gc.collect()):\n{snapshot_summary(snap)}", flush=True)
 
 
-def make_layout(device: str, max_seqs: int) -> Layout:
+def make_layout(device: str, max_seqs: int, thinker_window_ms: Optional[float] = None) -> Layout:
+    """The benchmark's layout: every stage on ``device`` with ``max_seqs`` streams per step; the
+    thinker's ``batch_window_ms`` is the layout default unless ``thinker_window_ms`` is given."""
     st = lambda dt, frac: {"device": device, "dtype": dt, "max_num_seqs": max_seqs,  # noqa: E731
                            **({"memory_fraction": frac} if device != "cpu" else {})}
+    thinker = st("bfloat16", 0.6)
+    if thinker_window_ms is not None:
+        thinker["batch_window_ms"] = thinker_window_ms
     return Layout.from_dict({"name": "gpu-bench", "description": "benchmarks/gpu_engine.py",
-                             "stages": {"thinker": st("bfloat16", 0.6), "talker": st("bfloat16", 0.15),
+                             "stages": {"thinker": thinker, "talker": st("bfloat16", 0.15),
                                         "code2wav": st("float32", 0.2)}})
 
 
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
-    engine = DuplexEngine(model, make_layout(str(args.device), max(levels)))
+    layout = make_layout(str(args.device), max(levels), args.thinker_window_ms)
+    print(f"engine layout: thinker batching window {layout.stages['thinker'].batch_window_ms:g} ms", flush=True)
+    engine = DuplexEngine(model, layout)
     try:
         # every batch bucket the runtime can form (no capture mid-run), each stage's on its own
         # worker thread (cuDNN keeps autotuned plans per thread), as DuplexEngine.from_pretrained does
@@ -550,7 +557,7 @@ def _modes(s: str) -> list:
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _cli import int_at_least, int_list, no_nan, non_negative_int, positive_int, torch_device
+    from _cli import int_at_least, int_list, no_nan, non_negative_float, non_negative_int, positive_int, torch_device
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
@@ -571,6 +578,9 @@ def main(argv=None) -> int:
                          "sit at different unit indices, as sessions of a real server do (0/1: all start together)")
     ap.add_argument("--no-audio", action="store_true", help="text-only streams (no talker / code2wav)")
     ap.add_argument("--kv-len", type=int_at_least(256, " (a unit's prefill and decode need room)"), default=4096, help="thinker KV positions per stream (fast; >= 256)")
+    ap.add_argument("--thinker-window-ms", type=non_negative_float, default=None, metavar="MS",
+                    help="the thinker stage's batching window (layout batch_window_ms; default: the layout "
+                         "default, 8 ms; 0 = pick at once, the behaviour before stop 19)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sample-stacks", action="store_true",
