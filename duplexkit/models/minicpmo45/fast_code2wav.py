@@ -69,8 +69,9 @@ one scratch sized for this many rows (fp32 attention caches of every DiT step an
 written in place: 10.09 GiB at 16 rows at real size, 5.05 at 8, 20.18 at 32). Measured on an H200 at
 real size (benchmarks/NOTES.md, stop 19, ``code2wav_batch.py --graph-rows``, one call): a 32-stream
 round takes 282 ms with 8 rows, 215 with 16, 208 with 32 (before the in-place caches: 362 with 8
-rows); an 8-stream round 92-100 ms at any of them. 32 rows are not the default: their audio differed
-from the 8-row path's by more than the other row counts' in that run (SNR 27.8 dB against 75).
+rows); an 8-stream round 92-100 ms at any of them; the audio of 32 rows is within 2.8e-5 (75.5 dB) of
+16 rows'. 32 rows take 32 streams' unit p90 from 426 to 415 ms in the engine, but 48 streams then run
+out of memory (they fit with 16), so 16 is the default.
 ``DUPLEXKIT_CODE2WAV_GRAPH_ROWS`` overrides it (1, 2, 4, 8, 16 or 32)."""
 
 LAST_SUB_BATCH = 8
