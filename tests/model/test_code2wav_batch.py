@@ -174,9 +174,38 @@ def test_hift_failure_fails_only_its_call(c2w, monkeypatch):
                               for k, s in enumerate((st_a, st_b, st_c))])
         assert isinstance(res[0], RuntimeError) and isinstance(res[1], RuntimeError)
         assert res[2].shape == (24000,)
+        for s in (st_a, st_b):  # failed: back to a turn start (their caches may hold the lost chunk)
+            assert s.chunks == 0 and s.own_att is None
+            assert all(s.flow_cache[k] is s.base_cache[k] for k in s.base_cache)
+        assert st_c.chunks == 2
     finally:
         for s in (st_a, st_b, st_c):
             c2w.close(s)
+
+
+def test_steady_chunks_reuse_each_stream_cache_tensor(c2w):
+    """Once a stream's flow cache has its trimmed shape, each new chunk is written into the same
+    tensor (no second cache per stream while a round runs), and the audio is still the per-stream
+    path's; a turn reset drops the tensor (the stream then reads its voice's shared base cache)."""
+    rng = np.random.default_rng(11)
+    codes = [rng.integers(0, 6561, (2, 25)) for _ in range(5)]
+    ref_sts = [c2w.new_stream(None, seed=k) for k in range(2)]
+    sts = [c2w.new_stream(None, seed=k) for k in range(2)]
+    try:
+        ids = []
+        for r in range(5):
+            want = [c2w.push(st, codes[r][k]) for k, st in enumerate(ref_sts)]
+            got = c2w.push_batch([SimpleNamespace(handle=st, codes=codes[r][k], last=False) for k, st in enumerate(sts)])
+            for k in range(2):
+                np.testing.assert_allclose(got[k], want[k], atol=ATOL if c2w.device.type == "cpu" else ATOL_CUDA, rtol=0)
+            ids.append([id(st.flow_cache["estimator_att_cache"]) for st in sts])
+            assert all(st.own_att is st.flow_cache["estimator_att_cache"] for st in sts)
+        assert ids[1] == ids[2] == ids[3] == ids[4] and ids[0] != ids[1]  # chunk 2 on: prompt + 100 frames, same tensor
+        c2w.reset_turn(sts[0])
+        assert sts[0].own_att is None
+    finally:
+        for st in ref_sts + sts:
+            c2w.close(st)
 
 
 def test_encoder_rows_are_independent_of_padding_rows(c2w):

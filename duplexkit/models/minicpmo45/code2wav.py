@@ -114,6 +114,10 @@ class Code2WavStream:
         chunks: synthesis calls in the current turn.
         samples_out: samples emitted in the current turn.
         closed: set by :meth:`Code2Wav.close`.
+        own_att: the estimator attention-cache tensor the batched path
+            (:class:`~.fast_code2wav.BatchedCode2Wav`) allocated for this stream, or None; its next
+            chunk of the same cache shape is written into it in place, so a round does not hold a
+            second ~0.5 GB copy per stream (real size). Dropped by a turn reset.
     """
 
     prompt: PromptFeatures
@@ -126,6 +130,7 @@ class Code2WavStream:
     chunks: int = 0
     samples_out: int = 0
     closed: bool = False
+    own_att: Any = None
 
 
 class Code2Wav:
@@ -308,6 +313,7 @@ class Code2Wav:
         at real size (benchmarks/NOTES.md, 48 streams on one H200)."""
         self._check_open(stream)
         stream.flow_cache = dict(stream.base_cache)
+        stream.own_att = None
         stream.hift_cache = None
         stream.carry = np.full(LOOKAHEAD_CODES, SILENCE_CODE, np.int64)
         stream.pending = np.zeros(0, np.int64)
@@ -317,6 +323,7 @@ class Code2Wav:
     def close(self, stream: Code2WavStream) -> None:
         """Free the stream's caches; later calls on it raise :class:`StreamClosedError`."""
         stream.flow_cache = {}
+        stream.own_att = None
         stream.hift_cache = None
         stream.base_cache = {}
         stream.pending = np.zeros(0, np.int64)

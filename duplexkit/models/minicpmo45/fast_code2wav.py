@@ -175,7 +175,9 @@ class BatchedCode2Wav(Code2Wav):
         (:class:`Code2WavStream`), ``codes`` (int [n]) and ``last`` (bool), each a different stream.
         Returns one float32 24 kHz array per item (maybe empty), or the exception of an item that
         failed (bad codes, closed stream: nothing consumed for it; a failed flow or HiFT call: the
-        exception of every stream in that call)."""
+        exception of every stream in that call, and those streams' turns are reset (:meth:`reset_turn`:
+        pending codes dropped, the voice's base caches), since their flow caches are advanced in place
+        before the round commits)."""
         results: list = [None] * len(items)
         plans = []
         for i, w in enumerate(items):
@@ -223,6 +225,9 @@ class BatchedCode2Wav(Code2Wav):
             for p in plans:
                 if p["err"] is not None:
                     results[p["i"]] = p["err"]
+                    # its flow cache may already hold this round's chunk (_stream_caches): start the
+                    # turn over, as the engine does after any vocoder failure
+                    self.reset_turn(p["st"])
                     continue
                 p["st"].pending = p["rest"] if not p["last"] else p["rest"][:0]
                 if p["last"]:
@@ -495,12 +500,18 @@ class BatchedCode2Wav(Code2Wav):
     def _stream_caches(self, st: Code2WavStream, c_cnn, c_att, new_cnn, kv, i: int, j: int, Bb: int) -> dict:
         """Stream ``st``'s new flow caches (copies) from a group's outputs: conformer row ``i``, Euler
         rows ``j`` and ``Bb + j``. The estimator's attention cache is trimmed to the prompt frames + the
-        last 100 as it is copied out (:meth:`_trim_flow_cache`'s rule, Token2wav 0.1.1), in one copy."""
+        last 100 as it is copied out (:meth:`_trim_flow_cache`'s rule, Token2wav 0.1.1), in one copy,
+        into the stream's own tensor of last chunk (:attr:`Code2WavStream.own_att`) when it has the same
+        shape: its old frames are already in ``kv``, and a new tensor per stream would hold two caches
+        per stream until the round commits (~24 GB more at 48 streams, real size). The stream's caches
+        then show the new chunk before it commits, so a failed call resets its turn (:meth:`push_batch`)."""
         torch = self.torch
         keep = st.prompt.mel.shape[1]
         LT = kv.shape[4]
-        att = torch.empty(*kv.shape[:2], 2, *kv.shape[3:4], min(LT, keep + FLOW_CACHE_TAIL_FRAMES), kv.shape[5],
-                          device=kv.device, dtype=kv.dtype)
+        shape = (*kv.shape[:2], 2, kv.shape[3], min(LT, keep + FLOW_CACHE_TAIL_FRAMES), kv.shape[5])
+        att = st.own_att
+        if att is None or att is not st.flow_cache.get("estimator_att_cache") or tuple(att.shape) != shape:
+            att = st.own_att = torch.empty(shape, device=kv.device, dtype=kv.dtype)
         for r, row in enumerate((j, Bb + j)):
             if LT > keep + FLOW_CACHE_TAIL_FRAMES:
                 att[:, :, r, :, :keep].copy_(kv[:, :, row, :, :keep])
