@@ -527,3 +527,71 @@ def test_turn_end_sub_batch_that_runs_out_of_memory_is_redone_in_halves(c2w, mon
     finally:
         for st in sts:
             c2w.close(st)
+
+
+def _package_time(n: int, s: int, dtype=torch.float32):
+    """Step ``s``'s time (0-based) by the package's ``solve_euler_chunk`` recurrence on the cosine
+    schedule: t [1]."""
+    t_span = 1 - torch.cos(torch.linspace(0, 1, n + 1, dtype=dtype) * 0.5 * torch.pi)
+    t, dt = t_span[0].reshape(1), t_span[1] - t_span[0]
+    for k in range(1, s + 1):
+        t = t + dt
+        if k < n:
+            dt = t_span[k + 1] - t
+    return t
+
+
+def test_dit_blocks_equal_the_package_blocks_forward_chunk(c2w, monkeypatch):
+    """One Euler step of ``BatchedCode2Wav._dit_blocks`` (precomputed adaLN table, fused QKV, norm +
+    modulate as one LayerNorm, in-place caches) equals the package's ``DiT.blocks_forward_chunk`` with
+    that step's time embedding, on random inputs and caches: the output and the new caches (the
+    package writes ``[new, cached]`` into its buffers). A table read at the wrong step or block does
+    not pass."""
+    from stepaudio2.cosyvoice2.flow.decoder_dit import modulate
+
+    from duplexkit.models.minicpmo45.fast_code2wav import DiTTable
+
+    dev = c2w.device
+    tol = ATOL if dev.type == "cpu" else ATOL_CUDA
+    est = c2w.flow.decoder.estimator
+    depth, h, hd, C2, n = c2w._depth, c2w._heads, c2w._head_dim, c2w._conv_ch, c2w.n_timesteps
+    assert depth >= 2
+    R, T, L, s = 6, 10, 13, 3  # 3 streams x 2 CFG rows, 10 new frames, 13 cached, the 4th step
+    rng = torch.Generator().manual_seed(5)
+    xin = torch.randn(R, est.in_channels, T, generator=rng).to(dev)
+    cnn = (0.5 * torch.randn(depth, R, C2, 2, generator=rng)).to(dev)
+    att = (0.5 * torch.randn(depth, R, h, L, 2 * hd, generator=rng)).to(dev)
+
+    def ours(step):
+        kv = torch.zeros(depth, R, h, T + L, 2 * hd, device=dev)
+        kv[:, :, :, T:] = att
+        cnn_out = torch.zeros_like(cnn)
+        return c2w._dit_blocks(xin, step, cnn, cnn_out, kv, T), kv, cnn_out
+
+    with torch.inference_mode():
+        c2w._dit_table()
+        t = est.t_embedder(_package_time(n, s).to(dev).repeat(R)).unsqueeze(1)
+        cnn_buf = torch.zeros(depth, R, C2, 2, device=dev)
+        att_buf = torch.zeros(depth, R, h, T + L + 4, 2 * hd, device=dev)
+        ref = est.blocks_forward_chunk(xin, t, None, cnn, att, cnn_buf, att_buf)
+        x, kv, cnn_out = ours(s)
+        assert x.shape == ref.shape == (R, est.out_channels, T)
+        assert ref.abs().max() > 0.1  # not a trivially small output
+        torch.testing.assert_close(x, ref, atol=tol, rtol=0)
+        torch.testing.assert_close(kv, att_buf[:, :, :, :T + L], atol=tol, rtol=0)
+        torch.testing.assert_close(cnn_out, cnn_buf, atol=tol, rtol=0)
+        assert torch.equal(kv[:, :, :, T:], att)  # the cached frames are read in place, not moved
+
+        # the table's fused norm + modulate is the package's modulate(norm(x), shift, scale)
+        tab = c2w._dit_table()
+        y = torch.randn(R, T, est.blocks[1].norm3.normalized_shape[0], generator=rng).to(dev)
+        shift, scale = est.blocks[1].adaLN_modulation(t).chunk(9, dim=-1)[6:8]
+        torch.testing.assert_close(
+            torch.nn.functional.layer_norm(y, y.shape[-1:], tab.norm_w[s, 1, 1], tab.norm_b[s, 1, 1], 1e-6),
+            modulate(est.blocks[1].norm3(y), shift, scale), atol=1e-5 if dev.type == "cpu" else 1e-4, rtol=0)
+
+        # a table read at another step, or with the blocks' rows exchanged, is far off
+        assert (ours(s + 1)[0] - ref).abs().max() > 100 * tol
+        swapped = DiTTable(*(f.flip(1) if f.dim() == 4 else f for f in tab))
+        monkeypatch.setattr(c2w, "_dit_tab", swapped)
+        assert (ours(s)[0] - ref).abs().max() > 100 * tol
