@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--ways", default="per-stream,flow-batched,batched",
                     help="comma list of per-stream, flow-batched, batched (the per-stream way is slow at 32)")
     ap.add_argument("--graph-rows", type=int, default=None, choices=(1, 2, 4, 8, 16, 32),
-                    help="rows of the Euler-loop CUDA graphs (sub-batch size; default 8 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
+                    help="rows of the Euler-loop CUDA graphs (sub-batch size; default 16 or DUPLEXKIT_CODE2WAV_GRAPH_ROWS)")
     ap.add_argument("--phases", action="store_true",
                     help="also print the batched way's ms per round in the encoder, the Euler loop and "
                          "HiFT + cross-fade (synchronised around each call: adds a few syncs; a single stream "

@@ -588,7 +588,9 @@ def test_dit_blocks_equal_the_package_blocks_forward_chunk(c2w, monkeypatch):
         shift, scale = est.blocks[1].adaLN_modulation(t).chunk(9, dim=-1)[6:8]
         torch.testing.assert_close(
             torch.nn.functional.layer_norm(y, y.shape[-1:], tab.norm_w[s, 1, 1], tab.norm_b[s, 1, 1], 1e-6),
-            modulate(est.blocks[1].norm3(y), shift, scale), atol=1e-5 if dev.type == "cpu" else 1e-4, rtol=0)
+            # on CUDA the two adaLN GEMMs (table: all steps at once; here: R rows) round differently
+            # in TF32 (~1e-3 relative on scale/shift, times |norm(y)| up to ~4)
+            modulate(est.blocks[1].norm3(y), shift, scale), atol=1e-5 if dev.type == "cpu" else 5e-3, rtol=0)
 
         # a table read at another step, or with the blocks' rows exchanged, is far off
         assert (ours(s + 1)[0] - ref).abs().max() > 100 * tol
