@@ -208,6 +208,57 @@ def test_steady_chunks_reuse_each_stream_cache_tensor(c2w):
             c2w.close(st)
 
 
+def test_half_attention_caches_follow_the_float32_caches(c2w, monkeypatch):
+    """``att_cache_dtype`` float16 (the CUDA default with TF32 on): the streams' DiT attention caches
+    and the loop's buffer are float16 (half the bytes), the audio stays within float16 rounding of
+    the float32 caches' audio over five chunks, and a stream left with float16 caches still runs
+    the package's single-stream flow (``push``)."""
+    from duplexkit.models.minicpmo45.fast_code2wav import att_cache_dtype_default
+
+    rng = np.random.default_rng(12)
+    codes = [rng.integers(0, 6561, (2, 25)) for _ in range(5)]
+
+    def run(dtype):
+        monkeypatch.setattr(c2w, "att_cache_dtype", dtype)
+        sts = [c2w.new_stream(None, seed=k) for k in range(2)]
+        out, nbytes = [], []
+        for r in range(5):
+            got = c2w.push_batch([SimpleNamespace(handle=st, codes=codes[r][k], last=False) for k, st in enumerate(sts)])
+            assert not any(isinstance(g, BaseException) for g in got), got
+            out.append(np.concatenate(got))
+            att = sts[0].flow_cache["estimator_att_cache"]
+            assert att.dtype == dtype
+            nbytes.append(att.numel() * att.element_size())
+        assert c2w.dit_scratch("kv", 1, 4).dtype == dtype
+        return sts, np.concatenate(out), nbytes
+
+    sts32, a32, b32 = run(torch.float32)
+    sts16, a16, b16 = run(torch.float16)
+    try:
+        assert [2 * b for b in b16] == b32
+        assert not np.array_equal(a16, a32)  # the float16 caches were used
+        snr = 10 * np.log10(np.sum(a32.astype(np.float64) ** 2) / np.sum((a16 - a32).astype(np.float64) ** 2))
+        assert snr > 35, snr
+        # the package's own flow on a stream whose caches are float16 (cast back first)
+        more = rng.integers(0, 6561, 25)
+        want = c2w.push(sts32[0], more)
+        got = c2w.push(sts16[0], more)
+        assert sts16[0].flow_cache["estimator_att_cache"].dtype == c2w.dtype and got.shape == want.shape
+        assert np.isfinite(got).all() and np.abs(got - want).max() < 0.05
+    finally:
+        for st in sts32 + sts16:
+            c2w.close(st)
+    # the default rule and its variable
+    assert att_cache_dtype_default("cpu", torch.float32, False) == torch.float32
+    assert att_cache_dtype_default("cuda", torch.float32, True) == torch.float16
+    assert att_cache_dtype_default("cuda", torch.float32, False) == torch.float32
+    monkeypatch.setenv("DUPLEXKIT_CODE2WAV_ATT_CACHE", "float16")
+    assert att_cache_dtype_default("cpu", torch.float32, False) == torch.float16
+    monkeypatch.setenv("DUPLEXKIT_CODE2WAV_ATT_CACHE", "bfloat16")
+    with pytest.raises(ValueError, match="float16 or float32"):
+        att_cache_dtype_default("cpu", torch.float32, False)
+
+
 def test_encoder_rows_are_independent_of_padding_rows(c2w):
     """The captured encoder runs on a bucket of Bb >= B rows whose extra rows hold stale data: the
     live rows must not depend on them (checked here eagerly, on the same call the graph captures)."""

@@ -30,8 +30,9 @@ copy the outputs before the next replay, so all of them take their static inputs
 caches as views of ONE set of flat buffers sized for :attr:`BatchedCode2Wav.graph_rows` streams at the
 frame capacity (:meth:`BatchedCode2Wav.scratch_bytes`), and capture into one shared memory pool (the
 encoder graphs into another: their outputs are read across Euler-loop replays). The per-step
-attention caches (fp32, 10 steps x 16 blocks x 2 CFG rows x 8 heads x 128, ~400 frames: ~0.5 GB per
-stream at real size) are ONE buffer per call, read and written in place: the streams' cached frames
+attention caches (10 steps x 16 blocks x 2 CFG rows x 8 heads x 128 x up to prompt + 100 frames;
+float16 on CUDA with TF32 on, :func:`att_cache_dtype_default`: ~0.25 GB per stream at real size,
+504 MiB in float32) are ONE buffer per call, read and written in place: the streams' cached frames
 are copied in, each step writes its new frames beside them, and the new caches (trimmed) are copied
 out (:meth:`BatchedCode2Wav._euler`). Before stop 19 the graphs held them three times (input, output
 and the blocks' scratch) and the package's concatenations copied them ~4 more times per step; a
@@ -59,7 +60,8 @@ from .code2wav import CHUNK_CODES, FLOW_CACHE_TAIL_FRAMES, Code2Wav, Code2WavStr
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
-__all__ = ["BatchedCode2Wav", "DiTTable", "FusedQKV", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH", "gather_caches",
+__all__ = ["BatchedCode2Wav", "DiTTable", "FusedQKV", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH",
+           "att_cache_dtype_default", "gather_caches",
            "matmul_tf32_default"]
 
 HIFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -153,11 +155,40 @@ def matmul_tf32_default(device) -> bool:
     return torch.device(device).type == "cuda" and os.environ.get("DUPLEXKIT_CODE2WAV_TF32", "1") != "0"
 
 
+def att_cache_dtype_default(device, flow_dtype, matmul_tf32: bool):
+    """The dtype the batched path keeps the DiT's attention caches (K and V of every Euler step and
+    block) in: ``DUPLEXKIT_CODE2WAV_ATT_CACHE`` (``float16`` or ``float32``) when set; else float16 for
+    a float32 flow with TF32 matmuls on CUDA (:func:`matmul_tf32_default`), else the flow's dtype.
+
+    Why float16 there: with TF32 on, the flow's matmuls already round their float32 inputs to 10
+    mantissa bits, float16's precision, so caches stored in float16 lose no more than the matmuls
+    that made them; they take half the memory (~0.25 GB per stream at real size instead of 504 MiB,
+    where 64 streams ran out of memory on the H200) and half the copy traffic, and attention runs on the
+    tensor cores instead of float32 SIMT (~27 ms of a 32-stream round; benchmarks/NOTES.md, stop
+    20). The attention itself then takes float16 queries and returns float32 (softmax accumulated
+    in float32 by the kernel). ``DUPLEXKIT_CODE2WAV_TF32=0`` gives the reference's float32
+    arithmetic everywhere, caches included.
+
+    Raises:
+        ValueError: the variable names another dtype."""
+    import torch
+
+    env = os.environ.get("DUPLEXKIT_CODE2WAV_ATT_CACHE", "").strip()
+    if env:
+        if env not in ("float16", "float32"):
+            raise ValueError(f"DUPLEXKIT_CODE2WAV_ATT_CACHE must be float16 or float32, got {env!r}")
+        return getattr(torch, env)
+    if torch.device(device).type == "cuda" and flow_dtype == torch.float32 and matmul_tf32:
+        return torch.float16
+    return flow_dtype
+
+
 def gather_caches(caches: Sequence[dict], cnn, kv, Bb: int, T: int) -> None:
     """Copy the estimator caches of streams ``caches`` (each: att [n, depth, 2, h, L, 2hd], cnn [n,
     depth, 2, C, 2], CFG rows conditional first) into an Euler loop's buffers: stream j's rows go to
     rows j and ``Bb + j`` of ``cnn`` [n, depth, 2Bb, C, 2] and, at frames ``T:``, of ``kv`` [n, depth,
-    2Bb, h, T + L, 2hd] (the new frames' place ``:T`` is written by the loop)."""
+    2Bb, h, T + L, 2hd] (the new frames' place ``:T`` is written by the loop). A cache of another
+    dtype than ``kv`` (a voice's float32 base cache into float16 buffers) is cast as it is copied."""
     for j, c in enumerate(caches):
         att, conv = c["estimator_att_cache"], c["estimator_cnn_cache"]
         for r, row in enumerate((j, Bb + j)):
@@ -176,7 +207,8 @@ class BatchedCode2Wav(Code2Wav):
 
     batched = True
 
-    def __init__(self, *a, hift_batched: bool = True, graph_rows: Optional[int] = None, **kw) -> None:
+    def __init__(self, *a, hift_batched: bool = True, graph_rows: Optional[int] = None, att_cache_dtype=None,
+                 **kw) -> None:
         super().__init__(*a, **kw)
         self.hift_batched = bool(hift_batched)
         #: rows of the Euler-loop graphs and of their shared scratch (:data:`GRAPH_MAX_BATCH`)
@@ -207,6 +239,10 @@ class BatchedCode2Wav(Code2Wav):
         #: flag is process wide: while the vocoder works, other threads' fp32 matmuls (a float32 thinker
         #: layout, the application's own) may run TF32 too; graphs captured under it keep it
         self.matmul_tf32 = matmul_tf32_default(self.device)
+        #: dtype of the DiT attention caches of the batched path (:func:`att_cache_dtype_default`;
+        #: ``att_cache_dtype=`` overrides). Changing it later takes effect at the next call (the
+        #: scratch buffers and Euler-loop graphs are rebuilt)
+        self.att_cache_dtype = att_cache_dtype or att_cache_dtype_default(self.device, self.dtype, self.matmul_tf32)
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
         #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
         self._tuning = False
@@ -346,24 +382,29 @@ class BatchedCode2Wav(Code2Wav):
         return (len(new), bool(last), shapes, int(st.prompt.mel.shape[1]), hc is None,
                 None if hc is None else tuple(hc["mel"].shape))
 
-    def _scratch_view(self, role: str, shape: Tuple[int, ...], min_numel: int = 0):
-        """A contiguous view with ``shape`` of the flat scratch buffer ``role`` (zero-filled when made).
+    def _scratch_view(self, role: str, shape: Tuple[int, ...], min_numel: int = 0, dtype=None):
+        """A contiguous view with ``shape`` of the flat scratch buffer ``role`` (zero-filled when made),
+        of ``dtype`` (default: the flow's).
 
         The buffers are sized at the current frame capacity; a buffer is made with at least
         ``min_numel`` elements (a role of the captured graphs: its size for :attr:`graph_rows`
         streams, so that no graph's view outgrows it). A capacity change (a voice with a longer prompt) or a request larger than the buffer
-        makes a new buffer and drops the Euler-loop graphs (they point at the old one)."""
+        makes a new buffer and drops the Euler-loop graphs (they point at the old one); so does a
+        request in another dtype (:attr:`att_cache_dtype` changed)."""
         torch = self.torch
+        dtype = dtype or self.dtype
         if self._scratch_capacity != self._capacity:
             self._scratch.clear()
             self._dit_graphs.clear()
             self._scratch_capacity = self._capacity
         n = math.prod(shape)
         flat = self._scratch.get(role)
-        if flat is None or flat.numel() < n:
+        if flat is None or flat.numel() < n or flat.dtype != dtype:
             if flat is not None and not role.endswith("/eager"):  # eager buffers feed no graph
                 self._dit_graphs.clear()
-            flat = torch.zeros(max(n, min_numel), device=self.device, dtype=self.dtype)
+            flat = None  # the old buffer goes before the new one is made
+            self._scratch.pop(role, None)
+            flat = torch.zeros(max(n, min_numel), device=self.device, dtype=dtype)
             self._scratch[role] = flat
         return flat[:n].view(*shape)
 
@@ -375,7 +416,8 @@ class BatchedCode2Wav(Code2Wav):
         """The Euler loop's buffer ``role`` for ``rows`` streams (2 x rows CFG rows) and ``frames`` time
         frames (``x0``: [B, 80, T]; ``mu_in``, ``cond_in``: [2B, 80, T]; ``spks_in``: [2B, 80]; ``cnn``,
         ``cnn_out``: [n, depth, 2B, C, 2]; ``kv``: [n, depth, 2B, h, F, 2hd] with F = ``frames``, the
-        per-step attention caches the DiT reads and writes in place, see :meth:`_euler`). Rows up to
+        per-step attention caches the DiT reads and writes in place, see :meth:`_euler`, in
+        :attr:`att_cache_dtype`; the rest in the flow's dtype). Rows up to
         :attr:`graph_rows` share one buffer with the graphs; more rows (eager calls) use a second one,
         grown as needed."""
         dec = self.flow.decoder
@@ -390,9 +432,11 @@ class BatchedCode2Wav(Code2Wav):
             "cnn_out": lambda B, T: (n, depth, 2 * B, self._conv_ch, 2),
             "kv": lambda B, T: (n, depth, 2 * B, h, T, hd2),
         }[role]
+        dtype = self.att_cache_dtype if role == "kv" else self.dtype
         if rows <= self.graph_rows:
-            return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(self.graph_rows, cap)))
-        return self._scratch_view(role + "/eager", shapes(rows, frames))
+            return self._scratch_view(role, shapes(rows, frames), min_numel=math.prod(shapes(self.graph_rows, cap)),
+                                      dtype=dtype)
+        return self._scratch_view(role + "/eager", shapes(rows, frames), dtype=dtype)
 
     def _dit_table(self) -> DiTTable:
         """The Euler loop's time-dependent DiT inputs (:class:`DiTTable`), built once (not per batch
@@ -593,8 +637,11 @@ class BatchedCode2Wav(Code2Wav):
             qk = torch.addcmul(qkv_w.norm_b, F.layer_norm(qkv, (hd,), eps=qkv_w.eps)[:, :, :2 * h], qkv_w.norm_w)
             kvb[:, :, :T, :hd].copy_(qk[:, :, h:].transpose(1, 2))
             kvb[:, :, :T, hd:].copy_(qkv[:, :, 2 * h:].transpose(1, 2))
-            o = F.scaled_dot_product_attention(qk[:, :, :h].transpose(1, 2), kvb[..., :hd], kvb[..., hd:])
-            x = torch.addcmul(x, G[b, 0], attn.proj(o.transpose(1, 2).reshape(R, T, -1)))
+            q = qk[:, :, :h].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.to(kvb.dtype), kvb[..., :hd], kvb[..., hd:]).transpose(1, 2)
+            if o.dtype != x.dtype:  # float16 caches (att_cache_dtype): cast while making heads contiguous
+                o = torch.empty(R, T, h, hd, device=x.device, dtype=x.dtype).copy_(o)
+            x = torch.addcmul(x, G[b, 0], attn.proj(o.reshape(R, T, -1)))
             y = F.layer_norm(x, (C,), W[b, 1], Bn[b, 1], block.norm3.eps)  # modulate(norm3(x), conv)
             x_conv, new_cnn = block.conv.forward_chunk(y, cnn[b])
             cnn_out[b].copy_(new_cnn)
@@ -679,7 +726,8 @@ class BatchedCode2Wav(Code2Wav):
         into the stream's own tensor of last chunk (:attr:`Code2WavStream.own_att`) when it has the same
         shape: its old frames are already in ``kv``, and a new tensor per stream would hold two caches
         per stream until the round commits (~24 GB more at 48 streams, real size). The stream's caches
-        then show the new chunk before it commits, so a failed call resets its turn (:meth:`push_batch`)."""
+        then show the new chunk before it commits, so a failed call resets its turn (:meth:`push_batch`).
+        The cache keeps ``kv``'s dtype (:attr:`att_cache_dtype`)."""
         torch = self.torch
         keep = st.prompt.mel.shape[1]
         LT = kv.shape[4]
@@ -699,6 +747,17 @@ class BatchedCode2Wav(Code2Wav):
             "estimator_cnn_cache": torch.stack([new_cnn[:, :, j], new_cnn[:, :, Bb + j]], dim=2),
             "estimator_att_cache": att,
         }
+
+    def _flow_one(self, stream: Code2WavStream, new: np.ndarray, last: bool):
+        """The package's single-stream flow (:meth:`Code2Wav._flow_one`: a lone stream on the CPU, or
+        :meth:`~.code2wav.Code2Wav.push`), on a stream whose attention cache the batched path may have
+        left in :attr:`att_cache_dtype`: cast back to the flow's dtype first (the package concatenates
+        it with the new frames' float32 keys)."""
+        att = stream.flow_cache.get("estimator_att_cache")
+        if att is not None and att.dtype != self.dtype:
+            stream.flow_cache = {**stream.flow_cache, "estimator_att_cache": att.to(self.dtype)}
+            stream.own_att = None
+        return super()._flow_one(stream, new, last)
 
     def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
         """The flow for streams with equal cache shapes (caller holds the lock): one encoder call for
@@ -731,7 +790,7 @@ class BatchedCode2Wav(Code2Wav):
                         raise
                     x = None
                 if x is None:
-                    # a burst of turn ends larger than the graph rows runs on the eager scratch (~0.5 GB
+                    # a burst of turn ends larger than the graph rows runs on the eager scratch (~0.25-0.5 GB
                     # per stream at real size) and did not fit beside the rest; redo it in halves
                     # (outside the except block: its traceback no longer holds the failed call's tensors)
                     if self.device.type == "cuda":
