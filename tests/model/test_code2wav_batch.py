@@ -644,7 +644,8 @@ def test_dit_blocks_equal_the_package_blocks_forward_chunk(c2w, monkeypatch):
             modulate(est.blocks[1].norm3(y), shift, scale), atol=1e-5 if dev.type == "cpu" else 5e-3, rtol=0)
 
         # a table read at another step, or with the blocks' rows exchanged, is far off
-        assert (ours(s + 1)[0] - ref).abs().max() > 100 * tol
+        far = min(100 * tol, 0.5)  # CUDA: tol 2e-2 (TF32); another step's output differs by ~1.5 there
+        assert (ours(s + 1)[0] - ref).abs().max() > far
         swapped = DiTTable(*(f.flip(1) if f.dim() == 4 else f for f in tab))
         monkeypatch.setattr(c2w, "_dit_tab", swapped)
-        assert (ours(s)[0] - ref).abs().max() > 100 * tol
+        assert (ours(s)[0] - ref).abs().max() > far

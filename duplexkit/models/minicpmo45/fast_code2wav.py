@@ -239,15 +239,25 @@ class BatchedCode2Wav(Code2Wav):
         #: flag is process wide: while the vocoder works, other threads' fp32 matmuls (a float32 thinker
         #: layout, the application's own) may run TF32 too; graphs captured under it keep it
         self.matmul_tf32 = matmul_tf32_default(self.device)
-        #: dtype of the DiT attention caches of the batched path (:func:`att_cache_dtype_default`;
-        #: ``att_cache_dtype=`` overrides). Changing it later takes effect at the next call (the
-        #: scratch buffers and Euler-loop graphs are rebuilt)
         self.att_cache_dtype = att_cache_dtype or att_cache_dtype_default(self.device, self.dtype, self.matmul_tf32)
         self.stats = {"flow_calls": 0, "batched_streams": 0, "hift_calls": 0, "hift_rows": 0}
         #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
         self._tuning = False
 
     # ------------------------------------------------------------------ public
+    @property
+    def att_cache_dtype(self):
+        """The dtype of the batched path's DiT attention caches (:func:`att_cache_dtype_default`, or
+        the constructor's ``att_cache_dtype``). Setting it drops the Euler-loop graphs (their buffers
+        have the old dtype); the scratch buffers are remade at the next call. Streams keep the caches
+        they have until their next chunk (cast as they are read)."""
+        return self._att_cache_dtype
+
+    @att_cache_dtype.setter
+    def att_cache_dtype(self, dtype) -> None:
+        self._att_cache_dtype = dtype
+        self._dit_graphs.clear()
+
     def push_batch(self, items: Sequence[Any]) -> list:
         """``push`` for several streams at once. ``items``: objects with ``handle``
         (:class:`Code2WavStream`), ``codes`` (int [n]) and ``last`` (bool), each a different stream.
