@@ -129,7 +129,8 @@ def main() -> int:
             setattr(c2w, meth, timed)
     print(f"device {dev}, size {a.size}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"flow {a.dtype}, code2wav TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}", flush=True)
-    print(f"device {dev}: Euler-loop graph rows {c2w.graph_rows}, sub-batch {c2w.euler_sub_batch}", flush=True)
+    print(f"device {dev}: Euler-loop graph rows {c2w.graph_rows}, sub-batch {c2w.euler_sub_batch}, "
+          f"DiT attention caches {str(c2w.att_cache_dtype).replace('torch.', '')}", flush=True)
     print(f"{'streams':>7} {'per-stream ms':>14} {'flow-batched ms':>16} {'batched ms':>11} "
           f"{'per-stream/batched':>19} {'flow-batched/batched':>21}"
           + (f" {'encoder':>8} {'euler':>8} {'hift':>8}" if a.phases else ""), flush=True)

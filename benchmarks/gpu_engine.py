@@ -623,8 +623,9 @@ def main(argv=None) -> int:
                                code2wav_dtype=getattr(torch, a.code2wav_dtype))
     c2w = model.code2wav
     if c2w is not None:
-        print(f"code2wav: flow {a.code2wav_dtype}, TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}",
-              flush=True)
+        att = getattr(c2w, "att_cache_dtype", None)
+        print(f"code2wav: flow {a.code2wav_dtype}, TF32 matmuls {'on' if getattr(c2w, 'matmul_tf32', False) else 'off'}, "
+              f"DiT attention caches {str(att).replace('torch.', '') if att is not None else 'n/a'}", flush=True)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
