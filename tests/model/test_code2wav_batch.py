@@ -183,6 +183,94 @@ def test_hift_failure_fails_only_its_call(c2w, monkeypatch):
             c2w.close(s)
 
 
+def test_a_failure_after_the_flow_fails_its_streams_and_resets_them(c2w, monkeypatch):
+    """Failures after the flow has advanced the streams' caches in place (the HiFT input of one
+    stream, then the whole vocode step) come back as that item's / every item's exception, never
+    raised out of ``push_batch``, and the failed streams restart their turn: a retry of the same
+    codes gives the same audio as a clean stream (what the engine's halving retry relies on). A
+    stream closed by another thread during the round is left empty, not reset."""
+    rng = np.random.default_rng(21)
+    first, codes = rng.integers(0, 6561, (2, 25)), rng.integers(0, 6561, (2, 25))
+    item = lambda st, c: SimpleNamespace(handle=st, codes=c, last=False)  # noqa: E731
+    sts = [c2w.new_stream(None, seed=k) for k in range(2)]
+    ref = c2w.new_stream(None, seed=0)
+    try:
+        c2w.push_batch([item(st, first[k]) for k, st in enumerate(sts)])  # chunk 2 on: caches rewritten in place
+        real = c2w._hift_input
+
+        def broken(st, mel):
+            if st is sts[0]:
+                raise torch.OutOfMemoryError("injected")
+            return real(st, mel)
+
+        monkeypatch.setattr(c2w, "_hift_input", broken)
+        res = c2w.push_batch([item(st, codes[k]) for k, st in enumerate(sts)])
+        assert isinstance(res[0], torch.OutOfMemoryError) and res[1].shape == (24000,)
+        assert sts[0].chunks == 0 and sts[0].own_att is None and sts[1].chunks == 2
+        monkeypatch.undo()
+        # the retry: stream 0 starts its turn again with these codes, as a new stream would
+        got = c2w.push_batch([item(sts[0], codes[0])])[0]
+        want = c2w.push_batch([item(ref, codes[0])])[0]
+        np.testing.assert_allclose(got, want, atol=ATOL if c2w.device.type == "cpu" else ATOL_CUDA, rtol=0)
+
+        # an error outside any one call's handling fails every live stream, each reset
+        def vocode_fails(ready):
+            raise RuntimeError("injected vocode")
+
+        monkeypatch.setattr(c2w, "_vocode", vocode_fails)
+        res = c2w.push_batch([item(st, codes[k]) for k, st in enumerate(sts)])
+        assert all(isinstance(r, RuntimeError) for r in res)
+        assert all(st.chunks == 0 and st.own_att is None for st in sts)
+        for st in sts:
+            assert all(st.flow_cache[k] is st.base_cache[k] for k in st.base_cache)
+        monkeypatch.undo()
+
+        # closed mid-round (close takes no lock): no StreamClosedError, nothing kept
+        real_vocode = c2w._vocode
+
+        def close_during(ready):
+            real_vocode(ready)
+            c2w.close(sts[1])
+
+        monkeypatch.setattr(c2w, "_vocode", close_during)
+        res = c2w.push_batch([SimpleNamespace(handle=st, codes=codes[k], last=True) for k, st in enumerate(sts)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert sts[1].closed and sts[1].flow_cache == {} and sts[1].own_att is None
+    finally:
+        for st in sts + [ref]:
+            if not st.closed:
+                c2w.close(st)
+
+
+def test_single_stream_path_and_dtype_switch_drop_the_own_cache_tensor(c2w, monkeypatch):
+    """The package's single-stream flow (``push``) makes a new cache, so the batched path's tensor is
+    let go (it would hold a second cache); after ``att_cache_dtype`` changes mid-turn, the next chunk's
+    cache has the new dtype. (Two streams per round: a lone stream on the CPU takes the single-stream
+    flow.)"""
+    rng = np.random.default_rng(22)
+    sts = [c2w.new_stream(None, seed=3 + k) for k in range(2)]
+    st = sts[0]
+
+    def both():
+        c2w.push_batch([SimpleNamespace(handle=s, codes=rng.integers(0, 6561, 25), last=False) for s in sts])
+
+    try:
+        both()
+        both()
+        assert st.own_att is not None and st.own_att is st.flow_cache["estimator_att_cache"]
+        c2w.push(st, rng.integers(0, 6561, 25))
+        assert st.own_att is None
+        both()
+        old = c2w.att_cache_dtype
+        new = torch.float16 if old == torch.float32 else torch.float32
+        monkeypatch.setattr(c2w, "att_cache_dtype", new)
+        both()
+        assert all(s.flow_cache["estimator_att_cache"].dtype == new for s in sts)
+    finally:
+        for s in sts:
+            c2w.close(s)
+
+
 def test_steady_chunks_reuse_each_stream_cache_tensor(c2w):
     """Once a stream's flow cache has its trimmed shape, each new chunk is written into the same
     tensor (no second cache per stream while a round runs), and the audio is still the per-stream

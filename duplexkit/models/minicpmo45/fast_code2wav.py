@@ -165,8 +165,8 @@ def att_cache_dtype_default(device, flow_dtype, matmul_tf32: bool):
     that made them; they take half the memory (~0.25 GB per stream at real size instead of 504 MiB,
     where 64 streams ran out of memory on the H200) and half the copy traffic, and attention runs on the
     tensor cores instead of float32 SIMT (~27 ms of a 32-stream round; benchmarks/NOTES.md, stop
-    20). The attention itself then takes float16 queries and returns float32 (softmax accumulated
-    in float32 by the kernel). ``DUPLEXKIT_CODE2WAV_TF32=0`` gives the reference's float32
+    20). The attention then takes float16 queries (softmax accumulated in float32 by the kernel);
+    its float16 output is copied into the float32 activations. ``DUPLEXKIT_CODE2WAV_TF32=0`` gives the reference's float32
     arithmetic everywhere, caches included.
 
     Raises:
@@ -308,21 +308,36 @@ class BatchedCode2Wav(Code2Wav):
                             p["err"] = exc
                         continue
                     ready.extend((p, *f, last) for p, f in zip(g, flows))
-                self._vocode(ready)
+                try:
+                    self._vocode(ready)
+                except Exception as exc:  # noqa: BLE001 - not one call's: fail every stream still live
+                    detach_traceback(exc)
+                    for p in plans:
+                        if p["err"] is None:
+                            p["err"] = exc
+                    break
                 r += 1
             for p in plans:
                 if p["err"] is not None:
                     results[p["i"]] = p["err"]
                     # its flow cache may already hold this round's chunk (_stream_caches): start the
                     # turn over, as the engine does after any vocoder failure
-                    self.reset_turn(p["st"])
+                    self._end_turn(p["st"])
                     continue
                 p["st"].pending = p["rest"] if not p["last"] else p["rest"][:0]
                 if p["last"]:
-                    self.reset_turn(p["st"])
+                    self._end_turn(p["st"])
                 results[p["i"]] = np.concatenate(p["out"]).astype(np.float32, copy=False) if p["out"] \
                     else np.zeros(0, np.float32)
         return results
+
+    def _end_turn(self, st: Code2WavStream) -> None:
+        """:meth:`reset_turn` after a round; a stream another thread closed during the round (``close``
+        takes no lock) instead drops what the round gave it again."""
+        if st.closed:
+            st.flow_cache, st.own_att, st.hift_cache = {}, None, None
+            return
+        self.reset_turn(st)
 
     @staticmethod
     def warmup_sizes(max_streams: int) -> tuple:
@@ -743,7 +758,8 @@ class BatchedCode2Wav(Code2Wav):
         LT = kv.shape[4]
         shape = (*kv.shape[:2], 2, kv.shape[3], min(LT, keep + FLOW_CACHE_TAIL_FRAMES), kv.shape[5])
         att = st.own_att
-        if att is None or att is not st.flow_cache.get("estimator_att_cache") or tuple(att.shape) != shape:
+        if att is None or att is not st.flow_cache.get("estimator_att_cache") or tuple(att.shape) != shape \
+                or att.dtype != kv.dtype:
             att = st.own_att = torch.empty(shape, device=kv.device, dtype=kv.dtype)
         for r, row in enumerate((j, Bb + j)):
             if LT > keep + FLOW_CACHE_TAIL_FRAMES:
@@ -764,9 +780,9 @@ class BatchedCode2Wav(Code2Wav):
         left in :attr:`att_cache_dtype`: cast back to the flow's dtype first (the package concatenates
         it with the new frames' float32 keys)."""
         att = stream.flow_cache.get("estimator_att_cache")
+        stream.own_att = None  # the package returns a new cache: do not keep the batched path's tensor alive
         if att is not None and att.dtype != self.dtype:
             stream.flow_cache = {**stream.flow_cache, "estimator_att_cache": att.to(self.dtype)}
-            stream.own_att = None
         return super()._flow_one(stream, new, last)
 
     def _flow_group(self, group: List[Tuple[Code2WavStream, np.ndarray]], last: bool) -> list:
@@ -837,9 +853,13 @@ class BatchedCode2Wav(Code2Wav):
             return
         prepared, keys = [], []
         for p, mel, cache, tokens, last in ready:
-            with torch.inference_mode():
-                cache = self._trim_flow_cache(p["st"], cache)
-                mel_in, src = self._hift_input(p["st"], mel)
+            try:
+                with torch.inference_mode():
+                    cache = self._trim_flow_cache(p["st"], cache)
+                    mel_in, src = self._hift_input(p["st"], mel)
+            except Exception as exc:  # noqa: BLE001 - this stream (its flow cache may already be advanced)
+                p["err"] = detach_traceback(exc)
+                continue
             prepared.append((p, mel_in, src, cache, tokens, last))
             keys.append((mel_in.shape[2], src.shape[2], last))
         for rows in group_rows(keys):
