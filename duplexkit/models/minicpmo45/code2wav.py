@@ -117,7 +117,8 @@ class Code2WavStream:
         own_att: the estimator attention-cache tensor the batched path
             (:class:`~.fast_code2wav.BatchedCode2Wav`) allocated for this stream, or None; its next
             chunk of the same cache shape is written into it in place, so a round does not hold a
-            second copy per stream (~0.25 GB at real size with float16 caches, 0.5 GB in float32). Dropped by a turn reset.
+            second copy per stream (~0.25 GB at real size with float16 caches, 0.5 GB in
+            float32). Dropped by a turn reset.
     """
 
     prompt: PromptFeatures
@@ -309,7 +310,8 @@ class Code2Wav:
         The stream refers to its reference voice's base cache (shared by every stream of that voice)
         instead of copying it: the flow only reads its input cache (the package's
         ``inference_chunk`` and the batched graphs copy from it; a chunk's new cache is a new tensor
-        set, or, in the batched path, the stream's own tensor of its previous chunk, never the base), so a listening stream costs no flow-cache memory. A copy was 378 MiB per stream
+        set, or, in the batched path, the stream's own tensor of its previous chunk, never the
+        base), so a listening stream costs no flow-cache memory. A copy was 378 MiB per stream
         at real size (benchmarks/NOTES.md, 48 streams on one H200)."""
         self._check_open(stream)
         stream.flow_cache = dict(stream.base_cache)

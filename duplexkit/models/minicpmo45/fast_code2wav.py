@@ -162,12 +162,12 @@ def att_cache_dtype_default(device, flow_dtype, matmul_tf32: bool):
 
     Why float16 there: with TF32 on, the flow's matmuls already round their float32 inputs to 10
     mantissa bits, float16's precision, so caches stored in float16 lose no more than the matmuls
-    that made them; they take half the memory (~0.25 GB per stream at real size instead of 504 MiB,
-    where 64 streams ran out of memory on the H200) and half the copy traffic, and attention runs on the
-    tensor cores instead of float32 SIMT (~27 ms of a 32-stream round; benchmarks/NOTES.md, stop
+    that made them; they take half the memory (~0.25 GB per stream at real size instead of 504
+    MiB, where 64 streams ran out of memory on the H200) and half the copy traffic, and attention
+    runs on the tensor cores instead of float32 SIMT (~27 ms of a 32-stream round; benchmarks/NOTES.md, stop
     20). The attention then takes float16 queries (softmax accumulated in float32 by the kernel);
-    its float16 output is copied into the float32 activations. ``DUPLEXKIT_CODE2WAV_TF32=0`` gives the reference's float32
-    arithmetic everywhere, caches included.
+    its float16 output is copied into the float32 activations. ``DUPLEXKIT_CODE2WAV_TF32=0`` gives
+    the reference's float32 arithmetic everywhere, caches included.
 
     Raises:
         ValueError: the variable names another dtype."""
@@ -333,11 +333,8 @@ class BatchedCode2Wav(Code2Wav):
 
     def _end_turn(self, st: Code2WavStream) -> None:
         """:meth:`reset_turn` after a round; a stream another thread closed during the round (``close``
-        takes no lock) instead drops what the round gave it again."""
-        if st.closed:
-            st.flow_cache, st.own_att, st.hift_cache = {}, None, None
-            return
-        self.reset_turn(st)
+        takes no lock) is closed again instead, dropping what the round gave it."""
+        (self.close if st.closed else self.reset_turn)(st)
 
     @staticmethod
     def warmup_sizes(max_streams: int) -> tuple:
