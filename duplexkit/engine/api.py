@@ -44,7 +44,13 @@ __all__ = [
     "CancelEpoch",
     "UpdateStream",
     "CloseStream",
+    "SpeakText",
+    "ShellCommand",
+    "DecideTools",
+    "TranscribeAudio",
     "EngineOutput",
+    "ToolDecision",
+    "Transcription",
     "Decision",
     "TextDelta",
     "AudioChunk",
@@ -56,6 +62,8 @@ __all__ = [
     "ChatRequest",
     "ChatResult",
     "ChatDelta",
+    "ToolCall",
+    "TOOL_CHOICES",
     "Engine",
     "EngineStream",
     "apply_command",
@@ -197,6 +205,77 @@ class CloseStream(EngineCommand):
     """Free every per-stream state (KV caches, talker state, vocoder caches)."""
 
 
+@dataclass(frozen=True)
+class SpeakText(EngineCommand):
+    """Say ``text`` in the stream's voice as the model's own words (teacher-forced speech, docs/tools.md).
+
+    From the next unit the engine processes on, each unit is a forced ``speak`` whose decided tokens are
+    the next tokens of ``text`` (at most ``tokens_per_unit`` per unit; the listen token and the
+    boundary pass are skipped, as for ``force_speak``) instead of sampled ones. The tokens go into the
+    thinker's KV with the hidden states of their own positions, so the talker speaks them and later
+    units know what was said (docs/model.md §5.3, §6). After the last token ``<|turn_eos|>`` is fed
+    and the turn ends: the outputs are the usual ``Decision`` (``speak``, ``turn_start`` on the first
+    unit), ``TextDelta`` per unit, ``AudioChunk`` and ``TurnEnd("turn_eos")``, all tagged with this
+    command's epoch. The unit's input audio is still heard (prefilled) as always.
+
+    A ``CancelEpoch`` drops the text not yet spoken (the tokens already fed stay in the KV, like any
+    cancelled turn). A second ``SpeakText`` of the same epoch is queued behind the first.
+
+    Attributes:
+        text: the text to speak (non-empty; plain text, special-token strings stay text).
+        tokens_per_unit: tokens forced per 1-s unit (default 6: about a speaking pace of 2-3 English
+            words per second; duplexkit's choice, the released model has no text-to-duplex rate).
+    """
+
+    text: str = ""
+    tokens_per_unit: int = 6
+
+
+@dataclass(frozen=True)
+class ShellCommand(EngineCommand):
+    """A request of the Session that the I/O shell (``duplexkit.driver.SessionDriver``) serves itself,
+    not the engine stream: like ``OpenStream``, it never goes through :func:`apply_command`. The shell
+    answers each with one output (below) fed back through ``Session.receive_engine_output``."""
+
+
+@dataclass(frozen=True)
+class DecideTools(ShellCommand):
+    """Ask the tool decider whether the user's turn calls a tool (docs/tools.md, "Delegation").
+
+    Attributes:
+        request_id: the Session's id of this decision (echoed by :class:`ToolDecision`).
+        messages: the conversation as :class:`ChatMessage` objects: text for earlier turns (the
+            user's transcripts and the assistant's own transcripts) and, for the turn being decided,
+            the user's audio (float32 16 kHz) and/or its transcript.
+        tools: OpenAI function tools ``{"type": "function", "name", "description", "parameters"}``.
+        tool_choice: ``auto`` | ``required`` | ``{"type": "function", "name": ...}`` (``none`` never
+            asks).
+    """
+
+    request_id: str = ""
+    messages: tuple = ()
+    tools: tuple = ()
+    tool_choice: Union[str, dict] = "auto"
+
+
+@dataclass(frozen=True)
+class TranscribeAudio(ShellCommand):
+    """Transcribe one user turn's audio (``input_audio_transcription``, docs/tools.md).
+
+    Attributes:
+        item_id: the user item the transcript belongs to.
+        audio: float32 [N] mono at 16 kHz (the turn's speech with the VAD's pre-roll).
+        model: the recogniser asked for (``None`` = the server's default).
+        language: optional ISO-639-1 hint; ``prompt``: optional text hint.
+    """
+
+    item_id: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    model: Optional[str] = None
+    language: Optional[str] = None
+    prompt: Optional[str] = None
+
+
 # --------------------------------------------------------------------------------------------
 # Outputs: engine -> Session
 # --------------------------------------------------------------------------------------------
@@ -290,6 +369,42 @@ class EngineFailure(EngineOutput):
     fatal: bool = False
 
 
+@dataclass(frozen=True)
+class ToolDecision(EngineOutput):
+    """The tool decider's answer to :class:`DecideTools` (``unit_index`` is -1).
+
+    Attributes:
+        request_id: the decision's id.
+        calls: :class:`ToolCall` objects (empty: no tool is called; the duplex model answers itself).
+        text: text the decider wrote instead of (or before) a call; informational.
+        error: set when the decider failed (then ``calls`` is empty).
+        elapsed_ms: decider wall time, ms.
+    """
+
+    request_id: str = ""
+    calls: tuple = ()
+    text: str = ""
+    error: Optional[str] = None
+    elapsed_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Transcription(EngineOutput):
+    """The transcript of one user turn (:class:`TranscribeAudio`; ``unit_index`` is -1).
+
+    Attributes:
+        item_id: the user item.
+        text: the transcript ('' when ``error`` is set).
+        error: why transcription failed, or None.
+        elapsed_ms: recogniser wall time, ms.
+    """
+
+    item_id: str = ""
+    text: str = ""
+    error: Optional[str] = None
+    elapsed_ms: float = 0.0
+
+
 EngineError = EngineFailure
 """Deprecated alias of :class:`EngineFailure` (an output record, not an exception; the old name)."""
 
@@ -318,32 +433,58 @@ class ChatRequest:
     use_tts_template: Optional[bool] = None  # default: True when audio is requested or given
     enable_thinking: bool = False
     ref_voice: Optional[ReferenceVoice] = None
+    tools: tuple = ()
+    tool_choice: Union[str, dict] = "auto"
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+"""The string values of :attr:`ChatRequest.tool_choice` (OpenAI's; a dict ``{"type": "function",
+"name": ...}`` names one tool)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model decided (docs/tools.md).
+
+    Attributes:
+        name: the tool's name (one of the request's ``tools``).
+        arguments: the arguments as JSON text, valid against the tool's ``parameters`` schema
+            (constrained decoding guarantees it for the built-in decider).
+        call_id: optional id; the Session assigns ``call_<hex>`` ids when empty.
+    """
+
+    name: str
+    arguments: str = "{}"
+    call_id: str = ""
 
 
 @dataclass(frozen=True)
 class ChatDelta:
     """Streamed piece of a chat result: text and/or float32 24 kHz audio.
 
-    The last delta of a stream carries ``finish_reason`` (``stop`` | ``length``) and ``usage``
+    The last delta of a stream carries ``finish_reason`` (``stop`` | ``length`` | ``tool_calls``) and ``usage``
     (``{"prompt_tokens", "completion_tokens", "total_tokens"}``, LLM tokens); earlier ones carry None.
     """
 
     text: str = ""
     audio: Optional[np.ndarray] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
     usage: Optional[dict] = None
+    tool_calls: tuple = ()
 
 
 @dataclass(frozen=True)
 class ChatResult:
     """Whole chat result. ``audio`` is float32 [N] at 24 kHz or None; ``finish_reason`` is
-    ``stop`` or ``length``."""
+    ``stop``, ``length`` or ``tool_calls`` (then ``tool_calls`` holds :class:`ToolCall` objects and
+    ``text`` any text before them)."""
 
     text: str
     audio: Optional[np.ndarray]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: tuple = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,8 +533,10 @@ def apply_command(stream: EngineStream, command: EngineCommand) -> None:
     calls :meth:`Engine.open_stream` itself)."""
     if isinstance(command, OpenStream):
         raise TypeError("OpenStream is handled by the shell via Engine.open_stream")
+    if isinstance(command, ShellCommand):
+        raise TypeError(f"{type(command).__name__} is served by the shell (SessionDriver), not the engine stream")
     stream.submit(command)
 
 
-EngineCommandT = Union[OpenStream, AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream]
-EngineOutputT = Union[Decision, TextDelta, AudioChunk, TurnEnd, UnitTimings, EngineFailure]
+EngineCommandT = Union[OpenStream, AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream, SpeakText]
+EngineOutputT = Union[Decision, TextDelta, AudioChunk, TurnEnd, UnitTimings, EngineFailure, ToolDecision, Transcription]
