@@ -24,9 +24,15 @@ Hierarchy::
     │   └── LayoutNotSupportedError
     ├── DeviceError(RuntimeError)           server_error (sounddevice/PortAudio)
     ├── ConformanceError(AssertionError)    server_error (a §12 invariant violated by a server)
-    └── DuplexError                         the server's error code (an ``error`` event)
-        ├── DuplexConnectionError(ConnectionError)   connection_closed | unauthorized | ...
-        └── DuplexTimeout(TimeoutError)               timeout
+    ├── DuplexError                         the server's error code (an ``error`` event)
+    │   ├── DuplexConnectionError(ConnectionError)   connection_closed | unauthorized | ...
+    │   └── DuplexTimeout(TimeoutError)               timeout
+    ├── ToolError                           tool_error (``duplexkit.agent``: function tools)
+    │   ├── ToolDefinitionError(TypeError)  invalid_tools (a function that cannot be a tool)
+    │   ├── ToolArgumentsError(ValueError)  tool_arguments_invalid (bad JSON or arguments)
+    │   ├── ToolTimeoutError(TimeoutError)  tool_timeout (a call ran past its ``timeout_s``)
+    │   └── ToolOutputError(TypeError)      tool_output_invalid (a result that is not JSON)
+    └── OptionalDependencyError(ImportError)  missing_dependency (an extra is not installed)
 
 The model port's errors derive from :class:`DuplexkitError` where they are defined (they belong to
 their modules): ``CheckpointError``, ``ConfigError``, ``TokenizerError``, ``ChatInputError``,
@@ -58,6 +64,12 @@ __all__ = [
     "DuplexError",
     "DuplexConnectionError",
     "DuplexTimeout",
+    "ToolError",
+    "ToolDefinitionError",
+    "ToolArgumentsError",
+    "ToolTimeoutError",
+    "ToolOutputError",
+    "OptionalDependencyError",
     "detach_traceback",
 ]
 
@@ -94,6 +106,10 @@ class ErrorCode(str, Enum):
     RESUME_EXPIRED = "resume_expired"
     RESUME_UNAUTHORIZED = "resume_unauthorized"
     RESUME_JOURNAL_OVERFLOW = "resume_journal_overflow"
+    INVALID_TOOLS = "invalid_tools"
+    CALL_NOT_FOUND = "call_not_found"
+    CALL_ALREADY_ANSWERED = "call_already_answered"
+    CALL_CANCELLED = "call_cancelled"
 
 
 #: error code -> OpenAI error ``type`` (docs/protocol.md §9, column "Type").
@@ -121,6 +137,10 @@ ERROR_TYPES: dict[ErrorCode, str] = {
     ErrorCode.RESUME_EXPIRED: "invalid_request_error",
     ErrorCode.RESUME_UNAUTHORIZED: "invalid_request_error",
     ErrorCode.RESUME_JOURNAL_OVERFLOW: "server_error",
+    ErrorCode.INVALID_TOOLS: "invalid_request_error",
+    ErrorCode.CALL_NOT_FOUND: "invalid_request_error",
+    ErrorCode.CALL_ALREADY_ANSWERED: "invalid_request_error",
+    ErrorCode.CALL_CANCELLED: "invalid_request_error",
     ErrorCode.SERVER_ERROR: "server_error",
 }
 
@@ -354,6 +374,90 @@ class DuplexTimeout(DuplexError, TimeoutError):
 
     def __init__(self, message: str) -> None:
         super().__init__("timeout", message)
+
+
+# ------------------------------------------------------------------------------------------ agent (tools)
+
+
+class ToolError(DuplexkitError):
+    """A function tool could not be defined or run (``duplexkit.agent``; code ``tool_error``).
+
+    Errors raised by a tool's own function are not wrapped: they propagate from
+    ``FunctionTool.invoke`` as they are, and the clients' tool runner turns any of them into an error
+    output (``{"error": "..."}``) for the model.
+
+    Attributes:
+        tool: the tool's name, or ``""`` when unknown.
+    """
+
+    default_code = "tool_error"
+
+    def __init__(self, message: str, *, tool: str = "", code: Optional[str] = None) -> None:
+        self.tool = tool
+        super().__init__(message, code=code)
+
+
+class ToolDefinitionError(ToolError, TypeError):
+    """A callable that cannot become a function tool: ``*args`` / ``**kwargs`` parameters, a name
+    that is not 1-64 characters of ``[A-Za-z0-9_-]``, a type pydantic cannot describe as JSON Schema,
+    or a bad option (``late_result``, ``timeout_s``). Code ``invalid_tools``."""
+
+    default_code = "invalid_tools"
+
+
+class ToolArgumentsError(ToolError, ValueError):
+    """A call's arguments are not JSON, or do not validate against the tool's parameters
+    (code ``tool_arguments_invalid``).
+
+    Attributes:
+        errors: pydantic's error list (``ValidationError.errors()``: dicts with ``loc``, ``msg``,
+            ``type``), empty when the text was not JSON at all.
+    """
+
+    default_code = "tool_arguments_invalid"
+
+    def __init__(self, message: str, *, tool: str = "", errors: Optional[list] = None) -> None:
+        self.errors = list(errors or [])
+        super().__init__(message, tool=tool)
+
+
+class ToolTimeoutError(ToolError, TimeoutError):
+    """A tool call ran longer than its ``timeout_s`` (code ``tool_timeout``).
+
+    Attributes:
+        timeout_s: the limit in s.
+    """
+
+    default_code = "tool_timeout"
+
+    def __init__(self, tool: str, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
+        super().__init__(f"tool {tool!r} did not finish within {self.timeout_s:g} s", tool=tool)
+
+
+class ToolOutputError(ToolError, TypeError):
+    """A tool returned a value that cannot be encoded as JSON (code ``tool_output_invalid``)."""
+
+    default_code = "tool_output_invalid"
+
+
+class OptionalDependencyError(DuplexkitError, ImportError):
+    """A feature needs a package of an optional extra that is not installed (code ``missing_dependency``).
+
+    The message names the command that installs it, e.g. ``pip install 'duplexkit[transcribe]'``.
+
+    Attributes:
+        package: the missing import name (``"faster_whisper"``).
+        extra: the duplexkit extra that provides it (``"transcribe"``).
+    """
+
+    default_code = "missing_dependency"
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        self.package = package
+        self.extra = extra
+        super().__init__(f"{feature} needs the package {package!r}, which is not installed: "
+                         f"pip install 'duplexkit[{extra}]'")
 
 
 def detach_traceback(exc: BaseException) -> BaseException:

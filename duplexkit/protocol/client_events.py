@@ -69,9 +69,6 @@ class _InEvent(_In):
 
 #: Fields accepted with no effect (docs/protocol.md §4.1, last row).
 IGNORED_SESSION_FIELDS = (
-    "tools",
-    "tool_choice",
-    "input_audio_transcription",
     "input_audio_noise_reduction",
     "tracing",
     "truncation",
@@ -135,6 +132,10 @@ class SessionPatch(_In):
     overlap_policy: Optional[str] = None
     native_duplex: Optional[StrictBool] = None
     output_sample_rate_hz: Optional[int] = Field(default=None, strict=True)
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    transcription: Optional[Dict[str, Any]] = None
+    tool_filler: Optional[str] = Field(default=None, max_length=500)
     given: List[str] = Field(default_factory=list)
     sources: Dict[str, str] = Field(default_factory=dict)
     ignored: List[str] = Field(default_factory=list)
@@ -168,13 +169,19 @@ class SessionPatch(_In):
             "overlap_policy": ("overlap_policy", "extra_body.overlap_policy"),
             "native_duplex": ("extra_body.native_duplex", "native_duplex", "extra_body.minicpmo45_native_duplex"),
             "output_sample_rate_hz": ("audio.output.sample_rate_hz", "output_sample_rate_hz"),
+            # tools (docs/tools.md): OpenAI's function tools, and the user-transcription settings
+            "tools": ("tools",),
+            "tool_choice": ("tool_choice",),
+            "transcription": ("audio.input.transcription", "input_audio_transcription"),
+            "tool_filler": ("extra_body.tool_filler", "tool_filler"),
         }
         for key, paths in spellings.items():
             for p in paths:
                 _pick(data, p, out, key, src)
-        # null means "not given" for everything except turn_detection (null = model-native mode)
+        # null means "not given" for everything except turn_detection (null = model-native mode) and
+        # transcription (null = off)
         for key in list(out):
-            if out[key] is None and key != "turn_detection":
+            if out[key] is None and key not in ("turn_detection", "transcription"):
                 del out[key]
                 del src[key]
         v = out.get("voice")
@@ -190,6 +197,9 @@ class SessionPatch(_In):
         td = out.get("turn_detection", _MISSING)
         if td is not _MISSING and td is not None and not isinstance(td, dict):
             raise ValueError("turn_detection must be null or an object")
+        tr = out.get("transcription", _MISSING)
+        if tr is not _MISSING and tr is not None and not isinstance(tr, dict):
+            raise ValueError("audio.input.transcription must be null or an object")
         for k in ("force_listen_count", "input_sample_rate_hz", "input_channels", "seed"):
             if isinstance(out.get(k), bool):
                 raise ValueError(f"{k} must be an integer")
@@ -233,9 +243,12 @@ class InputAudioBufferClearEvent(_InEvent):
 
 
 class ResponseParams(_In):
-    """``response.create{response}`` (docs/protocol.md §4). ``instructions``/``tools`` are ignored."""
+    """``response.create{response}`` (docs/protocol.md §4). ``tools``/``tool_choice`` override the
+    session's for this response (docs/tools.md); ``instructions`` is ignored."""
 
     output_modalities: Optional[List[str]] = None
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     max_output_tokens: Optional[Union[Literal["inf"], int]] = None
     metadata: Optional[Dict[str, str]] = None
@@ -258,7 +271,7 @@ class ResponseParams(_In):
         mot = out.get("max_output_tokens")
         if isinstance(mot, bool) or (isinstance(mot, int) and not (1 <= mot <= 8192)):
             raise ValueError("max_output_tokens must be an integer 1..8192 or \"inf\"")
-        out["ignored"] = [k for k in ("instructions", "tools", "tool_choice") if data.get(k) is not None]
+        out["ignored"] = [k for k in ("instructions",) if data.get(k) is not None]
         return out
 
 
@@ -285,12 +298,17 @@ class ContentPartParam(_In):
 
 
 class ItemParam(_In):
-    """An item of ``conversation.item.create`` (docs/protocol.md §4.2); the Session decides what it accepts."""
+    """An item of ``conversation.item.create`` (docs/protocol.md §4.2); the Session decides what it accepts.
+    ``function_call_output`` items carry ``call_id`` and ``output`` (docs/tools.md)."""
 
     id: Optional[str] = None
     type: str = "message"
     role: Optional[str] = None
     content: List[ContentPartParam] = Field(default_factory=list)
+    call_id: Optional[str] = None
+    output: Optional[str] = None
+    name: Optional[str] = None
+    arguments: Optional[str] = None
 
 
 class ConversationItemCreateEvent(_InEvent):

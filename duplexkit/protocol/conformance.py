@@ -14,7 +14,11 @@ Feed every server event dict a session (or server) emits, in order, to
 12. ``audio_duration_ms`` strictly increasing and equal to floor(samples × 1000 / 24000); audio
     deltas are whole pcm16 samples;
 13. ``audio_text_marks`` non-decreasing, ``text_chars`` ≤ transcript length sent so far;
-14. at most one active response.
+14. at most one active response;
+15. function calls (docs/tools.md): a ``function_call`` item is added to the conversation before its
+    ``response.output_item.added``, its argument deltas and done reference it, the done ``arguments``
+    equal the joined deltas, and its ``response.output_item.done`` comes after the done; a response
+    whose output is calls has no assistant message.
 
 Used by the Session's property tests and usable by server/client conformance tests.
 """
@@ -52,6 +56,8 @@ _STEP = {
     "response.output_item.done": 10,
     "conversation.item.done": 11,
     "response.listen": 11,
+    "response.function_call_arguments.delta": 6,  # function calls: rule 15 (checked apart from the envelope)
+    "response.function_call_arguments.done": 6,
     "response.done": 12,
 }
 
@@ -70,6 +76,7 @@ class _Resp:
     mark_chars: int = 0
     mark_ms: int = 0
     audio_deltas: int = 0
+    calls: dict = field(default_factory=dict)  # function_call item id -> [arguments so far, done]
 
 
 @dataclass
@@ -133,7 +140,11 @@ class EventStreamChecker:
             self._on_response_event(ev, rid, t)
         elif t == "conversation.item.added":
             iid = self._new_item(ev)
-            if self._active is not None and ev["item"].get("role") == "assistant":
+            if self._active is not None and ev["item"].get("type") == "function_call":
+                if self._active.item_id is not None:
+                    self.fail("a function_call item in a response that has an assistant message", ev)
+                self._active.calls[iid] = ["", False]
+            elif self._active is not None and ev["item"].get("role") == "assistant":
                 if self._active.item_id is not None:
                     self.fail("a second assistant item for one response", ev)
                 self._active.item_id = iid
@@ -166,6 +177,33 @@ class EventStreamChecker:
         self.created[rid] = ev
         self._active = _Resp(id=rid, epoch=int(r.get("epoch", 0)))
 
+    def _call_event(self, r: _Resp, t: str, ev: dict) -> bool:
+        """Rule 15 for one event of response ``r``; True when the event was a function-call event."""
+        if t in ("response.output_item.added", "response.output_item.done"):
+            item = ev.get("item") or {}
+            if item.get("type") != "function_call":
+                return False
+            c = r.calls.get(item.get("id"))
+            if c is None:
+                self.fail(f"{t} of a function_call item not added to the conversation first", ev)
+            if t == "response.output_item.done" and not c[1]:
+                self.fail("function_call output item done before its arguments are done", ev)
+            return True
+        if t in ("response.function_call_arguments.delta", "response.function_call_arguments.done"):
+            c = r.calls.get(ev.get("item_id"))
+            if c is None:
+                self.fail(f"{t} for an item that is not a function call of this response", ev)
+            if c[1]:
+                self.fail(f"{t} after the arguments were done", ev)
+            if t.endswith(".delta"):
+                c[0] += ev["delta"]
+            else:
+                if ev["arguments"] != c[0]:
+                    self.fail("function_call_arguments.done differs from the joined deltas", ev)
+                c[1] = True
+            return True
+        return False
+
     def _step(self, r: _Resp, t: str, ev: dict) -> None:
         s = _STEP[t]
         if s < r.step or (s == r.step and s != 6):
@@ -180,6 +218,8 @@ class EventStreamChecker:
             self.fail(f"event for response {rid} which is not active", ev)
         if r.expect_transcript and t != "response.output_audio_transcript.delta":
             self.fail("an audio delta must be followed by exactly one transcript delta", ev)
+        if self._call_event(r, t, ev):
+            return
         if t == "response.output_item.added":
             iid = ev["item"]["id"]
             if r.item_id is None:

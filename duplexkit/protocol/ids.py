@@ -18,7 +18,7 @@ def new_session_id() -> str:
 
 
 class IdFactory:
-    """Per-session id generator: ``event_<hex>``, ``resp_<hex>``, ``item_<hex>``."""
+    """Per-session id generator: ``event_<hex>``, ``resp_<hex>``, ``item_<hex>``, ``call_<hex>``, ``dec_<hex>``."""
 
     def __init__(self) -> None:
         self._prefix = secrets.token_hex(6)
@@ -35,3 +35,11 @@ class IdFactory:
 
     def item(self) -> str:
         return self._next("item")
+
+    def call(self) -> str:
+        """A function call id, ``call_<hex>`` (docs/tools.md)."""
+        return self._next("call")
+
+    def decision(self) -> str:
+        """A tool decision id, ``dec_<hex>`` (the Session's DecideTools requests)."""
+        return self._next("dec")

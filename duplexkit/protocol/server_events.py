@@ -30,7 +30,8 @@ __all__ = [
     "ErrorEvent", "SpeechStarted", "SpeechStopped", "InputAudioBufferCommitted", "InputAudioBufferCleared",
     "OutputAudioBufferCleared", "ConversationItemAdded", "ConversationItemDone", "ConversationItemRetrieved",
     "ConversationItemDeleted", "ConversationItemTruncated", "InputAudioTranscriptionCompleted",
-    "ResponseCreated", "ResponseDone", "OutputItemAdded", "OutputItemDone", "ContentPartAdded",
+    "InputAudioTranscriptionDelta", "InputAudioTranscriptionFailed", "FunctionCallArgumentsDelta",
+    "FunctionCallArgumentsDone", "TranscriptionObject", "ResponseCreated", "ResponseDone", "OutputItemAdded", "OutputItemDone", "ContentPartAdded",
     "ContentPartDone", "OutputAudioDelta", "OutputAudioDone", "OutputAudioTranscriptDelta",
     "OutputAudioTranscriptDone", "OutputTextDelta", "OutputTextDone", "ResponseSpeak", "ResponseListen",
     "UnknownServerEvent", "SERVER_EVENT_MODELS", "BETA_EVENT_ALIASES", "EXTENSION_EVENT_TYPES",
@@ -86,12 +87,19 @@ class ContentPart(_Out):
 
 
 class Item(_Out):
+    """A conversation item: ``message`` (``role``, ``content``), ``function_call`` (``call_id``,
+    ``name``, ``arguments``: JSON text) or ``function_call_output`` (``call_id``, ``output``)."""
+
     id: str
     object: str = "realtime.item"
     type: str = "message"
-    role: str
-    status: str = "completed"
-    content: List[ContentPart] = []
+    role: Optional[str] = None
+    status: Optional[str] = "completed"
+    content: Optional[List[ContentPart]] = None
+    call_id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+    output: Optional[str] = None
 
 
 class Part(_Out):
@@ -180,9 +188,19 @@ class TurnDetectionObject(_Out):
     create_response: Optional[bool] = None
 
 
+class TranscriptionObject(_Out):
+    """``audio.input.transcription`` (GA) / ``input_audio_transcription`` (beta): the recogniser of
+    the user's speech (docs/tools.md, "What the user said")."""
+
+    model: str
+    language: Optional[str] = None
+    prompt: Optional[str] = None
+
+
 class AudioInputConfig(_Out):
     format: Optional[AudioFormatObject] = None
     turn_detection: Optional[TurnDetectionObject] = None
+    transcription: Optional[TranscriptionObject] = None
 
     @model_serializer(mode="wrap")
     def _keep_null_turn_detection(self, handler):  # turn_detection: null is meaningful
@@ -243,6 +261,8 @@ class SessionObject(_Out):
     extra_body: Dict[str, Any]
     capabilities: Capabilities
     tools: List[Any] = []
+    tool_choice: Union[str, Dict[str, Any]] = "auto"
+    input_audio_transcription: Optional[TranscriptionObject] = None
 
     @model_serializer(mode="wrap")
     def _keep_nulls(self, handler):
@@ -394,6 +414,43 @@ class InputAudioTranscriptionCompleted(ServerEvent):
     transcript: str
 
 
+class InputAudioTranscriptionDelta(ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.delta"] = (
+        "conversation.item.input_audio_transcription.delta"
+    )
+    item_id: str
+    content_index: int = 0
+    delta: str
+
+
+class InputAudioTranscriptionFailed(ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.failed"] = (
+        "conversation.item.input_audio_transcription.failed"
+    )
+    item_id: str
+    content_index: int = 0
+    error: ErrorInfo
+
+
+class FunctionCallArgumentsDelta(ServerEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    call_id: str
+    delta: str
+
+
+class FunctionCallArgumentsDone(ServerEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    call_id: str
+    name: str
+    arguments: str
+
+
 class ResponseCreated(ServerEvent):
     type: Literal["response.created"] = "response.created"
     response: ResponseObject
@@ -507,7 +564,8 @@ _ALL = [
     SpeechStarted,
     SpeechStopped, InputAudioBufferCommitted, InputAudioBufferCleared, OutputAudioBufferCleared,
     ConversationItemAdded, ConversationItemDone, ConversationItemRetrieved, ConversationItemDeleted,
-    ConversationItemTruncated, InputAudioTranscriptionCompleted, ResponseCreated, ResponseDone,
+    ConversationItemTruncated, InputAudioTranscriptionCompleted, InputAudioTranscriptionDelta,
+    InputAudioTranscriptionFailed, FunctionCallArgumentsDelta, FunctionCallArgumentsDone, ResponseCreated, ResponseDone,
     OutputItemAdded, OutputItemDone, ContentPartAdded, ContentPartDone, OutputAudioDelta,
     OutputAudioDone, OutputAudioTranscriptDelta, OutputAudioTranscriptDone, OutputTextDelta,
     OutputTextDone, ResponseSpeak, ResponseListen,

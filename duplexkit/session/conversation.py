@@ -31,15 +31,17 @@ class _ConvItem:
     """One conversation item as the Session keeps it (the wire object is ``protocol.Item``)."""
 
     id: str
-    role: str
-    kind: str  # "input_audio" | "input_text" | "output_audio" | "output_text"
+    role: Optional[str]
+    kind: str  # "input_audio" | "input_text" | "output_audio" | "output_text" | "function_call" | "function_call_output"
     status: str = "completed"
-    text: str = ""  # user/system text, or the assistant transcript/text sent so far
+    text: str = ""  # user/system text or transcript, the assistant transcript/text sent so far, call arguments or output
     response_id: Optional[str] = None
     marks: list = field(default_factory=list)  # [(text_chars, audio_end_ms)]
     sent_ms: int = 0
     committed_ms: int = 0
     final: bool = False
+    name: Optional[str] = None  # function_call: the tool's name
+    call_id: Optional[str] = None  # function_call / function_call_output
 
 
 class ConversationMixin:
@@ -105,8 +107,12 @@ class ConversationMixin:
                                     param="previous_item_id", event_id=ev.event_id)
             if ev.previous_item_id != self._last_item_id():
                 raise bad("previous_item_id may only name the last item", "previous_item_id")
+        if item.type == "function_call_output":
+            self._on_function_call_output(item, ev.event_id)
+            return
         if item.type != "message" or item.role not in ("user", "system"):
-            raise bad("only user and system message items are accepted", "item.role" if item.type == "message" else "item.type")
+            raise bad("only user and system message items and function_call_output items are accepted",
+                      "item.role" if item.type == "message" else "item.type")
         if item.id is not None and item.id in self._used_ids:
             raise bad(f"item id {item.id!r} is already used", "item.id")
         if not item.content:
@@ -139,6 +145,7 @@ class ConversationMixin:
             x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
             if x.size == 0:
                 raise bad("input_audio item has no audio", "item.content")
+            self._drop_turn_audio()
             self._push_real(self._resampler.process(x), now_ms)
             self._flush_input(now_ms)
             self._since_commit = 0
@@ -147,6 +154,7 @@ class ConversationMixin:
             self._add_item(it)
             self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
             self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+            self._user_turn_ended(it.id, now_ms)
             return
         raise bad(f"unsupported content {sorted(kinds)} (input_text, or user input_audio)", "item.content")
 
@@ -163,6 +171,8 @@ class ConversationMixin:
         if self._resp is not None and self._resp.item_id == ev.item_id:
             raise ProtocolError(ErrorCode.BAD_EVENT, "the active response's item cannot be deleted", param="item_id", event_id=ev.event_id)
         del self._items[ev.item_id]
+        if it.kind == "function_call":
+            self._cancel_call_of(it.id)
         self._emit(ConversationItemDeleted(item_id=ev.item_id))
 
     def _on_item_truncate(self, ev: ConversationItemTruncateEvent, now_ms: float) -> None:

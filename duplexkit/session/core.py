@@ -45,6 +45,8 @@ from duplexkit.audio import InputFormat, StreamDecoder, StreamResampler, UnitFra
 from duplexkit.audio.arrival import ArrivalRateMonitor
 from duplexkit.engine.api import (
     AudioChunk,
+    ToolDecision,
+    Transcription,
     CloseStream,
     Decision,
     EngineCommand,
@@ -92,12 +94,13 @@ from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.pipeline import InputPipelineMixin
 from duplexkit.session.responses import ResponsesMixin
 from duplexkit.session.settings import SettingsMixin, _Settings, _vad_classes
+from duplexkit.session.tools import ToolsMixin
 from duplexkit.session.wire import WireObjectsMixin
 
 log = logging.getLogger("duplexkit.session")
 
 
-class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMixin, WireObjectsMixin):
+class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMixin, ToolsMixin, WireObjectsMixin):
     """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
@@ -191,6 +194,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._stream_open = False
         self.timings: dict = {}
         self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
+        self._now_ms = float(now_ms)  # the clock of the latest input (client event, engine output, tick)
+        self._init_tools()
 
     @property
     def state(self) -> str:
@@ -251,6 +256,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         if self.closed:
             return
         self._last_client_ms = float(now_ms)
+        self._now_ms = float(now_ms)
         event_id = raw.get("event_id") if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) else None
         first_update = not self.started and (
             isinstance(raw, dict) and raw.get("type") == "session.update"
@@ -296,6 +302,13 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         """Apply one engine output. Outputs of other streams or older epochs are dropped."""
         if self.closed or not self.started or out.stream_id != self.stream_id:
             return
+        self._now_ms = float(now_ms)
+        if isinstance(out, ToolDecision):  # matched by request id, not by epoch
+            self._on_tool_decision(out, now_ms)
+            return
+        if isinstance(out, Transcription):  # belongs to a user item, not to an epoch
+            self._on_transcription(out)
+            return
         if isinstance(out, Decision):
             self._consumed(out.unit_index)
         if isinstance(out, EngineFailure) and out.fatal:
@@ -324,11 +337,13 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         """Advance the clock: idle timeout, and silence feeding while a response is active."""
         if self.closed or not self.started:
             return
+        self._now_ms = float(now_ms)
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
         if self._close_pending_ms is not None and now_ms - self._close_pending_ms >= COMMIT_MERGE_MS:
             self._close_committed(now_ms)
+        self._tools_tick(now_ms)
         self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             self._feed_silence(now_ms)

@@ -19,7 +19,8 @@ content), ``listen`` (a listen decision that ends nothing), ``forced_listen`` (t
 decided listen), ``turn_end``, ``cancel`` (``response.cancel`` / a cancelling
 ``output_audio_buffer.clear``), ``barge_in`` (server VAD speech over a response), ``token_cap``,
 ``fail`` (a non-fatal engine failure), ``close`` (client or server close, idle timeout, fatal
-engine failure).
+engine failure), ``tool_call`` (the tool decider's calls are the requested response's output:
+``response.done`` without speech, docs/tools.md).
 
 :data:`TRANSITIONS` maps ``phase -> event -> next phase | ErrorCode | None``. An ``ErrorCode``
 makes :meth:`PhaseMachine.fire` raise :class:`~duplexkit.protocol.TransitionError` (the Session
@@ -62,6 +63,7 @@ class PhaseEvent(str, Enum):
     TOKEN_CAP = "token_cap"
     FAIL = "fail"
     CLOSE = "close"
+    TOOL_CALL = "tool_call"
 
 
 TEvent = PhaseEvent
@@ -92,6 +94,7 @@ TRANSITIONS: dict[Phase, dict[PhaseEvent, Next]] = {
         PhaseEvent.TOKEN_CAP: None,
         PhaseEvent.FAIL: Phase.IDLE,
         PhaseEvent.CLOSE: Phase.CLOSED,
+        PhaseEvent.TOOL_CALL: None,
     },
     Phase.REQUESTED: {
         PhaseEvent.START: None,
@@ -105,6 +108,7 @@ TRANSITIONS: dict[Phase, dict[PhaseEvent, Next]] = {
         PhaseEvent.TOKEN_CAP: Phase.IDLE,
         PhaseEvent.FAIL: Phase.IDLE,
         PhaseEvent.CLOSE: Phase.CLOSED,
+        PhaseEvent.TOOL_CALL: Phase.IDLE,  # the response's output is function calls: response.done
     },
     Phase.SPEAKING: {
         PhaseEvent.START: None,
@@ -118,6 +122,7 @@ TRANSITIONS: dict[Phase, dict[PhaseEvent, Next]] = {
         PhaseEvent.TOKEN_CAP: Phase.IDLE,
         PhaseEvent.FAIL: Phase.IDLE,
         PhaseEvent.CLOSE: Phase.CLOSED,
+        PhaseEvent.TOOL_CALL: None,  # calls are issued before a response speaks, never while it does
     },
     Phase.CLOSED: {ev: None for ev in PhaseEvent},
 }

@@ -112,6 +112,7 @@ class InputPipelineMixin:
         events = self._vad.process(x16) if self._vad is not None else []
         start_real = self._real_samples
         self._real_samples += x16.size
+        self._capture_turn_audio(x16)
         self._last_real_ms = float(now_ms)
         stops = []
         for e in events:
@@ -237,6 +238,8 @@ class InputPipelineMixin:
                              force_speak=force_speak))
 
     def _force_listen_now(self) -> bool:
+        if self._tool_gate():  # the tool decider or a call's output is awaited (docs/tools.md)
+            return True
         if self._force_listen_left > 0:
             self._force_listen_left -= 1
             return True
@@ -328,6 +331,7 @@ class InputPipelineMixin:
         self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
         self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
         self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        self._user_turn_ended(uid, now_ms)
         return uid
 
     def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
@@ -336,6 +340,7 @@ class InputPipelineMixin:
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
+        self._drop_turn_audio()
         self._emit(InputAudioBufferCleared())
 
     def _vad_ms(self, ms: int) -> int:

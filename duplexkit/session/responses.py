@@ -134,6 +134,11 @@ class ResponsesMixin:
             if params.output_modalities and "audio" in params.output_modalities and not self.cfg.audio_output_available:
                 raise ProtocolError(ErrorCode.BAD_EVENT, _NO_VOCODER, param="response.output_modalities",
                                     event_id=ev.event_id)
+            self._tools_for_response(params, ev.event_id)  # invalid_tools before anything changes
+        if self._resp is not None and self._resp.trigger == "filler" and self._queued_create is None:
+            # a filler speaks: this response starts when it ends (docs/tools.md)
+            self._queued_create = (params, ev.event_id)
+            return
         self._create_response(params, "client", ev.event_id, now_ms)
 
     def _create_response(self, params, trigger: str, event_id: Optional[str], now_ms: float = 0) -> None:
@@ -157,6 +162,9 @@ class ResponsesMixin:
         self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
         if trace_log.isEnabledFor(logging.DEBUG):
             self._resp.trace = {"request_ms": float(now_ms), "units_ahead": len(self._inflight) + len(self._unit_hold)}
+        tools, choice = self._tools_for_response(params, event_id)
+        if self._plan_response(trigger, tools, choice, now_ms):
+            return  # the tool decider answers first (docs/tools.md); the forced unit waits for it
         self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
 
     def _new_response(self, trigger, mods, metadata, cap, forced_unit) -> _Response:
@@ -356,3 +364,4 @@ class ResponsesMixin:
                 self._trace_emit(r)
         self._resp = None
         self._force_listen_left = self.settings.force_listen_count
+        self._tools_response_finished(r, self._now_ms)

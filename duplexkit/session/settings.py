@@ -3,7 +3,7 @@ the vLLM-Omni fields, warnings) and the engine :class:`StreamConfig` derived fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from duplexkit.audio import AudioFormatError, InputFormat, StreamDecoder, StreamResampler
@@ -23,6 +23,7 @@ from duplexkit.protocol import (
     SessionUpdated,
     SessionWarning,
 )
+from duplexkit.session.tools import DEFAULT_TOOL_FILLER, parse_tool_choice, parse_tools
 from duplexkit.session.voice import load_ref_audio
 
 
@@ -42,10 +43,15 @@ class _Settings:
     playback_commit_policy: str
     seed: Optional[int] = None
     early_unit_close: bool = True
+    tools: list = field(default_factory=list)
+    tool_choice: Union[str, dict] = "auto"
+    transcription: Optional[dict] = None
+    tool_filler: str = DEFAULT_TOOL_FILLER
 
     def copy(self) -> "_Settings":
         s = _Settings(**self.__dict__)
         s.output_modalities = list(self.output_modalities)
+        s.tools = list(self.tools)
         s.turn_detection = dict(self.turn_detection) if self.turn_detection is not None else None
         return s
 
@@ -150,6 +156,19 @@ class SettingsMixin:
             if name in given:
                 setattr(s, name, conv(getattr(p, name)))
         self._apply_vllm_omni_fields(p, s, given, err, warn)
+        # tools and transcription (docs/tools.md)
+        if "tools" in given:
+            s.tools = parse_tools(p.tools, "session." + p.sources["tools"], event_id)
+        if "tool_choice" in given or "tools" in given:
+            choice = p.tool_choice if "tool_choice" in given else s.tool_choice
+            if "tool_choice" not in given and isinstance(choice, dict) and choice["name"] not in {t["name"] for t in s.tools}:
+                choice = "auto"  # the named tool left the list
+            s.tool_choice = parse_tool_choice(choice, s.tools, "session." + p.sources.get("tool_choice", "tool_choice"),
+                                              event_id)
+        if "transcription" in given:
+            s.transcription = self._parse_transcription(p.transcription, err, warn)
+        if "tool_filler" in given:
+            s.tool_filler = p.tool_filler
         # voice and reference audio (docs/protocol.md §8)
         voice_changed = False
         if "voice" in given:

@@ -18,6 +18,7 @@ from duplexkit.protocol import (
     ResponseObject,
     SessionObject,
     StatusDetails,
+    TranscriptionObject,
     TurnDetectionObject,
     Usage,
 )
@@ -39,8 +40,13 @@ class WireObjectsMixin:
         return EXTENSION_EVENTS + (["session.resumed"] if self.cfg.supports_session_resume else [])
 
     def _item_model(self, it: _ConvItem, truth: bool = False) -> Item:
+        if it.kind == "function_call":
+            return Item(id=it.id, type="function_call", status=it.status, call_id=it.call_id, name=it.name,
+                        arguments=it.text)
+        if it.kind == "function_call_output":
+            return Item(id=it.id, type="function_call_output", status=it.status, call_id=it.call_id, output=it.text)
         if it.kind == "input_audio":
-            content = [ContentPart(type="input_audio")]
+            content = [ContentPart(type="input_audio", transcript=it.text or None)]
         elif it.kind == "input_text":
             content = [ContentPart(type="input_text", text=it.text)]
         elif it.kind == "output_audio":
@@ -80,6 +86,8 @@ class WireObjectsMixin:
         channels = fmt.channels if fmt.channels != 1 else None  # echoed only for multi-channel input
         fobj.channels = channels
         td = TurnDetectionObject(**s.turn_detection) if s.turn_detection is not None else None
+        tr = (TranscriptionObject(model=s.transcription["model"], language=s.transcription["language"],
+                                  prompt=s.transcription["prompt"]) if s.transcription is not None else None)
         rv = s.ref_voice
         return SessionObject(
             id=self.session_id,
@@ -89,7 +97,7 @@ class WireObjectsMixin:
             modalities=list(s.output_modalities),
             voice=s.voice,
             audio=AudioConfig(
-                input=AudioInputConfig(format=fobj, turn_detection=td),
+                input=AudioInputConfig(format=fobj, turn_detection=td, transcription=tr),
                 output=AudioOutputConfig(format=AudioFormatObject(type="audio/pcm", rate=OUTPUT_SAMPLE_RATE), voice=s.voice),
             ),
             input_audio_format=beta,
@@ -108,7 +116,11 @@ class WireObjectsMixin:
                 "playback_commit_policy": s.playback_commit_policy,
                 "seed": s.seed,
                 "early_unit_close": s.early_unit_close,
+                "tool_filler": s.tool_filler,
             },
             capabilities=Capabilities(extension_events=self._extension_events(),
                                       supports_session_resume=self.cfg.supports_session_resume),
+            tools=[{k: v for k, v in t.items() if k != "filler"} for t in s.tools],
+            tool_choice=s.tool_choice,
+            input_audio_transcription=tr,
         )

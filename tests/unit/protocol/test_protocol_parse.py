@@ -29,7 +29,9 @@ def test_error_table_covers_protocol_section_9():
         "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
         "model_not_found",  # a refused model id (handshake and chat, issue 14)
         # session.resume refusals (issue 18, docs/protocol.md §1.6)
-        "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow"}
+        "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow",
+        # tools (issue 35, docs/tools.md)
+        "invalid_tools", "call_not_found", "call_already_answered", "call_cancelled"}
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert ERROR_TYPES[ErrorCode.INPUT_BACKPRESSURE] == "rate_limit_error"
 

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from duplexkit.engine.api import Decision, EngineFailure, TextDelta, TurnEnd
+from duplexkit.engine.api import DecideTools, Decision, EngineFailure, TextDelta, ToolCall, ToolDecision, TurnEnd
 from duplexkit.protocol import ErrorCode, TransitionError
 from duplexkit.session import TRANSITIONS, Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.machine import mermaid_diagram
@@ -127,6 +127,29 @@ def _token_cap(d: Driver) -> None:
     d.engine(TextDelta(d.sid, d.s.epoch, d.last_unit(), text="Hi", n_tokens=1))
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def _tool_call(d: Driver) -> None:
+    """The tool decider's call. In idle: a user turn with tools ends and the decider calls (the
+    Session creates the response, then its output is the call). In requested: the response was
+    created with ``tool_choice: required`` and waits for the decision."""
+    if d.s.phase is Phase.IDLE:
+        d.send({"type": "session.update", "session": {"tools": [WEATHER]}})
+        d.append(fixture_audio("question_16k.wav")[:8000])
+        d.send({"type": "input_audio_buffer.commit"})
+    elif d.s.phase is Phase.REQUESTED and d.s._decision is None:
+        d.send({"type": "response.cancel"})
+        d.send({"type": "session.update", "session": {"tools": [WEATHER]}})
+        d.append(fixture_audio("question_16k.wav")[:8000])
+        d.send({"type": "input_audio_buffer.commit"})
+        d.send({"type": "response.create", "response": {"tool_choice": "required"}})
+    asks = [c for c in d.cmds if isinstance(c, DecideTools)]
+    rid = asks[-1].request_id if asks else "dec_none"
+    d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=rid, calls=(ToolCall("get_weather", '{"city": "Paris"}'),)))
+
+
 STIMULI: dict[PhaseEvent, Callable[[Driver], None]] = {
     PhaseEvent.START: lambda d: (d.s.start(d.t), d.pump()),
     PhaseEvent.CREATE: lambda d: d.send({"type": "response.create"}),
@@ -139,6 +162,7 @@ STIMULI: dict[PhaseEvent, Callable[[Driver], None]] = {
     PhaseEvent.TOKEN_CAP: _token_cap,
     PhaseEvent.FAIL: lambda d: d.engine(EngineFailure(d.sid, d.s.epoch, d.last_unit(), message="boom")),
     PhaseEvent.CLOSE: lambda d: d.send({"type": "close"}),
+    PhaseEvent.TOOL_CALL: _tool_call,
 }
 
 # Cells whose input the Session maps to an earlier event first (the event needs an open response):
@@ -146,11 +170,15 @@ STIMULI: dict[PhaseEvent, Callable[[Driver], None]] = {
 COMPOSED = {
     (Phase.REQUESTED, PhaseEvent.TOKEN_CAP): [PhaseEvent.SPEAK, PhaseEvent.TOKEN_CAP],
     (Phase.IDLE, PhaseEvent.TOKEN_CAP): [PhaseEvent.SPEAK],  # no response to cap: the text opens one
+    # the decider's call creates the response first (then its filler response is created: requested)
+    (Phase.IDLE, PhaseEvent.TOOL_CALL): [PhaseEvent.CREATE, PhaseEvent.TOOL_CALL, PhaseEvent.CREATE],
+    (Phase.REQUESTED, PhaseEvent.TOOL_CALL): [PhaseEvent.TOOL_CALL, PhaseEvent.CREATE],
 }
 # Cells the Session never reaches through its inputs (a client event autostarts a new session;
 # the input that would be the event is another event in that phase). Walked by test_machine_cell.
 UNREACHABLE = {(Phase.NEW, ev) for ev in PhaseEvent if ev not in (PhaseEvent.START, PhaseEvent.CLOSE)}
 UNREACHABLE |= {(Phase.SPEAKING, PhaseEvent.FORCED_LISTEN)}  # an opened response maps it to listen
+UNREACHABLE |= {(Phase.SPEAKING, PhaseEvent.TOOL_CALL)}  # a response that speaks drops the decider's calls
 SESSION_CELLS = [c for c in CELLS if c not in UNREACHABLE]
 
 

@@ -43,7 +43,7 @@ def test_compat_profile_defaults():
     s = d.events[0]["session"]
     assert s["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
     assert s["audio"]["input"]["turn_detection"]["create_response"] is True
-    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done", "early_unit_close": False,
+    assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done", "early_unit_close": False, "tool_filler": "One moment, I'll check.",
                                "seed": None}
     assert s["capabilities"]["extension_events"] == []
 
@@ -523,15 +523,26 @@ def test_session_update_validation_is_atomic():
         ({"max_output_tokens": 0}, "bad_event"),
         ({"extra_body": {"answer_policy": "sometimes"}}, "bad_event"),
         ({"temperature": 0.2, "ref_audio": "https://example.com/a.wav"}, "ref_audio_invalid"),
+        ({"tools": [{"type": "function"}]}, "invalid_tools"),
+        ({"tools": [{"type": "mcp", "server_label": "x"}]}, "invalid_tools"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "invalid_tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 7}}}}]},
+         "invalid_tools"),
+        ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "invalid_tools"),
+        ({"tools": [{"type": "function", "name": f"f{i}"} for i in range(129)]}, "invalid_tools"),
+        ({"tool_choice": "sometimes"}, "invalid_tools"),
+        ({"tool_choice": {"type": "function", "name": "missing"}}, "invalid_tools"),
+        ({"temperature": 0.2, "audio": {"input": {"transcription": "whisper-1"}}}, "bad_event"),
     ]
     for sess, code in cases:
         new = d.send({"type": "session.update", "session": sess})
         assert [e["error"]["code"] for e in d.of("error", new)] == [code], sess
         assert d.s.settings == before
-    new = d.send({"type": "session.update", "session": {"type": "realtime", "voice": "alloy", "tools": [{"type": "function"}],
+    tool = {"type": "function", "name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}
+    new = d.send({"type": "session.update", "session": {"type": "realtime", "voice": "alloy", "tools": [{"type": "function", "name": "f"}],
                                                         "input_audio_format": "pcm16", "sample_rate_hz": 8000}})
     s = new[0]["session"]
-    assert s["voice"] == "alloy" and s["tools"] == [] and s["sample_rate_hz"] == 8000
+    assert s["voice"] == "alloy" and s["tools"] == [tool] and s["tool_choice"] == "auto" and s["sample_rate_hz"] == 8000
 
 
 def test_instructions_only_before_first_unit():
