@@ -26,7 +26,21 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from duplexkit.engine.api import Engine, EngineCommand, EngineFailure, EngineStream, OpenStream, apply_command
+import dataclasses
+
+from duplexkit.engine.api import (
+    DecideTools,
+    Engine,
+    EngineCommand,
+    EngineFailure,
+    EngineStream,
+    OpenStream,
+    ShellCommand,
+    ToolDecision,
+    TranscribeAudio,
+    Transcription,
+    apply_command,
+)
 
 logger = logging.getLogger("duplexkit.driver")
 
@@ -48,6 +62,17 @@ class SessionDriver:
 
     Time is milliseconds since the driver was created (monotonic clock), passed to every Session call.
 
+    Shell commands (docs/tools.md): the Session's :class:`~duplexkit.engine.api.DecideTools` and
+    :class:`~duplexkit.engine.api.TranscribeAudio` are served here, each in its own task, and answered
+    through ``Session.receive_engine_output`` (never raised):
+
+    * ``decider``: a :class:`duplexkit.agent.decider.ToolDecider`; None = the engine's own
+      (:class:`~duplexkit.agent.decider.EngineToolDecider`: the thinker in text mode, constrained
+      decoding). A decider that does not accept audio gets the turn's audio as its transcript first.
+    * ``transcriber``: a :class:`duplexkit.agent.transcribe.Transcriber` used for every request;
+      None = one per requested model name (:func:`duplexkit.agent.transcribe.make_transcriber`:
+      ``minicpm-o`` = the engine's own ASR, ``faster-whisper[:SIZE]``), made on first use.
+
     ``observer`` (optional, set after construction; the server's metrics use it): an object with
     ``engine_command(cmd)``, ``engine_output(out)`` and ``server_event(event_dict)``, called for each
     command forwarded to the stream, each output pumped from it and each event sent. An exception
@@ -55,7 +80,8 @@ class SessionDriver:
     """
 
     def __init__(self, session, engine: Engine, *, on_event: EventSink,
-                 on_close: Callable[[Any], Union[None, Awaitable[None]]], tick_interval_s: float = 0.05) -> None:
+                 on_close: Callable[[Any], Union[None, Awaitable[None]]], tick_interval_s: float = 0.05,
+                 decider: Any = None, transcriber: Any = None) -> None:
         self.session = session
         self.engine = engine
         self.stream: Optional[EngineStream] = None
@@ -69,6 +95,10 @@ class SessionDriver:
         self._pump_task: Optional[asyncio.Task] = None
         self.dispatch_done = asyncio.Event()
         self.observer: Any = None
+        self.decider = decider
+        self.transcriber = transcriber
+        self._transcribers: dict = {}  # model name -> transcriber (when none was given)
+        self._shell_tasks: set[asyncio.Task] = set()
 
     def _observe(self, hook: str, arg) -> None:
         if self.observer is not None:
@@ -111,7 +141,7 @@ class SessionDriver:
 
     async def aclose(self) -> None:
         """Stop the tasks and close the engine stream (its per-stream state is freed)."""
-        tasks = list(self._tasks) + ([self._pump_task] if self._pump_task is not None else [])
+        tasks = list(self._tasks) + list(self._shell_tasks) + ([self._pump_task] if self._pump_task is not None else [])
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -167,6 +197,11 @@ class SessionDriver:
             item = await self._cmds.get()
             if isinstance(item, OpenStream):
                 await self._open_stream(item)
+            elif isinstance(item, ShellCommand):
+                self._observe("engine_command", item)
+                task = asyncio.get_running_loop().create_task(self._serve_shell(item), name="session-shell")
+                self._shell_tasks.add(task)
+                task.add_done_callback(self._shell_tasks.discard)
             elif self.stream is not None:
                 try:
                     apply_command(self.stream, item)
@@ -174,6 +209,63 @@ class SessionDriver:
                 except Exception as exc:  # a broken stream fails this session only
                     logger.exception("engine command failed")
                     self._engine_failed(self.stream.stream_id, self.session.epoch, f"engine command failed: {exc}")
+
+    # -- shell commands: the tool decider and the recogniser (docs/tools.md) ----------------------
+    def _get_decider(self) -> Any:
+        if self.decider is None:
+            from duplexkit.agent.decider import EngineToolDecider
+
+            self.decider = EngineToolDecider(self.engine)
+        return self.decider
+
+    def _get_transcriber(self, model: Optional[str]) -> Any:
+        if self.transcriber is not None:
+            return self.transcriber
+        key = model or "minicpm-o"
+        t = self._transcribers.get(key)
+        if t is None:
+            from duplexkit.agent.transcribe import make_transcriber
+
+            t = self._transcribers[key] = make_transcriber(key, self.engine)
+        return t
+
+    async def _decide(self, cmd: DecideTools) -> ToolDecision:
+        decider = self._get_decider()
+        if not getattr(decider, "accepts_audio", True):
+            from duplexkit.agent.decider import text_messages
+
+            async def transcribe(audio) -> str:
+                t = await self._get_transcriber(None).transcribe(
+                    TranscribeAudio(cmd.stream_id, cmd.epoch, item_id=cmd.request_id, audio=audio))
+                if t.error:
+                    raise RuntimeError(f"transcription for the decider failed: {t.error}")
+                return t.text
+
+            cmd = dataclasses.replace(cmd, messages=tuple(await text_messages(cmd.messages, transcribe)))
+        return await decider.decide(cmd)
+
+    async def _serve_shell(self, cmd: ShellCommand) -> None:
+        t0 = time.monotonic()
+        try:
+            if isinstance(cmd, DecideTools):
+                out = await self._decide(cmd)
+            elif isinstance(cmd, TranscribeAudio):
+                out = await self._get_transcriber(cmd.model).transcribe(cmd)
+            else:
+                raise TypeError(f"unknown shell command {type(cmd).__name__}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failed decider/recogniser fails this request only
+            logger.exception("%s failed", type(cmd).__name__)
+            ms = (time.monotonic() - t0) * 1000
+            msg = f"{type(exc).__name__}: {exc}"
+            if isinstance(cmd, DecideTools):
+                out = ToolDecision(cmd.stream_id, cmd.epoch, -1, request_id=cmd.request_id, error=msg, elapsed_ms=ms)
+            else:
+                out = Transcription(cmd.stream_id, cmd.epoch, -1, item_id=cmd.item_id, error=msg, elapsed_ms=ms)
+        self._observe("engine_output", out)
+        self.session.receive_engine_output(out, self.now_ms())
+        self.flush()
 
     async def _dispatch(self) -> None:
         from duplexkit.session import CloseConnection

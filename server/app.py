@@ -91,6 +91,11 @@ class ServerSettings:
         resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
         resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
             bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
+        tool_model_url: base URL of an OpenAI-compatible chat endpoint (``.../v1``) that decides tool
+            calls and writes answers instead of the thinker in text mode (``--tool-model``;
+            docs/tools.md, "Delegation"); None = the engine's own decider.
+        tool_model_key: its API key (``--tool-model-key``; ``DUPLEXKIT_TOOL_MODEL_KEY`` when unset).
+        tool_model_name: the ``model`` sent to it (``--tool-model-name``; None = the endpoint's default).
         replica_id: this replica's identity when it is one of many (set by
             :mod:`duplexkit_server.ray_serve` from Ray Serve's replica context); reported as
             ``replica`` by ``/health`` and ``/ready`` and in the ``x-duplexkit-replica`` response and
@@ -132,6 +137,9 @@ class ServerSettings:
     resume_journal_events: int = 4096
     resume_journal_bytes: int = 16 * 1024 * 1024
     replica_id: Optional[str] = None
+    tool_model_url: Optional[str] = None
+    tool_model_key: Optional[str] = None
+    tool_model_name: Optional[str] = None
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -242,6 +250,7 @@ class ServerState:
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
         self.default_voice = load_reference_voice(settings.default_voice, settings.max_ref_audio_s) \
             if settings.default_voice else None
+        self._tool_decider: Any = None  # the shared --tool-model decider, made on first use
         self.voices = {name: load_reference_voice(path, settings.max_ref_audio_s)
                        for name, path in (settings.voices or {}).items()}
 
@@ -415,8 +424,28 @@ class ServerState:
         await asyncio.wait([asyncio.ensure_future(c.shutdown(reason)) for c in conns],
                            timeout=self.settings.shutdown_grace_s)
 
+    @property
+    def tool_decider(self) -> Any:
+        """The decider every realtime session uses: None = the engine's own (each session's driver
+        makes an :class:`~duplexkit.agent.decider.EngineToolDecider`), else one shared
+        :class:`~duplexkit.agent.decider.ChatEndpointToolDecider` for ``--tool-model``."""
+        s = self.settings
+        if s.tool_model_url is None:
+            return None
+        if self._tool_decider is None:
+            from duplexkit.agent.decider import ChatEndpointToolDecider
+
+            key = s.tool_model_key or os.environ.get("DUPLEXKIT_TOOL_MODEL_KEY")
+            self._tool_decider = ChatEndpointToolDecider(s.tool_model_url, api_key=key, model=s.tool_model_name)
+        return self._tool_decider
+
     async def aclose(self) -> None:
         await self.shutdown_sessions()
+        if self._tool_decider is not None:
+            try:
+                await self._tool_decider.aclose()
+            except Exception:  # pragma: no cover
+                logger.exception("closing the tool decider failed")
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.engine is not None:

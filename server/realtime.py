@@ -287,7 +287,7 @@ class RealtimeConnection:
         self.requested_model: Optional[str] = None
         self.session = Session(session_config(state, profile), now_ms=0)
         self.driver = SessionDriver(self.session, state.engine, on_event=self._send, on_close=self._close_socket,
-                                    tick_interval_s=state.settings.tick_interval_s)
+                                    tick_interval_s=state.settings.tick_interval_s, decider=state.tool_decider)
         if getattr(state, "metrics", None) is not None:  # duplexkit_server.metrics (GET /metrics)
             self.driver.observer = state.metrics.session_observer()
         self._closed = asyncio.Event()

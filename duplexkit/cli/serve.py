@@ -54,6 +54,25 @@ def _add_hardening_args(p) -> None:
                         "public = no key (scrapers on a private network), off = no route")
 
 
+def _add_tool_args(p) -> None:
+    """``serve`` options of the tool decider (docs/tools.md, "Delegation")."""
+    p.add_argument("--tool-model", default=None, metavar="URL",
+                   help="an OpenAI-compatible chat endpoint (e.g. http://host:8001/v1) that decides tool calls and "
+                        "writes tool answers, instead of this model's thinker in text mode (default)")
+    p.add_argument("--tool-model-key", default=None, metavar="KEY",
+                   help="API key for --tool-model (default: $DUPLEXKIT_TOOL_MODEL_KEY)")
+    p.add_argument("--tool-model-name", default=None, metavar="NAME",
+                   help="the model name sent to --tool-model (default: the endpoint's own default)")
+
+
+def _tool_settings(args) -> dict:
+    url = getattr(args, "tool_model", None)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise CliError(f"--tool-model must be an http:// or https:// URL, got {url!r}", EXIT_USAGE)
+    return {"tool_model_url": url, "tool_model_key": getattr(args, "tool_model_key", None),
+            "tool_model_name": getattr(args, "tool_model_name", None)}
+
+
 def _add_ray_args(p) -> None:
     """``serve`` options of the Ray Serve deployment (docs/deployment.md, "Ray Serve")."""
     p.add_argument("--ray-replicas", type=_replica_range, default=None, metavar="N|MIN-MAX",
@@ -155,7 +174,7 @@ def cmd_serve(args) -> int:
         default_input_rate=args.default_input_rate, default_instructions=args.instructions,
         default_voice=Path(args.default_voice) if args.default_voice else None,
         voices=dict(_parse_voice(v) for v in (args.voice or [])),
-        **_hardening_settings(args))
+        **_hardening_settings(args), **_tool_settings(args))
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:
         sock.close()  # the port was free; Serve's proxy binds it
