@@ -381,10 +381,11 @@ class DuplexEngine:
         async for item in self._generate_iter(request):
             if isinstance(item, ChatDelta):
                 yield item
-            else:  # the thinker result: close the stream with the finish reason and token usage
+            else:  # the thinker result: close the stream with the finish reason, token usage and calls
                 yield ChatDelta(finish_reason=item.finish_reason, usage={
                     "prompt_tokens": int(item.prompt_tokens), "completion_tokens": int(item.completion_tokens),
-                    "total_tokens": int(item.prompt_tokens) + int(item.completion_tokens)})
+                    "total_tokens": int(item.prompt_tokens) + int(item.completion_tokens)},
+                    tool_calls=tuple(getattr(item, "tool_calls", ())))
 
     async def generate(self, request: ChatRequest) -> ChatResult:
         """Turn-based generation (chat completions): text and, with ``output_audio``, the whole
@@ -405,7 +406,8 @@ class DuplexEngine:
         if request.output_audio:
             audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
         return ChatResult(text=text, audio=audio, finish_reason=meta.finish_reason,
-                          prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens)
+                          prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens,
+                          tool_calls=tuple(getattr(meta, "tool_calls", ())))
 
     async def _generate_iter(self, request: ChatRequest):
         if not isinstance(request, ChatRequest):
@@ -439,7 +441,7 @@ class DuplexEngine:
             yield ChatDelta(text=d)
         if thought.text.startswith(sent) and len(thought.text) > len(sent):
             yield ChatDelta(text=thought.text[len(sent):])
-        if request.output_audio:
+        if request.output_audio and not getattr(thought, "tool_calls", ()):  # a call is not spoken
             budget = chat_code_budget(thought.completion_tokens, self.chat_max_codes)
             codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed, budget))
             handle = await self._job("code2wav", lambda: st.code2wav_open(request.ref_voice))

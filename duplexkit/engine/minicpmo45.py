@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import detach_traceback
 from ..models.minicpmo45.capture_gate import CAPTURE_GATE
-from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig
+from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig, ToolCall
 from .stages import TalkerOut, ThinkerOut, VocoderOut
 from .thinker_stream import ThinkerCudaStream, accept, thinker_stream_requested
 
@@ -94,6 +94,7 @@ class ChatThinkerOut:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: tuple = ()  # engine.api.ToolCall objects (finish_reason "tool_calls"; talker_input is then empty)
 
 
 def _prefix_key(cfg: StreamConfig) -> tuple:
@@ -307,7 +308,15 @@ class MiniCPMO45Stages:
         """Text pass of :meth:`DuplexEngine.generate` (thinker stage thread).
 
         ``on_text(delta)`` receives the reply text as it is generated (incremental detokenization;
-        a delta is held back while it ends in an incomplete UTF-8 sequence)."""
+        a delta is held back while it ends in an incomplete UTF-8 sequence); the tokens of a tool call
+        are not text. ``request.tools`` / ``tool_choice`` constrain the reply to the call grammar
+        (docs/model.md, "Tool calls"); a call comes back in ``tool_calls`` with ``finish_reason``
+        ``"tool_calls"`` and nothing to speak.
+
+        Raises:
+            duplexkit.models.minicpmo45.chat.ChatInputError: bad messages, or bad tools / tool_choice
+                (its subclass ``ToolSpecError``).
+        """
         has_audio_in = any(isinstance(p, np.ndarray) and p.dtype != np.uint8
                            for m in request.messages for p in (m.content if isinstance(m, ChatMessage) else []))
         use_tts = request.use_tts_template
@@ -330,12 +339,17 @@ class MiniCPMO45Stages:
                     on_text(delta)
 
             kw["on_token"] = on_token
+        if request.tools:
+            kw["tools"] = list(request.tools)
+            kw["tool_choice"] = request.tool_choice
         r = self.model.thinker.chat(list(request.messages), use_tts_template=use_tts,
                                     enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
                                     temperature=float(request.temperature), seed=request.seed, **kw)
+        calls = tuple(ToolCall(name=c.name, arguments=c.arguments) for c in getattr(r, "tool_calls", ()))
+        finish = "tool_calls" if calls else ("length" if r.finish_reason == "length" else "stop")
         return ChatThinkerOut(text=r.text, talker_input=self._handover(r.tts_token_ids, r.tts_hidden),
-                              finish_reason="length" if r.finish_reason == "length" else "stop",
-                              prompt_tokens=int(r.prompt_tokens), completion_tokens=int(len(r.token_ids)))
+                              finish_reason=finish, prompt_tokens=int(r.prompt_tokens),
+                              completion_tokens=int(len(r.token_ids)), tool_calls=calls)
 
     @_gpu_work
     def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:

@@ -173,8 +173,12 @@ class VllmStages(MiniCPMO45Stages):
         rows from the worker extension.
 
         Raises:
-            VllmBackendError: images in the messages (not supported on vLLM yet).
+            VllmBackendError: images in the messages, or ``tools`` with a ``tool_choice`` other than
+                ``none`` (constrained tool calls run on the native thinker only, docs/vllm.md).
         """
+        if request.tools and request.tool_choice != "none":
+            raise VllmBackendError("tool calls are not supported by the vLLM thinker backend (docs/vllm.md, "
+                                   "\"Not done\"): use a layout with the native thinker, or tool_choice 'none'")
         th = self.model.thinker
         sp = th.special
         has_audio_in = any(isinstance(p, np.ndarray) and p.dtype != np.uint8

@@ -12,11 +12,19 @@ Prompt building:
   audio ``<|audio_start|>`` + n ``<unk>`` + ``<|audio_end|>`` with n from the offline encoder; the
   ``<unk>`` rows of the input embeddings are replaced by the image / audio embeddings;
 * user text is encoded so that special-token strings inside it stay plain text (docs/model.md §2),
-  while the template's own special tokens become their ids.
+  while the template's own special tokens become their ids;
+* ``tools`` (:class:`~.tools.ToolSpec`) go to the template's own tools section (Qwen3's
+  ``apply_chat_template(..., tools=[...])``, chat-completions nesting); each tool's JSON text is
+  encoded as plain text like user text (a description holding ``<|im_end|>`` stays text).
+
+Generation with ``tools`` and ``tool_choice`` other than ``none`` is constrained by the call grammar
+(:mod:`.tools`): the reply is a text answer (``auto``) or one call, parsed into
+``ChatThinkerResult.tool_calls`` with ``finish_reason`` ``"tool_calls"``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -119,8 +127,16 @@ def _special_regex(tokenizer) -> re.Pattern:
 
 
 def build_chat_prompt(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
-                      omni_mode: bool = False, add_generation_prompt: bool = True) -> ChatPrompt:
-    """Build ids and embedding replacements for ``messages`` (see module doc). Raises ChatInputError."""
+                      omni_mode: bool = False, add_generation_prompt: bool = True, tools: Sequence = ()) -> ChatPrompt:
+    """Build ids and embedding replacements for ``messages`` (see module doc).
+
+    ``tools``: :class:`~.tools.ToolSpec` objects rendered by the template's tools section (as
+    ``tool.template_entry()``). Where the rendered text holds a tool's JSON as the template's
+    ``tojson`` writes it (``json.dumps``, ``ensure_ascii=False``), that text is encoded as plain text.
+
+    Raises:
+        ChatInputError: a bad message, or ``tools`` with a tokenizer that has no chat template.
+    """
     tok = th.tokenizer
     sp = th.special
     msgs = _norm_messages(messages)
@@ -143,9 +159,19 @@ def build_chat_prompt(th, messages, *, use_tts_template: Optional[bool] = None, 
     if use_tts_template is None or has_audio:
         use_tts_template = bool(use_tts_template) or has_audio
     template = getattr(tok, "chat_template", None)
-    if template:
-        rendered = tok.apply_chat_template(rendered_msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           enable_thinking=enable_thinking, use_tts_template=use_tts_template)
+    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+              use_tts_template=use_tts_template)
+    if tools and not template:
+        raise ChatInputError("this checkpoint's tokenizer has no chat template: it cannot be given tools")
+    if tools:
+        rendered = tok.apply_chat_template(rendered_msgs, tools=[t.template_entry() for t in tools], **kw)
+        for t in tools:  # each tool's JSON as plain text (the template's tojson is this json.dumps)
+            js = json.dumps(t.template_entry(), ensure_ascii=False)
+            if js in rendered:
+                texts.append(js)
+                rendered = rendered.replace(js, f"{_TXT[0]}{len(texts) - 1}{_TXT[1]}")
+    elif template:
+        rendered = tok.apply_chat_template(rendered_msgs, **kw)
     else:
         rendered = _fallback_render(rendered_msgs, add_generation_prompt, enable_thinking, use_tts_template)
 
@@ -229,21 +255,44 @@ def prompt_embeds(th, prompt: ChatPrompt) -> torch.Tensor:
 def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
                   max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
                   top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
-                  on_token: Optional[Callable[[int], None]] = None):
+                  on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto"):
     """Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
 
     ``temperature`` 0 = greedy. The repetition penalty is HF's (:func:`.sampling.repetition_penalty_hf`)
     over prompt and generated ids; sampling is :func:`.sampling.sample` with the call's seeded
-    generator. ``on_token(id)`` is called for each generated id (not for the final eos).
-    Returns :class:`~.thinker.ChatThinkerResult`. Raises ChatInputError / ValueError on bad input.
+    generator. ``on_token(id)`` is called for each generated id (not for the final eos, nor for the
+    ids of a tool call).
+
+    ``tools`` (OpenAI function tools, see :func:`.tools.normalize_tools`) with ``tool_choice``
+    ``auto`` / ``required`` / ``{"type": "function", "name": X}`` render the template's tools section
+    and constrain every step to the call grammar (:class:`.tools.ToolConstraint`: the grammar's token
+    mask on the logits before the penalties and the sampler); the reply is then text (``auto`` only)
+    or one call, finished within ``max_tokens`` in any case. ``tool_choice`` ``none`` (or no tools)
+    generates as without tools (the tools are not shown to the model).
+
+    Returns :class:`~.thinker.ChatThinkerResult` (``finish_reason`` ``"tool_calls"`` with the parsed
+    calls in ``tool_calls``; then ``text`` is the text before the call and nothing is spoken).
+    Raises ChatInputError (:class:`.tools.ToolSpecError` for bad tools) / ValueError on bad input.
     """
     from .thinker import ChatThinkerResult
 
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     sp = th.special
+    constraint = None
+    specs: list = []
+    if tools:
+        from .tools import ToolConstraint, llg_tokenizer, normalize_tool_choice, normalize_tools
+
+        lt = llg_tokenizer(th)
+        specs = normalize_tools(tools, lt)
+        mode, names = normalize_tool_choice(tool_choice, specs)
+        if mode == "none":
+            specs = []
+        else:
+            constraint = ToolConstraint(th, specs, mode, names, thinking=bool(enable_thinking), max_tokens=max_tokens)
     prompt = build_chat_prompt(th, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
-                               omni_mode=omni_mode)
+                               omni_mode=omni_mode, tools=specs)
     kv = th.new_cache()
     h = th.forward_embeds(prompt_embeds(th, prompt), kv)
     logits = th.logits(h[-1])
@@ -257,8 +306,10 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
     hidden: List[torch.Tensor] = []
     finish = "length"
     eos = set(sp.eos_ids)
+    in_call = False
     for _ in range(max_tokens):
-        x = S.repetition_penalty_hf(logits, seen, repetition_penalty) if repetition_penalty != 1.0 else logits
+        x = constraint.mask(logits) if constraint is not None else logits
+        x = S.repetition_penalty_hf(x, seen, repetition_penalty) if repetition_penalty != 1.0 else x
         if temperature <= 0:
             t = int(torch.argmax(x))
         else:
@@ -266,38 +317,56 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
         if t in eos:
             finish = "stop"
             break
+        if constraint is not None:
+            tail = constraint.advance(t, max_tokens - len(out_ids))
+            if tail is not None:  # the budget ends the reply along the grammar's closing path
+                out_ids += tail
+                break
+            in_call |= t == constraint.open_id
+            if constraint.finished:
+                out_ids.append(t)
+                break
         out_ids.append(t)
-        if on_token is not None:
+        if on_token is not None and not in_call:
             on_token(t)
         seen[t] = True
         hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
         hidden.append(hh)
         logits = th.logits(hh)
-    # spoken span: strictly inside the last <|tts_bos|> ... <|tts_eos|> (or end)
+    calls: list = []
+    out_ids_text = out_ids
+    if constraint is not None:
+        out_ids_text, calls = constraint.parse(out_ids)
+        if calls:
+            finish = "tool_calls"
+    # spoken span: strictly inside the last <|tts_bos|> ... <|tts_eos|> (or end) of the fed ids (a closing
+    # path's ids are not fed); nothing for a call
+    spoken = out_ids_text[:len(hidden)] if not calls else []
     start = None
-    for i in range(len(out_ids) - 1, -1, -1):
-        if out_ids[i] == sp.tts_bos:
+    for i in range(len(spoken) - 1, -1, -1):
+        if spoken[i] == sp.tts_bos:
             start = i + 1
             break
-    if start is None and prompt.use_tts_template:
+    if start is None and prompt.use_tts_template and not calls:
         start = 0
     if start is None:
         span = (0, 0)
     else:
-        end = len(out_ids)
-        for i in range(start, len(out_ids)):
-            if out_ids[i] in (sp.tts_eos, sp.im_end):
+        end = len(spoken)
+        for i in range(start, len(spoken)):
+            if spoken[i] in (sp.tts_eos, sp.im_end):
                 end = i
                 break
         span = (start, end)
-    tts_ids = np.asarray(out_ids[span[0]:span[1]], dtype=np.int64)
+    tts_ids = np.asarray(spoken[span[0]:span[1]], dtype=np.int64)
     H = th.hidden_size
     tts_hidden = torch.stack(hidden[span[0]:span[1]]).float() if span[1] > span[0] else torch.zeros(0, H)
     return ChatThinkerResult(
-        text=th.tokenizer.decode(out_ids, skip_special_tokens=True),
+        text=th.tokenizer.decode(out_ids_text, skip_special_tokens=True),
         token_ids=np.asarray(out_ids, dtype=np.int64),
         tts_token_ids=tts_ids,
         tts_hidden=tts_hidden,
         finish_reason=finish,
         prompt_tokens=len(prompt.ids),
+        tool_calls=tuple(calls),
     )

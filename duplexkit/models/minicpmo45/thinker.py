@@ -149,8 +149,11 @@ class ChatThinkerResult:
         tts_token_ids: int64 [L] ids strictly inside the last ``<|tts_bos|>``…``<|tts_eos|>``
             (or ``<|im_end|>``/end) span (docs/model.md §4).
         tts_hidden: float32 [L, H] final-norm hidden states at those tokens' input positions.
-        finish_reason: "stop" (eos) or "length".
+        finish_reason: "stop" (eos), "length" or "tool_calls".
         prompt_tokens: prompt length in tokens.
+        tool_calls: :class:`~.tools.ParsedCall` objects (name, arguments JSON text) of a constrained
+            tool call (docs/model.md, "Tool calls"); then ``text`` is the text before the call and
+            the spoken span is empty.
     """
 
     text: str
@@ -159,6 +162,7 @@ class ChatThinkerResult:
     tts_hidden: torch.Tensor
     finish_reason: str
     prompt_tokens: int
+    tool_calls: tuple = ()
 
 
 class Thinker:

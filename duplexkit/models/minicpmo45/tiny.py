@@ -36,7 +36,7 @@ from .tokenizer import SPECIAL_TOKEN_STRINGS
 
 __all__ = ["TINY_VERSION", "build_tiny_checkpoint", "tiny_checkpoint", "tiny_config_dict"]
 
-TINY_VERSION = "1"
+TINY_VERSION = "2"
 """Bumped whenever the builder's output changes (part of the cache directory name)."""
 
 # Special strings in id order after the BPE vocabulary. docs/model.md §2 lists them; the reserved ones
@@ -54,8 +54,13 @@ _ADDED_SPECIAL = [
     "<|turn_eos|>", "<|chunk_eos|>", "<|chunk_tts_eos|>", "<|tts_pad|>",
     "<reserved_53>",
     "<unk>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
 ]
-_NOT_SPECIAL = {"<think>", "</think>"}
+# Not special in the released tokenizer either (they stay in decoded text).
+_NOT_SPECIAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
+# Added tokens the released bad_token_ids leave out besides _DUPLEX_ALLOWED (every id there is < 151643,
+# no added token): the tool-call markup.
+_NOT_BAD = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
 # Tokens allowed in duplex decoding; every other added token goes to bad_token_ids.
 _DUPLEX_ALLOWED = {"<|listen|>", "<|speak|>", "<|tts_bos|>", "<|tts_eos|>", "<|turn_eos|>", "<|chunk_eos|>",
                    "<|chunk_tts_eos|>", "<|tts_pad|>", "<|im_end|>"}
@@ -79,9 +84,43 @@ Streaming voice agents listen and speak at the same time, one second at a time.
 Good night, sleep well, and see you tomorrow morning!
 """
 
+# The chat template: ChatML with the generation-prompt switches of docs/model.md §4 and the function-calling
+# conventions of the released (Qwen3) template, written for this builder: with ``tools`` a system turn
+# lists each tool as one JSON line inside <tools></tools> (after the first system message's text, which
+# it replaces) and asks for calls as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>;
+# assistant ``tool_calls`` are written back in that form; ``tool`` messages become one user turn of
+# <tool_response> blocks.
 _CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- set msgs = messages %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- set msgs = messages[1:] %}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'Function signatures, one JSON object a line, inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nWrite each call as a JSON object with the function name and arguments inside '"
+    " + '<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": '"
+    " + '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in msgs %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or msgs[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or msgs[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -126,7 +165,7 @@ def _write_tokenizer(out: Path) -> Dict[str, int]:
                       "special": s not in _NOT_SPECIAL}
         for s in _ADDED_SPECIAL
     }
-    bad = sorted(ids[s] for s in _ADDED_SPECIAL if s not in _DUPLEX_ALLOWED)
+    bad = sorted(ids[s] for s in _ADDED_SPECIAL if s not in _DUPLEX_ALLOWED and s not in _NOT_BAD)
     tcfg = {
         "add_bos_token": False,
         "add_prefix_space": False,
