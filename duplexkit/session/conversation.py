@@ -147,6 +147,7 @@ class ConversationMixin:
                 raise bad("input_audio item has no audio", "item.content")
             self._drop_turn_audio()
             self._push_real(self._resampler.process(x), now_ms)
+            self._user_turn_ending(now_ms)
             self._flush_input(now_ms)
             self._since_commit = 0
             it = _ConvItem(id=item.id or self._new_item_id(), role="user", kind="input_audio")

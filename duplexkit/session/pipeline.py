@@ -321,6 +321,7 @@ class InputPipelineMixin:
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
                 flush: bool = True, defer: bool = False) -> str:
+        self._user_turn_ending(now_ms)
         if flush:
             self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0

@@ -293,6 +293,14 @@ class ToolsMixin:
         self._turn_audio, self._turn_audio_n = [], 0
 
     # -- the end of a user turn -----------------------------------------------------------------
+    def _user_turn_ending(self, now_ms: float) -> None:
+        """Before a commit closes the turn's last unit: with tools, the turn's decision is opened now
+        so that this unit already goes out under the tool gate (the DecideTools follows in
+        :meth:`_user_turn_ended`, once the turn's audio is complete)."""
+        if self._tools_active() and self._resp is None and self._decision is None and self._turn_audio_n:
+            self._decision = _Decision(id=self._ids.decision(), kind="turn", started_ms=float(now_ms),
+                                       tools=self.settings.tools)
+
     def _user_turn_ended(self, item_id: str, now_ms: float, audio: Optional[np.ndarray] = None) -> None:
         """A user item was committed: transcribe it and, with tools, ask the decider."""
         if audio is None:
@@ -303,12 +311,18 @@ class ToolsMixin:
         if tr is not None and audio.size:
             self._cmd(TranscribeAudio(self.stream_id, self.epoch, item_id=item_id, audio=audio,
                                       model=tr["effective_model"], language=tr["language"], prompt=tr["prompt"]))
-        if self._tools_active() and audio.size and self._resp is None:
-            self._start_decision("turn", now_ms, self.settings.tools, self.settings.tool_choice, audio=audio)
+        opened = self._decision if self._decision is not None and self._decision.kind == "turn" else None
+        if self._tools_active() and audio.size and (self._resp is None or self._resp.trigger == "model"):
+            self._start_decision("turn", now_ms, self.settings.tools, self.settings.tool_choice, audio=audio,
+                                 decision=opened)
+        elif opened is not None:
+            self._decision = None
 
     def _start_decision(self, kind: str, now_ms: float, tools: list, choice: Any,
-                        audio: Optional[np.ndarray] = None, response_id: Optional[str] = None) -> None:
-        d = _Decision(id=self._ids.decision(), kind=kind, started_ms=float(now_ms), tools=tools, response_id=response_id)
+                        audio: Optional[np.ndarray] = None, response_id: Optional[str] = None,
+                        decision: Optional[_Decision] = None) -> None:
+        d = decision or _Decision(id=self._ids.decision(), kind=kind, started_ms=float(now_ms), tools=tools,
+                                  response_id=response_id)
         self._decision = d
         messages = self._decider_messages(audio)
         self._cmd(DecideTools(self.stream_id, self.epoch, request_id=d.id, messages=tuple(messages),
@@ -343,12 +357,16 @@ class ToolsMixin:
 
     # -- gate, clock ----------------------------------------------------------------------------
     def _tool_gate(self) -> bool:
-        """True while the duplex model must listen: a decision is pending, or calls of the current
-        user turn wait for their outputs and no response is active."""
+        """True while the duplex model must listen: a decision is pending; or the session has tools,
+        no response is active and the user is speaking (server VAD) — the turn's decision comes at its
+        end and no answer may start before it; or calls of the current user turn wait for their
+        outputs and no response is active."""
         if self._decision is not None:
             return True
         if self._resp is not None:
             return False
+        if self._vad_item is not None and self._tools_active():
+            return True
         return any(c.status == "pending" and c.turn == self._turn_seq for c in self._calls.values())
 
     def _tools_tick(self, now_ms: float) -> None:
@@ -400,7 +418,10 @@ class ToolsMixin:
                 return
         else:
             if self._resp is not None:
-                return  # cannot happen while the gate holds; never two responses
+                # the model began an answer of its own (a unit decided before the gate closed): the
+                # decider's call supersedes it
+                self._fire(PhaseEvent.CANCEL)
+                self._cancel_active("turn_detected")
             self._fire(PhaseEvent.CREATE)
             self._resp = self._new_response("tool", list(self.settings.output_modalities), None,
                                             self.settings.max_output_tokens, forced_unit=None)

@@ -65,10 +65,38 @@ def test_user_turn_asks_the_decider_with_its_audio_and_holds_the_model():
     new = d.append(np.zeros(32000, np.float32))
     units = d.cmds_of(AppendUnit, new)
     assert units and all(u.force_listen for u in units)
-    # no call: the gate opens, the model decides as usual again
+    # no call: the gate opens (once the VAD has heard the speech end), the model decides as usual again
     _decide(d)
     units = d.cmds_of(AppendUnit, d.append(np.zeros(32000, np.float32)))
-    assert units and not any(u.force_listen for u in units)
+    assert units and not units[-1].force_listen
+
+
+def test_gate_covers_the_users_speech_and_the_commits_closing_unit():
+    d = _session()
+    new = d.append(fixture_audio("question_16k.wav"))  # server VAD: speech started, not stopped yet
+    assert d.of("input_audio_buffer.speech_started", new)
+    assert all(u.force_listen for u in d.cmds_of(AppendUnit, new)[1:])
+    new = d.send({"type": "input_audio_buffer.commit"})
+    d.tick(50)
+    closing = [c for c in d.cmds if isinstance(c, AppendUnit)][-1]
+    assert closing.force_listen  # the early-closed last unit of the turn is already held
+    # without tools nothing is held
+    d2 = Driver()
+    new = d2.append(fixture_audio("question_16k.wav"))
+    assert not any(u.force_listen for u in d2.cmds_of(AppendUnit, new))
+
+
+def test_a_call_supersedes_an_answer_the_model_began_on_its_own():
+    d = _session(tool_filler="")
+    d.append(fixture_audio("question_16k.wav")[:24000])  # the user speaks (the VAD starts)
+    d.speak(["Hmm "], end=False)  # a unit submitted before the gate closed decides to speak: the model's own response
+    own = d.s.active_response_id
+    d.send({"type": "input_audio_buffer.commit"})
+    new = _decide(d, ToolCall("get_weather", '{"city": "Paris"}'))
+    done = d.of("response.done", new)
+    assert done[0]["response"]["id"] == own and done[0]["response"]["status"] == "cancelled"
+    assert done[1]["response"]["output"][0]["type"] == "function_call"
+    assert any(isinstance(c, CancelEpoch) for c in new)
 
 
 def test_call_is_a_response_of_function_call_items_then_a_filler_speaks():
@@ -159,7 +187,7 @@ def test_invalid_and_unknown_calls_are_dropped_with_a_warning():
     assert warns == ["tool_call_invalid"] * 4
     assert d.of("response.created", new) == []
     units = d.cmds_of(AppendUnit, d.append(np.zeros(32000, np.float32)))
-    assert units and not any(u.force_listen for u in units)
+    assert units and not units[-1].force_listen
 
 
 def test_function_call_output_errors_keep_the_session():
