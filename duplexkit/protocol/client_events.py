@@ -136,6 +136,7 @@ class SessionPatch(_In):
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     transcription: Optional[Dict[str, Any]] = None
     tool_filler: Optional[str] = Field(default=None, max_length=500)
+    tool_progress: Optional[Dict[str, Any]] = None
     given: List[str] = Field(default_factory=list)
     sources: Dict[str, str] = Field(default_factory=dict)
     ignored: List[str] = Field(default_factory=list)
@@ -174,6 +175,7 @@ class SessionPatch(_In):
             "tool_choice": ("tool_choice",),
             "transcription": ("audio.input.transcription", "input_audio_transcription"),
             "tool_filler": ("extra_body.tool_filler", "tool_filler"),
+            "tool_progress": ("extra_body.tool_progress", "tool_progress"),
         }
         for key, paths in spellings.items():
             for p in paths:
@@ -181,7 +183,7 @@ class SessionPatch(_In):
         # null means "not given" for everything except turn_detection (null = model-native mode) and
         # transcription (null = off)
         for key in list(out):
-            if out[key] is None and key not in ("turn_detection", "transcription"):
+            if out[key] is None and key not in ("turn_detection", "transcription", "tool_progress"):
                 del out[key]
                 del src[key]
         v = out.get("voice")

@@ -135,7 +135,7 @@ class ResponsesMixin:
                 raise ProtocolError(ErrorCode.BAD_EVENT, _NO_VOCODER, param="response.output_modalities",
                                     event_id=ev.event_id)
             self._tools_for_response(params, ev.event_id)  # invalid_tools before anything changes
-        if self._resp is not None and self._resp.trigger == "filler" and self._queued_create is None:
+        if self._resp is not None and self._resp.trigger in ("filler", "progress") and self._queued_create is None:
             # a filler speaks: this response starts when it ends (docs/tools.md)
             self._queued_create = (params, ev.event_id)
             return

@@ -23,7 +23,7 @@ from duplexkit.protocol import (
     SessionUpdated,
     SessionWarning,
 )
-from duplexkit.session.tools import DEFAULT_TOOL_FILLER, parse_tool_choice, parse_tools
+from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools
 from duplexkit.session.voice import load_ref_audio
 
 
@@ -47,6 +47,7 @@ class _Settings:
     tool_choice: Union[str, dict] = "auto"
     transcription: Optional[dict] = None
     tool_filler: str = DEFAULT_TOOL_FILLER
+    tool_progress: Optional[dict] = field(default_factory=lambda: dict(DEFAULT_TOOL_PROGRESS))
 
     def copy(self) -> "_Settings":
         s = _Settings(**self.__dict__)
@@ -169,6 +170,18 @@ class SettingsMixin:
             s.transcription = self._parse_transcription(p.transcription, err, warn)
         if "tool_filler" in given:
             s.tool_filler = p.tool_filler
+        if "tool_progress" in given:
+            tp = p.tool_progress
+            if tp is not None:
+                after, text = tp.get("after_ms", DEFAULT_TOOL_PROGRESS["after_ms"]), tp.get("text", DEFAULT_TOOL_PROGRESS["text"])
+                if isinstance(after, bool) or not isinstance(after, int) or not 1000 <= after <= 60000:
+                    raise err(ErrorCode.BAD_EVENT, "tool_progress.after_ms must be an integer 1000..60000", "tool_progress",
+                              "after_ms")
+                if not isinstance(text, str) or not text or len(text) > 500:
+                    raise err(ErrorCode.BAD_EVENT, "tool_progress.text must be a non-empty string of at most 500 "
+                              "characters", "tool_progress", "text")
+                tp = {"after_ms": after, "text": text}
+            s.tool_progress = tp
         # voice and reference audio (docs/protocol.md §8)
         voice_changed = False
         if "voice" in given:

@@ -83,7 +83,8 @@ from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.machine import PhaseEvent
 
 __all__ = [
-    "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "TOOL_DECISION_TIMEOUT_MS",
+    "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
+    "TOOL_DECISION_TIMEOUT_MS",
     "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "ToolsMixin", "parse_tools", "parse_tool_choice",
 ]
 
@@ -99,6 +100,11 @@ MAX_TOOL_OUTPUT_CHARS = 64 * 1024
 DEFAULT_TOOL_FILLER = "One moment, I'll check."
 """Spoken at once when a call is issued, unless the tool's ``filler`` or ``extra_body.tool_filler``
 says otherwise (``""`` turns it off)."""
+
+DEFAULT_TOOL_PROGRESS = {"after_ms": 6000, "text": "Still working on it."}
+"""A progress line spoken while a call of the current turn has had no output for ``after_ms`` (ms
+since the call was issued or the last progress line) and nothing else speaks
+(``extra_body.tool_progress``; null turns it off)."""
 
 TOOL_DECISION_TIMEOUT_MS = 3000
 """Longest the tool gate holds the duplex model for one decision (ms of the Session clock)."""
@@ -225,6 +231,7 @@ class _Call:
     item_id: str
     name: str
     turn: int
+    issued_ms: float = 0.0
     status: str = "pending"  # pending | answered | cancelled
 
 
@@ -241,6 +248,7 @@ class ToolsMixin:
         self._queued_create = None  # (params, event_id) of a response.create waiting for a filler
         self._outputs_pending = False  # function_call_output items arrived since the last response
         self._last_audio: Optional[np.ndarray] = None
+        self._progress_ms = 0.0  # when the last progress line was spoken
 
     # -- settings -------------------------------------------------------------------------------
     def _tools_active(self, tools: Optional[list] = None, choice: Any = None) -> bool:
@@ -370,6 +378,7 @@ class ToolsMixin:
         return any(c.status == "pending" and c.turn == self._turn_seq for c in self._calls.values())
 
     def _tools_tick(self, now_ms: float) -> None:
+        self._progress_tick(now_ms)
         d = self._decision
         if d is None or now_ms - d.started_ms < TOOL_DECISION_TIMEOUT_MS:
             return
@@ -378,6 +387,21 @@ class ToolsMixin:
             f"the tool decider gave no answer in {TOOL_DECISION_TIMEOUT_MS} ms: the model answers without tools "
             "this turn (a late decision is dropped)")))
         self._decision_without_call(d, now_ms)
+
+    def _progress_tick(self, now_ms: float) -> None:
+        """Speak the progress line (``extra_body.tool_progress``) when a call of the current turn has
+        waited ``after_ms`` for its output since it was issued or since the last progress line, and
+        nothing else is speaking or being decided."""
+        tp = self.settings.tool_progress
+        if tp is None or self._resp is not None or self._decision is not None or self._vad_item is not None:
+            return
+        waiting = [c for c in self._calls.values() if c.status == "pending" and c.turn == self._turn_seq]
+        if not waiting:
+            return
+        since = max(max(c.issued_ms for c in waiting), self._progress_ms)
+        if now_ms - since >= tp["after_ms"]:
+            self._progress_ms = float(now_ms)
+            self._speak_response(tp["text"], "progress")
 
     def _decision_without_call(self, d: _Decision, now_ms: float) -> None:
         """Open the gate; a response waiting for the decision gets its forced unit now."""
@@ -478,7 +502,8 @@ class ToolsMixin:
             model = self._item_model(it)
             self._emit(OutputItemDone(response_id=r.id, output_index=i, item=model))
             self._emit(ConversationItemDone(previous_item_id=prev, item=model))
-            self._calls[call_id] = _Call(call_id=call_id, item_id=it.id, name=c.name, turn=self._turn_seq)
+            self._calls[call_id] = _Call(call_id=call_id, item_id=it.id, name=c.name, turn=self._turn_seq,
+                                         issued_ms=self._now_ms)
             outputs.append(model)
         self._fire(PhaseEvent.TOOL_CALL)
         self._emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
@@ -593,7 +618,7 @@ class ToolsMixin:
         d = self._decision
         if d is not None and d.response_id == r.id:
             self._decision = None
-        if self._queued_create is not None and r.trigger == "filler":
+        if self._queued_create is not None and r.trigger in ("filler", "progress"):
             params, event_id = self._queued_create
             self._queued_create = None
             self._create_response(params, "client", event_id, now_ms)

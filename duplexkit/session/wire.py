@@ -117,6 +117,7 @@ class WireObjectsMixin:
                 "seed": s.seed,
                 "early_unit_close": s.early_unit_close,
                 "tool_filler": s.tool_filler,
+                "tool_progress": s.tool_progress,
             },
             capabilities=Capabilities(extension_events=self._extension_events(),
                                       supports_session_resume=self.cfg.supports_session_resume),

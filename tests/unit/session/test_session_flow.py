@@ -44,6 +44,7 @@ def test_compat_profile_defaults():
     assert s["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
     assert s["audio"]["input"]["turn_detection"]["create_response"] is True
     assert s["extra_body"] == {"force_listen_count": 0, "answer_policy": "on_request", "playback_commit_policy": "commit_on_done", "early_unit_close": False, "tool_filler": "One moment, I'll check.",
+                               "tool_progress": {"after_ms": 6000, "text": "Still working on it."},
                                "seed": None}
     assert s["capabilities"]["extension_events"] == []
 

@@ -298,3 +298,27 @@ def test_server_vad_turn_with_create_response_waits_for_the_decision(profile):
     new = _decide(d, ToolCall("get_weather", '{"city": "Paris"}'))
     done = d.of("response.done", new)[0]["response"]
     assert done["id"] == created[0]["response"]["id"] and done["output"][0]["type"] == "function_call"
+
+
+def test_progress_line_while_a_slow_tool_runs():
+    d = _session(tool_filler="", tool_progress={"after_ms": 2000, "text": "Still checking."})
+    _turn(d)
+    d.append(np.zeros(16000, np.float32))  # the VAD hears the speech end
+    new = _decide(d, ToolCall("get_weather", '{"city": "Paris"}'))
+    call_id = d.of("response.done", new)[0]["response"]["output"][0]["call_id"]
+    assert d.cmds_of(SpeakText, d.tick(1000)) == []
+    new = d.tick(1100)
+    (speak,) = d.cmds_of(SpeakText, new)
+    assert speak.text == "Still checking." and d.of("response.created", new)[0]["response"]["trigger"] == "progress"
+    d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
+                                                         "output": "sunny"}})
+    new = d.send({"type": "response.create"})  # queued behind the progress line
+    assert d.of("error", new) == [] and d.of("response.created", new) == []
+    d.speak(["Still checking."])
+    assert d.of("response.created")[-1]["response"]["trigger"] == "client"
+    # answered: no more progress lines
+    d.speak(["Sunny."])
+    assert d.cmds_of(SpeakText, d.tick(5000)) == []
+    errs = [e["error"]["code"] for e in d.of("error", d.send({"type": "session.update", "session": {
+        "tool_progress": {"after_ms": 10}}}))]
+    assert errs == ["bad_event"]
