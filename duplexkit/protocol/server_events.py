@@ -412,6 +412,8 @@ class InputAudioTranscriptionCompleted(ServerEvent):
     item_id: str
     content_index: int = 0
     transcript: str
+    usage: Optional[Dict[str, Any]] = None
+    """OpenAI's transcription usage; here ``{"type": "duration", "seconds": <the turn's audio, s>}``."""
 
 
 class InputAudioTranscriptionDelta(ServerEvent):

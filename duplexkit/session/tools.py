@@ -249,6 +249,7 @@ class ToolsMixin:
         self._outputs_pending = False  # function_call_output items arrived since the last response
         self._last_audio: Optional[np.ndarray] = None
         self._progress_ms = 0.0  # when the last progress line was spoken
+        self._transcribing: dict = {}  # user item id -> its audio's duration (s), until the transcript comes
 
     # -- settings -------------------------------------------------------------------------------
     def _tools_active(self, tools: Optional[list] = None, choice: Any = None) -> bool:
@@ -317,6 +318,7 @@ class ToolsMixin:
         self._last_audio = audio if audio.size and self._tools_active() else None
         tr = self.settings.transcription
         if tr is not None and audio.size:
+            self._transcribing[item_id] = audio.size / INPUT_SAMPLE_RATE
             self._cmd(TranscribeAudio(self.stream_id, self.epoch, item_id=item_id, audio=audio,
                                       model=tr["effective_model"], language=tr["language"], prompt=tr["prompt"]))
         opened = self._decision if self._decision is not None and self._decision.kind == "turn" else None
@@ -523,8 +525,9 @@ class ToolsMixin:
         self._cmd(SpeakText(self.stream_id, self.epoch, text=text))
 
     def _on_transcription(self, out: Transcription) -> None:
+        seconds = self._transcribing.pop(out.item_id, None)
         it = self._items.get(out.item_id)
-        if it is None:
+        if it is None or seconds is None:
             return  # the item was deleted meanwhile
         if out.error:
             self._emit(InputAudioTranscriptionFailed(item_id=it.id, content_index=0, error=ErrorInfo(
@@ -533,7 +536,8 @@ class ToolsMixin:
         it.text = out.text
         if out.text:
             self._emit(InputAudioTranscriptionDelta(item_id=it.id, content_index=0, delta=out.text))
-        self._emit(InputAudioTranscriptionCompleted(item_id=it.id, content_index=0, transcript=out.text))
+        self._emit(InputAudioTranscriptionCompleted(item_id=it.id, content_index=0, transcript=out.text,
+                                                    usage={"type": "duration", "seconds": round(seconds, 3)}))
 
     # -- client events --------------------------------------------------------------------------
     def _on_function_call_output(self, item, event_id: Optional[str]) -> None:

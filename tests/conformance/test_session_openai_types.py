@@ -119,3 +119,63 @@ def test_extension_data_rides_in_extra_keys():
     assert created["type"] == "realtime" and "capabilities" in created and "epoch" in created
     fmt = created["audio"]["input"]["format"]
     assert fmt.get("rate") in (None, 24000) and fmt["sample_rate_hz"] == 16000
+
+
+def _tools_scenario(profile: str) -> list[dict]:
+    """The function-calling flow and user transcripts (docs/tools.md) through the Session."""
+    from duplexkit.engine.api import DecideTools, ToolCall, ToolDecision, TranscribeAudio, Transcription
+
+    weather = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    d = Driver(profile=profile, limits=SessionLimits(idle_timeout_s=100))
+    rate = 16000 if profile == "duplex" else 24000
+    x = fixture_audio("question_16k.wav")
+    if rate != 16000:
+        from duplexkit.audio import StreamResampler
+        x = StreamResampler(16000, rate).process(x)
+    d.send({"type": "session.update", "session": {
+        "tools": [weather], "tool_choice": "auto", "turn_detection": None,
+        "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}})
+    d.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x)})
+    d.send({"type": "input_audio_buffer.commit"})
+    tr = [c for c in d.cmds if isinstance(c, TranscribeAudio)][-1]
+    d.engine(Transcription(d.sid, d.s.epoch, -1, item_id=tr.item_id, text="what's the weather in Paris"))
+    ask = [c for c in d.cmds if isinstance(c, DecideTools)][-1]
+    d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id,
+                          calls=(ToolCall("get_weather", '{"city": "Paris"}'),)))
+    call = [e for e in d.events if e["type"] == "response.done"][-1]["response"]["output"][0]
+    d.speak(["One moment, ", "I'll check."])  # the filler
+    d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call["call_id"],
+                                                          "output": '{"sky": "clear"}'}})
+    d.send({"type": "response.create"})
+    ask = [c for c in d.cmds if isinstance(c, DecideTools)][-1]
+    d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id, text="It is clear in Paris."))
+    d.speak(["It is clear ", "in Paris."])
+    d.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[: rate])})
+    d.send({"type": "input_audio_buffer.commit"})
+    tr = [c for c in d.cmds if isinstance(c, TranscribeAudio)][-1]
+    d.engine(Transcription(d.sid, d.s.epoch, -1, item_id=tr.item_id, error="recogniser failed"))
+    d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_x",
+                                                          "output": "?"}})  # call_not_found
+    return d.events
+
+
+@pytest.mark.parametrize("profile", ["duplex", "compat"])
+def test_tool_flow_events_validate(profile):
+    events = _tools_scenario(profile)
+    seen = set()
+    for ev in events:
+        seen.add(ev["type"])
+        if ev["type"] in EXTENSION_EVENT_TYPES or ev["type"] == "session.warning":  # duplexkit's own events
+            assert not isinstance(parse_server_event(ev), UnknownServerEvent), ev
+            continue
+        ADAPTER.validate_python(ev)
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "conversation.item.input_audio_transcription.delta",
+            "conversation.item.input_audio_transcription.completed",
+            "conversation.item.input_audio_transcription.failed", "session.warning", "error"} <= seen
+    done = [ev for ev in events if ev["type"] == "response.done"]
+    call = ADAPTER.validate_python(done[0])
+    assert call.response.output[0].type == "function_call" and call.response.output[0].name == "get_weather"
+    created = ADAPTER.validate_python(events[1])  # session.updated echoes the tools
+    assert created.session.tools[0].name == "get_weather"
