@@ -24,6 +24,16 @@ Decision at each step j = 0..budget−1 (budget 20):
    token opens it. Tokens after the first decided one are recorded with their final-norm hidden
    state at their own input position (the talker condition, docs/model.md §6).
 
+Forced speech (teacher forcing, ``engine.api.SpeakText``): while the stream has forced text queued
+(:meth:`.thinker.Thinker.speak_text`), each unit is a forced speak whose decided tokens are given, not
+chosen: ``<|speak|>``, then the next at most ``tokens_per_unit`` ids of the text (:func:`forced_plan`;
+a chunk never ends inside a UTF-8 character), then, after the text's last id, ``<|turn_eos|>``; then
+``<|chunk_eos|>`` ends the unit. Forced text wins over forced listen. The forced tokens are fed,
+remembered and recorded with their hidden states exactly like sampled ones (step 5), so the talker
+speaks them; both passes are still computed for a forced row (the random streams stay in step), and
+its main-pass choice is replaced by the forced id on the device before the lookahead launches, so
+the batched path and the lookahead take forced rows as they take sampled ones.
+
 This module is the rule's one home: :func:`start_unit` (forced listen / speak), :func:`plan_step`
 (what step j computes), :func:`decide` (one row's token and turn state) -- pure functions -- and the
 loop :func:`decode_rows` with the two passes (:func:`choose_tokens`, :func:`main_pass_logits`, on the
@@ -48,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .thinker import Thinker, ThinkerStream
 
 __all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "start_unit", "plan_step", "decide", "StepPlan",
+           "forced_plan", "ForcedPlan",
            "Decision", "UnitStart", "main_pass_logits", "choose_tokens", "choose_tokens_device", "decode_rows",
            "begin_row", "finish_row", "UnitRow", "HostRead", "Speculation"]
 
@@ -181,9 +192,13 @@ class UnitStart:
 
 
 def start_unit(policy: DuplexPolicy, units_done: int, force_listen: bool, force_speak: bool,
-               force_speak_pending: bool, turn_ended: bool) -> UnitStart:
+               force_speak_pending: bool, turn_ended: bool, forced_text: bool = False) -> UnitStart:
     """Forced listen / forced speak of a unit (pure). A ``force_speak`` that meets a forced listen is
-    kept pending for the next unit that may speak; a forced speak opens an ended turn."""
+    kept pending for the next unit that may speak; a forced speak opens an ended turn. A unit with
+    ``forced_text`` (forced speech queued) is a forced speak whatever else is asked: forced listen
+    and a pending ``force_speak`` are dropped (the text answers it)."""
+    if forced_text:
+        return UnitStart(False, True, False, False, bool(turn_ended))
     forced_listen = bool(force_listen) or units_done < policy.force_listen_count
     speak = bool(force_speak) or force_speak_pending
     pending = False
@@ -203,16 +218,62 @@ class StepPlan:
             ``min_unit_tokens`` is not reached).
         mask_listen: mask ``<|listen|>`` in the main pass (a forced speak's first step).
         must_continue: mask terminators and ``<|turn_eos|>`` (``min_unit_tokens``).
+        forced: the token this step decides regardless of the passes (forced speech), or None.
     """
 
     cut: bool
     boundary: bool
     mask_listen: bool
     must_continue: bool
+    forced: Optional[int] = None
 
 
-def plan_step(policy: DuplexPolicy, j: int, force_speak: bool, turn_ended: bool) -> StepPlan:
-    """The plan of decision step ``j`` (0-based) of a row (pure)."""
+@dataclass(frozen=True)
+class ForcedPlan:
+    """The decided tokens of one forced-speech unit (:func:`forced_plan`).
+
+    Attributes:
+        tokens: ``<|speak|>``, the unit's text ids, and ``<|turn_eos|>`` when the text ends here.
+        taken: how many text ids of the queue's head the unit speaks.
+        ends_text: ``<|turn_eos|>`` is among ``tokens`` (the head's text is done).
+    """
+
+    tokens: Tuple[int, ...]
+    taken: int
+    ends_text: bool
+
+
+def forced_plan(sp, policy: DuplexPolicy, ids: Sequence[int], per_unit: int,
+                decode: Callable[[List[int]], str]) -> ForcedPlan:
+    """The next unit of forced text ``ids`` (the rest of the queue's head) at ``per_unit`` ids a unit
+    (pure given ``decode``, the tokenizer's ``ids -> text``): ``<|speak|>`` + k ids + ``<|turn_eos|>``
+    when the text ends and the unit has room (the unit decides at most ``unit_limit() − 1`` tokens;
+    else the turn ends in the next unit). k = min(``per_unit``, room − 1, ids left), moved to the
+    nearest count whose text does not end inside a UTF-8 character (shorter first, then longer)."""
+    room = policy.unit_limit() - 1
+    left = len(ids)
+    k = max(0, min(int(per_unit), room - 1, left))
+
+    def broken(n: int) -> bool:
+        return n > 0 and decode(list(ids[:n])).endswith("\ufffd")
+
+    if broken(k):
+        shorter = next((n for n in range(k - 1, 0, -1) if not broken(n)), None)
+        longer = next((n for n in range(k + 1, min(room - 1, left) + 1) if not broken(n)), None)
+        k = shorter if shorter is not None else (longer if longer is not None else k)
+    ends = k == left and 1 + k + 1 <= room
+    toks = (sp.speak,) + tuple(int(t) for t in ids[:k]) + ((sp.turn_eos,) if ends else ())
+    return ForcedPlan(tokens=toks, taken=k, ends_text=ends)
+
+
+def plan_step(policy: DuplexPolicy, j: int, force_speak: bool, turn_ended: bool,
+              forced: Optional[Sequence[int]] = None) -> StepPlan:
+    """The plan of decision step ``j`` (0-based) of a row (pure). ``forced``: the unit's forced tokens
+    (:attr:`ForcedPlan.tokens`): step j decides ``forced[j]``, and the step after the last is the cut."""
+    if forced is not None:
+        if j < len(forced):
+            return StepPlan(False, False, False, False, int(forced[j]))
+        return StepPlan(True, False, False, False)
     if j == policy.unit_limit() - 1:
         return StepPlan(True, False, False, False)
     first_forced = force_speak and j == 0
@@ -243,10 +304,13 @@ class Decision:
 
 
 def decide(sp, plan: StepPlan, j: int, boundary_tok: int, main_tok: int, turn_ended: bool) -> Decision:
-    """The per-row duplex rule (pure): the boundary pass's ``<|chunk_eos|>`` ends the unit; else the
-    main pass's token, ``<|listen|>`` becoming ``<|tts_bos|>`` while the turn is open; terminators end the
-    unit; ``<|turn_eos|>`` ends the turn, any other fed token opens it. ``sp``: the special ids."""
-    if plan.boundary and boundary_tok == sp.chunk_eos:
+    """The per-row duplex rule (pure): a forced step's token (forced speech); else the boundary pass's
+    ``<|chunk_eos|>`` ends the unit; else the main pass's token, ``<|listen|>`` becoming ``<|tts_bos|>``
+    while the turn is open; terminators end the unit; ``<|turn_eos|>`` ends the turn, any other fed token
+    opens it. ``sp``: the special ids."""
+    if plan.forced is not None:
+        tok, from_main = plan.forced, True
+    elif plan.boundary and boundary_tok == sp.chunk_eos:
         tok, from_main = sp.chunk_eos, False
     else:
         tok, from_main = main_tok, True
@@ -360,12 +424,14 @@ class UnitRow:
     generated: List[int] = field(default_factory=list)
     rec_ids: List[int] = field(default_factory=list)
     rec_hidden: List[torch.Tensor] = field(default_factory=list)
+    forced: Optional[ForcedPlan] = None
 
 
-def open_unit(st: "ThinkerStream", force_listen: bool, force_speak: bool) -> UnitStart:
+def open_unit(st: "ThinkerStream", force_listen: bool, force_speak: bool, forced_text: bool = False) -> UnitStart:
     """:func:`start_unit` for the stream's next unit, applied to its turn state (the one place, with
     :func:`decode_rows` and :func:`replay_decided`, that writes ``force_speak_pending`` / ``turn_ended``)."""
-    s = start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended)
+    s = start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended,
+                   forced_text)
     st.force_speak_pending = s.force_speak_pending
     st.turn_ended = s.turn_ended
     return s
@@ -389,10 +455,18 @@ def replay_decided(th: "Thinker", st: "ThinkerStream", fed: Sequence[int], turn_
 
 
 def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> UnitRow:
-    """Apply :func:`start_unit` to the stream and return its :class:`UnitRow`."""
+    """Apply :func:`start_unit` to the stream and return its :class:`UnitRow` (with the unit's
+    :func:`forced_plan` when forced text is queued; the queue itself changes in :func:`finish_row`)."""
     st = inp.stream
-    s = open_unit(st, inp.force_listen, inp.force_speak)
-    row = UnitRow(index=index, stream=st, force_speak=s.force_speak, turn_start=s.turn_start, logits_row=logits_row)
+    queue = getattr(st, "forced", None)
+    plan = None
+    if queue:
+        ids, per_unit = queue[0]
+        plan = forced_plan(th.special, st.policy, ids, per_unit,
+                           lambda x: th.tokenizer.decode(x, skip_special_tokens=True))
+    s = open_unit(st, inp.force_listen, inp.force_speak, plan is not None)
+    row = UnitRow(index=index, stream=st, force_speak=s.force_speak, turn_start=s.turn_start, logits_row=logits_row,
+                  forced=plan)
     if s.forced_listen:
         row.terminator = th.special.listen
     return row
@@ -451,7 +525,8 @@ class HostRead:
 def _free_to_listen(plan: StepPlan, st: "ThinkerStream") -> bool:
     """A row whose unit may end at this decision with ``<|listen|>``: its turn has ended (it is
     listening) and the step neither masks ``<|listen|>`` nor forces a token."""
-    return st.turn_ended and not plan.mask_listen and not plan.must_continue and not plan.cut
+    return st.turn_ended and not plan.mask_listen and not plan.must_continue and not plan.cut \
+        and plan.forced is None
 
 
 def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
@@ -472,7 +547,8 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
     active = [r for r in rows if r.terminator is None]
     j = 0
     while active:
-        plans = [plan_step(r.stream.policy, j, r.force_speak, r.stream.turn_ended) for r in active]
+        plans = [plan_step(r.stream.policy, j, r.force_speak, r.stream.turn_ended,
+                           None if r.forced is None else r.forced.tokens) for r in active]
         for r, p in zip(active, plans):
             if p.cut:
                 r.terminator = sp.chunk_eos
@@ -490,6 +566,9 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
             bnd, main = choose_tokens(th, sts, lg, plans, [generator(s) for s in sts])
         else:
             both = choose_tokens_device(th, sts, lg, plans, [generator(s) for s in sts])
+            fr = [k for k, p in enumerate(plans) if p.forced is not None]
+            if fr:  # forced speech: launch the forced ids (decide() takes them from the plan)
+                both[1, S.device_tensor(fr, both.device)] = S.device_tensor([plans[k].forced for k in fr], both.device)
             read = HostRead(both)  # before the launch: the event must not wait for the next step
             spec = speculate(sts, both[1])
             bnd, main = read.wait()
@@ -527,7 +606,8 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
                 r.rec_ids.append(d.token)
                 r.rec_hidden.append(h[at[k]])
                 mx = r.stream.policy.max_unit_chars
-                if mx is not None and len(th.tokenizer.decode(r.rec_ids, skip_special_tokens=True)) >= mx:
+                if mx is not None and r.forced is None \
+                        and len(th.tokenizer.decode(r.rec_ids, skip_special_tokens=True)) >= mx:
                     r.terminator = sp.chunk_eos
         active = [r for r, _ in fed if r.terminator is None]
         j += 1
@@ -542,6 +622,9 @@ def finish_row(th: "Thinker", row: UnitRow, timings: Dict[str, float]) -> UnitRe
     row.generated += [term, sp.unit_end]
     st.pending_ids += [term, sp.unit_end]
     st.units_done += 1
+    if row.forced is not None:  # the queue's head loses what this unit spoke (a new list: step snapshots)
+        (ids, per_unit), rest = st.forced[0], list(st.forced[1:])
+        st.forced = rest if row.forced.ends_text else [(tuple(ids[row.forced.taken:]), per_unit)] + rest
     rec = row.rec_ids
     hidden = torch.stack(row.rec_hidden).float() if rec else \
         torch.zeros(0, th.hidden_size, dtype=torch.float32, device=th.device)

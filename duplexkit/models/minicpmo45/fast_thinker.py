@@ -561,13 +561,13 @@ class _StepSnapshot:
     The audio front end's state (streaming mel, Whisper cache: a shallow copy, so a pooled cache
     keeps its slot handle and gets its positions / reset count back; :mod:`.fast_whisper` on why the
     slot's contents need no undo) and the sampling generators are taken before the audio is encoded; everything else (KV length, pending ids, history, unit
-    starts, turn flags, window counters) after the sliding window, because a slide rewrites the KV
+    starts, turn flags, window counters, the forced-speech queue) after the sliding window, because a slide rewrites the KV
     cache in place and its result must stay. Positions written past the restored KV length are
     overwritten by the next prefill and never read. Costs a shallow copy of the stream's fields and
     of three id lists per stream and step."""
 
     _FRONT = ("mel", "whisper", "last_mel")
-    _LISTS = ("pending_ids", "history", "unit_starts")
+    _LISTS = ("pending_ids", "history", "unit_starts", "forced")
 
     def __init__(self, st: ThinkerStream) -> None:
         self.front = {k: copy.copy(getattr(st, k)) for k in self._FRONT}

@@ -128,6 +128,9 @@ class ThinkerStream:
     """Times the sliding window dropped units (:meth:`Thinker.slide_window`)."""
     window_dropped: int = 0
     """Positions dropped by the sliding window so far (pending ids of a dropped unit included)."""
+    forced: List[Tuple[Tuple[int, ...], int]] = field(default_factory=list)
+    """Forced speech not yet spoken (:meth:`Thinker.speak_text`): ``(text ids left, tokens per unit)``
+    per queued text, oldest first; replaced, never changed in place (:func:`.duplex.finish_row`)."""
 
     @property
     def position(self) -> int:
@@ -487,13 +490,43 @@ class Thinker:
             seen.add(id(it.stream))
         return [run_unit(self, it) for it in items]
 
+    def speak_text(self, st: ThinkerStream, text: str, tokens_per_unit: int = 6) -> int:
+        """Queue forced speech (``engine.api.SpeakText``, docs/model.md "Forced speech"): from the stream's
+        next unit on, each unit speaks the next at most ``tokens_per_unit`` tokens of ``text`` (encoded as
+        plain text, :func:`.tokenizer.encode_text`), then ``<|turn_eos|>`` ends the turn
+        (:func:`.duplex.forced_plan`). A second text is spoken after the first, in a turn of its own.
+
+        Returns the number of text tokens queued. Nothing changes when it raises.
+
+        Raises:
+            ValueError: a closed stream, ``text`` that is not a non-empty string (or encodes to no
+                token), ``tokens_per_unit`` < 1, or a policy whose units cannot hold ``<|speak|>`` and
+                a text token before the cut (``unit_limit() < 3``).
+        """
+        if st.closed:
+            raise ValueError(f"stream {st.stream_id} is closed")
+        if not isinstance(text, str) or not text:
+            raise ValueError("forced speech needs a non-empty text")
+        if int(tokens_per_unit) < 1:
+            raise ValueError(f"tokens_per_unit must be >= 1, got {tokens_per_unit}")
+        if st.policy.unit_limit() < 3:
+            raise ValueError(f"units of {st.policy.unit_limit()} steps cannot hold forced speech "
+                             "(<|speak|>, a text token and the cut need 3)")
+        ids = tuple(int(i) for i in encode_text(self.tokenizer, text))
+        if not ids:
+            raise ValueError(f"text {text!r} encodes to no token")
+        st.forced = list(st.forced) + [(ids, int(tokens_per_unit))]
+        return len(ids)
+
     def end_turn(self, st: ThinkerStream) -> None:
-        """Close the open model turn after a cancel (turn state "ended"; a pending force_speak is dropped).
+        """Close the open model turn after a cancel (turn state "ended"; a pending force_speak and the
+        forced speech not yet spoken are dropped).
 
         The KV stays consistent: every unit already ends with its terminator and ``</unit>``.
         """
         st.turn_ended = True
         st.force_speak_pending = False
+        st.forced = []
 
     def close(self, st: ThinkerStream) -> None:
         """Free the stream's KV and caches; later use raises ``ValueError``."""
@@ -504,6 +537,7 @@ class Thinker:
         st.pending_ids = []
         st.history = []
         st.unit_starts = []
+        st.forced = []
 
     # ------------------------------------------------------------------------------ chat
     def chat(self, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False, max_tokens: int = 512,
