@@ -2,7 +2,7 @@
 
 Maps the runtime's batch-shaped stage calls onto ``duplexkit.models.minicpmo45``:
 
-* thinker  -> ``model.thinker.new_stream`` / ``step_units`` / ``end_turn`` / ``close``
+* thinker  -> ``model.thinker.new_stream`` / ``step_units`` / ``speak_text`` / ``end_turn`` / ``close``
 * talker   -> ``model.talker.new_turn`` / ``generate_units`` (duplex budget 26 -> <= 25 codes, docs/model.md §6)
 * code2wav -> ``model.code2wav.new_stream`` / ``push`` / ``reset_turn`` / ``close`` (docs/model.md §7)
 * chat     -> ``model.thinker.chat`` then ``model.talker.generate_offline`` then one vocoder stream.
@@ -222,6 +222,12 @@ class MiniCPMO45Stages:
                 if speak else None, timings=dict(r.timings),
             ))
         return out
+
+    @_thinker_work
+    def thinker_speak_text(self, handle: Any, text: str, tokens_per_unit: int) -> None:
+        """Queue forced speech on the stream (``SpeakText``; :meth:`Thinker.speak_text`, docs/model.md
+        "Forced speech"). Raises ``ValueError`` for a text or stream it cannot speak (nothing queued)."""
+        self.model.thinker.speak_text(handle, text, int(tokens_per_unit))
 
     @_thinker_work
     def thinker_end_turn(self, handle: Any) -> None:

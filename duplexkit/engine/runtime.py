@@ -45,7 +45,19 @@ Epochs and cancellation
   ``reset_turn``\\ s;
 * queued **input units are kept** and re-tagged with E: they carry the user's (barge-in) speech,
   which docs/protocol.md §7.2 feeds to the model in the new epoch;
-* no ``TurnEnd`` is emitted for the cancelled turn (the Session ends its response itself).
+* no ``TurnEnd`` is emitted for the cancelled turn (the Session ends its response itself);
+* forced speech (``SpeakText``) not yet spoken is dropped: queued ``SpeakText`` items are removed and
+  the thinker's ``end_turn`` empties the stream's forced-text queue.
+
+Forced speech
+-------------
+``SpeakText`` travels in the thinker queue in order with the stream's units, as a control item with
+a sequencer slot of its own (``unit_index`` -1), so it is applied after the units submitted before it
+and before any submitted after it; the thinker queues the text on the stream
+(:meth:`~duplexkit.engine.stages.StageModel.thinker_speak_text`), and the following units speak it
+(docs/model.md, "Forced speech"), their outputs tagged with the epoch in effect. A stage model without
+forced speech (the vLLM thinker) or a text it refuses answers with a non-fatal ``EngineFailure`` in
+that slot; the stream goes on.
 
 Failures
 --------
@@ -84,6 +96,7 @@ from .api import (
     EngineOutput,
     ForceSpeak,
     OpenStream,
+    SpeakText,
     StreamConfig,
     UnitTimings,
     UpdateStream,
@@ -169,6 +182,8 @@ class StageRuntime(StageSteps):
             raise EngineInputError("OpenStream is handled by Engine.open_stream")
         if isinstance(cmd, AppendUnit):
             audio = self._check_unit(cmd)
+        if isinstance(cmd, SpeakText):
+            self._check_speak_text(cmd)
         with self._cond:
             if st.finished or st.failed or st.closing:
                 return
@@ -188,6 +203,11 @@ class StageRuntime(StageSteps):
                 elif isinstance(cmd, ForceSpeak):
                     if cmd.epoch == st.epoch:
                         st.force_speak_epoch = st.epoch
+                elif isinstance(cmd, SpeakText):
+                    if cmd.epoch == st.epoch:  # an older epoch's text is stale: dropped
+                        slot = _Slot(-1, st.epoch, time.perf_counter())
+                        st.slots.append(slot)
+                        st.q["thinker"].append(_WorkItem("speak_text", slot, (cmd.text, int(cmd.tokens_per_unit))))
                 elif isinstance(cmd, UpdateStream):
                     old = st.config
                     st.config = cmd.config
@@ -197,6 +217,13 @@ class StageRuntime(StageSteps):
                 else:
                     raise EngineInputError(f"unknown engine command {type(cmd).__name__}")
             self._cond.notify_all()
+
+    @staticmethod
+    def _check_speak_text(cmd: SpeakText) -> None:
+        if not isinstance(cmd.text, str) or not cmd.text:
+            raise EngineInputError("SpeakText: text must be a non-empty string")
+        if isinstance(cmd.tokens_per_unit, bool) or not isinstance(cmd.tokens_per_unit, int) or cmd.tokens_per_unit < 1:
+            raise EngineInputError(f"SpeakText: tokens_per_unit must be an int >= 1, got {cmd.tokens_per_unit!r}")
 
     @staticmethod
     def _check_unit(cmd: AppendUnit) -> np.ndarray:
@@ -254,10 +281,16 @@ class StageRuntime(StageSteps):
         st.epoch = epoch
         st.force_speak_epoch = None
         st.pending_text = ""
+        kept = deque()
         for it in st.q["thinker"]:
             if it.kind == "unit":
                 it.slot.epoch = epoch  # input is never discarded (docs/protocol.md §7.2)
-        st.q["thinker"].appendleft(_WorkItem("end_turn"))
+            elif it.kind == "speak_text":  # forced speech not yet spoken is dropped
+                it.slot.done = True
+                continue
+            kept.append(it)
+        kept.appendleft(_WorkItem("end_turn"))
+        st.q["thinker"] = kept
         for s in ("talker", "code2wav"):
             kept = deque()
             for it in st.q[s]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from duplexkit.errors import detach_traceback
 
-from .api import AudioChunk, Decision, StreamConfig, TextDelta, TurnEnd
+from .api import AudioChunk, Decision, EngineFailure, StreamConfig, TextDelta, TurnEnd
 from .stages import InjectedFault, TalkerWork, ThinkerWork, VocoderWork
 from .streams import _ms, _Slot, _StreamState, _WorkItem
 
@@ -67,6 +67,8 @@ class StageSteps:
                     m.talker_close_turn(turn)
                 elif stage == "code2wav" and st.c2w_handle is not None:
                     m.code2wav_reset_turn(st.c2w_handle)
+            elif it.kind == "speak_text":  # thinker: queue forced speech on the stream
+                self._speak_text(st, it)
             elif it.kind == "update":
                 if stage == "thinker":
                     old, new = it.payload
@@ -84,6 +86,28 @@ class StageSteps:
                 if it.kind == "open":
                     self._stage_opened(st, stage)
                 self._fail(st, stage, exc, -1)
+
+    def _speak_text(self, st: _StreamState, it: _WorkItem) -> None:
+        """Queue a ``SpeakText`` on the stream's thinker state (thinker thread). A model without
+        ``thinker_speak_text``, or one that refuses the text, answers with a non-fatal
+        ``EngineFailure`` in the command's slot (nothing was queued; the stream goes on)."""
+        text, per_unit = it.payload
+        fn = getattr(self.model, "thinker_speak_text", None)
+        err = None
+        if fn is None:
+            err = f"SpeakText is not supported by this engine's thinker ({type(self.model).__name__})"
+        elif st.thinker_handle is not None:
+            try:
+                fn(st.thinker_handle, text, per_unit)
+            except Exception as exc:  # noqa: BLE001 - nothing was queued: the stream is as it was
+                err = f"SpeakText failed: {type(exc).__name__}: {exc}"
+        with self._cond:
+            slot = it.slot
+            if err is not None and slot.epoch == st.epoch and not (st.failed or st.closing):
+                log.warning("stream %s: %s", st.id, err)
+                self._emit(st, slot, EngineFailure(st.id, slot.epoch, -1, code="server_error", message=err, fatal=False))
+            self._finish_slot(st, slot, timings=False)
+            self._flush(st)
 
     def _run_batch(self, stage: str, fn: Callable[[list], list], work: list, items: list,
                    pre: Optional[dict] = None) -> tuple:

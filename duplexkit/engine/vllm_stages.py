@@ -158,6 +158,17 @@ class VllmStages(MiniCPMO45Stages):
                                   talker_input=(r.token_ids, r.hidden) if speak else None, timings=dict(r.timings)))
         return out
 
+    def thinker_speak_text(self, handle: Any, text: str, tokens_per_unit: int) -> None:
+        """Forced speech is not done on vLLM (docs/vllm.md, "Not done"): the decision rule runs in
+        vLLM's logits processor, which cannot feed given tokens.
+
+        Raises:
+            VllmBackendError: always (the runtime answers the ``SpeakText`` with a non-fatal
+                ``EngineFailure`` carrying this message; the stream goes on).
+        """
+        raise VllmBackendError("SpeakText (forced speech) is not supported by the vLLM thinker backend "
+                               "(docs/vllm.md, \"Not done\"): use a layout with the native thinker")
+
     def thinker_end_turn(self, handle: Any) -> None:
         self.vt.end_turn(handle)
 

@@ -18,6 +18,13 @@ Script (per stream)
   ends: a final flush chunk of 3 840 samples (the held-back cross-fade tail, ``final=True``) and
   :class:`TurnEnd` ``turn_eos``. The turn's total audio is therefore exactly
   ``24000 * units_per_turn`` samples at 24 kHz.
+* :class:`SpeakText` (forced speech): from the next unit on, each unit speaks the next
+  ``tokens_per_unit`` words of the given text instead of the script (forced listen does not stop it,
+  as in the runtime): ``Decision(speak)`` (``turn_start`` when no turn was open), one
+  :class:`TextDelta` with the unit's piece (the pieces concatenate to the text), the usual
+  :class:`AudioChunk` sizes, and after the last piece the final flush and ``TurnEnd``. A second
+  ``SpeakText`` is spoken after the first; a ``CancelEpoch`` drops what is not spoken yet; a
+  ``SpeakText`` of an older epoch is ignored.
 * :class:`UpdateStream` replaces the config; :class:`CloseStream` ends :meth:`outputs`.
 * Every unit also emits :class:`UnitTimings` with ``total_ms`` = the simulated compute time.
 
@@ -35,6 +42,15 @@ once, when it is *submitted*:
   output;
 * a ``ForceSpeak`` for an epoch other than the current one is ignored.
 
+Turn-based chat and tools
+-------------------------
+:meth:`ScriptedEngine.generate` answers ``chat_text``. With ``tools`` and ``tool_choice`` other than
+``none`` each request takes the next entry of ``tool_script`` (a list, consumed one per request, or a
+callable ``(messages, tools, tool_choice) -> entry``): ``None`` (no call) or ``(name, arguments
+dict)`` (a call: ``finish_reason="tool_calls"``, no text, no audio). When ``required`` or a named
+function is asked and the entry is ``None`` or the list ran out, the call goes to the named (or
+first) tool with :func:`example_arguments` of its schema.
+
 Failures and closing
 --------------------
 ``fail_at_unit`` makes that unit fail (``fatal`` per ``fail_fatal``); :meth:`ScriptedStream.inject_fault`
@@ -49,10 +65,12 @@ units queued before it are still decided (so a test can submit a script and clos
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, List, Optional, Union
 
 import numpy as np
 
@@ -72,15 +90,17 @@ from duplexkit.engine.api import (
     EngineOutput,
     ForceSpeak,
     OpenStream,
+    SpeakText,
     StreamConfig,
     TextDelta,
+    ToolCall,
     TurnEnd,
     UnitTimings,
     UpdateStream,
 )
 
 __all__ = ["ScriptedEngine", "ScriptedStream", "ScriptConfig", "FIRST_CHUNK_SAMPLES",
-           "CHUNK_SAMPLES", "TAIL_SAMPLES", "FAULT_STAGES", "tone"]
+           "CHUNK_SAMPLES", "TAIL_SAMPLES", "FAULT_STAGES", "tone", "example_arguments", "speech_pieces"]
 
 
 
@@ -114,6 +134,9 @@ class ScriptConfig:
         fail_fatal: whether that error is fatal (the Session then closes with 1011).
         speech: optional float32 [n] at 24 kHz spoken instead of the tone (looped,
             phase-continuous over the turn like the tone), e.g. a speech fixture for echo tests.
+        chat_text / chat_tokens_per_word: the reply of :meth:`ScriptedEngine.generate`.
+        tool_script: a list of ``None`` / ``(name, arguments dict)`` consumed one per chat request with
+            tools, or a callable ``(messages, tools, tool_choice)`` returning one (module doc).
     """
 
     speak_after_units: Optional[int] = None
@@ -128,6 +151,8 @@ class ScriptConfig:
     speech: Optional[np.ndarray] = None
     chat_text: str = "This is a scripted chat reply."
     chat_tokens_per_word: int = 1
+    tool_script: Union[None, list, Callable[[list, tuple, Any], Any]] = None
+    """Tool decisions of :meth:`ScriptedEngine.generate` (module doc, "Turn-based chat and tools")."""
 
 
 def tone(n: int, start: int = 0, hz: float = 440.0, amplitude: float = 0.2,
@@ -143,6 +168,85 @@ def _voice(s: "ScriptConfig", n: int, start: int) -> np.ndarray:
         return tone(n, start, s.tone_hz, s.tone_amplitude)
     idx = (np.arange(n) + start) % len(s.speech)
     return np.asarray(s.speech, np.float32)[idx]
+
+
+def speech_pieces(text: str, per_unit: int) -> List[tuple]:
+    """``text`` cut into the pieces forced speech says per unit: ``(piece, n_words)`` of at most
+    ``per_unit`` words each (a word with the whitespace before it; the text's trailing whitespace
+    rides the last piece), so the pieces concatenate to ``text``."""
+    words = re.findall(r"\s*\S+", text) or [text]
+    words[-1] += text[len("".join(words)):]
+    n = max(1, int(per_unit))
+    return [("".join(words[i:i + n]), len(words[i:i + n])) for i in range(0, len(words), n)]
+
+
+def _tool_entry(tool: Any) -> dict:
+    if not isinstance(tool, dict):
+        return {}
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return fn
+
+
+def example_arguments(schema: Any) -> Any:
+    """A small instance of a JSON Schema, valid for the common keywords (``examples``, ``default``,
+    ``const`` and ``enum`` first; else the smallest value of the ``type``: an object of its required
+    properties, ``minItems`` items, ``minLength`` letters, the number in range nearest 0, ``false``,
+    ``null``; ``anyOf`` / ``oneOf`` take their first branch, ``allOf`` merges its object branches).
+    ``pattern``, ``format`` and ``$ref`` are not followed: give such a schema ``examples``."""
+    if not isinstance(schema, dict):
+        return {}
+    for key in ("examples",):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return schema[key][0]
+    for key in ("default", "const"):
+        if key in schema:
+            return schema[key]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return example_arguments(schema[key][0])
+    if isinstance(schema.get("allOf"), list) and schema["allOf"]:
+        merged: dict = {"type": "object", "properties": {}, "required": []}
+        for part in schema["allOf"]:
+            if isinstance(part, dict):
+                merged["properties"].update(part.get("properties") or {})
+                merged["required"] += list(part.get("required") or [])
+        return example_arguments(merged)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), kind[0] if kind else None)
+    if kind is None:
+        kind = "object" if "properties" in schema else None
+    if kind == "object":
+        props = schema.get("properties") or {}
+        out = {k: example_arguments(props.get(k, {})) for k in schema.get("required") or []}
+        extra = int(schema.get("minProperties", 0)) - len(out)
+        for k in [k for k in props if k not in out][:max(0, extra)]:
+            out[k] = example_arguments(props[k])
+        return out
+    if kind == "array":
+        return [example_arguments(schema.get("items", {})) for _ in range(int(schema.get("minItems", 0)))]
+    if kind == "string":
+        return "a" * int(schema.get("minLength", 0))
+    if kind in ("integer", "number"):
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        v = 0
+        if lo is not None and v < lo:
+            v = math.ceil(lo)
+        if xlo is not None and v <= xlo:
+            v = math.floor(xlo) + 1
+        if hi is not None and v > hi:
+            v = math.floor(hi)
+        if xhi is not None and v >= xhi:
+            v = math.ceil(xhi) - 1
+        return int(v) if kind == "integer" else float(v)
+    if kind == "boolean":
+        return False
+    if kind == "null":
+        return None
+    return {}
 
 
 class ScriptedStream:
@@ -169,6 +273,7 @@ class ScriptedStream:
         self._turn_units = 0
         self._turn_samples = 0
         self._listen_run = 0
+        self._forced: deque = deque()  # forced speech: one deque of (piece, n_words) per SpeakText
         self.units_seen: list[AppendUnit] = []
         self.commands_seen: list[EngineCommand] = []
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -193,6 +298,8 @@ class ScriptedStream:
             raise TypeError("OpenStream is handled by Engine.open_stream")
         if self._closed:
             return
+        if isinstance(command, SpeakText) and command.epoch < self._epoch:
+            return  # an older epoch's text is stale
         if isinstance(command, CloseStream):
             self._closed = True
         elif command.epoch > self._epoch:
@@ -216,6 +323,7 @@ class ScriptedStream:
         self._epoch = epoch
         self._force_speak_epoch = None
         self._end_turn = True
+        self._forced.clear()  # forced speech not yet spoken is dropped (queued SpeakText: by its tag)
         for item in self._commands:
             if isinstance(item[0], AppendUnit):
                 item[1] = epoch  # input is never discarded (docs/protocol.md §7.2)
@@ -251,6 +359,9 @@ class ScriptedStream:
                     break
                 if isinstance(cmd, UpdateStream):
                     self.config = cmd.config
+                elif isinstance(cmd, SpeakText):
+                    if tag == self._epoch:
+                        self._forced.append(deque(speech_pieces(cmd.text, cmd.tokens_per_unit)))
                 elif isinstance(cmd, AppendUnit):
                     if self._end_turn:
                         self._end_turn = False
@@ -300,8 +411,11 @@ class ScriptedStream:
                                        message=f"scripted failure at unit {ui}", fatal=False))
             return
         force_speak = self._force_speak_epoch is not None and self._force_speak_epoch == ep
+        forced = bool(self._forced)
         speak = False
-        if cmd.force_listen:
+        if forced:
+            speak = True
+        elif cmd.force_listen:
             speak = False
         elif cmd.force_speak or force_speak or self._in_turn:
             speak = True
@@ -321,10 +435,16 @@ class ScriptedStream:
             self._turn_units = 0
             self._turn_samples = 0
         k = self._turn_units
-        text = s.text_for_unit(k)
+        if forced:
+            text, n_tokens = self._forced[0].popleft()
+            end = not self._forced[0]
+            if end:
+                self._forced.popleft()
+        else:
+            text, n_tokens = s.text_for_unit(k), s.tokens_per_unit
+            end = s.units_per_turn is not None and k + 1 >= s.units_per_turn
         self._emit(Decision(sid, ep, ui, decision="speak", turn_start=turn_start))
-        self._emit(TextDelta(sid, ep, ui, text=text, n_tokens=s.tokens_per_unit))
-        end = s.units_per_turn is not None and k + 1 >= s.units_per_turn
+        self._emit(TextDelta(sid, ep, ui, text=text, n_tokens=n_tokens))
         if self.config.output_audio and self._fault in ("talker", "code2wav"):
             stage, self._fault = self._fault, None
             self._emit(EngineFailure(sid, ep, ui, code="server_error",
@@ -344,10 +464,10 @@ class ScriptedStream:
                                       final=True))
                 self._turn_samples += TAIL_SAMPLES
         self._turn_units += 1
-        self._emit(UnitTimings(sid, ep, ui, timings=timings))
-        if end:
+        if end:  # the unit's outputs end with UnitTimings, as the runtime's (engine/api.py)
             self._emit(TurnEnd(sid, ep, ui, reason="turn_eos"))
             self._end_turn_silently()
+        self._emit(UnitTimings(sid, ep, ui, timings=timings))
 
 
 class ScriptedEngine:
@@ -418,10 +538,45 @@ class ScriptedEngine:
         # 0.4 s of tone per word, a whole number of samples at 24 kHz
         return tone(int(0.4 * OUTPUT_SAMPLE_RATE) * max(1, n_words), 0, self.script.tone_hz, self.script.tone_amplitude)
 
+    def _tool_call(self, request: ChatRequest) -> Optional[ToolCall]:
+        """The scripted tool decision of a chat request (module doc, "Turn-based chat and tools"), or
+        None (answer in text). Consumes one ``tool_script`` entry per request with tools."""
+        choice = request.tool_choice
+        if not request.tools or choice == "none":
+            return None
+        script = self.script.tool_script
+        entry = None
+        if callable(script):
+            entry = script(list(request.messages), tuple(request.tools), choice)
+        elif script:
+            entry = script.pop(0)
+        if entry is not None:
+            name, args = entry
+            return ToolCall(name=str(name), arguments=json.dumps(args, ensure_ascii=False))
+        if choice == "auto":
+            return None
+        tools = [_tool_entry(t) for t in request.tools]
+        if isinstance(choice, dict):
+            want = _tool_entry(choice).get("name")
+            tools = [t for t in tools if t.get("name") == want] or tools
+        tool = tools[0]
+        return ToolCall(name=str(tool.get("name", "")),
+                        arguments=json.dumps(example_arguments(tool.get("parameters") or {"type": "object"}),
+                                             ensure_ascii=False))
+
     async def generate(self, request: ChatRequest) -> ChatResult:
         """Turn-based generation: the scripted chat text (cut to ``max_tokens`` words, then
-        ``finish_reason="length"``) and, with ``output_audio``, 0.4 s of tone per word (float32 24 kHz)."""
+        ``finish_reason="length"``) and, with ``output_audio``, 0.4 s of tone per word (float32 24 kHz).
+        A scripted tool call (module doc) comes back in ``tool_calls`` with ``finish_reason="tool_calls"``,
+        no text and no audio (an empty array with ``output_audio``)."""
         self.chat_requests.append(request)
+        call = self._tool_call(request)
+        if call is not None:
+            if self.script.unit_delay_s:
+                await asyncio.sleep(self.script.unit_delay_s)
+            return ChatResult(text="", audio=np.zeros(0, np.float32) if request.output_audio else None,
+                              finish_reason="tool_calls", prompt_tokens=self._prompt_tokens(request),
+                              completion_tokens=max(1, len(call.arguments.split())), tool_calls=(call,))
         pieces, finish = self._chat_plan(request)
         if self.script.unit_delay_s:
             await asyncio.sleep(self.script.unit_delay_s)
@@ -434,8 +589,14 @@ class ScriptedEngine:
 
     async def generate_stream(self, request: ChatRequest) -> AsyncIterator[ChatDelta]:
         """Streamed :meth:`generate`: one ``ChatDelta`` per word; with audio, each word's 0.4 s of
-        tone rides the same delta."""
+        tone rides the same delta. A scripted tool call is one last delta with ``tool_calls``."""
         self.chat_requests.append(request)
+        call = self._tool_call(request)
+        if call is not None:
+            prompt, n = self._prompt_tokens(request), max(1, len(call.arguments.split()))
+            yield ChatDelta(finish_reason="tool_calls", usage={"prompt_tokens": prompt, "completion_tokens": n,
+                                                               "total_tokens": prompt + n}, tool_calls=(call,))
+            return
         pieces, finish = self._chat_plan(request)
         if request.enable_thinking:
             yield ChatDelta(text="<think>\nscripted thought\n</think>\n\n")
@@ -454,6 +615,7 @@ class ScriptedEngine:
                                                      "total_tokens": prompt + len(pieces)})
 
     def chat_finish_reason(self, request: ChatRequest) -> str:
+        """The finish reason a text answer to ``request`` gets (``stop`` | ``length``; no tool decision)."""
         return self._chat_plan(request)[1]
 
     async def aclose(self) -> None:

@@ -9,7 +9,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from duplexkit.engine.api import AppendUnit, AudioChunk, ChatMessage, ChatRequest, Decision, StreamConfig
+from duplexkit.engine.api import (AppendUnit, AudioChunk, ChatMessage, ChatRequest, Decision, SpeakText, StreamConfig,
+                                  TextDelta, ToolCall, TurnEnd)
 from duplexkit.engine.process import OUTPUT_CREDITS, EngineProcess, EngineSpec
 from duplexkit.errors import EngineLoadError, EngineProcessError
 
@@ -73,6 +74,35 @@ async def test_chat_and_early_closed_chat_stream_through_the_process():
         await agen.aclose()  # abandoned: cancelled in the engine process
         texts = [d.text async for d in eng.generate_stream(req)]
         assert "".join(texts) == "This is a scripted chat reply."
+    finally:
+        await eng.aclose()
+
+
+async def test_speak_text_and_tool_calls_cross_the_process_boundary():
+    eng = await _start("_engine_factories:metered", units_per_turn=None,
+                       tool_script=[("get_weather", {"city": "Paris"})])
+    try:
+        tools = ({"type": "function", "name": "get_weather",
+                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},)
+        req = ChatRequest(messages=[ChatMessage("user", ["Weather?"])], tools=tools, tool_choice="auto")
+        res = await eng.generate(req)
+        assert res.finish_reason == "tool_calls" and res.tool_calls == (ToolCall("get_weather", '{"city": "Paris"}'),)
+        last = [d async for d in eng.generate_stream(ChatRequest(messages=req.messages, tools=tools,
+                                                                  tool_choice="required"))][-1]
+        assert last.finish_reason == "tool_calls" and last.tool_calls[0].arguments == "{}"
+        st = await eng.open_stream("s", StreamConfig())
+        st.submit(SpeakText("s", 0, text="Two words and three more.", tokens_per_unit=2))
+        for k in range(4):
+            st.submit(AppendUnit("s", 0, unit_index=k, audio=np.zeros(16_560 if k == 0 else 16_000, np.float32),
+                                 force_listen=True))
+        got = []
+        async for out in st.outputs():
+            got.append(out)
+            if isinstance(out, TurnEnd):
+                break
+        assert "".join(o.text for o in got if isinstance(o, TextDelta)) == "Two words and three more."
+        assert [o.decision for o in got if isinstance(o, Decision)] == ["speak"] * 3
+        await st.aclose()
     finally:
         await eng.aclose()
 

@@ -6,7 +6,9 @@ What every engine must do: open/append/close; outputs in unit order with ``UnitT
 each unit; ``CancelEpoch`` makes the new epoch current at once, re-tags queued input units (they are
 decided in the new epoch, never dropped), takes stale appends into the current epoch, and no output
 of an older epoch follows one of the newer; a thinker failure is fatal to the stream only (its
-outputs end, later commands are ignored); a talker failure costs the turn, not the stream.
+outputs end, later commands are ignored); a talker failure costs the turn, not the stream;
+``SpeakText`` speaks its text in the following units (forced speak, also over ``force_listen``), ends
+the turn with ``TurnEnd`` and is dropped by a ``CancelEpoch``.
 Assertions are in units and epochs, never wall-clock. Decisions are pinned with ``force_listen`` /
 ``force_speak`` (the tiny model has random weights).
 """
@@ -27,7 +29,9 @@ from duplexkit.engine.api import (
     Engine,
     EngineFailure,
     EngineStream,
+    SpeakText,
     StreamConfig,
+    TextDelta,
     TurnEnd,
     UnitTimings,
 )
@@ -175,3 +179,70 @@ async def test_talker_failure_costs_the_turn_not_the_stream(eng):
     more = await _collect(st, _unit_done(2))
     await st.aclose()
     assert _decisions(more) == [(2, 1, "speak")] and not any(isinstance(o, EngineFailure) for o in more)
+
+
+SPOKEN = "Sure, I booked the table for two at seven."
+
+
+def _unit(u: list, i: int) -> np.ndarray:
+    """Unit ``i`` of any length of stream: unit 0's window, then the later units of ``u`` in a cycle."""
+    return u[0] if i == 0 else u[1 + (i - 1) % (len(u) - 1)]
+
+
+async def test_speak_text_speaks_the_text_then_the_stream_goes_on(eng):
+    sid = "contract-speak"
+    u = _units(6)
+    st = await eng.open_stream(sid, StreamConfig(seed=5))
+    st.submit(AppendUnit(sid, 0, unit_index=0, audio=u[0], force_listen=True))
+    st.submit(SpeakText(sid, 0, text=SPOKEN, tokens_per_unit=4))
+    for i in range(1, 7):  # the Session's policy forces listen: the forced text still speaks
+        st.submit(AppendUnit(sid, 0, unit_index=i, audio=_unit(u, i), force_listen=True))
+    outs = await _collect(st, _unit_done(6))
+    _check_order(outs)
+    assert not any(isinstance(o, EngineFailure) for o in outs) and {o.epoch for o in outs} == {0}
+    ends = [o for o in outs if isinstance(o, TurnEnd)]
+    assert len(ends) == 1 and ends[0].reason == "turn_eos"
+    last = ends[0].unit_index
+    dec = _decisions(outs)
+    assert dec[0] == (0, 0, "listen") and 1 < last < 6
+    assert [d[2] for d in dec[1:last + 1]] == ["speak"] * last and [d[2] for d in dec[last + 1:]] == ["listen"] * (6 - last)
+    assert [o.turn_start for o in outs if isinstance(o, Decision)][1:3] == [True, False]
+    texts = [o for o in outs if isinstance(o, TextDelta)]
+    assert [t.unit_index for t in texts] == list(range(1, last + 1))
+    assert "".join(t.text for t in texts) == SPOKEN and all(t.n_tokens >= 1 for t in texts)
+    chunks = [o for o in outs if isinstance(o, AudioChunk)]
+    assert chunks and chunks[-1].final and chunks[-1].unit_index == last
+    assert "".join(c.text for c in chunks) == SPOKEN
+    # afterwards the model decides as usual: a forced speak opens a turn of its own
+    st.submit(AppendUnit(sid, 0, unit_index=7, audio=_unit(u, 7), force_speak=True))
+    more = await _collect(st, _unit_done(7))
+    await st.aclose()
+    assert _decisions(more) == [(7, 0, "speak")]
+    assert [o.turn_start for o in more if isinstance(o, Decision)] == [True]
+
+
+async def test_cancel_drops_the_unspoken_text(eng):
+    sid = "contract-speak-cancel"
+    u = _units(5)
+    st = await eng.open_stream(sid, StreamConfig(seed=6))
+    st.submit(SpeakText(sid, 0, text=SPOKEN * 3, tokens_per_unit=1))
+    st.submit(AppendUnit(sid, 0, unit_index=0, audio=u[0], force_listen=True))
+    first = await _collect(st, _unit_done(0))
+    assert _decisions(first) == [(0, 0, "speak")]
+    st.submit(CancelEpoch(sid, 1))  # barge-in: the rest of the text is not spoken
+    st.submit(SpeakText(sid, 0, text="stale", tokens_per_unit=1))  # an older epoch's text: ignored
+    for i in (1, 2):
+        st.submit(AppendUnit(sid, 1, unit_index=i, audio=u[i], force_listen=True))
+    outs = await _collect(st, _unit_done(2))
+    _check_order(outs)
+    assert [d for d in _decisions(outs) if d[1] == 1] == [(1, 1, "listen"), (2, 1, "listen")]
+    assert not any(isinstance(o, (TextDelta, TurnEnd)) and o.epoch == 1 for o in outs)
+    # a new text in the new epoch speaks again, tagged with that epoch
+    st.submit(SpeakText(sid, 1, text="Okay.", tokens_per_unit=4))
+    for i in (3, 4):
+        st.submit(AppendUnit(sid, 1, unit_index=i, audio=u[i], force_listen=True))
+    more = await _collect(st, lambda outs: any(isinstance(o, TurnEnd) for o in outs))
+    await st.aclose()
+    assert _decisions(more)[0] == (3, 1, "speak")
+    assert "".join(o.text for o in more if isinstance(o, TextDelta)) == "Okay."
+    assert all(o.epoch == 1 for o in more)
