@@ -20,6 +20,7 @@ from .state import ClientState, ResponseRecord, response_id_of
 from .remote import DuplexClient, build_url
 from .continuation import ContinuationSeed
 from .records import played_transcript
+from .tools import ToolCallFinished, ToolCallRecord, ToolCallStarted, ToolRunner
 
 __all__ = [
     "BaseDuplexClient",
@@ -36,4 +37,8 @@ __all__ = [
     "response_id_of",
     "ContinuationSeed",
     "played_transcript",
+    "ToolRunner",
+    "ToolCallRecord",
+    "ToolCallStarted",
+    "ToolCallFinished",
 ]

@@ -16,7 +16,11 @@ This module is the asyncio half, written once for both transports:
 * input: audio is encoded for the session's declared input format and rate (the last
   ``session.updated``) with one streaming resampler per stream (:class:`~duplexkit.audio.StreamEncoder`);
   optional echo control (:mod:`duplexkit.audio.echo`) and local-VAD barge-in run on the way;
-* reference voice loading: a path, WAV bytes or a float32 array -> a WAV data URL (docs/protocol.md §8).
+* reference voice loading: a path, WAV bytes or a float32 array -> a WAV data URL (docs/protocol.md §8);
+* function tools (``tools=[...]``): the sans-I/O :class:`~duplexkit.clients.tools.ToolRunner` decides,
+  this shell runs each call in a task, sends the outputs in order and delivers
+  :class:`~duplexkit.clients.tools.ToolCallStarted` / :class:`~duplexkit.clients.tools.ToolCallFinished`
+  records to ``events()`` (docs/clients.md, "Tools").
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ import asyncio
 import base64
 import logging
 import threading
-from typing import Any, AsyncIterator, Optional, Union
+import time
+from collections import deque
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
 
 from . import state as cs
+from . import tools as tl
 from .handles import ClientOptions, ResponseHandle, _EventQueue, ref_audio_data_url, wait_done
 
 logger = logging.getLogger("duplexkit.clients")
@@ -60,11 +67,25 @@ class BaseDuplexClient(abc.ABC):
     Subclasses implement ``_open()`` (connect; server events then arrive through
     :meth:`_on_server_event`), ``_transmit(event: dict)`` and ``_shutdown()``; they call
     :meth:`_on_transport_lost` when the transport dies.
+
+    The keyword options are :class:`~duplexkit.clients.handles.ClientOptions`' plus:
+
+    Args:
+        tools: plain sync/async functions or :class:`~duplexkit.agent.FunctionTool` objects (see
+            :func:`duplexkit.agent.tool`). Their schemas go out with the first ``session.update``
+            (unless ``session`` lists ``tools`` itself) and the client runs the calls the server
+            issues (:mod:`duplexkit.clients.tools`). None: the client runs nothing.
+        tool_choice: ``"auto"`` (default), ``"required"``, ``"none"`` or ``{"type": "function",
+            "name": ...}``; sent with the tools.
+
+    Raises:
+        ToolDefinitionError: a function that cannot be a tool, or two tools with one name.
     """
 
     def __init__(self, *, session: Optional[dict] = None, ref_audio: Any = None, input_rate: int = 16_000,
                  player: Any = None, auto_ack: bool = True, barge_in: Any = False, echo: Any = None,
-                 request_timeout_s: float = 30.0, max_buffered_events: int = 4096) -> None:
+                 request_timeout_s: float = 30.0, max_buffered_events: int = 4096,
+                 tools: Optional[Sequence[Any]] = None, tool_choice: Union[str, dict] = "auto") -> None:
         self.options = ClientOptions(session=dict(session or {}), ref_audio=ref_audio, input_rate=int(input_rate),
                                      player=player, auto_ack=auto_ack, barge_in=barge_in, echo=echo,
                                      request_timeout_s=request_timeout_s,
@@ -104,6 +125,10 @@ class BaseDuplexClient(abc.ABC):
         self._init_eid: Optional[str] = None
         self._init_error: Optional[BaseException] = None
         player.on_drained(self._drained_from_player)
+        self.tool_runner: Optional[tl.ToolRunner] = tl.ToolRunner(tools, tool_choice) if tools else None
+        self._tool_tasks: dict[str, asyncio.Task] = {}
+        self._tool_outbox: deque = deque()
+        self._tool_sender: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ state views
     @property
@@ -149,6 +174,12 @@ class BaseDuplexClient(abc.ABC):
 
     def response(self, response_id: str) -> Optional[ResponseHandle]:
         return self.state.responses.get(response_id)
+
+    @property
+    def tool_calls(self) -> dict:
+        """call_id -> :class:`~duplexkit.clients.tools.ToolCallRecord` of every function call this client
+        ran (or refused), oldest first; empty without ``tools``."""
+        return dict(self.tool_runner.calls) if self.tool_runner is not None else {}
 
     def events(self) -> AsyncIterator[Any]:
         """Every server event as a typed :mod:`duplexkit.protocol` model (GA names; unknown types
@@ -221,6 +252,10 @@ class BaseDuplexClient(abc.ABC):
             upd["audio"] = audio
         if self.options.ref_audio is not None and "ref_audio" not in upd:
             upd["ref_audio"] = ref_audio_data_url(self.options.ref_audio)
+        if self.tool_runner is not None and "tools" not in upd:
+            fields = self.tool_runner.session_fields()
+            upd["tools"] = fields["tools"]
+            upd.setdefault("tool_choice", fields["tool_choice"])
         return upd
 
     async def close(self, reason: str = "client_close") -> None:
@@ -245,8 +280,9 @@ class BaseDuplexClient(abc.ABC):
             self.player.flush(None)  # the session is over: nothing of it plays on
             if self._own_player:
                 await self.player.stop()
-            for t in list(self._bg):
+            for t in list(self._bg) + list(self._tool_tasks.values()):
                 t.cancel()
+            self._tool_tasks.clear()
 
     # ------------------------------------------------------------------ public calls
     async def send_audio(self, audio: Union[bytes, bytearray, np.ndarray], *, rate: Optional[int] = None) -> None:
@@ -331,6 +367,8 @@ class BaseDuplexClient(abc.ABC):
         if response_id:
             ev["response_id"] = response_id
         await self._send_action(self.state.request(ev, quiet=True))
+        if self.tool_runner is not None:
+            self._apply_tools(self.tool_runner.client_cancelled())
 
     async def barge_in(self) -> Optional[ResponseHandle]:
         """Interrupt what the user hears now (what local VAD does on speech): cancel the response
@@ -342,6 +380,8 @@ class BaseDuplexClient(abc.ABC):
             self._apply([a for a in actions if not isinstance(a, cs.Send)])
             return rec
         await self._apply_async(actions)
+        if self.tool_runner is not None:
+            self._apply_tools(self.tool_runner.client_cancelled())
         return rec
 
     async def ack_playback(self, response_id: str, played_ms: int, *, item_id: Optional[str] = None,
@@ -493,6 +533,8 @@ class BaseDuplexClient(abc.ABC):
         """Handle one server event (a dict or a parsed model). Never raises."""
         try:
             self._apply(self.state.receive(ev))
+            if self.tool_runner is not None:
+                self._apply_tools(self.tool_runner.receive(ev))
         except Exception:  # pragma: no cover - a client bug must not kill the transport loop
             logger.exception("client failed to handle %r", ev.get("type") if isinstance(ev, dict) else ev)
 
@@ -567,6 +609,54 @@ class BaseDuplexClient(abc.ABC):
             fut.exception()  # mark retrieved: a caller that timed out must not log noise
         else:
             fut.set_result(value)
+
+    # ------------------------------------------------------------------ internals: tools
+    def _apply_tools(self, actions: list) -> None:
+        """Carry out the tool runner's actions: start or cancel call tasks, queue events to send (one
+        sender task keeps their order), deliver records to ``events()``."""
+        for a in actions:
+            if isinstance(a, tl.StartCall):
+                task = asyncio.get_running_loop().create_task(self._run_tool(a.call), name=f"tool-{a.call.name}")
+                self._tool_tasks[a.call.call_id] = task
+            elif isinstance(a, tl.CancelCall):
+                task = self._tool_tasks.pop(a.call.call_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(a, tl.SendEvent):
+                self._tool_outbox.append(a.event)
+            elif isinstance(a, tl.Notify):
+                self._events.put(a.record)
+                self.events_dropped = self._events.dropped
+        if self._tool_outbox and (self._tool_sender is None or self._tool_sender.done()) and not self._released:
+            self._tool_sender = asyncio.get_running_loop().create_task(self._send_tool_events())
+            self._bg.add(self._tool_sender)
+            self._tool_sender.add_done_callback(self._bg.discard)
+
+    async def _send_tool_events(self) -> None:
+        while self._tool_outbox:
+            ev = self._tool_outbox.popleft()
+            try:
+                await self._send(ev)
+            except DuplexError as exc:  # the connection is gone: the rest cannot go either
+                logger.debug("could not send %s: %s", ev.get("type"), exc)
+                self._tool_outbox.clear()
+                return
+
+    async def _run_tool(self, call: "tl.ToolCallRecord") -> None:
+        t0 = time.perf_counter()
+        output, error = None, None
+        try:
+            output = await call.tool.invoke(call.arguments)
+        except asyncio.CancelledError:
+            call.elapsed_ms = (time.perf_counter() - t0) * 1000
+            raise
+        except Exception as exc:  # the tool's own error goes back to the model as an error output
+            error = exc
+        call.elapsed_ms = (time.perf_counter() - t0) * 1000
+        if self._tool_tasks.get(call.call_id) is asyncio.current_task():
+            del self._tool_tasks[call.call_id]
+        if not self._released and self.tool_runner is not None:
+            self._apply_tools(self.tool_runner.call_finished(call.call_id, output, error))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

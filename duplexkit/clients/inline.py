@@ -32,13 +32,19 @@ class InlineDuplexClient(BaseDuplexClient):
             name ``SessionConfig`` fields (``answer_policy``, ``max_output_tokens``,
             ``default_instructions``, ``limits``, ...) build one.
         tick_interval_s: how often ``Session.tick`` runs (silence feeding, idle timeout).
+        decider: the tool decider the session asks at each user turn end (a
+            :class:`duplexkit.agent.ToolDecider`); None = the engine's own
+            (:class:`~duplexkit.agent.EngineToolDecider`).
+        transcriber: the recogniser for ``input_audio_transcription`` (a
+            :class:`duplexkit.agent.Transcriber`); None = one per requested model name
+            (:func:`duplexkit.agent.make_transcriber`).
         **options: the client options of :class:`~duplexkit.clients.base.BaseDuplexClient`
             (``session``, ``ref_audio``, ``input_rate``, ``player``, ``auto_ack``, ``barge_in``,
-            ``request_timeout_s``).
+            ``request_timeout_s``, ``tools``, ``tool_choice``).
     """
 
     def __init__(self, engine, *, profile: str = "duplex", config=None, tick_interval_s: float = 0.05,
-                 **options: Any) -> None:
+                 decider: Any = None, transcriber: Any = None, **options: Any) -> None:
         from duplexkit.session import SessionConfig
 
         cfg_fields = {f.name for f in dataclasses.fields(SessionConfig)}
@@ -54,6 +60,8 @@ class InlineDuplexClient(BaseDuplexClient):
         self.engine = engine
         self.config = config
         self.tick_interval_s = tick_interval_s
+        self.decider = decider
+        self.transcriber = transcriber
         self._driver = None
 
     @property
@@ -75,7 +83,8 @@ class InlineDuplexClient(BaseDuplexClient):
         from duplexkit.session import Session
 
         self._driver = SessionDriver(Session(self.config, now_ms=0), self.engine, on_event=self._on_server_event,
-                                     on_close=self._on_close, tick_interval_s=self.tick_interval_s)
+                                     on_close=self._on_close, tick_interval_s=self.tick_interval_s,
+                                     decider=self.decider, transcriber=self.transcriber)
         self._driver.start()
         # autostart=0 semantics: the first session.update (sent by connect()) is applied before
         # session.created (docs/protocol.md §5.1).
