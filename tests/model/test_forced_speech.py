@@ -211,3 +211,35 @@ def test_speak_text_refuses_what_it_cannot_speak(tiny_model):
     th.close(st)
     with pytest.raises(ValueError, match="closed"):
         th.speak_text(st, "hi", 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_forced_units_with_cuda_graphs_and_lookahead(tiny_dir, temperature):
+    """On a GPU: forced rows through the captured decode graphs, with and without the lookahead (the
+    forced ids written into the launched choices on the device) give the same units, and the forced
+    units hold exactly the text's ids."""
+    from duplexkit.models.minicpmo45 import load
+
+    model = load(tiny_dir, devices="cuda", with_code2wav=False, with_talker=False, progress=False)
+    sp = model.thinker.special
+    ids = encode_text(model.thinker.tokenizer, TEXT)
+    runs = []
+    for lookahead in (False, True):
+        th = FastThinker.from_thinker(model.thinker, cuda_graphs=True, slots=3, lookahead=lookahead)
+        st = th.new_stream(policy=DuplexPolicy(temperature=temperature), seed=5)
+        free = th.new_stream(policy=DuplexPolicy(temperature=temperature, min_unit_tokens=3), seed=6)
+        th.speak_text(st, TEXT, 5)
+        res = []
+        for i in range(6):
+            a, b = th.step_units([UnitInput(st, _audio(i)), UnitInput(free, _audio(i, 1), force_speak=i == 0)])
+            res.append((a.generated_ids, b.generated_ids, a.hidden.cpu()))
+        torch.cuda.synchronize()
+        th.close(st)
+        th.close(free)
+        runs.append(res)
+    for (ga, gb, ha), (la, lb, hl) in zip(*runs):
+        assert ga == la and gb == lb
+        torch.testing.assert_close(ha, hl, atol=1e-4, rtol=0)
+    forced = [r[0] for r in runs[0]][: -(-len(ids) // 5)]
+    assert [t for g in forced for t in g if t not in (sp.speak, sp.turn_eos, sp.chunk_eos, sp.unit_end)] == ids
