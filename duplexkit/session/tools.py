@@ -426,7 +426,7 @@ class ToolsMixin:
                 return
             text = (out.text or "").strip()
             if text:
-                self._cmd(SpeakText(self.stream_id, self.epoch, text=text))
+                self._speak_now(text, now_ms)
             else:
                 self._decision_without_call(d, now_ms)
             return
@@ -522,7 +522,14 @@ class ToolsMixin:
         self._fire(PhaseEvent.CREATE)
         self._resp = self._new_response(trigger, list(self.settings.output_modalities), None, "inf", forced_unit=None)
         self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+        self._speak_now(text, self._now_ms)
+
+    def _speak_now(self, text: str, now_ms: float) -> None:
+        """``SpeakText`` for the active response, then an early unit close (docs/concepts.md "Early
+        unit close") so that the text rides a unit at once instead of waiting for the next 1-s
+        boundary: the audio received so far (or zeros) goes out as the response's forced unit."""
         self._cmd(SpeakText(self.stream_id, self.epoch, text=text))
+        self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
 
     def _on_transcription(self, out: Transcription) -> None:
         seconds = self._transcribing.pop(out.item_id, None)

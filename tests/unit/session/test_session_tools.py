@@ -117,6 +117,9 @@ def test_call_is_a_response_of_function_call_items_then_a_filler_speaks():
     assert types[8] == "response.created" and d.of("response.created", new)[1]["response"]["trigger"] == "filler"
     (speak,) = d.cmds_of(SpeakText, new)
     assert speak.text == DEFAULT_TOOL_FILLER and speak.epoch == d.s.epoch
+    # an early unit close carries it at once (not at the next 1-s boundary), after the SpeakText
+    (unit,) = d.cmds_of(AppendUnit, new)
+    assert unit.force_speak and new.index(speak) < new.index(unit)
     # while the call waits for its output and the filler is over, the model is held
     d.speak([DEFAULT_TOOL_FILLER])
     assert d.s.active_response_id is None
