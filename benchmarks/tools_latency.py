@@ -39,7 +39,8 @@ Examples::
 
     python benchmarks/tools_latency.py --model scripted --sessions 1 --turns 2
     python benchmarks/tools_latency.py --model tiny --sessions 1 --turns 3
-    python benchmarks/tools_latency.py --model random-real --device cuda --sessions 1,32 --turns 3 --json tools.json
+    python benchmarks/tools_latency.py --model random-real --device cuda --sessions 1,32 --turns 3 --level-warmup \\
+        --json tools.json
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ TOOL = {
         "additionalProperties": False,
     },
 }
+NO_CALL = ("tool_decision_timeout", "tool_decision_failed", "tool_call_invalid", "tool_call_dropped")
 OUTPUT = json.dumps({"temperature": 21, "unit": "celsius", "condition": "sunny"})
 
 # metric key -> label (the table's rows, in order)
@@ -253,7 +255,20 @@ async def _session(url: str, k: int, turns: int, res: dict, question, a, phase: 
                     await wait(mic.done.wait(), f"turn {turn}: the speech sent")
                     t_end = time.perf_counter()
                     await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-                ev, t_call = await wait(call, f"turn {turn}: response.function_call_arguments.done")
+                phase[0] = f"turn {turn}: response.function_call_arguments.done"
+                no_call = inbox.expect(lambda e: e["type"] == "session.warning" and e.get("code") in NO_CALL)
+                await asyncio.wait({call, no_call}, timeout=a.timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not call.done() and no_call.done():
+                    # the decider timed out, failed or its call was dropped: no call this turn (counted);
+                    # the model answers by itself, which the next turn's idle() cancels
+                    res["missed"].append(no_call.result()[0]["code"])
+                    stale = (call, filler_first, filler_done, no_call)
+                    inbox.waiters = [w for w in inbox.waiters if w[1] not in stale]
+                    await wait(mic.done.wait(), f"turn {turn}: the speech sent")
+                    await asyncio.sleep(0.5)
+                    continue
+                inbox.waiters = [w for w in inbox.waiters if w[1] is not no_call]
+                ev, t_call = await wait(call, phase[0])
                 res["call"].append((t_call - t_end) * 1000)
                 q_chunk = (q_end - 1) // CHUNK * CHUNK + CHUNK
                 if vad and q_chunk in mic.sent_at:
@@ -291,7 +306,7 @@ async def run_level(url: str, n: int, turns: int, a) -> dict:
 
     question = read_wav(FIX / "question_16k.wav", SR)[0]
     res: dict = {k: [] for k in CLIENT_METRICS}
-    res.update(errors=[], warnings=[])
+    res.update(errors=[], warnings=[], missed=[])
 
     async def one(k: int) -> None:
         await asyncio.sleep(k / max(1, n))  # turn ends spread over one unit (users do not stop in step)
@@ -342,6 +357,8 @@ def print_table(rows: list, header: str) -> None:
           + " | ".join(f"{r['units_behind_max']:>{cw}}" for _, r in rows) + f" | {TARGETS['behind']}")
     print(f"{'real time (unit p90 < 1000 ms, <= 2 behind)':<{w}} | "
           + " | ".join(f"{'yes' if r['real_time'] else 'NO':>{cw}}" for _, r in rows) + f" | {TARGETS['real_time']}")
+    print(f"{'turns without a call (decider timeout/failure)':<{w}} | "
+          + " | ".join(f"{len(r['missed']):>{cw}}" for _, r in rows) + " | 0")
     print(f"{'errors / warnings':<{w}} | "
           + " | ".join(f"{str(len(r['errors'])) + ' / ' + str(len(r['warnings'])):>{cw}}" for _, r in rows) + " | 0 / 0")
     sys.stdout.flush()
@@ -391,6 +408,9 @@ def main(argv=None) -> int:
                     help="the tool's run time: the output is sent this long after the call (0: at once)")
     ap.add_argument("--warmup-turns", type=int, default=1,
                     help="turns of one session first, reported apart as the cold start, not counted")
+    ap.add_argument("--level-warmup", action="store_true",
+                    help="before each level of more than one session, one turn at that concurrency, not counted "
+                         "(lazily built kernels and graph buckets of a batch size are paid the first time it is met)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout, s")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results (and the samples) as JSON here")
     ap.add_argument("--unit-delay-ms", type=non_negative_float, default=0.0,
@@ -425,14 +445,20 @@ def main(argv=None) -> int:
         for n in levels:
             t = time.perf_counter()
             wait_idle(url)
+            if a.level_warmup and n > 1:
+                w = asyncio.run(run_level(url, n, 1, a))
+                wait_idle(url)
+                print(f"level {n} warm-up turn (not counted): call p50 {pct(w['call'], 50):.0f} ms, filler p50 "
+                      f"{pct(w['filler'], 50):.0f} ms, errors {len(w['errors'])}", flush=True)
             col.reset()
             r = asyncio.run(run_level(url, n, a.turns, a))
             wait_idle(url)
             s = summarize(r, col)
-            s["errors"], s["warnings"] = r["errors"], r["warnings"]
+            s["errors"], s["warnings"], s["missed"] = r["errors"], r["warnings"], r["missed"]
             rows.append((n, s))
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['call'])} calls, {len(r['answer'])} answers, "
-                  f"{col.units} units, errors {len(r['errors'])}, warnings {len(r['warnings'])}",
+                  f"{col.units} units, turns without a call {len(r['missed'])}, errors {len(r['errors'])}, "
+                  f"warnings {len(r['warnings'])}",
                   flush=True)
             for kind, count in error_kinds(r["errors"]).most_common():
                 print(f"  error x{count}: {kind}", flush=True)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 ROWS = ("call ", "filler ", "answer ", "decider   call", "decider   answer", "Session   committed -> call",
         "Session   committed -> first filler", "units     engine per unit", "units     most units behind",
-        "real time", "errors / warnings")
+        "real time", "turns without a call", "errors / warnings")
 
 
 def _run(tmp_path, *args):
@@ -46,6 +46,7 @@ def test_tools_latency_scripted_prints_every_row_with_finite_numbers(tmp_path, c
         p90, n = rest.split(" (")
         assert math.isfinite(float(p50)) and math.isfinite(float(p90)) and int(n.rstrip(")")) == 2, line
     assert next(x for x in lines if x.startswith("real time")).split("|")[1].strip() == "yes"
+    assert next(x for x in lines if x.startswith("turns without a call")).split("|")[1].strip() == "0"
     assert next(x for x in lines if x.startswith("errors / warnings")).split("|")[1].strip() == "0 / 0"
 
     data = json.loads(out.read_text())  # strict JSON: no NaN
@@ -54,4 +55,4 @@ def test_tools_latency_scripted_prints_every_row_with_finite_numbers(tmp_path, c
     for key in ("call", "filler", "answer", "answer_free", "decide_call", "decide_answer", "unit_ms"):
         s = level["summary"][key]
         assert s["n"] >= 2 and all(math.isfinite(s[q]) and s[q] >= 0 for q in ("p50", "p90")), (key, s)
-    assert level["real_time"] is True and level["errors"] == {}
+    assert level["real_time"] is True and level["errors"] == {} and level["missed"] == []
