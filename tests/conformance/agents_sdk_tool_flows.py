@@ -251,3 +251,31 @@ def _audio_items(log: Log, marker: str) -> set:
     """Item ids that had audio before ``marker`` was logged."""
     end = next(i for i, (k, _) in enumerate(log.entries) if k == marker)
     return {p[0] for k, p in log.entries[:end] if k == "audio"}
+
+
+def check_no_errors(log) -> None:
+    assert not log.errors, log.errors
+    # the Agents SDK asks for input_audio_transcription gpt-4o-mini-transcribe by default; the server
+    # answers session.warning{transcription_model_substituted}, which the SDK cannot validate and
+    # reports as an error event (test_agents_sdk_realtime.py::test_agents_sdk_voice_turn fails on it).
+    # Tolerated here, and only that one, so that these tests check the tool flow.
+    assert set(log.rejected) <= {"session.warning"}, log.rejected
+
+
+def check_answer_after_tool(log, statuses=("completed",)) -> dict:
+    """The tool's output went out as a function_call_output item and a new response spoke after it
+    and ended with one of ``statuses``; returns that response (as ``response.done`` carries it)."""
+    kinds = log.kinds()
+    end = len(kinds) - 1 - kinds[::-1].index("tool_start")
+    calls = log.server("response.function_call_arguments.done")
+    out_added = log.index("server", lambda p: p.get("type") == "conversation.item.added"
+                          and p["item"].get("type") == "function_call_output", start=end)
+    out_item = log.entries[out_added][1]["item"]
+    assert out_item["call_id"] in {c["call_id"] for c in calls}
+    created = log.index("server", lambda p: p.get("type") == "response.created", start=out_added)
+    rid = log.entries[created][1]["response"]["id"]
+    done = next(r["response"] for r in log.server("response.done") if r["response"]["id"] == rid)
+    assert done["status"] in statuses, done
+    audio = [p for k, p in log.entries[created:] if k == "audio" and p[2] == rid]
+    assert audio and sum(n for _, n, _ in audio) > 0
+    return done

@@ -56,40 +56,12 @@ def _done(log, response_id: str) -> dict:
     return next(r["response"] for r in log.server("response.done") if r["response"]["id"] == response_id)
 
 
-def check_no_errors(log) -> None:
-    assert not log.errors, log.errors
-    # the Agents SDK asks for input_audio_transcription gpt-4o-mini-transcribe by default; the server
-    # answers session.warning{transcription_model_substituted}, which the SDK cannot validate and
-    # reports as an error event (test_agents_sdk_realtime.py::test_agents_sdk_voice_turn fails on it).
-    # Tolerated here, and only that one, so that these tests check the tool flow.
-    assert set(log.rejected) <= {"session.warning"}, log.rejected
-
-
-def check_answer_after_tool(log) -> dict:
-    """The tool's output went out as a function_call_output item and a new response spoke after it
-    and completed; returns that response (as ``response.done`` carries it)."""
-    kinds = log.kinds()
-    end = len(kinds) - 1 - kinds[::-1].index("tool_start")
-    calls = log.server("response.function_call_arguments.done")
-    out_added = log.index("server", lambda p: p.get("type") == "conversation.item.added"
-                          and p["item"].get("type") == "function_call_output", start=end)
-    out_item = log.entries[out_added][1]["item"]
-    assert out_item["call_id"] in {c["call_id"] for c in calls}
-    created = log.index("server", lambda p: p.get("type") == "response.created", start=out_added)
-    rid = log.entries[created][1]["response"]["id"]
-    done = _done(log, rid)
-    assert done["status"] == "completed", done
-    audio = [p for k, p in log.entries[created:] if k == "audio" and p[2] == rid]
-    assert audio and sum(n for _, n, _ in audio) > 0
-    return done
-
-
 def _transcript(response: dict) -> str:
     return "".join(c.get("transcript") or "" for o in response["output"] for c in o.get("content") or [])
 
 
 async def test_agents_sdk_required_tool_runs_and_answer_is_spoken(sdk):
-    from agents_sdk_tool_flows import answered_call
+    from agents_sdk_tool_flows import answered_call, check_answer_after_tool, check_no_errors
 
     with _serve() as server:
         log, tool = await answered_call(server.ws_url, QUESTION, tool_choice="required", timeout=bound(60))
@@ -108,7 +80,7 @@ async def test_agents_sdk_required_tool_runs_and_answer_is_spoken(sdk):
 
 
 async def test_agents_sdk_auto_calls_exactly_where_scripted(sdk):
-    from agents_sdk_tool_flows import scripted_turns
+    from agents_sdk_tool_flows import check_answer_after_tool, check_no_errors, scripted_turns
 
     with _serve('tool_script=[null, ["get_weather", {"city": "Paris"}]]') as server:
         log = await scripted_turns(server.ws_url, QUESTION, QUESTION, timeout=bound(90))
@@ -127,7 +99,7 @@ async def test_agents_sdk_auto_calls_exactly_where_scripted(sdk):
 
 
 async def test_agents_sdk_barge_in_while_a_slow_tool_runs(sdk):
-    from agents_sdk_tool_flows import barge_in_during_slow_tool
+    from agents_sdk_tool_flows import barge_in_during_slow_tool, check_answer_after_tool, check_no_errors
 
     with _serve('tool_script=[["get_weather", {"city": "Paris"}], null]') as server:
         log = await barge_in_during_slow_tool(server.ws_url, QUESTION, INTERRUPT, tool_wait_s=bound(60),
