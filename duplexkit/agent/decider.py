@@ -137,8 +137,11 @@ def check_calls(calls: Sequence[ToolCall], tools: Sequence[dict]) -> Optional[st
         except json.JSONDecodeError as exc:
             return f"the arguments of {c.name!r} are not JSON: {exc}"
         schema = schemas[c.name]
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        err = jsonschema.exceptions.best_match(cls(schema).iter_errors(args))
+        try:
+            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+            err = jsonschema.exceptions.best_match(cls(schema).iter_errors(args))
+        except Exception as exc:  # a broken schema: SchemaError, an unresolvable $ref (referencing), ...
+            return f"the schema of {c.name!r} cannot be checked: {exc}"
         if err is not None:
             where = "/".join(str(x) for x in err.absolute_path)
             return f"the arguments of {c.name!r} do not fit its schema{' at ' + where if where else ''}: {err.message}"
@@ -183,9 +186,12 @@ class EngineToolDecider:
                 temperature=0.0, max_tokens=self.max_tokens))
         except Exception as exc:  # the decision carries it; the session goes on without a call
             return _decision(cmd, t0, error=f"the engine failed to decide: {type(exc).__name__}: {exc}")
-        calls = tuple(ToolCall(name=c.name, arguments=c.arguments or "{}", call_id=c.call_id)
-                      for c in (res.tool_calls or ()))
-        why = check_calls(calls, cmd.tools)
+        try:
+            calls = tuple(ToolCall(name=c.name, arguments=c.arguments or "{}", call_id=c.call_id)
+                          for c in (res.tool_calls or ()))
+            why = check_calls(calls, cmd.tools)
+        except Exception as exc:  # a malformed result or tool list: no call
+            return _decision(cmd, t0, error=f"the decision cannot be checked: {type(exc).__name__}: {exc}")
         return _decision(cmd, t0, calls=calls, text=res.text or "", error=why)
 
 
@@ -270,9 +276,9 @@ class ChatEndpointToolDecider:
         t0 = time.perf_counter()
         try:
             messages = await text_messages(cmd.messages, self.transcriber)
-        except Exception as exc:
-            return _decision(cmd, t0, error=str(exc))
-        body = self.request_body(messages, cmd.tools, cmd.tool_choice)
+            body = self.request_body(messages, cmd.tools, cmd.tool_choice)
+        except Exception as exc:  # audio without a transcript, a failed transcriber, a malformed tool
+            return _decision(cmd, t0, error=str(exc) or type(exc).__name__)
         try:
             r = await self._client.post(self.url, json=body)
         except httpx.HTTPError as exc:
@@ -288,7 +294,11 @@ class ChatEndpointToolDecider:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             return _decision(cmd, t0, error=f"the tool endpoint's answer is not a chat completion: "
                                             f"{type(exc).__name__}: {exc}")
-        return _decision(cmd, t0, calls=calls, text=text, error=check_calls(calls, cmd.tools))
+        try:
+            why = check_calls(calls, cmd.tools)
+        except Exception as exc:
+            why = f"the decision cannot be checked: {type(exc).__name__}: {exc}"
+        return _decision(cmd, t0, calls=calls, text=text, error=why)
 
 
 def _arguments_text(fn: dict) -> str:

@@ -102,6 +102,22 @@ def test_check_calls():
     assert "not JSON" in check_calls([ToolCall("convert", "{value: 1}")], TOOLS)
     assert "'value' is a required property" in check_calls([ToolCall("convert", "{}")], TOOLS)
     assert "Additional properties" in check_calls([ToolCall("convert", '{"value": 1, "x": 2}')], TOOLS)
+    broken = [{"type": "function", "name": "convert", "parameters": {"type": "object", "$ref": "#/nowhere"}}]
+    assert "cannot be checked" in check_calls([ToolCall("convert", "{}")], broken)
+
+
+async def test_deciders_never_raise_on_malformed_tools():
+    bad_tools = ("not a tool",)
+    res = ChatResult(text="", audio=None, finish_reason="tool_calls", prompt_tokens=1, completion_tokens=1,
+                     tool_calls=(ToolCall("convert", "{}"),))
+    out = await EngineToolDecider(FakeEngine(res)).decide(_cmd(tools=bad_tools))
+    assert out.calls == () and "cannot be checked" in out.error
+    d = ChatEndpointToolDecider("http://127.0.0.1:9/v1")
+    try:
+        out = await d.decide(_cmd(tools=bad_tools))
+    finally:
+        await d.aclose()
+    assert out.calls == () and out.error
 
 
 # ------------------------------------------------------------------------------------------ text_messages
