@@ -46,6 +46,13 @@ reports truncating speech. It exists because a talker that never samples EOS (ra
 ``tiny``) would otherwise run to ``chat_max_codes`` (82 s of noise for a 64-token reply)."""
 
 
+CHAT_SLICE_MS = 20.0
+"""Longest stretch (ms, at least one token) of a turn-based reply (chat completions, the tool decider,
+the recogniser) on the thinker's stage thread before the duplex units' next step may run: a reply is
+generated in slices between unit steps, so it delays the live sessions' units by at most about one
+slice per step instead of its whole length (``DuplexEngine.chat_slice_ms``)."""
+
+
 def chat_code_budget(n_text_tokens: int, chat_max_codes: int) -> int:
     """The codec-token cap of one turn-based audio reply: ``min(chat_max_codes, CHAT_CODES_BASE +
     CHAT_CODES_PER_TEXT_TOKEN * n_text_tokens)`` (25 codes = 1 s of 24 kHz audio).
@@ -115,6 +122,7 @@ class DuplexEngine:
         if int(chat_max_codes) < 1:
             raise ValueError("chat_max_codes must be >= 1")
         self.chat_max_codes = int(chat_max_codes)
+        self.chat_slice_ms = CHAT_SLICE_MS
         self.layout = load_layout(layout or default_layout_name())
         self._check_devices(self.layout)
         if isinstance(model, StageModel) and not hasattr(model, "thinker"):
@@ -409,6 +417,28 @@ class DuplexEngine:
                           prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens,
                           tool_calls=tuple(getattr(meta, "tool_calls", ())))
 
+    async def _chat_thinker(self, request: ChatRequest, on_text) -> Any:
+        """The thinker's text pass of a reply: in slices of :data:`CHAT_SLICE_MS` between the unit
+        steps (a stage model with ``chat_thinker_steps``), else in one job."""
+        st = self.stages
+        if not hasattr(st, "chat_thinker_steps"):
+            return await self._job("thinker", lambda: st.chat_thinker(request, on_text))
+        steps = st.chat_thinker_steps(request, on_text)
+        budget_s = max(0.0, float(self.chat_slice_ms)) / 1000.0
+        finished = False
+        try:
+            while True:
+                done, out = await self._job("thinker", lambda: st.chat_thinker_slice(steps, budget_s))
+                if done:
+                    finished = True
+                    return out
+        finally:
+            if not finished and not self._closed:  # abandoned (cancelled, or a step raised): free its KV there
+                try:
+                    self._runtime.run_job("thinker", steps.close)
+                except RuntimeError:  # the engine closed meanwhile
+                    pass
+
     async def _generate_iter(self, request: ChatRequest):
         if not isinstance(request, ChatRequest):
             raise TypeError("generate() takes a ChatRequest")
@@ -423,17 +453,21 @@ class DuplexEngine:
         def on_text(delta: str) -> None:  # thinker thread -> event loop
             loop.call_soon_threadsafe(pieces.put_nowait, delta)
 
-        fut = asyncio.wrap_future(self._runtime.run_job("thinker", lambda: st.chat_thinker(request, on_text)))
+        fut = asyncio.ensure_future(self._chat_thinker(request, on_text))
         sent = ""
-        while True:
-            get = asyncio.ensure_future(pieces.get())
-            done, _ = await asyncio.wait({get, fut}, return_when=asyncio.FIRST_COMPLETED)
-            if get in done:
-                sent += get.result()
-                yield ChatDelta(text=get.result())
-                continue
-            get.cancel()
-            break
+        try:
+            while True:
+                get = asyncio.ensure_future(pieces.get())
+                done, _ = await asyncio.wait({get, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    sent += get.result()
+                    yield ChatDelta(text=get.result())
+                    continue
+                get.cancel()
+                break
+        finally:
+            if not fut.done():  # the caller stopped early: stop generating (its slices end)
+                fut.cancel()
         thought = fut.result()
         while not pieces.empty():  # deltas queued before the result landed
             d = pieces.get_nowait()

@@ -26,6 +26,7 @@ dedicated high-priority CUDA stream and hand the talker their hidden rows with a
 from __future__ import annotations
 
 import contextlib
+import time
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -311,7 +312,32 @@ class MiniCPMO45Stages:
     # ------------------------------------------------------------------ chat (turn-based)
     @_thinker_work
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
-        """Text pass of :meth:`DuplexEngine.generate` (thinker stage thread).
+        """:meth:`chat_thinker_steps` run to its end in one call (thinker stage thread)."""
+        steps = self.chat_thinker_steps(request, on_text)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    @_thinker_work
+    def chat_thinker_slice(self, steps: Any, budget_s: float) -> tuple:
+        """Advance a :meth:`chat_thinker_steps` generator for about ``budget_s`` seconds (at least one
+        step) on the thinker stage thread. Returns ``(True, ChatThinkerOut)`` when the reply is done,
+        ``(False, None)`` when more slices are needed."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return True, stop.value
+            if time.perf_counter() - t0 >= budget_s:
+                return False, None
+
+    def chat_thinker_steps(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> Any:
+        """Text pass of :meth:`DuplexEngine.generate`, one step at a time: a generator (yielding after
+        the prefill and after each token) whose return value is the :class:`ChatThinkerOut`; drive it
+        on the thinker stage thread (:meth:`chat_thinker_slice`).
 
         ``on_text(delta)`` receives the reply text as it is generated (incremental detokenization;
         a delta is held back while it ends in an incomplete UTF-8 sequence); the tokens of a tool call
@@ -348,9 +374,9 @@ class MiniCPMO45Stages:
         if request.tools:
             kw["tools"] = list(request.tools)
             kw["tool_choice"] = request.tool_choice
-        r = self.model.thinker.chat(list(request.messages), use_tts_template=use_tts,
-                                    enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
-                                    temperature=float(request.temperature), seed=request.seed, **kw)
+        r = yield from self.model.thinker.chat_steps(
+            list(request.messages), use_tts_template=use_tts, enable_thinking=request.enable_thinking,
+            max_tokens=int(request.max_tokens), temperature=float(request.temperature), seed=request.seed, **kw)
         calls = tuple(ToolCall(name=c.name, arguments=c.arguments) for c in getattr(r, "tool_calls", ()))
         finish = "tool_calls" if calls else ("length" if r.finish_reason == "length" else "stop")
         return ChatThinkerOut(text=r.text, talker_input=self._handover(r.tts_token_ids, r.tts_hidden),

@@ -436,6 +436,8 @@ class StageRuntime(StageSteps):
 
     def _worker(self, stage: str) -> None:
         step = {"thinker": self._thinker_step, "talker": self._talker_step, "code2wav": self._code2wav_step}[stage]
+        after_job = False  # the last thing run was a job: ready units go first now (a long reply runs in
+        # slices of jobs (docs/architecture.md, "Turn-based jobs"); units must not wait behind all of them)
         while True:
             job = None
             with self._cond:
@@ -446,17 +448,22 @@ class StageRuntime(StageSteps):
                             if fut.set_running_or_notify_cancel():
                                 fut.set_exception(RuntimeError("engine is closed"))
                         return
-                    if self._jobs[stage]:
+                    if self._jobs[stage] and not after_job:
                         job = self._jobs[stage].popleft()
                         break
-                    wait_s = self._window_wait_s(stage)
+                    wait_s = 0.0 if after_job and self._jobs[stage] else self._window_wait_s(stage)
                     if wait_s > 0.0:  # woken early by a submit, a job or the stop: decide again
                         self._cond.wait(wait_s)
                         continue
                     picked = self._pick(stage)
                     if picked:
                         break
+                    if self._jobs[stage]:  # nothing ready: the job after all
+                        job = self._jobs[stage].popleft()
+                        break
+                    after_job = False
                     self._cond.wait()
+            after_job = job is not None
             if job is not None:
                 fn, fut = job
                 if fut.set_running_or_notify_cancel():

@@ -414,3 +414,55 @@ async def test_a_control_item_or_a_job_is_never_held_by_the_window():
     await _collect(b, _units_done(1), timeout=30)
     assert _thinker_batches(toy) == [1]
     await eng.aclose()
+
+
+class _SlowChatToy(ToyStages):
+    """A toy whose turn-based reply takes ``steps`` thinker steps of ``step_s`` each."""
+
+    def __init__(self, steps: int, step_s: float) -> None:
+        super().__init__()
+        self.steps, self.step_s = steps, step_s
+
+    def chat_thinker_steps(self, request, on_text=None):
+        import time as _time
+
+        from duplexkit.engine.minicpmo45 import ChatThinkerOut
+
+        for _ in range(self.steps):
+            _time.sleep(self.step_s)
+            yield
+        return ChatThinkerOut(text="done", talker_input=None, finish_reason="stop", prompt_tokens=1,
+                              completion_tokens=self.steps)
+
+    def chat_thinker(self, request, on_text=None):  # the whole reply in one call
+        return self.chat_thinker_slice(self.chat_thinker_steps(request, on_text), float("inf"))[1]
+
+    def chat_thinker_slice(self, steps, budget_s):
+        import time as _time
+
+        t0 = _time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return True, stop.value
+            if _time.perf_counter() - t0 >= budget_s:
+                return False, None
+
+
+async def test_a_long_reply_runs_in_slices_between_unit_steps():
+    """A turn-based reply (the tool decider's, a chat completion) of ~1.2 s on the thinker thread does
+    not hold a live stream's unit for its whole length: the unit's step runs between two slices."""
+    from duplexkit.engine.api import ChatMessage, ChatRequest
+
+    toy = _SlowChatToy(steps=60, step_s=0.02)
+    eng = DuplexEngine(toy, _layout())
+    (a,) = await _listeners(eng, 1)
+    reply = asyncio.ensure_future(eng.generate(ChatRequest(messages=[ChatMessage("user", ["hi"])])))
+    await asyncio.sleep(0.1)  # the reply is under way
+    _send_unit(a)
+    await _collect(a, _units_done(1), timeout=30)
+    assert not reply.done()  # the unit was served while the reply still ran
+    res = await asyncio.wait_for(reply, 30)
+    assert res.text == "done" and res.completion_tokens == 60
+    await eng.aclose()

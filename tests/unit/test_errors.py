@@ -72,6 +72,8 @@ def test_error_code_table_matches_protocol_section_9():
         "model_not_found",  # a refused model id (issue 14)
         # session.resume refusals (issue 18, docs/protocol.md §1.6)
         "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow",
+        # tools (issue 35, docs/tools.md)
+        "invalid_tools", "call_not_found", "call_already_answered", "call_cancelled",
     }
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert {c for c, t in ERROR_TYPES.items() if t == "rate_limit_error"} == {

@@ -37,7 +37,7 @@ from duplexkit.errors import DuplexkitError
 from . import sampling as S
 from .tokenizer import encode_control, encode_text
 
-__all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "ChatInputError"]
+__all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "chat_steps", "ChatInputError"]
 
 _TXT = ("\ue000", "\ue001")
 _MED = ("\ue002", "\ue003")
@@ -251,12 +251,29 @@ def prompt_embeds(th, prompt: ChatPrompt) -> torch.Tensor:
     return e
 
 
+def chat_generate(th, messages, **kw):
+    """Generate one assistant reply at once: :func:`chat_steps` run to its end (same arguments, same
+    result)."""
+    steps = chat_steps(th, messages, **kw)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 @torch.inference_mode()
-def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
-                  max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
-                  top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
-                  on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto"):
-    """Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
+def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
+               max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
+               top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
+               on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto"):
+    """A generator that generates one assistant reply one step at a time: it yields (None) after the
+    prompt's prefill and after each generated token, and returns the result (``StopIteration.value``).
+    The engine runs it in slices on the thinker's stage thread, between the duplex units' steps, so a
+    reply (e.g. a tool decision) never holds the other sessions' units for its whole length
+    (:meth:`duplexkit.engine.engine.DuplexEngine.generate`). Arguments are those of the reply:
+
+    Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
 
     ``temperature`` 0 = greedy. The repetition penalty is HF's (:func:`.sampling.repetition_penalty_hf`)
     over prompt and generated ids; sampling is :func:`.sampling.sample` with the call's seeded
@@ -296,6 +313,7 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
     kv = th.new_cache()
     h = th.forward_embeds(prompt_embeds(th, prompt), kv)
     logits = th.logits(h[-1])
+    yield
     gen = None
     if temperature > 0:
         gen = torch.Generator()
@@ -333,6 +351,7 @@ def chat_generate(th, messages, *, use_tts_template: Optional[bool] = None, enab
         hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
         hidden.append(hh)
         logits = th.logits(hh)
+        yield
     calls: list = []
     out_ids_text = out_ids
     if constraint is not None:

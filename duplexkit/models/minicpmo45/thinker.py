@@ -547,3 +547,10 @@ class Thinker:
 
         return chat_generate(self, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
                              max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
+
+    def chat_steps(self, messages, **kw):
+        """:meth:`chat` one step at a time: a generator yielding after the prefill and after each
+        token, returning the :class:`ChatThinkerResult` (:func:`duplexkit.models.minicpmo45.chat.chat_steps`)."""
+        from .chat import chat_steps
+
+        return chat_steps(self, messages, **kw)
