@@ -84,7 +84,7 @@ from duplexkit.session.machine import PhaseEvent
 
 __all__ = [
     "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
-    "TOOL_DECISION_TIMEOUT_MS",
+    "TOOL_DECISION_TIMEOUT_MS", "TOOL_OUTPUT_WAIT_MS",
     "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "ToolsMixin", "parse_tools", "parse_tool_choice",
 ]
 
@@ -105,6 +105,11 @@ DEFAULT_TOOL_PROGRESS = {"after_ms": 6000, "text": "Still working on it."}
 """A progress line spoken while a call of the current turn has had no output for ``after_ms`` (ms
 since the call was issued or the last progress line) and nothing else speaks
 (``extra_body.tool_progress``; null turns it off)."""
+
+TOOL_OUTPUT_WAIT_MS = 60_000
+"""Longest a call's missing output holds the duplex model (ms since the call was issued): then the
+gate opens, progress lines stop and ``session.warning{tool_output_timeout}`` is sent; a later output is
+still accepted (a client that never answers calls, or dropped one, must not mute the model for good)."""
 
 TOOL_DECISION_TIMEOUT_MS = 3000
 """Longest the tool gate holds the duplex model for one decision (ms of the Session clock)."""
@@ -233,6 +238,7 @@ class _Call:
     turn: int
     issued_ms: float = 0.0
     status: str = "pending"  # pending | answered | cancelled
+    overdue: bool = False  # waited TOOL_OUTPUT_WAIT_MS: no longer holds the model
 
 
 class ToolsMixin:
@@ -377,9 +383,20 @@ class ToolsMixin:
             return False
         if self._vad_item is not None and self._tools_active():
             return True
-        return any(c.status == "pending" and c.turn == self._turn_seq for c in self._calls.values())
+        return bool(self._waiting_calls())
+
+    def _waiting_calls(self) -> list:
+        """Calls of the current user turn still waiting for their output (and not yet overdue)."""
+        return [c for c in self._calls.values() if c.status == "pending" and c.turn == self._turn_seq and not c.overdue]
 
     def _tools_tick(self, now_ms: float) -> None:
+        late = [c for c in self._waiting_calls() if now_ms - c.issued_ms >= TOOL_OUTPUT_WAIT_MS]
+        for c in late:
+            c.overdue = True
+        if late:
+            self._emit(SessionWarning(code="tool_output_timeout", param="tools", message=(
+                f"no function_call_output for {', '.join(c.call_id for c in late)} after {TOOL_OUTPUT_WAIT_MS // 1000} s: "
+                "the model is no longer held for it (a later output is still accepted)")))
         self._progress_tick(now_ms)
         d = self._decision
         if d is None or now_ms - d.started_ms < TOOL_DECISION_TIMEOUT_MS:
@@ -397,7 +414,7 @@ class ToolsMixin:
         tp = self.settings.tool_progress
         if tp is None or self._resp is not None or self._decision is not None or self._vad_item is not None:
             return
-        waiting = [c for c in self._calls.values() if c.status == "pending" and c.turn == self._turn_seq]
+        waiting = self._waiting_calls()
         if not waiting:
             return
         since = max(max(c.issued_ms for c in waiting), self._progress_ms)

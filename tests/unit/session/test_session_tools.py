@@ -325,3 +325,22 @@ def test_progress_line_while_a_slow_tool_runs():
     errs = [e["error"]["code"] for e in d.of("error", d.send({"type": "session.update", "session": {
         "tool_progress": {"after_ms": 10}}}))]
     assert errs == ["bad_event"]
+
+
+def test_a_call_never_answered_stops_holding_the_model():
+    from duplexkit.session.tools import TOOL_OUTPUT_WAIT_MS
+
+    d = _session(tool_filler="", tool_progress=None)
+    _turn(d)
+    d.append(np.zeros(16000, np.float32))
+    new = _decide(d, ToolCall("get_weather", '{"city": "Paris"}'))
+    call_id = d.of("response.done", new)[0]["response"]["output"][0]["call_id"]
+    assert d.s._tool_gate()
+    new = d.tick(TOOL_OUTPUT_WAIT_MS + 100)
+    assert [w["code"] for w in d.of("session.warning", new)] == ["tool_output_timeout"]
+    assert not d.s._tool_gate()
+    units = d.cmds_of(AppendUnit, d.append(np.zeros(16000, np.float32)))
+    assert units and not units[-1].force_listen
+    new = d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
+                                                               "output": "late"}})
+    assert d.of("error", new) == [] and d.of("conversation.item.added", new)
