@@ -96,12 +96,15 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype, ge
     return module.eval().requires_grad_(False)
 
 
-def _tokenizer(tmp: Path):
+def _tokenizer(tmp: Path, tokenizer_dir: Optional[Union[str, Path]] = None):
     from .tiny import _write_tokenizer
     from .tokenizer import SpecialTokens, load_tokenizer
 
-    _write_tokenizer(tmp)
-    tok = load_tokenizer(tmp)
+    if tokenizer_dir is not None:
+        tok = load_tokenizer(Path(tokenizer_dir))
+    else:
+        _write_tokenizer(tmp)
+        tok = load_tokenizer(tmp)
     return tok, SpecialTokens.resolve(tok)
 
 
@@ -149,7 +152,8 @@ def _random_code2wav(tmp: Path, device: torch.device, gen: torch.Generator, real
 def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat16,
                        device: Union[str, torch.device] = "cuda", seed: int = 0, with_code2wav: bool = True,
                        fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4,
-                       code2wav_dtype: Optional[torch.dtype] = None) -> MiniCPMO45:
+                       code2wav_dtype: Optional[torch.dtype] = None,
+                       tokenizer_dir: Optional[Union[str, Path]] = None) -> MiniCPMO45:
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
@@ -160,6 +164,10 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
         fast: use the batched fast paths (:class:`~.fast_thinker.FastThinker`,
             :class:`~.fast_talker.FastTalker`, :class:`~.fast_code2wav.BatchedCode2Wav`); default: on CUDA.
         thinker_max_len / kv_slots: static KV positions per stream and initial slots (fast path).
+        tokenizer_dir: a checkpoint's tokenizer files (``tokenizer_config.json`` + ``vocab.json`` /
+            ``merges.txt`` or ``tokenizer.json``), e.g. the real MiniCPM-o 4.5 tokenizer, so that text
+            costs as many tokens as with the released model (tool-call benchmarks); ``size`` must be
+            ``"real"``. None: the tiny builder's small BPE.
     Returns:
         :class:`MiniCPMO45` with ``random_weights=True`` (``model_dir`` None).
     """
@@ -174,7 +182,9 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
     gen.manual_seed(int(seed))
     with tempfile.TemporaryDirectory(prefix="duplexkit-random-") as td:
         tmp = Path(td)
-        tok, special = _tokenizer(tmp)
+        if tokenizer_dir is not None and size != "real":
+            raise ValueError("tokenizer_dir needs size 'real' (the tiny vocabulary is sized to the tiny tokenizer)")
+        tok, special = _tokenizer(tmp, tokenizer_dir)
         if size == "real":
             cfg_d = real_config_dict(eos_ids=(special.im_end,), pad_id=tok.convert_tokens_to_ids("<|endoftext|>"))
         else:
