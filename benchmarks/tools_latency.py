@@ -299,6 +299,8 @@ async def _session(url: str, k: int, turns: int, res: dict, question, a, phase: 
                     t.cancel()
             res["errors"] += inbox.errors
             res["warnings"] += [w.get("code") for w in warnings]
+            for w in warnings:  # the first message of each code, for the report
+                res["warning_text"].setdefault(w.get("code"), str(w.get("message"))[:300])
 
 
 async def run_level(url: str, n: int, turns: int, a) -> dict:
@@ -306,7 +308,7 @@ async def run_level(url: str, n: int, turns: int, a) -> dict:
 
     question = read_wav(FIX / "question_16k.wav", SR)[0]
     res: dict = {k: [] for k in CLIENT_METRICS}
-    res.update(errors=[], warnings=[], missed=[])
+    res.update(errors=[], warnings=[], missed=[], warning_text={})
 
     async def one(k: int) -> None:
         await asyncio.sleep(k / max(1, n))  # turn ends spread over one unit (users do not stop in step)
@@ -455,6 +457,7 @@ def main(argv=None) -> int:
             wait_idle(url)
             s = summarize(r, col)
             s["errors"], s["warnings"], s["missed"] = r["errors"], r["warnings"], r["missed"]
+            s["warning_text"] = r["warning_text"]
             rows.append((n, s))
             print(f"level {n}: {time.perf_counter() - t:.0f} s, {len(r['call'])} calls, {len(r['answer'])} answers, "
                   f"{col.units} units, turns without a call {len(r['missed'])}, errors {len(r['errors'])}, "
@@ -463,7 +466,8 @@ def main(argv=None) -> int:
             for kind, count in error_kinds(r["errors"]).most_common():
                 print(f"  error x{count}: {kind}", flush=True)
             for code in sorted(set(r["warnings"]), key=str):
-                print(f"  session.warning x{r['warnings'].count(code)}: {code}", flush=True)
+                print(f"  session.warning x{r['warnings'].count(code)}: {code}: {r['warning_text'].get(code)}",
+                      flush=True)
     finally:
         stop_server(server)
     print()
