@@ -269,11 +269,12 @@ def _start_local(a, max_sessions: int):
 
 
 def build_random_engine(model_name: str, device: str, tokens: int, max_sessions: int, warm_turn: bool = True,
-                        code2wav_dtype: str = "float32"):
+                        code2wav_dtype: str = "float32", tokenizer_dir: Optional[str] = None):
     """random-real / random-tiny: build the model with random weights, capture its graphs for every
     batch size up to ``max_sessions + 2`` and run the warm-up turn (CUDA), as ``DuplexEngine.from_pretrained``
     would; returns the engine. Module-level so that an engine process can call it
-    (``EngineSpec("e2e_latency:build_random_engine", ...)``)."""
+    (``EngineSpec("e2e_latency:build_random_engine", ...)``). ``tokenizer_dir``: a checkpoint's
+    tokenizer for random-real (text costs as many tokens as with the released model: tool calls)."""
     import torch
 
     from duplexkit.engine import DuplexEngine
@@ -287,7 +288,8 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
                                kv_slots=max_sessions + 2, with_code2wav=True,
-                               code2wav_dtype=getattr(torch, code2wav_dtype))
+                               code2wav_dtype=getattr(torch, code2wav_dtype),
+                               **({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}))
     print(f"code2wav flow dtype {code2wav_dtype}", flush=True)
 
     def mem(what: str) -> None:
@@ -315,7 +317,8 @@ def _start_random(a, max_sessions: int):
     """random-real / random-tiny: serve a random-weight engine with create_app + uvicorn in this
     process; the engine in this process too, or (``--engine-process``) in its own process as
     ``duplexkit serve`` runs it by default."""
-    args = (a.model, a.device, int(a.tokens), max_sessions, not a.no_warm_turn, a.code2wav_dtype)
+    args = (a.model, a.device, int(a.tokens), max_sessions, not a.no_warm_turn, a.code2wav_dtype,
+            getattr(a, "tokenizer_dir", None))
     if a.engine_process:
         from duplexkit.engine.process import EngineProcess, EngineSpec
 

@@ -420,10 +420,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="19", help="random-*: decided tokens per speaking unit")
     ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
                     help="random-*: the Code2Wav flow's dtype")
+    ap.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                    help="random-real: a checkpoint's tokenizer files (the real MiniCPM-o 4.5 tokenizer), so the "
+                         "call, the filler and the answer cost as many tokens as with the released model "
+                         "(default: the tiny builder's small BPE)")
     ap.add_argument("--no-warm-turn", action="store_true", help="random-* on CUDA: skip the engine's warm-up turn")
     ap.add_argument("--engine-process", action="store_true",
                     help="random-*: the engine in its own process (as `duplexkit serve` runs it)")
     a = ap.parse_args(argv)
+    if a.tokenizer_dir and a.model != "random-real":
+        ap.error("--tokenizer-dir needs --model random-real")
     levels = a.sessions
     server, url = start(a, max(levels))
     col = Collector()
@@ -431,7 +437,8 @@ def main(argv=None) -> int:
     device = device_label(server, a)
     turn_end = (f"server VAD, silence_duration_ms {a.silence_ms}; end of turn = speech_stopped received"
                 if a.commit == "vad" else "client commit; end of turn = commit sent")
-    header = (f"tools latency: model {a.model}, device {device}\n  {turn_end}; tool {TOOL['name']!r}, tool_choice "
+    tok = f" (tokenizer {a.tokenizer_dir})" if a.tokenizer_dir else ""
+    header = (f"tools latency: model {a.model}{tok}, device {device}\n  {turn_end}; tool {TOOL['name']!r}, tool_choice "
               f"required; output sent {a.tool_ms:.0f} ms after the call; {a.turns} turn(s) per session")
     rows: list = []
     cold = None
@@ -473,8 +480,9 @@ def main(argv=None) -> int:
     print()
     print_table(rows, header)
     if a.json:
-        out = {"model": a.model, "device": device, "commit": a.commit, "silence_ms": a.silence_ms, "tool_ms": a.tool_ms,
-               "turns": a.turns, "tool": TOOL, "targets": TARGETS, "cold_start": cold,
+        out = {"model": a.model, "tokenizer_dir": a.tokenizer_dir, "device": device, "commit": a.commit,
+               "silence_ms": a.silence_ms, "tool_ms": a.tool_ms, "turns": a.turns, "tool": TOOL, "targets": TARGETS,
+               "cold_start": cold,
                "levels": [{"sessions": n, **{k: v for k, v in s.items() if k not in ("errors", "warnings")},
                            "errors": dict(error_kinds(s["errors"])), "warnings": s["warnings"]} for n, s in rows]}
         Path(a.json).write_text(json.dumps(no_nan(out), indent=1, allow_nan=False))
