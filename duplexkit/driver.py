@@ -242,7 +242,16 @@ class SessionDriver:
                 return t.text
 
             cmd = dataclasses.replace(cmd, messages=tuple(await text_messages(cmd.messages, transcribe)))
-        return await decider.decide(cmd)
+        if cmd.tool_choice != "none" or "on_text" not in inspect.signature(decider.decide).parameters:
+            return await decider.decide(cmd)
+
+        def on_text(piece: str) -> None:  # an answer being written: the Session speaks it as it comes
+            if piece:
+                self.session.receive_engine_output(ToolDecision(cmd.stream_id, cmd.epoch, -1, request_id=cmd.request_id,
+                                                                text=piece, final=False), self.now_ms())
+                self.flush()
+
+        return await decider.decide(cmd, on_text=on_text)
 
     async def _serve_shell(self, cmd: ShellCommand) -> None:
         t0 = time.monotonic()

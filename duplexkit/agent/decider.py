@@ -22,7 +22,15 @@ from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
-from duplexkit.engine.api import ChatMessage, ChatRequest, DecideTools, ToolCall, ToolDecision, TranscribeAudio
+from duplexkit.engine.api import (
+    ChatMessage,
+    ChatRequest,
+    ChatResult,
+    DecideTools,
+    ToolCall,
+    ToolDecision,
+    TranscribeAudio,
+)
 from duplexkit.errors import OptionalDependencyError
 
 __all__ = ["ToolDecider", "EngineToolDecider", "ChatEndpointToolDecider", "text_messages", "check_calls"]
@@ -39,8 +47,11 @@ class ToolDecider(Protocol):
 
     accepts_audio: bool
 
-    async def decide(self, cmd: DecideTools) -> ToolDecision:
-        """The decision for ``cmd``; never raises (a failure is ``ToolDecision.error``)."""
+    async def decide(self, cmd: DecideTools, on_text: Optional[Callable[[str], None]] = None) -> ToolDecision:
+        """The decision for ``cmd``; never raises (a failure is ``ToolDecision.error``). A decider that
+        can stream calls ``on_text(piece)`` with the reply text as it is written (used for answers,
+        ``tool_choice`` none, so that speech starts before the whole answer is written); others
+        ignore it."""
         ...
 
 
@@ -176,14 +187,26 @@ class EngineToolDecider:
         self.engine = engine
         self.max_tokens = int(max_tokens)
 
-    async def decide(self, cmd: DecideTools) -> ToolDecision:
+    async def decide(self, cmd: DecideTools, on_text: Optional[Callable[[str], None]] = None) -> ToolDecision:
         """The decision for ``cmd`` (never raises; an engine failure or an unacceptable call is the
-        decision's ``error``)."""
+        decision's ``error``). With ``on_text`` the reply is generated with ``engine.generate_stream``
+        and each text piece is handed to ``on_text`` as it comes (the call's tokens are never text)."""
         t0 = time.perf_counter()
+        req = ChatRequest(messages=list(cmd.messages), tools=tuple(cmd.tools), tool_choice=cmd.tool_choice,
+                          temperature=0.0, max_tokens=self.max_tokens)
         try:
-            res = await self.engine.generate(ChatRequest(
-                messages=list(cmd.messages), tools=tuple(cmd.tools), tool_choice=cmd.tool_choice,
-                temperature=0.0, max_tokens=self.max_tokens))
+            if on_text is None:
+                res = await self.engine.generate(req)
+            else:
+                text, tool_calls = "", ()
+                async for d in self.engine.generate_stream(req):
+                    if d.text:
+                        text += d.text
+                        on_text(d.text)
+                    if d.tool_calls:
+                        tool_calls = tuple(d.tool_calls)
+                res = ChatResult(text=text, audio=None, finish_reason="tool_calls" if tool_calls else "stop",
+                                 prompt_tokens=0, completion_tokens=0, tool_calls=tool_calls)
         except Exception as exc:  # the decision carries it; the session goes on without a call
             return _decision(cmd, t0, error=f"the engine failed to decide: {type(exc).__name__}: {exc}")
         try:
@@ -268,9 +291,10 @@ class ChatEndpointToolDecider:
             body["model"] = self.model
         return body
 
-    async def decide(self, cmd: DecideTools) -> ToolDecision:
+    async def decide(self, cmd: DecideTools, on_text: Optional[Callable[[str], None]] = None) -> ToolDecision:
         """The decision for ``cmd`` (never raises: transport errors, HTTP errors, a malformed answer
-        and unacceptable calls are the decision's ``error``)."""
+        and unacceptable calls are the decision's ``error``). ``on_text`` is not used: the answer
+        comes whole (no streaming from the endpoint)."""
         import httpx
 
         t0 = time.perf_counter()

@@ -379,6 +379,9 @@ class ToolDecision(EngineOutput):
         text: text the decider wrote instead of (or before) a call; informational.
         error: set when the decider failed (then ``calls`` is empty).
         elapsed_ms: decider wall time, ms.
+        final: False for a partial answer while the decider still writes: ``text`` is then the next
+            piece of the reply (streamed answers to tool outputs, ``tool_choice`` none); the final
+            decision (True) follows with the whole text.
     """
 
     request_id: str = ""
@@ -386,6 +389,7 @@ class ToolDecision(EngineOutput):
     text: str = ""
     error: Optional[str] = None
     elapsed_ms: float = 0.0
+    final: bool = True
 
 
 @dataclass(frozen=True)

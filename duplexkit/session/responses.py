@@ -305,6 +305,8 @@ class ResponsesMixin:
     def _on_turn_end(self, t: TurnEnd) -> None:
         if self._resp is None:
             return
+        if self._answer_holds(t.reason):  # an answer spoken piece by piece goes on (docs/tools.md)
+            return
         self._fire(PhaseEvent.TURN_END)
         if t.reason == "cancelled":
             self._finish("cancelled", StatusDetails(type="cancelled", reason="client_cancelled"))

@@ -256,6 +256,7 @@ class ToolsMixin:
         self._last_audio: Optional[np.ndarray] = None
         self._progress_ms = 0.0  # when the last progress line was spoken
         self._transcribing: dict = {}  # user item id -> its audio's duration (s), until the transcript comes
+        self._answer: Optional[dict] = None  # the answer being spoken piece by piece (_answer_piece)
 
     # -- settings -------------------------------------------------------------------------------
     def _tools_active(self, tools: Optional[list] = None, choice: Any = None) -> bool:
@@ -433,19 +434,16 @@ class ToolsMixin:
         d = self._decision
         if d is None or out.request_id != d.id:
             return  # stale: timed out, cancelled or superseded
+        if not out.final:  # a piece of an answer being written: speak it as soon as it reads well
+            if d.kind == "answer":
+                self._answer_piece(d, out.text, now_ms)
+            return
         self._decision = None
         if out.error:
             self._emit(SessionWarning(code="tool_decision_failed", param="tools",
                                       message=f"the tool decider failed ({out.error}); the model answers without tools"))
         if d.kind == "answer":
-            r = self._resp
-            if r is None or r.id != d.response_id:
-                return
-            text = (out.text or "").strip()
-            if text:
-                self._speak_now(text, now_ms)
-            else:
-                self._decision_without_call(d, now_ms)
+            self._answer_done(d, out, now_ms)
             return
         calls = self._checked_calls(out.calls, d.tools)
         if not calls:
@@ -470,6 +468,62 @@ class ToolsMixin:
                                             self.settings.max_output_tokens, forced_unit=None)
             self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
         self._issue_calls(calls, d.tools)
+
+    # -- answers, spoken as the decider writes them ---------------------------------------------
+    def _answer_state(self, d: _Decision) -> Optional[dict]:
+        r = self._resp
+        if r is None or r.id != d.response_id:
+            return None
+        if self._answer is None or self._answer["response_id"] != r.id:
+            self._answer = {"response_id": r.id, "buf": "", "chunks": 0, "spoken": 0, "final": False}
+        return self._answer
+
+    def _answer_piece(self, d: _Decision, piece: str, now_ms: float) -> None:
+        """Append a streamed piece of the answer; each stretch that reads well on its own (up to a
+        sentence mark, or enough whole words) goes to the engine as its own ``SpeakText``."""
+        a = self._answer_state(d)
+        if a is None:
+            return
+        a["buf"] += piece
+        chunk, a["buf"] = _speakable(a["buf"], first=a["chunks"] == 0)
+        if chunk:
+            self._answer_chunk(a, chunk, now_ms)
+
+    def _answer_chunk(self, a: dict, text: str, now_ms: float) -> None:
+        if not text.strip():
+            return
+        if a["chunks"] == 0:
+            text = text.lstrip()
+            self._speak_now(text, now_ms)  # the first one rides an early-closed unit at once
+        else:
+            self._cmd(SpeakText(self.stream_id, self.epoch, text=text))  # queued behind the previous
+        a["chunks"] += 1
+
+    def _answer_done(self, d: _Decision, out: ToolDecision, now_ms: float) -> None:
+        """The decider finished the answer: speak what is left; with nothing spoken at all, the model
+        answers itself (the response's forced unit); with everything spoken already, it ends now."""
+        a = self._answer_state(d)
+        if a is None:
+            return
+        rest = a["buf"] if a["chunks"] else (out.text or "")
+        a["buf"] = ""
+        self._answer_chunk(a, rest.rstrip(), now_ms)
+        a["final"] = True
+        if a["chunks"] == 0:
+            self._answer = None
+            self._decision_without_call(d, now_ms)
+        elif a["spoken"] >= a["chunks"]:
+            self._fire(PhaseEvent.TURN_END)
+            self._finish("completed", None)
+
+    def _answer_holds(self, reason: str) -> bool:
+        """A model turn of the answer ended (one ``SpeakText`` spoken): True while more of the answer
+        is still to come, so the response stays open across its pieces."""
+        a, r = self._answer, self._resp
+        if a is None or r is None or r.id != a["response_id"] or reason != "turn_eos":
+            return False
+        a["spoken"] += 1
+        return a["spoken"] < a["chunks"] or not a["final"]
 
     def _checked_calls(self, calls: tuple, tools: list) -> list:
         """The decider's calls whose tool exists and whose arguments are valid against its schema;
@@ -646,10 +700,37 @@ class ToolsMixin:
         d = self._decision
         if d is not None and d.response_id == r.id:
             self._decision = None
+        if self._answer is not None and self._answer["response_id"] == r.id:
+            self._answer = None
         if self._queued_create is not None and r.trigger in ("filler", "progress"):
             params, event_id = self._queued_create
             self._queued_create = None
             self._create_response(params, "client", event_id, now_ms)
+
+
+_SENTENCE_END = re.compile(r"[.!?;:。！？；：\n]")
+FIRST_PIECE_WORDS = 4
+"""Whole words that make the first streamed piece of an answer speakable without a sentence mark
+(a short first piece starts the audio soon; later pieces wait for a sentence mark or
+:data:`PIECE_WORDS`)."""
+PIECE_WORDS = 12
+
+
+def _speakable(buf: str, first: bool) -> tuple:
+    """Split ``buf`` into ``(piece to speak now, rest)``: up to its last sentence mark, else (when it
+    has enough whole words) up to its last whole word; ``("", buf)`` when nothing reads well yet. The
+    space between two pieces stays at the head of the rest, so the next piece is tokenized (and heard
+    by the model) as the continuation it is."""
+    marks = list(_SENTENCE_END.finditer(buf))
+    if marks:
+        cut = marks[-1].end()
+        return buf[:cut].rstrip(), buf[cut:]
+    words = buf.split()
+    whole = words if buf[-1:].isspace() else words[:-1]
+    if len(whole) >= (FIRST_PIECE_WORDS if first else PIECE_WORDS):
+        cut = buf.rfind(whole[-1]) + len(whole[-1])
+        return buf[:cut].rstrip(), buf[cut:]
+    return "", buf
 
 
 def _loads(text: str) -> Any:

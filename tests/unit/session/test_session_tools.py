@@ -344,3 +344,58 @@ def test_a_call_never_answered_stops_holding_the_model():
     new = d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
                                                                "output": "late"}})
     assert d.of("error", new) == [] and d.of("conversation.item.added", new)
+
+
+def test_a_streamed_answer_is_spoken_piece_by_piece_in_one_response():
+    d = _session(tool_filler="")
+    _turn(d)
+    d.append(np.zeros(16000, np.float32))
+    call_id = d.of("response.done", _decide(d, ToolCall("get_weather", '{"city": "Oslo"}')))[0]["response"]["output"][0]["call_id"]
+    d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
+                                                         "output": "3 C, snow"}})
+    rid = d.of("response.created", d.send({"type": "response.create"}))[0]["response"]["id"]
+    ask = [c for c in d.cmds if isinstance(c, DecideTools)][-1]
+
+    def piece(text, final=False):
+        return d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id, text=text, final=final))
+
+    assert d.cmds_of(SpeakText, piece("It is ")) == []  # not enough to read well yet
+    new = piece("three degrees in Oslo")
+    (s1,) = d.cmds_of(SpeakText, new)
+    assert s1.text == "It is three degrees in"  # four whole words: the first piece starts the audio early
+    (u,) = d.cmds_of(AppendUnit, new)
+    assert u.force_speak  # it rides an early-closed unit
+    d.speak(["It is three degrees in"])  # the engine speaks piece 1 and ends its model turn
+    assert d.s.active_response_id == rid  # ... but the answer goes on
+    new = piece(" with snow. Take a")
+    (s2,) = d.cmds_of(SpeakText, new)
+    assert s2.text == " Oslo with snow." and d.cmds_of(AppendUnit, new) == []  # queued behind, up to the sentence mark
+    new = piece(" coat.", final=False) + piece("It is three degrees in Oslo with snow. Take a coat.", final=True)
+    (s3,) = d.cmds_of(SpeakText, new)
+    assert s3.text == " Take a coat."
+    d.speak([" Oslo with snow."])
+    assert d.s.active_response_id == rid
+    d.speak([" Take a coat."])
+    done = d.of("response.done")[-1]["response"]
+    assert done["id"] == rid and done["status"] == "completed"
+    assert done["output"][0]["content"][0]["transcript"] == "It is three degrees in Oslo with snow. Take a coat."
+    assert d.s.active_response_id is None
+
+
+def test_a_barge_in_during_a_streamed_answer_drops_the_rest():
+    d = _session(tool_filler="")
+    _turn(d)
+    d.append(np.zeros(16000, np.float32))
+    call_id = d.of("response.done", _decide(d, ToolCall("get_weather", '{"city": "Oslo"}')))[0]["response"]["output"][0]["call_id"]
+    d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
+                                                         "output": "snow"}})
+    d.send({"type": "response.create"})
+    ask = [c for c in d.cmds if isinstance(c, DecideTools)][-1]
+    d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id, text="It is snowing in Oslo today. ",
+                          final=False))
+    d.speak(["It is snowing"], end=False)
+    d.append(fixture_audio("interrupt_16k.wav"))  # barge-in
+    assert d.of("response.done")[-1]["response"]["status"] == "cancelled"
+    new = d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id, text="More text. ", final=False))
+    new += d.engine(ToolDecision(d.sid, d.s.epoch, -1, request_id=ask.request_id, text="x", final=True))
+    assert d.cmds_of(SpeakText, new) == [] and d.of("response.created", new) == []
