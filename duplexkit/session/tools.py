@@ -280,6 +280,9 @@ class ToolsMixin:
         effective = model
         if not _OWN_TRANSCRIPTION_MODELS.match(model):
             effective = DEFAULT_TRANSCRIPTION_MODEL
+        if effective != model and not model.startswith(("whisper", "gpt-4o")):
+            # OpenAI's own names (whisper-1, gpt-4o-*-transcribe: what unmodified clients such as the Agents
+            # SDK send by default) are served by the default silently: those clients reject unknown events
             warn("transcription_model_substituted",
                  f"transcription model {model!r} is not served here: the user's speech is transcribed by "
                  f"{DEFAULT_TRANSCRIPTION_MODEL!r} (the thinker's own ASR; 'faster-whisper' is the other choice)",

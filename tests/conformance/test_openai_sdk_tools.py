@@ -166,16 +166,14 @@ async def test_ga_error_rules_keep_the_session_alive(server):
 
 
 async def test_ga_transcription_whisper_model_is_substituted(server):
-    """audio.input.transcription{model: whisper-1}: session.warning{transcription_model_substituted},
+    """audio.input.transcription{model: whisper-1}: served by the default recogniser without a warning,
     then the committed turn gets input_audio_transcription delta/completed (GA-typed)."""
     async with sdk_client(server.url).realtime.connect(model="gpt-realtime") as conn:
         rec = Recorder(conn, ga_adapter(), bound(30))
         await rec.next()
         await conn.session.update(session={"type": "realtime", "audio": {"input": {
             **GA_COMMIT, "transcription": {"model": "whisper-1"}}}})
-        ev = await rec.all_of("session.updated", "session.warning")
-        warnings = [r for r in rec.raw if r["type"] == "session.warning"]
-        assert [w.get("code") for w in warnings] == ["transcription_model_substituted"], warnings
+        ev = await rec.all_of("session.updated")
         upd = next(e for e in ev if e.type == "session.updated")
         assert upd.session.audio.input.transcription.model == "whisper-1"  # echoed as asked
         await speak(conn, QUESTION)
@@ -206,9 +204,9 @@ async def test_beta_function_call_flow_and_transcription(server):
         await conn.session.update(session={"modalities": ["audio", "text"], "input_audio_format": "pcm16",
                                            "turn_detection": None, "tools": [beta_tool], "tool_choice": "required",
                                            "input_audio_transcription": {"model": "whisper-1"}})
-        upd = next(e for e in await rec.all_of("session.updated", "session.warning") if e.type == "session.updated")
+        upd = next(e for e in await rec.all_of("session.updated") if e.type == "session.updated")
         assert [t.name for t in upd.session.tools] == ["get_weather"] and upd.session.tool_choice == "required"
-        assert [r.get("code") for r in rec.raw if r["type"] == "session.warning"] == ["transcription_model_substituted"]
+        assert [r.get("code") for r in rec.raw if r["type"] == "session.warning"] == []
         await speak(conn, QUESTION)
         await conn.input_audio_buffer.commit()
         have = {"transcript": False, "done": 0}
