@@ -419,9 +419,9 @@ class DuplexEngine:
 
     async def _chat_thinker(self, request: ChatRequest, on_text) -> Any:
         """The thinker's text pass of a reply: in slices of :data:`CHAT_SLICE_MS` between the unit
-        steps (a stage model with ``chat_thinker_steps``), else in one job."""
+        steps (a stage model whose ``chat_thinker_steps`` is not ``None``), else in one job."""
         st = self.stages
-        if not hasattr(st, "chat_thinker_steps"):
+        if getattr(st, "chat_thinker_steps", None) is None:
             return await self._job("thinker", lambda: st.chat_thinker(request, on_text))
         steps = st.chat_thinker_steps(request, on_text)
         budget_s = max(0.0, float(self.chat_slice_ms)) / 1000.0

@@ -176,6 +176,9 @@ class VllmStages(MiniCPMO45Stages):
         self._call(self.vt.close(handle))
 
     # ------------------------------------------------------------------ chat (turn-based)
+    #: vLLM schedules its own requests: a reply runs as one ``chat_thinker`` job, not in native slices.
+    chat_thinker_steps = None
+
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
         """Text pass of a turn-based request on vLLM: the native prompt builder's ids and audio rows
         (:func:`chat_prompt_audio`), the native

@@ -135,7 +135,7 @@ def _tools_scenario(profile: str) -> list[dict]:
         x = StreamResampler(16000, rate).process(x)
     d.send({"type": "session.update", "session": {
         "tools": [weather], "tool_choice": "auto", "turn_detection": None,
-        "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}})
+        "audio": {"input": {"transcription": {"model": "acme-asr-1"}}}}})  # not served: a session.warning
     d.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x)})
     d.send({"type": "input_audio_buffer.commit"})
     tr = [c for c in d.cmds if isinstance(c, TranscribeAudio)][-1]
