@@ -196,10 +196,14 @@ class StageSteps:
                 force_speak = st.force_speak_epoch is not None and st.force_speak_epoch == it.slot.epoch
                 if force_speak:
                     st.force_speak_epoch = None
-                force_speak = force_speak or bool(cmd.force_speak)
+                # a unit's force_speak belongs to the epoch it was submitted in: decided in a later one (a
+                # cancel re-tagged it while queued), it was a cancelled response's forced unit: it listens
+                cancelled_force = bool(cmd.force_speak) and cmd.epoch != it.slot.epoch
+                force_speak = force_speak or (bool(cmd.force_speak) and not cancelled_force)
                 it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
                 it.slot.timings["thinker_queue_ms"] = _ms(it.t_enqueue, now)
-                items.append(ThinkerWork(handle=st.thinker_handle, audio=audio, force_listen=bool(cmd.force_listen),
+                items.append(ThinkerWork(handle=st.thinker_handle, audio=audio,
+                                         force_listen=bool(cmd.force_listen) or cancelled_force,
                                          force_speak=force_speak, frame=cmd.frame, unit_index=cmd.unit_index))
         results, t0, t1 = self._run_batch("thinker", self.model.thinker_step, work, items)
         with self._cond:

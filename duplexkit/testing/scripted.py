@@ -37,7 +37,8 @@ once, when it is *submitted*:
   Session already closed the response);
 * input units still queued are **kept and re-tagged with E** (they carry the user's barge-in
   speech, docs/concepts.md "Epochs") and are decided in E; a unit submitted later with an older
-  epoch is also decided in the current one;
+  epoch is also decided in the current one; such a unit's ``force_speak`` is void (it was the forced
+  unit of a cancelled response): it is decided ``listen``, as a ``force_listen`` unit;
 * a unit that was being computed (``unit_delay_s``) when the cancel came finishes without any
   output;
 * a ``ForceSpeak`` for an epoch other than the current one is ignored.
@@ -411,11 +412,14 @@ class ScriptedStream:
                                        message=f"scripted failure at unit {ui}", fatal=False))
             return
         force_speak = self._force_speak_epoch is not None and self._force_speak_epoch == ep
+        # the unit's force_speak belongs to the epoch it was submitted in (as in the runtime): a unit
+        # re-tagged by a cancel was a cancelled response's forced unit, and listens
+        cancelled_force = cmd.force_speak and cmd.epoch != ep
         forced = bool(self._forced)
         speak = False
         if forced:
             speak = True
-        elif cmd.force_listen:
+        elif cmd.force_listen or cancelled_force:
             speak = False
         elif cmd.force_speak or force_speak or self._in_turn:
             speak = True
