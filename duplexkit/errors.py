@@ -49,6 +49,12 @@ from typing import Optional
 __all__ = [
     "ErrorCode",
     "ERROR_TYPES",
+    "ERROR_CODE_NAMINGS",
+    "OPENAI_ERROR_CODES",
+    "OPENAI_ERROR_CODES_BY_EVENT",
+    "BINARY_FRAME",
+    "wire_error_code",
+    "canonical_error_code",
     "DuplexkitError",
     "AudioFormatError",
     "AudioTooLongError",
@@ -145,6 +151,92 @@ ERROR_TYPES: dict[ErrorCode, str] = {
 }
 
 
+#: The two namings of error codes on the wire (docs/protocol.md §9, "Which code is sent"):
+#: ``duplexkit`` sends :class:`ErrorCode` values as they are; ``openai`` sends OpenAI's Realtime
+#: code for each condition OpenAI also has (:data:`OPENAI_ERROR_CODES`), so unmodified OpenAI
+#: clients (Pipecat, LiveKit, the Agents SDK) recognise the benign races they already handle.
+ERROR_CODE_NAMINGS = ("duplexkit", "openai")
+
+#: Pseudo client-event type of a binary WebSocket frame (docs/protocol.md §1.3), for
+#: :data:`OPENAI_ERROR_CODES_BY_EVENT`.
+BINARY_FRAME = "<binary frame>"
+
+#: duplexkit code -> the code OpenAI's Realtime API sends for the same condition. The one table of
+#: the ``openai`` naming (with :data:`OPENAI_ERROR_CODES_BY_EVENT`); codes not listed have no OpenAI
+#: counterpart (duplexkit extensions, limits OpenAI does not have) and are sent as they are. Sources:
+#: OpenAI's Realtime API as observed on the wire (``invalid_value`` with ``param: "type"`` for an
+#: unknown event type, ``invalid_event`` for a binary frame, ``invalid_api_key``) and the codes
+#: OpenAI clients match on: Pipecat's ``OpenAIRealtimeLLMService`` ignores
+#: ``response_cancel_not_active`` and ``conversation_already_has_active_response`` and ends its
+#: receive loop on any other error; it matches ``item_retrieve_invalid_item_id`` to fail a pending
+#: retrieve. ``openai.types.realtime.RealtimeError.code`` is a free string (no enum to check against).
+OPENAI_ERROR_CODES: dict[ErrorCode, str] = {
+    ErrorCode.UNKNOWN_EVENT: "invalid_value",
+    ErrorCode.BAD_EVENT: "invalid_value",
+    ErrorCode.UNSUPPORTED_AUDIO_FORMAT: "invalid_value",
+    ErrorCode.UNSUPPORTED_TURN_DETECTION: "invalid_value",
+    ErrorCode.INPUT_AUDIO_BUFFER_EMPTY: "input_audio_buffer_commit_empty",
+    ErrorCode.RESPONSE_ALREADY_ACTIVE: "conversation_already_has_active_response",
+    ErrorCode.RESPONSE_NOT_ACTIVE: "response_cancel_not_active",
+    ErrorCode.UNAUTHORIZED: "invalid_api_key",
+}
+
+#: (duplexkit code, client event type) -> OpenAI code, where OpenAI's code depends on the event
+#: that was refused; looked up before :data:`OPENAI_ERROR_CODES`.
+OPENAI_ERROR_CODES_BY_EVENT: dict[tuple[ErrorCode, str], str] = {
+    (ErrorCode.ITEM_NOT_FOUND, "conversation.item.retrieve"): "item_retrieve_invalid_item_id",
+    (ErrorCode.ITEM_NOT_FOUND, "conversation.item.delete"): "item_delete_invalid_item_id",
+    (ErrorCode.ITEM_NOT_FOUND, "conversation.item.truncate"): "item_truncate_invalid_item_id",
+    (ErrorCode.BAD_EVENT, BINARY_FRAME): "invalid_event",
+}
+
+
+def wire_error_code(code: "ErrorCode | str", naming: str = "duplexkit", event_type: Optional[str] = None) -> str:
+    """The code string to send for ``code`` in ``naming`` (one of :data:`ERROR_CODE_NAMINGS`).
+
+    Args:
+        code: an :class:`ErrorCode` (or its value); other strings are returned unchanged.
+        naming: ``"duplexkit"`` (the value itself) or ``"openai"`` (OpenAI's code where one exists).
+        event_type: the refused client event's ``type`` (or :data:`BINARY_FRAME`), for the codes
+            OpenAI names per event (``item_not_found`` -> ``item_retrieve_invalid_item_id``, ...).
+
+    Raises:
+        ValueError: ``naming`` is not one of :data:`ERROR_CODE_NAMINGS`.
+    """
+    if naming not in ERROR_CODE_NAMINGS:
+        raise ValueError(f"naming must be one of {ERROR_CODE_NAMINGS}, got {naming!r}")
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        return str(code)
+    if naming == "duplexkit":
+        return ec.value
+    if event_type is not None and (ec, event_type) in OPENAI_ERROR_CODES_BY_EVENT:
+        return OPENAI_ERROR_CODES_BY_EVENT[(ec, event_type)]
+    return OPENAI_ERROR_CODES.get(ec, ec.value)
+
+
+def _reverse_openai_codes() -> dict[str, str]:
+    out: dict[str, set] = {}
+    for ec, oc in OPENAI_ERROR_CODES.items():
+        out.setdefault(oc, set()).add(ec.value)
+    for (ec, _), oc in OPENAI_ERROR_CODES_BY_EVENT.items():
+        out.setdefault(oc, set()).add(ec.value)
+    return {oc: next(iter(v)) for oc, v in out.items() if len(v) == 1}  # only unambiguous names
+
+
+_FROM_OPENAI = _reverse_openai_codes()
+
+
+def canonical_error_code(code: str) -> str:
+    """duplexkit's name for a code received on the wire: an OpenAI code that stands for exactly one
+    :class:`ErrorCode` becomes that code's value (``response_cancel_not_active`` ->
+    ``response_not_active``, ``item_delete_invalid_item_id`` -> ``item_not_found``); anything else
+    (duplexkit codes, ``invalid_value``, which several codes share, unknown codes) is returned as is.
+    The duplexkit clients use it, so ``DuplexError.code`` does not depend on the server's naming."""
+    return _FROM_OPENAI.get(code, code)
+
+
 # ------------------------------------------------------------------------------------------ base
 
 
@@ -227,6 +319,8 @@ class ProtocolError(DuplexkitError):
         message: human-readable text.
         param: dotted path of the offending field (e.g. ``session.audio.input.format``) or None.
         event_id: the offending client event's ``event_id`` (echoed as ``error.event_id``) or None.
+        event_type: the refused client event's ``type`` (or :data:`BINARY_FRAME`) when known; set
+            by the Session, it picks OpenAI's per-event codes (:func:`wire_error_code`).
     Raises:
         ValueError: on construction with a code that is not in docs/protocol.md §9.
     """
@@ -242,6 +336,7 @@ class ProtocolError(DuplexkitError):
         self.message = message
         self.param = param
         self.event_id = event_id
+        self.event_type: Optional[str] = None
         super().__init__(f"{self.code.value}: {message}")
 
     @property
@@ -249,9 +344,10 @@ class ProtocolError(DuplexkitError):
         """The OpenAI error type of :attr:`code` (docs/protocol.md §9)."""
         return ERROR_TYPES[self.code]
 
-    def to_error_dict(self) -> dict:
-        """The ``error{type, code, message, param?, event_id?}`` object of docs/protocol.md §5.3."""
-        d = {"type": self.type, "code": self.code.value, "message": self.message}
+    def to_error_dict(self, naming: str = "duplexkit") -> dict:
+        """The ``error{type, code, message, param?, event_id?}`` object of docs/protocol.md §5.3,
+        its ``code`` in ``naming`` (:func:`wire_error_code`; ``"duplexkit"`` or ``"openai"``)."""
+        d = {"type": self.type, "code": wire_error_code(self.code, naming, self.event_type), "message": self.message}
         if self.param is not None:
             d["param"] = self.param
         if self.event_id is not None:
@@ -337,11 +433,15 @@ class ConformanceError(DuplexkitError, AssertionError):
 class DuplexError(DuplexkitError):
     """A server ``error`` answering one of this client's events (docs/protocol.md §9).
 
-    Attributes: ``code`` (§9 code), ``message``, ``param``, ``event_id`` (the client's), ``event`` (raw).
+    Attributes: ``code`` (§9 code: an OpenAI code that stands for one duplexkit code is read as that
+    code, :func:`canonical_error_code`), ``wire_code`` (the code as the server sent it), ``message``,
+    ``param``, ``event_id`` (the client's), ``event`` (raw).
     """
 
     def __init__(self, code: str, message: str = "", param: Optional[str] = None,
                  event_id: Optional[str] = None, event: Optional[dict] = None) -> None:
+        self.wire_code = code
+        code = canonical_error_code(code)
         self.code = code
         self.message = message
         self.param = param

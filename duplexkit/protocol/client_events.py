@@ -27,6 +27,7 @@ __all__ = [
     "CLIENT_EVENT_MODELS",
     "CLIENT_EVENT_ALIASES",
     "SessionPatch",
+    "UNHONOURED_SESSION_FIELDS",
     "SessionUpdateEvent",
     "InputAudioBufferAppendEvent",
     "InputAudioBufferCommitEvent",
@@ -67,7 +68,7 @@ class _InEvent(_In):
 # session.update
 # ------------------------------------------------------------------------------------------------
 
-#: Fields accepted with no effect (docs/protocol.md §4.1, last row).
+#: Fields accepted with no effect (docs/protocol.md §4.1, last rows).
 IGNORED_SESSION_FIELDS = (
     "input_audio_noise_reduction",
     "tracing",
@@ -75,6 +76,48 @@ IGNORED_SESSION_FIELDS = (
     "include",
     "model",
 )
+
+#: Accepted fields this server does not honour -> (the values that ask for nothing it lacks, why it
+#: is not honoured). :attr:`SessionPatch.ignored` lists the paths of an update that hold any other
+#: value; the Session answers each with one ``session.warning{code:"field_ignored"}`` per session
+#: (docs/protocol.md §4.1). ``model`` is not among them: the connection already chose the served
+#: model, and an update's ``model`` names it again (OpenAI ids are mapped to it).
+UNHONOURED_SESSION_FIELDS: Dict[str, tuple] = {
+    "input_audio_noise_reduction": ((None,), "input noise reduction is not applied: the audio reaches the "
+                                    "model as sent (use echo cancellation on the client)"),
+    "audio.input.noise_reduction": ((None,), "input noise reduction is not applied: the audio reaches the "
+                                    "model as sent (use echo cancellation on the client)"),
+    "audio.input.turn_detection.idle_timeout_ms": ((None,), "the server VAD has no idle timeout"),
+    "turn_detection.idle_timeout_ms": ((None,), "the server VAD has no idle timeout"),
+    "audio.output.speed": ((None, 1, 1.0), "the speaking rate is the model's own"),
+    "speed": ((None, 1, 1.0), "the speaking rate is the model's own"),
+    "tracing": ((None,), "this server keeps no OpenAI traces"),
+    "truncation": ((None, "auto"), "the model's context is slid or reset at a unit boundary when it runs out "
+                   "(docs/model.md); other truncation settings are not available"),
+    "include": ((None,), "no extra properties are added to server events"),
+    "prompt": ((None,), "stored prompts are an OpenAI service; send the text as instructions"),
+}
+
+
+def _get_path(d: Any, path: str) -> Any:
+    """``d[path]`` (dotted), or :data:`_MISSING`."""
+    cur = d
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return _MISSING
+        cur = cur[part]
+    return cur
+
+
+def _unhonoured(data: dict) -> List[str]:
+    out = []
+    for path, (neutral, _) in UNHONOURED_SESSION_FIELDS.items():
+        v = _get_path(data, path)
+        if v is _MISSING or v == [] or any(v is n or (n is not None and v == n and not isinstance(v, bool))
+                                           for n in neutral):
+            continue
+        out.append(path)
+    return out
 
 
 def _pick(d: dict, path: str, out: dict, key: str, sources: dict) -> None:
@@ -109,7 +152,8 @@ class SessionPatch(_In):
         max_output_tokens: 1..8192 or ``"inf"``.
         given: the normalised concept names present in the update.
         sources: concept -> the dotted field path the client used (for ``param``).
-        ignored: accepted-but-ignored field names present in the update.
+        ignored: the dotted paths of accepted fields this server does not honour whose values ask
+            for something (:data:`UNHONOURED_SESSION_FIELDS`), e.g. ``audio.input.noise_reduction``.
     """
 
     output_modalities: Optional[List[str]] = None
@@ -207,7 +251,7 @@ class SessionPatch(_In):
                 raise ValueError(f"{k} must be an integer")
         out["given"] = list(src)
         out["sources"] = src
-        out["ignored"] = [k for k in IGNORED_SESSION_FIELDS if k in data]
+        out["ignored"] = _unhonoured(data)
         return out
 
 

@@ -587,9 +587,12 @@ BETA_EVENT_ALIASES: dict[str, str] = {
     "conversation.item.created": "conversation.item.added",
 }
 
-#: duplexkit extension events (not in OpenAI Realtime); validated by their own models only.
-EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.resumed", "session.heartbeat_ack", "response.speak",
-                                   "response.listen"})
+#: duplexkit extension events (not in OpenAI Realtime); validated by their own models only. The one
+#: list of them: the duplex profile sends them and advertises them in
+#: ``session.capabilities.extension_events`` (``session.resumed`` only where resume is offered); the
+#: compat profile sends none (docs/protocol.md §1.2).
+EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.resumed", "session.heartbeat_ack", "session.warning",
+                                   "response.speak", "response.listen"})
 
 
 def parse_server_event(raw: Union[str, bytes, bytearray, dict]) -> Union[ServerEvent, UnknownServerEvent]:

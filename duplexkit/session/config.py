@@ -53,6 +53,10 @@ class SessionConfig:
         limits: :class:`SessionLimits`.
         supports_session_resume: advertised as ``capabilities.supports_session_resume`` (the
             shell that serves the session keeps a replay journal; docs/protocol.md §1.6).
+        error_codes: the naming of ``error.code`` on the wire (docs/protocol.md §9): ``"openai"``
+            (OpenAI's code wherever OpenAI has one, :data:`duplexkit.errors.OPENAI_ERROR_CODES`),
+            ``"duplexkit"`` (the §9 codes as they are), or None (default): ``openai`` in the compat
+            profile, ``duplexkit`` in the duplex profile.
     """
 
     profile: str = "duplex"
@@ -70,12 +74,22 @@ class SessionConfig:
     audio_output_available: bool = True
     limits: SessionLimits = field(default_factory=SessionLimits)
     supports_session_resume: bool = False
+    error_codes: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.profile not in ("duplex", "compat"):
             raise ValueError(f"profile must be 'duplex' or 'compat', got {self.profile!r}")
         if self.answer_policy not in (None, "model", "on_request"):
             raise ValueError(f"answer_policy must be None, 'model' or 'on_request', got {self.answer_policy!r}")
+        if self.error_codes not in (None, "openai", "duplexkit"):
+            raise ValueError(f"error_codes must be None, 'openai' or 'duplexkit', got {self.error_codes!r}")
+
+    @property
+    def wire_error_codes(self) -> str:
+        """The effective :attr:`error_codes`: ``"openai"`` or ``"duplexkit"``."""
+        if self.error_codes is not None:
+            return self.error_codes
+        return "duplexkit" if self.profile == "duplex" else "openai"
 
 
 @dataclass(frozen=True)

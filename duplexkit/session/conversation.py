@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from duplexkit.audio import AudioFormatError, StreamDecoder, b64decode_audio
-from duplexkit.engine.api import INPUT_SAMPLE_RATE, UpdateStream
+from duplexkit.engine.api import INPUT_SAMPLE_RATE
 from duplexkit.protocol import (
     ConversationItemAdded,
     ConversationItemCreateEvent,
@@ -24,6 +24,23 @@ from duplexkit.protocol import (
     PlaybackAckEvent,
     ProtocolError,
 )
+
+
+#: ``session.warning{code:"instructions_reprefill"}`` text (docs/protocol.md §4.1).
+REPREFILL_WARNING = (
+    "{what} after the conversation started. MiniCPM-o reads its system prompt only from the "
+    "session prefix it prefilled, so the duplex model gets the new text at the next turn boundary (no "
+    "response active, no unit awaiting its decision), when the engine re-prefills the session context; "
+    "that re-prefill drops what the model heard and said before from its context (the conversation items, "
+    "the tool decider and transcripts keep them). The tool decider uses the new text from its next decision.")
+
+
+#: ``session.warning{code:"text_item_not_heard"}`` text (docs/protocol.md §4.2).
+TEXT_NOT_HEARD = (
+    "text items after the first unit are kept in the conversation, where the tool decider, chat and "
+    "transcripts read them, but the duplex model does not hear them: it takes text only in the session prefix "
+    "it prefilled (system text and instructions are re-prefilled at the next turn boundary; user and assistant "
+    "text is not)")
 
 
 @dataclass
@@ -110,26 +127,39 @@ class ConversationMixin:
         if item.type == "function_call_output":
             self._on_function_call_output(item, ev.event_id)
             return
-        if item.type != "message" or item.role not in ("user", "system"):
-            raise bad("only user and system message items and function_call_output items are accepted",
+        if item.type != "message" or item.role not in ("user", "system", "assistant"):
+            raise bad("only message items (user, system, assistant) and function_call_output items are accepted",
                       "item.role" if item.type == "message" else "item.type")
         if item.id is not None and item.id in self._used_ids:
             raise bad(f"item id {item.id!r} is already used", "item.id")
         if not item.content:
             raise bad("item.content must not be empty", "item.content")
         kinds = {c.type for c in item.content}
+        if item.role == "assistant":
+            self._assistant_text_item(item, bad)
+            return
         if kinds == {"input_text"}:
-            if self._units_appended > 0:
-                raise bad("text items are accepted only before the first unit is consumed", "item.content")
             text = "".join(c.text or "" for c in item.content)
             it = _ConvItem(id=item.id or self._new_item_id(), role=item.role, kind="input_text", text=text)
-            (self._system_text if item.role == "system" else self._seed_text).append(text)
+            started = self._units_appended > 0
+            warning = None
+            if item.role == "system":
+                # part of the session prefix: after the first unit, re-prefilled at the next turn boundary
+                self._system_text.append(text)
+                if started:
+                    warning = ("instructions_reprefill", REPREFILL_WARNING.format(what="A system message arrived"),
+                               "item.system")
+            elif not started:
+                self._seed_text.append(text)  # seeds the session prefix (docs/model.md §5.1)
+            else:
+                warning = ("text_item_not_heard", TEXT_NOT_HEARD, "item.input_text")
             prev = self._last_item_id()
             self._add_item(it)
             self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
             self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
-            if self._stream_open:
-                self._cmd(UpdateStream(self.stream_id, self.epoch, config=self._stream_config()))
+            if warning is not None:
+                self._warn(*warning)
+            self._sync_stream()
             return
         if kinds == {"input_audio"} and item.role == "user":
             fmt = self.settings.input_format
@@ -158,6 +188,29 @@ class ConversationMixin:
             self._user_turn_ended(it.id, now_ms)
             return
         raise bad(f"unsupported content {sorted(kinds)} (input_text, or user input_audio)", "item.content")
+
+    def _assistant_text_item(self, item, bad) -> None:
+        """An assistant message item from the client (a framework restoring its chat context): its
+        text (``output_text`` / beta ``text`` parts, or the transcript of audio parts that carry no
+        audio) goes into the conversation, where the tool decider reads it as something the
+        assistant said; the duplex model never heard it (one ``session.warning``)."""
+        parts = []
+        for i, c in enumerate(item.content):
+            if c.type in ("output_text", "text", "input_text"):
+                parts.append(c.text or "")
+            elif c.type in ("output_audio", "audio") and not c.audio:
+                parts.append(c.transcript or "")
+            else:
+                raise bad(f"assistant items take text (output_text parts, or audio parts with a transcript and no "
+                          f"audio), got a {c.type!r} part" + (" with audio" if c.audio else ""),
+                          f"item.content.{i}.type" if not c.audio else f"item.content.{i}.audio")
+        it = _ConvItem(id=item.id or self._new_item_id(), role="assistant", kind="output_text", text="".join(parts),
+                       final=True)
+        prev = self._last_item_id()
+        self._add_item(it)
+        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
+        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        self._warn("text_item_not_heard", TEXT_NOT_HEARD, "item.assistant")
 
     def _on_item_retrieve(self, ev: ConversationItemRetrieveEvent, now_ms: float) -> None:
         it = self._items.get(ev.item_id)

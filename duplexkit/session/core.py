@@ -54,6 +54,7 @@ from duplexkit.engine.api import (
     EngineOutput,
     INPUT_SAMPLE_RATE,
     OpenStream,
+    StreamConfig,
     TextDelta,
     TurnEnd,
     UnitTimings,
@@ -86,6 +87,7 @@ from duplexkit.protocol import (
     new_session_id,
     parse_client_event,
 )
+from duplexkit.errors import BINARY_FRAME
 from duplexkit.session.config import COMMIT_MERGE_MS, CloseConnection, SessionConfig, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response, reason_to_cancel
@@ -155,6 +157,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         )
         self._seed_text: list[str] = []
         self._system_text: list[str] = []
+        self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
+        self._prefix_pending = False  # a new session prefix waits for a turn boundary (settings._sync_stream)
         # input pipeline
         self._decoder = StreamDecoder(self.settings.input_format)
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
@@ -240,7 +244,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._last_unit_ms = float(now_ms)
         self._force_listen_left = self.settings.force_listen_count
         self._emit(SessionCreated(session=self._session_object()))
-        self._cmd(OpenStream(self.stream_id, self.epoch, config=self._stream_config()))
+        self._engine_config = self._stream_config()
+        self._cmd(OpenStream(self.stream_id, self.epoch, config=self._engine_config))
         self._stream_open = True
 
     def close(self, reason: str = "shutdown", code: int = 1001, now_ms: float = 0) -> None:
@@ -271,6 +276,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
                 self.start(now_ms)
             self._dispatch(ev, now_ms)
         except ProtocolError as pe:
+            if pe.event_type is None:
+                pe.event_type = _event_type(raw)
             if not self.started and first_update:
                 # a rejected first session.update (autostart=0): the error (echoing its event_id)
                 # comes BEFORE session.created, so a client's connect() can fail on it; the
@@ -295,8 +302,9 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._last_client_ms = float(now_ms)
         if not self.started:
             self.start(now_ms)
-        self._error(ProtocolError(ErrorCode.BAD_EVENT,
-                                  "binary frames are not supported: send each event as a JSON text frame"))
+        pe = ProtocolError(ErrorCode.BAD_EVENT, "binary frames are not supported: send each event as a JSON text frame")
+        pe.event_type = BINARY_FRAME
+        self._error(pe)
 
     def receive_engine_output(self, out: EngineOutput, now_ms: float = 0) -> None:
         """Apply one engine output. Outputs of other streams or older epochs are dropped."""
@@ -332,6 +340,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._engine_failed(out)
         elif isinstance(out, UnitTimings):
             self.timings = dict(out.timings)
+        if self._prefix_pending:
+            self._sync_stream()
 
     def tick(self, now_ms: float) -> None:
         """Advance the clock: idle timeout, and silence feeding while a response is active."""
@@ -347,6 +357,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             self._feed_silence(now_ms)
+        if self._prefix_pending:
+            self._sync_stream()
 
     def _emit(self, ev: ServerEvent) -> None:
         self._seq += 1
@@ -358,7 +370,9 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._out.append(cmd)
 
     def _error(self, pe: ProtocolError) -> None:
-        self._emit(ErrorEvent(error=ErrorInfo(**pe.to_error_dict())))
+        """One ``error`` event; its code in the session's naming (:attr:`SessionConfig.error_codes`,
+        docs/protocol.md §9)."""
+        self._emit(ErrorEvent(error=ErrorInfo(**pe.to_error_dict(self.cfg.wire_error_codes))))
 
     @property
     def _duplex(self) -> bool:
@@ -373,6 +387,10 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._close_committed(now_ms)
         handler = self._HANDLERS[type(ev)]
         handler(self, ev, now_ms)
+        if isinstance(ev, ResponseCreateEvent) and ev.response is not None:
+            for name in ev.response.ignored:  # accepted, not honoured (docs/protocol.md §4)
+                self._warn("field_ignored", f"response.{name} is accepted but not honoured: "
+                           + _IGNORED_RESPONSE_FIELDS.get(name, "this server has no such behaviour"), "response." + name)
 
     def _on_heartbeat(self, ev: SessionHeartbeatEvent, now_ms: float) -> None:
         self._emit(SessionHeartbeatAck(session_id=self.session_id))
@@ -392,6 +410,24 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._out.append(CloseConnection(code, reason))
 
     _HANDLERS: dict = {}
+
+
+def _event_type(raw: Union[str, bytes, bytearray, dict]) -> Optional[str]:
+    """The ``type`` of a raw client event, None when it has none (for OpenAI's per-event codes)."""
+    if isinstance(raw, (str, bytes, bytearray)):
+        try:
+            raw = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
+    t = raw.get("type") if isinstance(raw, dict) else None
+    return t if isinstance(t, str) else None
+
+
+#: ``response.create`` fields that are accepted but not honoured, and why (the ``session.warning``).
+_IGNORED_RESPONSE_FIELDS = {
+    "instructions": "per-response instructions would need a new prefill of the duplex model's context "
+                    "for one response; set session instructions instead (docs/protocol.md §4.1)",
+}
 
 
 def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:

@@ -3,6 +3,7 @@ the vLLM-Omni fields, warnings) and the engine :class:`StreamConfig` derived fro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -16,6 +17,7 @@ from duplexkit.engine.api import (
     UpdateStream,
 )
 from duplexkit.protocol import (
+    UNHONOURED_SESSION_FIELDS,
     ErrorCode,
     ProtocolError,
     SessionPatch,
@@ -23,8 +25,12 @@ from duplexkit.protocol import (
     SessionUpdated,
     SessionWarning,
 )
+from duplexkit.session.conversation import REPREFILL_WARNING
+from duplexkit.session.machine import Phase
 from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools
 from duplexkit.session.voice import load_ref_audio
+
+log = logging.getLogger("duplexkit.session")
 
 
 @dataclass
@@ -77,6 +83,11 @@ def _vad_classes():
     return StreamingVAD, VadConfig
 
 
+def _prefix_key(c: StreamConfig) -> tuple:
+    """The text parts of the session prefix the engine prefills (docs/model.md §5.1)."""
+    return (c.instructions, c.seed_text)
+
+
 def _config_key(c: StreamConfig) -> tuple:
     """StreamConfig identity without comparing numpy arrays (the voice compares by sha256)."""
     return (c.instructions, c.ref_voice.sha256 if c.ref_voice is not None else None, c.output_audio,
@@ -98,9 +109,11 @@ class SettingsMixin:
     def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
         self._update_warnings = []
         new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
+        for path in ev.session.ignored:  # accepted, not honoured (docs/protocol.md §4.1)
+            self._update_warnings.append(("field_ignored", f"session.{path} is accepted but not honoured: "
+                                          + UNHONOURED_SESSION_FIELDS[path][1], "session." + path))
         warnings, self._update_warnings = self._update_warnings, []
         old = self.settings
-        old_stream = self._stream_config()
         self.settings = new
         if new.input_format != old.input_format:
             self._decoder = StreamDecoder(new.input_format)
@@ -116,9 +129,37 @@ class SettingsMixin:
         self._emit(SessionUpdated(session=self._session_object()))
         for w in warnings:
             self._warn(*w)
-        cfg = self._stream_config()
-        if self._stream_open and _config_key(cfg) != _config_key(old_stream):
-            self._cmd(UpdateStream(self.stream_id, self.epoch, config=cfg))
+        self._sync_stream()
+
+    def _at_turn_boundary(self) -> bool:
+        """True when the duplex model is between turns: no response is active (none requested, none
+        speaking), the phase is idle and no appended unit awaits its decision, so a command sent now
+        reaches the engine before the next unit and while no assistant turn is open."""
+        return self._resp is None and not self._inflight and self.phase is Phase.IDLE
+
+    def _sync_stream(self) -> None:
+        """Bring the engine stream's configuration up to the settings (one ``UpdateStream``).
+
+        A new session prefix (instructions, system text items, seed text: docs/model.md §5.1) makes
+        the engine re-prefill the model's context, which drops what the model heard and said. Before
+        the first unit that costs nothing and is sent at once. After it, the prefix is held back
+        until :meth:`_at_turn_boundary` (checked after every engine output and tick), so no turn is
+        cut; changes of the other fields (voice, temperature, ...) are sent at once with the prefix
+        the engine already has (docs/protocol.md §4.1, "Instructions after the first unit").
+        """
+        if not self._stream_open:
+            return
+        want = self._stream_config()
+        have = self._engine_config
+        self._prefix_pending = False
+        if have is not None and _prefix_key(want) != _prefix_key(have) and self._units_appended > 0 \
+                and not self._at_turn_boundary():
+            self._prefix_pending = True
+            want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
+        if have is not None and _config_key(want) == _config_key(have):
+            return
+        self._engine_config = want
+        self._cmd(UpdateStream(self.stream_id, self.epoch, config=want))
 
     def _validated_settings(self, p: SessionPatch, event_id: Optional[str]) -> _Settings:
         s = self.settings.copy()
@@ -139,9 +180,10 @@ class SettingsMixin:
                 raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
             s.output_modalities = list(dict.fromkeys(mods))
         if "instructions" in given and p.instructions != s.instructions:
-            if self._units_appended > 0:
-                raise err(ErrorCode.BAD_EVENT, "instructions can only change before the first unit is consumed", "instructions")
+            # after the first unit the duplex model gets them at the next turn boundary (_sync_stream)
             s.instructions = p.instructions
+            if self._units_appended > 0:
+                warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
             s.input_format = self._parse_input_format(p, err)
         if "output_format" in given:
@@ -293,10 +335,19 @@ class SettingsMixin:
                       f"output is fixed at {OUTPUT_SAMPLE_RATE} Hz, got {p.output_sample_rate_hz}", "output_sample_rate_hz")
 
     def _warn(self, code: str, message: str, param: str, event_id: Optional[str] = None) -> None:
-        """Emit ``session.warning`` once per ``param`` per session."""
+        """Emit ``session.warning`` once per ``param`` per session.
+
+        ``session.warning`` is an extension event: only the duplex profile sends it (as it sends
+        ``response.speak`` and ``response.listen``). The compat profile serves unmodified OpenAI
+        clients, which reject event types they do not know (the Agents SDK turns one into an error
+        event, Pipecat ends its receive loop), so there the warning is logged by the server only
+        (docs/protocol.md §4.1)."""
         if param in self._warned:
             return
         self._warned.add(param)
+        if not self._duplex:
+            log.info("session %s: %s (%s): %s", self.session_id, code, param, message)
+            return
         self._emit(SessionWarning(code=code, message=message, param=param))
 
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:

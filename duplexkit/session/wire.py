@@ -13,6 +13,7 @@ from duplexkit.protocol import (
     AudioOutputConfig,
     Capabilities,
     ContentPart,
+    EXTENSION_EVENT_TYPES,
     Item,
     RefAudioInfo,
     ResponseObject,
@@ -26,7 +27,10 @@ from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response
 
 
-EXTENSION_EVENTS = ["response.speak", "response.listen", "session.closed", "session.heartbeat_ack"]
+#: ``capabilities.extension_events`` of a duplex-profile session: every extension event of
+#: :data:`duplexkit.protocol.EXTENSION_EVENT_TYPES` but ``session.resumed`` (listed only when the shell
+#: offers resume, docs/protocol.md §1.6).
+EXTENSION_EVENTS = sorted(EXTENSION_EVENT_TYPES - {"session.resumed"})
 
 
 class WireObjectsMixin:
