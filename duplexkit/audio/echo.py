@@ -13,9 +13,12 @@ input stream, :class:`EchoControl` does two things:
    echo-reduced capture) is at least ``margin_db`` above the *estimated echo level*. The estimate is
    ``reference envelope + echo-path gain`` in dB: the envelope is the loudest 10 ms reference hop
    within the last ``tail_ms`` (this covers any speaker-to-mic delay up to ``tail_ms``), and the
-   echo-path gain is the loudest level-to-envelope ratio of the frames of the last ``gain_window_ms``
-   that were *not* above the estimate (frames of user speech over the echo do not raise it). Before
-   ``adapt_ms`` of echo-active frames have been seen, the gain is at least ``initial_gain_db``.
+   echo-path gain is the loudest level-to-envelope ratio (a high percentile) of the frames of the
+   last ``gain_window_ms`` *of echo-active audio* that were *not* above the estimate (frames of user
+   speech over the echo do not raise it). Pauses in playback do not age the estimate: after a
+   barge-in or the user's turn the next answer is gated with the echo path measured on the last
+   one (the acoustic path has not changed). Before ``adapt_ms`` of echo-active frames have been
+   seen, the gain is at least ``initial_gain_db``.
 
    In ``"aec"`` mode the ratio is measured on the AEC output, so the gate follows the AEC's
    residual echo (tens of dB below the raw echo once converged); in ``"gate"`` mode it follows the
@@ -78,7 +81,8 @@ class EchoConfig:
             played", the safe prior for a laptop at full volume (default 0).
         adapt_ms: echo-active audio, ms, after which only the measured gain counts (default 500).
         gain_window_ms: the gain estimate is taken over this much recent echo-active audio, ms
-            (default 2000).
+            (default 2000); time without audible playback does not count, so the estimate carries
+            over from one answer to the next.
         gain_percentile: the gain estimate is this percentile of the level-to-envelope ratios
             (dB) in the window (default 90): robust against the first frames of user speech over
             the echo, which a maximum would take for echo.
@@ -271,8 +275,9 @@ class EchoControl:
         self._acc_p = 0.0  # partial hop accumulator (sum of squares) and its sample count
         self._acc_n = 0
         self._gate_pos = 0  # output sample index of the next frame gate_frame will see
-        self._ratios: deque[tuple[int, float]] = deque()  # (output sample, level - envelope dB)
-        self._active_samples = 0  # echo-active samples gated so far (for adapt_ms)
+        # (echo-active samples gated up to and including the frame, level - envelope dB)
+        self._ratios: deque[tuple[int, float]] = deque()
+        self._active_samples = 0  # echo-active samples gated so far (adapt_ms, gain_window_ms)
         self.echo_level_dbfs = _SILENT_DB  # estimate of the last gated frame
         self.frame_level_dbfs = _SILENT_DB
         self.reference_lead_dropped = 0  # reference samples dropped (max_reference_lead_ms)
@@ -447,11 +452,16 @@ class EchoControl:
         gain = self.echo_gain_db
         self.echo_level_dbfs = env_db + gain
         above = level >= self.echo_level_dbfs + self.cfg.margin_db
-        # learn the echo path from frames that are not speech above the echo
+        # learn the echo path from frames that are not speech above the echo. The window counts
+        # echo-active audio only: a pause in playback (a barge-in, the user's turn) does not age the
+        # estimate out, so the next answer starts with the gain measured on the last one instead of
+        # an empty window that its first frames (the speaker-to-mic delay: reference audible, mic
+        # still quiet) would drag far below the real echo; echo frames that then pass as "above"
+        # are never learned, and the gate stays open to the whole answer (issue 36)
+        self._active_samples += n
         win = self.cfg.gain_window_ms * self.capture_rate // 1000
-        while self._ratios and self._ratios[0][0] < start + n - win:
+        while self._ratios and self._ratios[0][0] <= self._active_samples - win:
             self._ratios.popleft()
         if not above:
-            self._ratios.append((start + n, level - env_db))
-        self._active_samples += n
+            self._ratios.append((self._active_samples, level - env_db))
         return above
