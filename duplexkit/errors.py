@@ -165,7 +165,7 @@ BINARY_FRAME = "<binary frame>"
 #: the ``openai`` naming (with :data:`OPENAI_ERROR_CODES_BY_EVENT`); codes not listed have no OpenAI
 #: counterpart (duplexkit extensions, limits OpenAI does not have) and are sent as they are. Sources:
 #: OpenAI's Realtime API as observed on the wire (``invalid_value`` with ``param: "type"`` for an
-#: unknown event type, ``invalid_event`` for a binary frame, ``invalid_api_key``) and the codes
+#: unknown event type, ``invalid_event`` for a binary frame) and the codes
 #: OpenAI clients match on: Pipecat's ``OpenAIRealtimeLLMService`` ignores
 #: ``response_cancel_not_active`` and ``conversation_already_has_active_response`` and ends its
 #: receive loop on any other error; it matches ``item_retrieve_invalid_item_id`` to fail a pending
@@ -178,7 +178,6 @@ OPENAI_ERROR_CODES: dict[ErrorCode, str] = {
     ErrorCode.INPUT_AUDIO_BUFFER_EMPTY: "input_audio_buffer_commit_empty",
     ErrorCode.RESPONSE_ALREADY_ACTIVE: "conversation_already_has_active_response",
     ErrorCode.RESPONSE_NOT_ACTIVE: "response_cancel_not_active",
-    ErrorCode.UNAUTHORIZED: "invalid_api_key",
 }
 
 #: (duplexkit code, client event type) -> OpenAI code, where OpenAI's code depends on the event
