@@ -28,6 +28,7 @@ __all__ = [
     "CLIENT_EVENT_ALIASES",
     "SessionPatch",
     "UNHONOURED_SESSION_FIELDS",
+    "IGNORED_RESPONSE_FIELDS",
     "SessionUpdateEvent",
     "InputAudioBufferAppendEvent",
     "InputAudioBufferCommitEvent",
@@ -97,6 +98,11 @@ UNHONOURED_SESSION_FIELDS: Dict[str, tuple] = {
     "include": ((None,), "no extra properties are added to server events"),
     "prompt": ((None,), "stored prompts are an OpenAI service; send the text as instructions"),
 }
+
+
+#: ``response.create{response}`` fields accepted and not honoured (listed in
+#: ``response.metadata.ignored_fields``; one ``session.warning`` each, docs/protocol.md §4).
+IGNORED_RESPONSE_FIELDS = ("instructions", "input", "prompt", "voice", "audio.output.voice")
 
 
 def _get_path(d: Any, path: str) -> Any:
@@ -290,7 +296,8 @@ class InputAudioBufferClearEvent(_InEvent):
 
 class ResponseParams(_In):
     """``response.create{response}`` (docs/protocol.md §4). ``tools``/``tool_choice`` override the
-    session's for this response (docs/tools.md); ``instructions`` is ignored."""
+    session's for this response (docs/tools.md); the fields of :data:`IGNORED_RESPONSE_FIELDS` are
+    accepted and not honoured (their paths in :attr:`ignored`)."""
 
     output_modalities: Optional[List[str]] = None
     tools: Optional[List[Any]] = None
@@ -317,7 +324,7 @@ class ResponseParams(_In):
         mot = out.get("max_output_tokens")
         if isinstance(mot, bool) or (isinstance(mot, int) and not (1 <= mot <= 8192)):
             raise ValueError("max_output_tokens must be an integer 1..8192 or \"inf\"")
-        out["ignored"] = [k for k in ("instructions",) if data.get(k) is not None]
+        out["ignored"] = [k for k in IGNORED_RESPONSE_FIELDS if _get_path(data, k) not in (None, _MISSING)]
         return out
 
 

@@ -427,6 +427,11 @@ def _event_type(raw: Union[str, bytes, bytearray, dict]) -> Optional[str]:
 _IGNORED_RESPONSE_FIELDS = {
     "instructions": "per-response instructions would need a new prefill of the duplex model's context "
                     "for one response; set session instructions instead (docs/protocol.md §4.1)",
+    "input": "out-of-band input items are not supported: the response answers the conversation",
+    "prompt": "stored prompts are an OpenAI service; send the text as session instructions",
+    "voice": "the voice is the session's (a reference clip, docs/protocol.md §8); set it with session.update",
+    "audio.output.voice": "the voice is the session's (a reference clip, docs/protocol.md §8); set it with "
+                          "session.update",
 }
 
 

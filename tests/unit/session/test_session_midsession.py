@@ -148,12 +148,19 @@ def test_ignored_fields_get_one_warning_each(session, params):
     assert not d.of("session.warning", d.send({"type": "session.update", "session": session}))  # once per field
 
 
-def test_response_instructions_warned_once():
+def test_response_fields_not_honoured_are_warned_once():
     d = Driver()
-    new = d.send({"type": "response.create", "response": {"instructions": "Say hi."}})
-    (w,) = d.of("session.warning", new)
-    assert w["param"] == "response.instructions" and w["code"] == "field_ignored"
-    assert d.of("response.created", new)[0]["response"]["metadata"]["ignored_fields"] == "instructions"
+    new = d.send({"type": "response.create", "response": {"instructions": "Say hi.", "audio": {"output": {"voice": "ash"}},
+                                                          "metadata": {"k": "v"}}})
+    ws = d.of("session.warning", new)
+    assert [w["param"] for w in ws] == ["response.instructions", "response.audio.output.voice"]
+    assert all(w["code"] == "field_ignored" for w in ws)
+    assert d.of("response.created", new)[0]["response"]["metadata"]["ignored_fields"] == "instructions,audio.output.voice"
+    d.send({"type": "response.cancel"})
+    new = d.send({"type": "response.create", "response": {"instructions": "Again.", "input": []}})
+    assert [w["param"] for w in d.of("session.warning", new)] == ["response.input"]  # the others: once per session
+    d.send({"type": "response.cancel"})
+    assert not d.of("session.warning", d.send({"type": "response.create", "response": {"instructions": None}}))
 
 
 def _three_errors(d: Driver) -> list[str]:
