@@ -87,10 +87,23 @@ class ServerSettings:
         max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
             address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
         header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
+        max_header_bytes: largest HTTP request head (request line and headers, WebSocket handshakes
+            included), bytes; a larger one is answered 431 before more of it is parsed (default 64 KiB).
+        body_timeout_s: a chat-completions body not fully received this long after its slot was
+            taken is answered 408 ``request_timeout`` (slow bodies), seconds.
+        slot_wait_s: how long a new session or chat request that finds every slot (or its client's
+            share) taken waits for one being given back before it is refused, seconds.
+        max_outbound_bytes / outbound_stall_s: bounds of each WebSocket's outbound queue (server
+            events not yet written to a peer that reads slowly or not at all): over ``max_outbound_bytes``
+            queued, or an event unsent for ``outbound_stall_s``, the session is closed with 1008
+            ``peer not reading`` (docs/server.md, "Limits").
         session_resume: offer session resume (``capabilities.supports_session_resume``; docs/protocol.md §1.6).
         resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
         resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
             bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
+        resume_keep_sent_s: while connected, events written to the socket are kept in the journal for
+            this long (what a dropped connection may have lost in flight); ``session.event_ack`` trims
+            sooner.
         tool_model_url: base URL of an OpenAI-compatible chat endpoint (``.../v1``) that decides tool
             calls and writes answers instead of the thinker in text mode (``--tool-model``;
             docs/tools.md, "Delegation"); None = the engine's own decider.
@@ -135,11 +148,17 @@ class ServerSettings:
     session_resume: bool = True
     resume_window_s: float = 30.0
     resume_journal_events: int = 4096
-    resume_journal_bytes: int = 16 * 1024 * 1024
+    resume_journal_bytes: int = 4 * 1024 * 1024
     replica_id: Optional[str] = None
     tool_model_url: Optional[str] = None
     tool_model_key: Optional[str] = None
     tool_model_name: Optional[str] = None
+    slot_wait_s: float = 1.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    max_outbound_bytes: int = 8 * 1024 * 1024
+    outbound_stall_s: float = 30.0
+    resume_keep_sent_s: float = 10.0
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -150,12 +169,21 @@ class ServerSettings:
 
 
 class SlotPool:
-    """A counting pool of session slots (non-blocking), with an optional per-client cap.
+    """A counting pool of session slots, with an optional per-client cap.
 
     Args:
         size: slots in all (``max_sessions``).
         per_client: slots one client may hold at once; 0 = no cap. A client is any hashable id
             (the server uses ``("key", api_key)`` with auth on, else ``("addr", ip)``).
+
+    :meth:`try_acquire` never waits; :meth:`acquire` waits up to ``wait_s`` for a slot that is being
+    given back while some holder is :attr:`ending` (a session whose peer closed its socket a moment
+    ago, not yet torn down), so a client that opens its next session right after its previous one
+    closed is never refused for a slot about to be free. With no holder ending it refuses at once.
+
+    A slot may leave its client's share while it stays in use (:meth:`leave_share`): a parked
+    session, whose connection dropped, keeps its slot in the pool but no longer counts against
+    ``per_client``.
     """
 
     def __init__(self, size: int, per_client: int = 0) -> None:
@@ -167,6 +195,9 @@ class SlotPool:
         self.per_client = per_client
         self.used = 0
         self.by_client: dict = {}
+        #: slots whose holder is ending (they are about to be released); see :meth:`acquire`
+        self.ending = 0
+        self._freed: Optional[asyncio.Event] = None  # set (and replaced) on each release
 
     def client_full(self, client=None) -> bool:
         """Whether ``client`` already holds its share of slots."""
@@ -180,14 +211,51 @@ class SlotPool:
             self.by_client[client] = self.by_client.get(client, 0) + 1
         return True
 
-    def release(self, client=None) -> None:
-        self.used = max(0, self.used - 1)
+    async def acquire(self, client=None, wait_s: float = 0.0) -> bool:
+        """:meth:`try_acquire`, waiting up to ``wait_s`` seconds for a release when it fails while a
+        holder is :attr:`ending`."""
+        if self.try_acquire(client):
+            return True
+        if wait_s <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            left = deadline - loop.time()
+            if left <= 0 or self.ending <= 0:
+                return False
+            if self._freed is None:
+                self._freed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                return self.try_acquire(client)
+            if self.try_acquire(client):
+                return True
+
+    def leave_share(self, client=None) -> None:
+        """A held slot stops counting against ``client``'s share (it stays in use in the pool)."""
+        self._uncount(client)
+
+    def join_share(self, client=None) -> None:
+        """A held slot counts against ``client``'s share again (even above it: never refused)."""
+        if client is not None:
+            self.by_client[client] = self.by_client.get(client, 0) + 1
+
+    def _uncount(self, client) -> None:
         if client is not None and client in self.by_client:
             n = self.by_client[client] - 1
             if n > 0:
                 self.by_client[client] = n
             else:
                 del self.by_client[client]
+
+    def release(self, client=None) -> None:
+        self.used = max(0, self.used - 1)
+        self._uncount(client)
+        freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.set()
 
 
 def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
@@ -238,7 +306,8 @@ class ServerState:
         from .resume import ResumeRegistry  # session resume (docs/protocol.md §1.6); None when off
 
         self.resumes = ResumeRegistry(settings.resume_window_s, settings.resume_journal_events,
-                                      settings.resume_journal_bytes) if settings.session_resume else None
+                                      settings.resume_journal_bytes, settings.resume_keep_sent_s) \
+            if settings.session_resume else None
         # counters of finished realtime sessions; open ones are added by :meth:`counters`
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
@@ -525,7 +594,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
             return None
         return openai_error(401, "missing or invalid API key", "unauthorized")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.load_error is not None:
             return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
@@ -541,7 +610,9 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         return {"status": "ok", "model": state.model_id, "sessions_active": state.slots.used,
                 "sessions_max": state.slots.size,
                 "random_weights": bool(getattr(state.engine, "random_weights", False)),
-                **state.counters(), **({"replica": settings.replica_id} if settings.replica_id else {})}
+                **state.counters(),
+                **({"resume_journal_bytes": state.resumes.journal_bytes_total} if state.resumes is not None else {}),
+                **({"replica": settings.replica_id} if settings.replica_id else {})}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -550,6 +621,16 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         return {"object": "list", "data": [
             {"id": mid, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
             for mid in state.model_ids]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request):
+        # OpenAI's models.retrieve: a listed id, or an OpenAI id this server maps (ServerState.resolve_model)
+        if (err := http_auth(request)) is not None:
+            return err
+        if model_id and state.resolve_model(model_id) is not None:
+            return {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
+        return openai_error(404, f"The model '{model_id[:200]}' does not exist; served ids: "
+                                 f"{', '.join(state.model_ids)}", "model_not_found", param="model")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

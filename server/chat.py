@@ -10,8 +10,15 @@ expires_at}`` with ``content: null`` (stream: ``delta.audio{id, transcript | dat
 request gets **vLLM-Omni's shape**: choice 0 carries the text, choice 1 (only with audio) carries
 ``message.audio``; the stream has a top-level ``modality`` (``"text"`` at index 0, ``"audio"`` at
 index 1 with the audio in ``delta.content``). Audio is 24 kHz mono in ``audio.format`` (wav default,
-pcm16, flac, mp3, opus). ``modalities`` absent means text and audio (vLLM-Omni's meaning for
-MiniCPM-o). Streams end with ``finish_reason`` chunks, an optional usage chunk, ``data: [DONE]``.
+pcm16, flac, mp3, opus). Without ``modalities`` or ``audio`` the answer is text only, except in the
+``vllm_omni`` chat dialect (``?dialect=vllm_omni``, or ``model: "openbmb/MiniCPM-o-4_5"``), where it is
+text and audio (vLLM-Omni's meaning for MiniCPM-o; :func:`duplexkit_server.dialect.pick_chat_dialect`).
+Streams end with ``finish_reason`` chunks, an optional usage chunk, ``data: [DONE]``.
+
+Limits (docs/server.md, "Limits"): a ``Content-Length`` over ``max_body_bytes`` is refused (413)
+before anything else; then the slot is taken (503 when none frees within ``slot_wait_s``), and only
+then is the body read (408 ``request_timeout`` when it is not complete within ``body_timeout_s``)
+and parsed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessErr
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
 from .app import openai_error
+from .dialect import pick_chat_dialect
 
 logger = logging.getLogger("duplexkit.server.chat")
 
@@ -262,10 +270,12 @@ def validate_chat_body(body: Any) -> ChatBody:
         raise ChatRequestError("the body is nested too deeply") from None
 
 
-def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
+def parse_chat_request(body: Any, state, dialect: str = "openai") -> tuple[ChatRequest, dict]:
     """Convert an OpenAI chat-completions body into a :class:`ChatRequest`.
 
-    ``body`` is the decoded JSON (or an already validated :class:`ChatBody`). Audio and images are
+    ``body`` is the decoded JSON (or an already validated :class:`ChatBody`); ``dialect`` (``openai`` or
+    ``vllm_omni``, :func:`duplexkit_server.dialect.pick_chat_dialect`) decides the output modalities of a
+    request without ``modalities`` or ``audio``: text, or text and speech. Audio and images are
     decoded here (blocking: the route runs this in a worker thread, after taking a slot); audio
     length is checked from the container header before decoding (``max_input_audio_s``,
     ``max_ref_audio_s``).
@@ -283,10 +293,15 @@ def parse_chat_request(body: Any, state) -> tuple[ChatRequest, dict]:
     for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
         if getattr(b, unsupported) not in (None, False, [], {}):
             raise ChatRequestError(f"{unsupported} is not supported", unsupported)
-    # absent: what vLLM-Omni means for MiniCPM-o, the model's output modalities (text and audio;
-    # text alone for a checkpoint without a vocoder); docs/server.md
+    # audio only when asked for: OpenAI's modalities/audio, or the vllm_omni dialect's default
+    # (text and speech, what vLLM-Omni means for MiniCPM-o; text alone without a vocoder)
     has_vocoder = bool(getattr(state.engine, "supports_audio", True))
-    modalities = b.modalities or (["text", "audio"] if has_vocoder else ["text"])
+    if b.modalities:
+        modalities = list(b.modalities)
+    elif b.audio is not None or (dialect == "vllm_omni" and has_vocoder):
+        modalities = ["text", "audio"]
+    else:
+        modalities = ["text"]
     output_audio = "audio" in modalities
     if output_audio and not bool(getattr(state.engine, "supports_audio", True)):
         raise ChatRequestError("this server has no vocoder (its checkpoint lacks assets/token2wav): "
@@ -401,19 +416,40 @@ class BodyTooLarge(DuplexkitError):
     default_code = ErrorCode.EVENT_TOO_LARGE.value
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (``BodyTooLarge``) a declared or actual size above ``limit`` bytes
-    before reading more than ``limit`` bytes of it."""
+class BodyTimeout(DuplexkitError):
+    """The request body did not arrive in time (answered with HTTP 408)."""
+
+    default_code = "request_timeout"
+
+
+def declared_too_large(request: Request, limit: int) -> bool:
+    """Whether the ``Content-Length`` header declares more than ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+    return declared is not None and declared.strip().isdigit() and int(declared) > limit
+
+
+async def read_body(request: Request, limit: int, timeout_s: Optional[float] = None) -> bytes:
+    """The request body, refusing (``BodyTooLarge``) a declared or actual size above ``limit`` bytes
+    before reading more than ``limit`` bytes of it, and (``BodyTimeout``) a body not complete within
+    ``timeout_s`` seconds (None: no bound)."""
+    if declared_too_large(request, limit):
         raise BodyTooLarge()
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise BodyTooLarge()
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise BodyTooLarge()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    if timeout_s is None:
+        return await read()
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeout() from None
 
 
 def _load_and_validate(raw: bytes) -> ChatBody:
@@ -446,21 +482,18 @@ async def handle(state, request: Request):
                             headers={"Retry-After": str(state.settings.retry_after_s)})
     s = state.settings
     limit = s.max_body_bytes
-    try:
-        raw = await read_body(request, limit)
-    except BodyTooLarge:
+    if declared_too_large(request, limit):  # refused before a byte of it is read
         return openai_error(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
                             "request_too_large")
-    except ClientDisconnect:
-        return Response(status_code=400)
-    try:  # JSON and shape checks in a worker thread: a 16 MiB body must not stall other sessions
-        body = await asyncio.to_thread(_load_and_validate, raw)
-    except ChatRequestError as exc:
-        return openai_error(400, str(exc), exc.code, param=exc.param)
+    try:
+        dialect = pick_chat_dialect(request.query_params.get("dialect"), None)
+    except ValueError as exc:
+        return openai_error(400, str(exc), "bad_request", param="dialect")
+    # the slot first: a refused request never has its body read or parsed (docs/server.md, "Limits")
     client = state.client_id(state.bearer(request.headers.get("authorization")), request.scope)
-    if not state.slots.try_acquire(client):
+    if not await state.slots.acquire(client, getattr(s, "slot_wait_s", 0.0)):
         return openai_error(503, state.capacity_message(client), "session_capacity_exhausted",
-                            headers={"Retry-After": str(s.retry_after_s)})
+                            headers={"Retry-After": str(s.retry_after_s), "Connection": "close"})
     released = False
 
     def release_slot() -> None:
@@ -475,8 +508,32 @@ async def handle(state, request: Request):
             except RuntimeError:  # no running loop (a background task after the response)
                 pass
 
-    try:  # audio/image decoding holds the slot and runs off the event loop (bounded by the limits)
-        req, opts = await asyncio.to_thread(parse_chat_request, body, state)
+    try:
+        try:
+            raw = await read_body(request, limit, getattr(s, "body_timeout_s", None))
+        except BodyTooLarge:
+            release_slot()
+            return openai_error(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                                "request_too_large", headers={"Connection": "close"})
+        except BodyTimeout:
+            release_slot()
+            logger.info("chat request body from %s not complete after %g s: 408",
+                        (request.scope.get("client") or ("?",))[0], s.body_timeout_s)
+            return openai_error(408, f"the request body was not received within {s.body_timeout_s:g} s "
+                                     "(--body-timeout-s)", "request_timeout", headers={"Connection": "close"})
+        except ClientDisconnect:
+            release_slot()
+            return Response(status_code=400)
+        try:  # JSON and shape checks in a worker thread: a 16 MiB body must not stall other sessions
+            body = await asyncio.to_thread(_load_and_validate, raw)
+        except ChatRequestError as exc:
+            release_slot()
+            return openai_error(400, str(exc), exc.code, param=exc.param)
+        del raw
+        if not request.query_params.get("dialect"):
+            dialect = pick_chat_dialect(None, body.model)
+        # audio/image decoding holds the slot and runs off the event loop (bounded by the limits)
+        req, opts = await asyncio.to_thread(parse_chat_request, body, state, dialect)
     except ChatRequestError as exc:
         release_slot()
         return openai_error(400, str(exc), exc.code, param=exc.param)

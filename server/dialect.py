@@ -23,6 +23,19 @@ else the header ``OpenAI-Beta: realtime=v1`` (sent by the OpenAI SDK's beta clie
 else the first ``session.update`` decides: beta-shaped (no ``session.type`` and one of ``modalities``,
 ``input_audio_format``, ``output_audio_format``, which vLLM-Omni's clients send) gives ``both``,
 anything else ``ga``. Events sent before that first update are GA.
+
+Chat completions have two dialects of their own (:func:`pick_chat_dialect`), which decide what a
+request that does not say which output modalities it wants gets:
+
+* ``openai`` — text only, as OpenAI answers: audio comes only when asked for in OpenAI's shape
+  (``modalities`` containing ``"audio"``, or an ``audio`` object).
+* ``vllm_omni`` — text and speech (what vLLM-Omni serves MiniCPM-o with; its examples omit
+  ``modalities`` and expect speech).
+
+The rule: ``?dialect=openai|vllm_omni`` on the URL wins; else a ``model`` naming the Hugging Face
+repo id (``openbmb/MiniCPM-o-4_5``, the served name of vLLM-Omni's MiniCPM-o deployments and the
+default of its clients) means ``vllm_omni``; anything else (the OpenAI SDK's ``gpt-4o*``, the served
+id, no model) means ``openai``.
 """
 
 from __future__ import annotations
@@ -30,9 +43,13 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-__all__ = ["GA_TO_BETA", "DIALECTS", "pick_dialect", "dialect_of_first_update", "translate"]
+__all__ = ["GA_TO_BETA", "DIALECTS", "CHAT_DIALECTS", "pick_dialect", "pick_chat_dialect",
+           "dialect_of_first_update", "translate"]
 
 DIALECTS = ("ga", "beta", "both")
+CHAT_DIALECTS = ("openai", "vllm_omni")
+#: model ids that select the ``vllm_omni`` chat dialect: the Hugging Face repo id of MiniCPM-o 4.5
+VLLM_OMNI_MODEL_IDS = frozenset({"openbmb/MiniCPM-o-4_5"})
 
 #: GA event type -> OpenAI beta realtime event type (openai.types.beta.realtime).
 GA_TO_BETA = {
@@ -64,6 +81,22 @@ def pick_dialect(query_value: Optional[str], openai_beta_header: Optional[str]) 
     if openai_beta_header and "realtime=v1" in openai_beta_header.replace(" ", "").lower():
         return "beta"
     return None
+
+
+def pick_chat_dialect(query_value: Optional[str], model: Optional[str]) -> str:
+    """The chat-completions dialect of a request: ``openai`` or ``vllm_omni`` (module docstring).
+
+    Raises:
+        ValueError: ``query_value`` is given but not one of :data:`CHAT_DIALECTS` (``vllm-omni`` is
+            read as ``vllm_omni``).
+    """
+    if query_value:
+        v = query_value.strip().lower().replace("-", "_")
+        if v not in CHAT_DIALECTS:
+            raise ValueError(f"dialect must be one of {', '.join(CHAT_DIALECTS)} for chat completions, "
+                             f"got {query_value[:64]!r}")
+        return v
+    return "vllm_omni" if model in VLLM_OMNI_MODEL_IDS else "openai"
 
 
 def dialect_of_first_update(frame: Any) -> Optional[str]:

@@ -54,11 +54,11 @@ _MESSAGES = {
 
 
 def install(app, state) -> None:
-    """Add ``GET /ready`` and ``GET /live`` (no authentication: probes carry no key, and the bodies
+    """Add ``GET``/``HEAD /ready`` and ``GET``/``HEAD /live`` (no authentication: probes carry no key, and the bodies
     hold only the states above and slot counts)."""
     from fastapi.responses import JSONResponse
 
-    @app.get("/ready", include_in_schema=False)
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready():
         reason = not_ready_reason(state)
         body = {"status": reason or "ready", "sessions_active": state.slots.used, "sessions_max": state.slots.size}
@@ -71,7 +71,7 @@ def install(app, state) -> None:
                           if reason == "error" and state.load_error is None and failure else _MESSAGES[reason])
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
-    @app.get("/live", include_in_schema=False)
+    @app.api_route("/live", methods=["GET", "HEAD"], include_in_schema=False)
     async def live():
         failure = getattr(state, "engine_failure", None)
         if failure is not None:  # the engine process died: only a restart brings it back
@@ -108,7 +108,8 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
 
     ``ws_max_size`` is twice ``max_event_bytes`` (docs/protocol.md §1.3), pings every
     ``ping_interval_s`` without a pong deadline (a late pong on a busy loop must not drop a live
-    session); a request head must be complete within ``header_timeout_s``.
+    session); a request head must be complete within ``header_timeout_s`` and at most
+    ``max_header_bytes`` long (431 beyond: :func:`duplexkit_server.security.header_timeout_protocol`).
 
     SIGTERM starts a drain of ``settings.drain_s`` seconds (:func:`drain`): the listening socket stays
     open so ``/ready`` answers 503 ``draining`` and new sessions are refused, live sessions may finish,
@@ -125,7 +126,7 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
     state = app.state.duplexkit
     s = state.settings
     s.bind_host, s.bind_port = host, (port or None)
-    from .security import header_timeout_protocol, is_loopback_host
+    from .security import abortable_websocket_protocol, header_timeout_protocol, is_loopback_host
 
     if not s.api_keys and not is_loopback_host(host):
         logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
@@ -150,8 +151,9 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            http=header_timeout_protocol(s.header_timeout_s),
-                            h11_max_incomplete_event_size=64 * 1024,  # request head size cap
+                            http=header_timeout_protocol(s.header_timeout_s, s.max_header_bytes),
+                            h11_max_incomplete_event_size=s.max_header_bytes,  # the same cap under h11
+                            ws=abortable_websocket_protocol() or "auto",
                             ws_max_size=2 * s.max_event_bytes,
                             ws_ping_interval=s.ping_interval_s,
                             # no ping timeout: a loop slowed by engine threads reads pongs late and

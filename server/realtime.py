@@ -25,13 +25,14 @@ import asyncio
 import json
 import logging
 import secrets
+from collections import deque
 from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from .dialect import dialect_of_first_update, pick_dialect, translate
-from .resume import (JournalOverflow, ResumeRefused, check_resume_fields, new_token, parse_resume, principal_of,
-                     token_digest, token_matches)
+from .resume import (JournalOverflow, ResumeRefused, _event_bytes, check_resume_fields, new_token, parse_resume,
+                     principal_of, token_digest, token_matches)
 
 
 logger = logging.getLogger("duplexkit.server.realtime")
@@ -145,10 +146,42 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
                       1008)
         return
     client = state.client_id(key, ws.scope)
-    got_slot = False if resume_only else state.slots.try_acquire(client)
+    held = {"slot": False, "parked": False, "ending": False}
+
+    def release_slot() -> None:
+        """Give the slot back (idempotent): called as soon as the session ends, before its socket is
+        closed, so a client that reconnects once its close returned finds the slot free."""
+        if held["slot"]:
+            held["slot"] = False
+            if held["ending"]:
+                held["ending"] = False
+                state.slots.ending -= 1
+            state.slots.release(None if held["parked"] else client)
+            from .memory import schedule_trim
+
+            schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
+
+    def slot_ending() -> None:
+        """The peer closed for good: the slot is about to be given back (SlotPool.acquire waits for it)."""
+        if held["slot"] and not held["ending"]:
+            held["ending"] = True
+            state.slots.ending += 1
+
+    def slot_parked(parked: bool) -> None:
+        """A parked session keeps its slot in the pool but leaves its client's share (a reloaded
+        page must not lock its user out); a resumed one counts again (docs/server.md, "Limits")."""
+        if held["slot"] and parked != held["parked"]:
+            held["parked"] = parked
+            (state.slots.leave_share if parked else state.slots.join_share)(client)
+
     # a resume re-uses the slot its parked session holds: over capacity, a connection that may be
     # a resume (autostart=0, this principal has a parked session) is let in to show its first frame
-    if not got_slot and not resume_only and not (reg is not None and not autostart and reg.has_parked(principal)):
+    maybe_resume = reg is not None and not autostart and reg.has_parked(principal)
+    if not resume_only:
+        held["slot"] = state.slots.try_acquire(client)
+        if not held["slot"] and not maybe_resume:
+            held["slot"] = await _take_slot(state, client)
+    if not held["slot"] and not resume_only and not maybe_resume:
         await _reject(ws, subprotocol, _handshake_error(
             "session_capacity_exhausted", state.capacity_message(client)), 1013)
         return
@@ -161,18 +194,22 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
                 return
             resume = parse_resume(first["text"]) if first.get("text") is not None else None
             if resume is not None:
-                if got_slot:
-                    state.slots.release(client)
-                    got_slot = False
+                release_slot()
                 await _serve_resume(state, ws, resume, principal)
                 return
-            if not got_slot:
+            if not held["slot"] and not resume_only:
+                held["slot"] = await _take_slot(state, client)
+            if not held["slot"]:
                 msg = ("this replica is draining for shutdown: only session.resume is accepted" if resume_only
                        else state.capacity_message(client))
                 await _refuse(ws, _handshake_error("session_capacity_exhausted", msg), 1013)
                 return
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
                                   dialect=dialect, principal=principal)
+        conn.client = client
+        conn.release_slot = release_slot
+        conn.slot_parked = slot_parked
+        conn.slot_ending = slot_ending
         if model and model not in state.model_ids:
             conn.requested_model = model  # an OpenAI id served by this model (ServerState.resolve_model)
         state.connections.add(conn)
@@ -184,11 +221,26 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             state.connections.discard(conn)
             state.session_closed(conn.session)
     finally:
-        if got_slot:
-            state.slots.release(client)
-            from .memory import schedule_trim
+        release_slot()
 
-            schedule_trim()  # give the session's freed buffers back to the OS (RSS back to baseline)
+
+async def _take_slot(state, client) -> bool:
+    """A slot for a new session of ``client`` when none was free at once: wait up to
+    ``slot_wait_s`` for one being given back (a session that ended a moment ago)."""
+    return await state.slots.acquire(client, getattr(state.settings, "slot_wait_s", 0.0))
+
+
+async def _close_stuck(ws: WebSocket, reason: str) -> None:
+    """Close a connection whose peer does not read: the close frame is queued if the transport
+    takes it within 1 s; then the transport is aborted where the server exposes it
+    (:func:`duplexkit_server.security.abortable_websocket_protocol`), so its buffers go at once."""
+    try:
+        await asyncio.wait_for(ws.close(code=1008, reason=reason), 1.0)
+    except Exception:
+        pass
+    abort = ((ws.scope.get("extensions") or {}).get("duplexkit.transport") or {}).get("abort")
+    if abort is not None:
+        asyncio.get_running_loop().call_later(1.0, abort)
 
 
 async def _first_message(ws: WebSocket, timeout_s: float) -> Optional[dict]:
@@ -301,6 +353,15 @@ class RealtimeConnection:
         self.parked = False
         self.resumes = 0
         self._send_lock = asyncio.Lock()
+        # the outbox: events queued for the socket, bounded (docs/server.md, "Limits")
+        self._outbox: "deque[tuple[dict, int]]" = deque()
+        self._outbox_bytes = 0
+        self._outbox_ready = asyncio.Event()
+        self._outbox_empty = asyncio.Event()
+        self._outbox_empty.set()
+        self._writer_task: Optional[asyncio.Task] = None
+        self._max_outbound_bytes = int(getattr(state.settings, "max_outbound_bytes", 8 * 2**20))
+        self._stall_s = float(getattr(state.settings, "outbound_stall_s", 30.0))
         self._wake = asyncio.Event()
         self._lost = False  # the current socket is gone (read end or failed send)
         self._disconnect_code: Optional[int] = None
@@ -312,6 +373,11 @@ class RealtimeConnection:
         self._park_deadline: Optional[float] = None
         self._takeover: Optional[tuple] = None  # (ws, last_seq, token, future)
         self._released: dict[int, asyncio.Event] = {}
+        #: who holds the slot (``ServerState.client_id``) and how to give it back (set by :func:`handle`)
+        self.client: Any = None
+        self.release_slot: Any = lambda: None
+        self.slot_parked: Any = lambda parked: None
+        self.slot_ending: Any = lambda: None
 
     def now_ms(self) -> int:
         return self.driver.now_ms()
@@ -372,6 +438,10 @@ class RealtimeConnection:
                 await self._detach()
         finally:
             self._closed.set()
+            self.release_slot()  # the session is over: its slot is free before anything is closed
+            if self._writer_task is not None:
+                self._writer_task.cancel()
+                await asyncio.gather(self._writer_task, return_exceptions=True)
             for t in (reader, dispatched):
                 if t is not None:
                     t.cancel()
@@ -382,7 +452,7 @@ class RealtimeConnection:
             ws = self.ws
             if ws is not None and ws.application_state != WebSocketState.DISCONNECTED:
                 try:
-                    await ws.close(code=1000)
+                    await asyncio.wait_for(ws.close(code=1000), self._stall_s)
                 except Exception:
                     pass
             if self.registry is not None:
@@ -393,7 +463,7 @@ class RealtimeConnection:
                         fut.set_exception(ResumeRefused("resume_not_found", "the session has ended"))
             for ev in self._released.values():
                 ev.set()
-            if self.journal is not None:  # the session is over: its replay journal (up to 16 MiB) goes now
+            if self.journal is not None:  # the session is over: its replay journal goes now
                 self.journal.clear()
 
     async def shutdown(self, reason: str = "shutdown") -> None:
@@ -413,7 +483,9 @@ class RealtimeConnection:
         """Stop using the current socket (it dropped, or a resume replaces it): the session parks."""
         async with self._send_lock:
             ws, self.ws = self.ws, None
+            self._clear_outbox()  # what it held is in the journal: a resume replays it by seq
             self.parked = True
+            self.slot_parked(True)
             self._lost = False
         if ws is None:
             return
@@ -449,7 +521,8 @@ class RealtimeConnection:
             waker.cancel()
 
     async def _end_parked(self, outcome: str, dispatched: asyncio.Task) -> None:
-        """Close a parked session that can no longer be resumed (its slot is freed after this)."""
+        """Close a parked session that can no longer be resumed (its slot is freed first)."""
+        self.release_slot()
         if outcome == "expired":
             code, reason, close = "resume_expired", "timeout", 1000
             msg = f"the session was not resumed within {self.registry.window_s:g} s and was closed"
@@ -506,12 +579,13 @@ class RealtimeConnection:
                                "replayed": len(replay), "client_frames_received": self.client_frames,
                                "resume_token": self._token}
             self.ws, self.parked, self._lost, self._park_deadline = ws, False, False, None
+            self.slot_parked(False)
             self._disconnect_code = None
             rel = self._released[id(ws)] = asyncio.Event()
             fut.set_result(rel)
             try:
-                await ws.send_text(json.dumps(first_frame))
-            except (WebSocketDisconnect, RuntimeError, ConnectionError):
+                await asyncio.wait_for(ws.send_text(json.dumps(first_frame)), self._stall_s)
+            except (WebSocketDisconnect, RuntimeError, ConnectionError, asyncio.TimeoutError):
                 self._socket_lost()
                 return
             for ev in replay:
@@ -528,6 +602,8 @@ class RealtimeConnection:
 
     # -- the socket side ------------------------------------------------------------------------
     async def _send(self, event: dict) -> None:
+        """The driver's ``on_event``: journal the event and queue it for the socket (never waits for
+        the peer: a peer that does not read fills this connection's bounded outbox, not the driver)."""
         async with self._send_lock:
             if self.journal is not None:
                 self.journal.append(event)
@@ -535,34 +611,107 @@ class RealtimeConnection:
                     self._overflowed = True  # an event the client never got is gone: no resume can be whole
                     self._wake.set()
             if self.ws is not None and not self._lost:
-                await self._write(event)
+                size = _event_bytes(event)
+                self._outbox.append((event, size))
+                self._outbox_bytes += size
+                if self._outbox_bytes > self._max_outbound_bytes:
+                    self._peer_stuck(f"{self._outbox_bytes} bytes of server events queued "
+                                     f"(--max-outbound-bytes {self._max_outbound_bytes})")
+                    return
+                self._outbox_ready.set()
+                if self._writer_task is None or self._writer_task.done():
+                    self._writer_task = asyncio.get_running_loop().create_task(self._writer(), name="write")
+
+    async def _writer(self) -> None:
+        """Write queued events to the socket, in order (a failure of its own drops the connection)."""
+        try:
+            await self._write_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("session %s: writing events failed", self.session.session_id)
+            self._clear_outbox()
+            self._socket_lost()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                if self.ws is None or self._lost:
+                    self._clear_outbox()
+                    break
+                event, size = self._outbox[0]
+                ok = await self._write(event)
+                if self._outbox and self._outbox[0][0] is event:
+                    self._outbox.popleft()
+                    self._outbox_bytes -= size
+                if not ok:
+                    self._clear_outbox()
+                    break
+            if not self._outbox:
+                self._outbox_empty.set()
+
+    def _clear_outbox(self) -> None:
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        self._outbox_empty.set()
 
     async def _write(self, event: dict) -> bool:
-        """Write one event's frames to the current socket; False when the socket failed."""
+        """Write one event's frames to the current socket; False when the socket failed or the peer
+        took nothing for ``outbound_stall_s`` (the connection is then dropped: :meth:`_peer_stuck`)."""
         ws = self.ws
         try:
             for frame in translate(event, self.dialect or "ga", beta_model=self.requested_model):
                 if self._token is not None and frame.get("type") == "session.created":
                     frame = {**frame, "resume_token": self._token}
-                await ws.send_text(json.dumps(frame, separators=(",", ":")))
+                await asyncio.wait_for(ws.send_text(json.dumps(frame, separators=(",", ":"))), self._stall_s)
+        except asyncio.TimeoutError:
+            if self.ws is ws:
+                self._peer_stuck(f"the peer took no data for {self._stall_s:g} s (--outbound-stall-s)")
+            return False
         except (WebSocketDisconnect, RuntimeError, ConnectionError):
             self._socket_lost()
             return False
         seq = event.get("server_event_seq")
         if isinstance(seq, int) and seq > self._sent_seq:
             self._sent_seq = seq
+            if self.journal is not None:
+                self.journal.mark_sent(seq)
         return True
+
+    def _peer_stuck(self, why: str) -> None:
+        """The peer does not read: drop this connection (close 1008 ``peer not reading``, best effort:
+        a peer that reads nothing may never see it). The session parks like any dropped connection
+        when resume is on (a client that was only stalled may resume it), else it ends."""
+        ws = self.ws
+        if ws is None or self._lost:
+            return
+        logger.warning("session %s: closing its connection, the peer is not reading: %s",
+                       self.session.session_id, why)
+        self._disconnect_code = None  # as a connection that dropped without a close frame
+        self._clear_outbox()
+        self._socket_lost()
+        asyncio.get_running_loop().create_task(_close_stuck(ws, "peer not reading"))
 
     def _socket_lost(self) -> None:
         self._lost = True
         self._wake.set()
 
     async def _close_socket(self, item) -> None:
+        self.release_slot()  # before the close frame: a client whose close returned finds the slot free
         ws = self.ws
         if ws is None:
             return
+        if self._outbox and not self._lost:  # every event before the close goes out first (bounded wait)
+            self._outbox_empty.clear()
+            try:
+                await asyncio.wait_for(self._outbox_empty.wait(), self._stall_s)
+            except asyncio.TimeoutError:
+                pass
         try:
-            await ws.close(code=self._close_override or item.code, reason=item.reason or "")
+            await asyncio.wait_for(ws.close(code=self._close_override or item.code, reason=item.reason or ""),
+                                   self._stall_s)
         except Exception:
             pass
 
@@ -574,10 +723,13 @@ class RealtimeConnection:
                     msg = await ws.receive()
                 if msg.get("type") == "websocket.disconnect":
                     self._disconnect_code = msg.get("code")
+                    self._peer_gone()
                     break
                 self.client_frames += 1
                 text = msg.get("text")
                 if text is not None:
+                    if self.journal is not None and '"session.event_ack"' in text:
+                        self._ack(text)
                     if self.dialect is None:
                         self.dialect = dialect_of_first_update(text)
                     self.driver.client_event(text)
@@ -588,5 +740,21 @@ class RealtimeConnection:
                 msg = None
         except WebSocketDisconnect as exc:
             self._disconnect_code = exc.code
+            self._peer_gone()
         except RuntimeError:
             pass
+
+    def _ack(self, text: str) -> None:
+        """``session.event_ack{server_event_seq}``: the client has every event through that number,
+        so the journal drops them (the Session itself answers nothing)."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            return
+        if isinstance(data, dict) and data.get("type") == "session.event_ack":
+            self.journal.ack(data.get("server_event_seq"))
+
+    def _peer_gone(self) -> None:
+        """The peer's socket ended: unless the session will park, its slot is about to be freed."""
+        if not self._parkable():
+            self.slot_ending()

@@ -7,7 +7,9 @@ running, and every server event it emits goes into its :class:`ReplayJournal` (b
 ``resume_journal_events`` events and ``resume_journal_bytes`` bytes). A new connection whose first
 frame is ``session.resume{session_id, resume_token, last_server_event_seq}`` gets
 ``session.resumed``, then every journaled event after ``last_server_event_seq`` in order, then live
-events. The token is handed out with ``session.created`` and rotated by each ``session.resumed``
+events. While connected, the journal keeps only what a drop may lose: events written to the socket
+in the last ``resume_keep_sent_s`` seconds, minus those the client acknowledged with
+``session.event_ack{server_event_seq}`` (vLLM-Omni's client and duplexkit's send it). The token is handed out with ``session.created`` and rotated by each ``session.resumed``
 (the old one stops working); it is bound to the API key the session was opened with.
 
 Refusals (one ``error`` event, then close 1008; 1011 for the journal):
@@ -69,38 +71,79 @@ class ReplayJournal:
     Args:
         max_events: events kept at most (>= 1).
         max_bytes: bytes kept at most (string fields + :data:`EVENT_OVERHEAD_BYTES` per event).
+        keep_sent_s: events already written to the socket (:meth:`mark_sent`) are dropped once they
+            are older than this, seconds (None: kept until a bound or an ack drops them). A dropped
+            connection can only have lost what was in flight, the last few seconds of it.
 
-    Events are JSON-ready dicts with an integer ``server_event_seq`` (increasing by 1).
+    Events are JSON-ready dicts with an integer ``server_event_seq`` (increasing by 1). The client's
+    ``session.event_ack{server_event_seq}`` (:meth:`ack`) drops every event through that number.
     """
 
-    def __init__(self, max_events: int, max_bytes: int) -> None:
+    def __init__(self, max_events: int, max_bytes: int, keep_sent_s: Optional[float] = None) -> None:
         if max_events < 1 or max_bytes < 1:
             raise ValueError("the resume journal needs room for at least one event and one byte")
         self.max_events = int(max_events)
         self.max_bytes = int(max_bytes)
-        self._events: deque = deque()  # (seq, event, size)
+        self.keep_sent_s = None if keep_sent_s is None else float(keep_sent_s)
+        self._events: deque = deque()  # (seq, event, size, monotonic time appended)
         self.bytes = 0
         #: the highest sequence number dropped so far (0: nothing dropped)
         self.dropped_through = 0
         #: the highest sequence number appended so far
         self.last_seq = 0
+        #: the highest sequence number written to a socket (:meth:`mark_sent`)
+        self.sent_through = 0
+        #: the highest sequence number the client acknowledged (:meth:`ack`)
+        self.acked_through = 0
 
     def __len__(self) -> int:
         return len(self._events)
 
-    def append(self, event: dict) -> None:
+    def _drop_oldest(self) -> None:
+        old_seq, _, old_size, _ = self._events.popleft()
+        self.bytes -= old_size
+        self.dropped_through = max(self.dropped_through, old_seq)
+
+    def append(self, event: dict, now: Optional[float] = None) -> None:
         """Keep ``event`` (events without an integer ``server_event_seq`` are not journaled)."""
         seq = event.get("server_event_seq")
         if not isinstance(seq, int):
             return
+        now = time.monotonic() if now is None else now
         size = _event_bytes(event)
-        self._events.append((seq, event, size))
+        self._events.append((seq, event, size, now))
         self.bytes += size
         self.last_seq = max(self.last_seq, seq)
         while self._events and (len(self._events) > self.max_events or self.bytes > self.max_bytes):
-            old_seq, _, old_size = self._events.popleft()
-            self.bytes -= old_size
-            self.dropped_through = max(self.dropped_through, old_seq)
+            self._drop_oldest()
+        self.trim(now)
+
+    def mark_sent(self, seq: int) -> None:
+        """Every event through ``seq`` has been written to a socket."""
+        self.sent_through = max(self.sent_through, int(seq))
+
+    def ack(self, seq: Any, now: Optional[float] = None) -> int:
+        """The client received every event through ``seq`` (``session.event_ack``): drop them.
+        An ack beyond what was written is clamped to it; a non-integer is ignored. Returns the
+        number of events dropped."""
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            return 0
+        self.acked_through = max(self.acked_through, min(seq, self.sent_through))
+        return self.trim(now)
+
+    def trim(self, now: Optional[float] = None) -> int:
+        """Drop acknowledged events and sent events older than ``keep_sent_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        while self._events:
+            seq, _, _, t = self._events[0]
+            if seq <= self.acked_through or (self.keep_sent_s is not None and seq <= self.sent_through
+                                             and now - t > self.keep_sent_s):
+                self._drop_oldest()
+                n += 1
+            else:
+                break
+        return n
 
     def clear(self) -> None:
         """Drop every kept event (the session is over); later appends are kept as before."""
@@ -117,8 +160,9 @@ class ReplayJournal:
         """
         if seq < self.dropped_through:
             raise JournalOverflow(f"events {seq + 1}..{self.dropped_through} were dropped from the journal "
-                                  f"({self.max_events} events / {self.max_bytes} bytes kept)")
-        return [ev for s, ev, _ in self._events if s > seq]
+                                  f"({self.max_events} events / {self.max_bytes} bytes kept; events acknowledged "
+                                  f"or written more than {self.keep_sent_s} s ago are dropped)")
+        return [ev for s, ev, _, _ in self._events if s > seq]
 
 
 def principal_of(key: Optional[str]) -> Optional[str]:
@@ -164,20 +208,27 @@ class ResumeRegistry:
 
     Args:
         window_s: how long a dropped session waits for a resume (seconds).
-        journal_events / journal_bytes: bounds of each session's :class:`ReplayJournal`.
+        journal_events / journal_bytes / keep_sent_s: bounds of each session's :class:`ReplayJournal`.
     """
 
-    def __init__(self, window_s: float, journal_events: int, journal_bytes: int) -> None:
+    def __init__(self, window_s: float, journal_events: int, journal_bytes: int,
+                 keep_sent_s: Optional[float] = None) -> None:
         self.window_s = float(window_s)
         self.journal_events = int(journal_events)
         self.journal_bytes = int(journal_bytes)
+        self.keep_sent_s = keep_sent_s
         self._live: dict[str, Any] = {}  # session_id -> RealtimeConnection
         self._tombstones: "OrderedDict[str, tuple[str, Optional[str], float, str]]" = OrderedDict()
         self.resumes = 0
         self.refused: dict[str, int] = {}
 
     def new_journal(self) -> ReplayJournal:
-        return ReplayJournal(self.journal_events, self.journal_bytes)
+        return ReplayJournal(self.journal_events, self.journal_bytes, self.keep_sent_s)
+
+    @property
+    def journal_bytes_total(self) -> int:
+        """Bytes held by every live session's journal (``/health``'s ``resume_journal_bytes``)."""
+        return sum(c.journal.bytes for c in self._live.values() if getattr(c, "journal", None) is not None)
 
     # -- membership ------------------------------------------------------------------------------
     def add(self, conn) -> None:

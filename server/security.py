@@ -240,21 +240,41 @@ def page_headers(host_header: Optional[str], styles: Iterable[str] = ()) -> dict
     }
 
 
-def header_timeout_protocol(timeout_s: float):
-    """A uvicorn HTTP protocol class that closes a connection whose request head is not complete
-    ``timeout_s`` seconds after the connection opened or after its first byte of a next request
-    (slowloris). uvicorn has no such timeout of its own (``timeout_keep_alive`` only covers idle
-    connections *between* requests; ``h11_max_incomplete_event_size`` bounds the head's size, not
-    its time). Pass the result as ``uvicorn.Config(http=...)``.
+def header_timeout_protocol(timeout_s: float, max_header_bytes: int = 64 * 1024):
+    """A uvicorn HTTP protocol class that guards the request head (request line and headers, the
+    WebSocket handshake's included) before uvicorn parses it:
+
+    * **time**: a connection whose request head is not complete ``timeout_s`` seconds after the
+      connection opened or after the first byte of a next request is closed (slowloris). uvicorn has
+      no such timeout of its own (``timeout_keep_alive`` only covers idle connections *between*
+      requests).
+    * **size**: a head larger than ``max_header_bytes`` is answered ``431 Request Header Fields Too
+      Large`` (an OpenAI error body, code ``request_too_large``) once that many bytes arrived, and
+      the connection is closed; at most ``max_header_bytes`` of it are ever handed to the parser.
+      uvicorn's httptools protocol has no cap (``h11_max_incomplete_event_size`` applies to h11 only),
+      so a 64 MiB header used to be parsed whole, blocking the loop for seconds.
+
+    Pass the result as ``uvicorn.Config(http=...)``.
     """
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # pragma: no cover - uvicorn without [standard]
+        guard_size = True
+    except ImportError:  # pragma: no cover - uvicorn without [standard]: h11_max_incomplete_event_size
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        guard_size = False
 
-    class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+    body = json.dumps({"error": {
+        "message": f"the request head (request line and headers) is larger than {max_header_bytes} bytes",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
+    too_large = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+    class HeaderGuardProtocol(base):  # type: ignore[misc, valid-type]
         _hdr_timer = None
         _hdr_cycle = None
+        _in_head = True  # the bytes arriving now belong to a request head
+        _head_bytes = 0
+        _refused = False
 
         def _arm_header_timer(self) -> None:
             self._hdr_cycle = self.cycle
@@ -272,14 +292,47 @@ def header_timeout_protocol(timeout_s: float):
             super().connection_made(transport)
             self._arm_header_timer()
 
+        # -- the size guard (httptools callbacks) --------------------------------------------------
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
+            super().on_message_complete()
+
+        def _refuse_head(self) -> None:
+            self._refused = True
+            logger.warning("refused a request head over %d bytes from %s: 431", max_header_bytes,
+                           (self.client or ("?",))[0])
+            self.transport.write(too_large)
+            # read and drop what the client still sends for a moment, so that the 431 is read before
+            # the close (closing with unread input would reset the connection and lose the answer)
+            self.loop.call_later(1.0, self.transport.close)
+
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # the 431 is out; the rest of the head is dropped unparsed
             idle = self.cycle is None or self.cycle.response_complete
             if idle and (self._hdr_timer is None or self._hdr_cycle is not self.cycle):
                 # the first bytes of a next request on a kept-alive connection: a new deadline
                 if self._hdr_timer is not None:
                     self._hdr_timer.cancel()
                 self._arm_header_timer()
-            super().data_received(data)
+            if not guard_size:
+                return super().data_received(data)
+            while data and self._in_head:
+                room = max_header_bytes - self._head_bytes
+                if room <= 0:
+                    self._refuse_head()
+                    return
+                piece, data = data[:room], data[room:]
+                self._head_bytes += len(piece)
+                super().data_received(piece)
+                if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                    return  # answered and closed (a parse error), or upgraded to a WebSocket
+            if data:
+                super().data_received(data)
 
         def connection_lost(self, exc) -> None:
             if self._hdr_timer is not None:
@@ -287,4 +340,30 @@ def header_timeout_protocol(timeout_s: float):
                 self._hdr_timer = None
             super().connection_lost(exc)
 
-    return HeaderTimeoutProtocol
+    return HeaderGuardProtocol
+
+
+def abortable_websocket_protocol():
+    """uvicorn's WebSocket protocol (the one ``ws="auto"`` picks) with a scope extension
+    ``duplexkit.transport: {"abort": callable}`` that drops the TCP connection at once, buffers and
+    all: the only way to end a connection whose peer reads nothing (a close frame waits behind the
+    unread data). Used by :mod:`duplexkit_server.realtime` for a peer over the outbound bounds.
+    Returns None when that protocol is not the websockets sans-I/O one (uvicorn then picks its own).
+    """
+    try:
+        from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+        from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    except ImportError:  # pragma: no cover
+        return None
+    if AutoWebSocketsProtocol is not WebSocketsSansIOProtocol:
+        return None  # pragma: no cover
+
+    class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
+        def handle_connect(self, event) -> None:  # type: ignore[override]
+            super().handle_connect(event)
+            scope = getattr(self, "scope", None)
+            if scope is not None:  # the ASGI task starts on the next loop turn: it sees the extension
+                transport = self.transport
+                scope.setdefault("extensions", {})["duplexkit.transport"] = {"abort": transport.abort}
+
+    return AbortableWebSocketProtocol

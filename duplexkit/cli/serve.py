@@ -34,14 +34,32 @@ def _add_hardening_args(p) -> None:
                         "(default: half of --max-sessions, at least 1)")
     p.add_argument("--header-timeout-s", type=_float_min(0, strict=True), default=10.0,
                    help="close a connection whose request head is not complete after this many s (default 10)")
+    p.add_argument("--max-header-bytes", type=_int_range(1024), default=64 * 2**10,
+                   help="largest HTTP request head (request line + headers, WebSocket handshakes too) in bytes "
+                        "(default 64 KiB; larger: HTTP 431)")
+    p.add_argument("--body-timeout-s", type=_float_min(0, strict=True), default=30.0,
+                   help="a chat request body not complete this many s after its slot was taken gets HTTP 408 "
+                        "(default 30)")
+    p.add_argument("--slot-wait-s", type=_float_min(0), default=1.0,
+                   help="how long a new session or chat request waits for a slot that an ending session is "
+                        "giving back before it is refused, s (default 1)")
+    p.add_argument("--max-outbound-bytes", type=_int_range(64 * 2**10), default=8 * 2**20,
+                   help="server events queued for a WebSocket peer that does not read, in bytes, before the "
+                        "session is closed with 1008 (default 8 MiB)")
+    p.add_argument("--outbound-stall-s", type=_float_min(0, strict=True), default=30.0,
+                   help="close a session (1008) whose peer has not taken a queued event for this many s "
+                        "(default 30)")
     p.add_argument("--no-session-resume", dest="session_resume", action="store_false",
                    help="do not offer session resume (capabilities.supports_session_resume: false)")
     p.add_argument("--resume-window-s", type=_float_min(0, strict=True), default=30.0,
                    help="how long a session whose connection dropped waits for session.resume, s (default 30)")
     p.add_argument("--resume-journal-events", type=_int_range(1), default=4096,
                    help="server events kept per session for replay on resume (default 4096)")
-    p.add_argument("--resume-journal-bytes", type=_int_range(1024), default=16 * 2**20,
-                   help="bytes of server events kept per session for replay on resume (default 16 MiB)")
+    p.add_argument("--resume-journal-bytes", type=_int_range(1024), default=4 * 2**20,
+                   help="bytes of server events kept per session for replay on resume (default 4 MiB)")
+    p.add_argument("--resume-keep-sent-s", type=_float_min(0), default=10.0,
+                   help="while connected, how long events already written to the socket stay in the resume "
+                        "journal, s (default 10; session.event_ack trims sooner)")
 
 
     # operability (docs/deployment.md, "Probes", "Metrics", "Runbook")
@@ -115,6 +133,9 @@ def _hardening_settings(args) -> dict:
             "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s,
             "session_resume": args.session_resume, "resume_window_s": args.resume_window_s,
             "resume_journal_events": args.resume_journal_events, "resume_journal_bytes": args.resume_journal_bytes,
+            "resume_keep_sent_s": args.resume_keep_sent_s, "max_header_bytes": args.max_header_bytes,
+            "body_timeout_s": args.body_timeout_s, "slot_wait_s": args.slot_wait_s,
+            "max_outbound_bytes": args.max_outbound_bytes, "outbound_stall_s": args.outbound_stall_s,
             "drain_s": args.drain_s, "metrics": args.metrics}
 
 
