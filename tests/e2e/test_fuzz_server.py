@@ -20,12 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from duplexkit.errors import ErrorCode
+from duplexkit.errors import OPENAI_ERROR_CODES, OPENAI_ERROR_CODES_BY_EVENT, ErrorCode
 from _timing import bound
 
 pytestmark = pytest.mark.e2e
 
-CODES = {c.value for c in ErrorCode}
+#: every code the server may send: duplexkit's, and OpenAI's names for them (the compat profile, which
+#: this test's /v1/realtime connection gets: docs/protocol.md §9)
+CODES = {c.value for c in ErrorCode} | set(OPENAI_ERROR_CODES.values()) | set(OPENAI_ERROR_CODES_BY_EVENT.values())
 EVENT_TYPES = ["session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
                "response.create", "response.cancel", "conversation.item.create", "conversation.item.delete",
                "conversation.item.retrieve", "conversation.item.truncate", "playback.ack", "session.heartbeat",
