@@ -243,3 +243,26 @@ def test_forced_units_with_cuda_graphs_and_lookahead(tiny_dir, temperature):
         torch.testing.assert_close(ha, hl, atol=1e-4, rtol=0)
     forced = [r[0] for r in runs[0]][: -(-len(ids) // 5)]
     assert [t for g in forced for t in g if t not in (sp.speak, sp.turn_eos, sp.chunk_eos, sp.unit_end)] == ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_short_session_prefix_after_graph_warmup_opens_on_cuda(tiny_dir):
+    """On a GPU: the captured graphs' input buffers are inference tensors (warmed under inference
+    mode); a stream whose session prefix fits the prefill graph (no instructions, at most
+    ``PREFILL_TOKENS`` positions) opened after the warm-up writes into them (a RuntimeError
+    "Inplace update to inference tensor outside InferenceMode" before the fix, seen in
+    benchmarks/tools_latency.py at real size)."""
+    from duplexkit.models.minicpmo45 import load
+    from duplexkit.models.minicpmo45.fast_thinker import PREFILL_TOKENS
+
+    model = load(tiny_dir, devices="cuda", with_code2wav=False, with_talker=False, progress=False)
+    th = FastThinker.from_thinker(model.thinker, cuda_graphs=True, slots=2)
+    th.warmup(batch_sizes=(1,), max_kv_len=256)
+    prefix = th.session_prefix("", None, None)
+    n = sum(len(p) if isinstance(p, list) else p.shape[0] for p in prefix)
+    assert n <= PREFILL_TOKENS, "this case needs a prefix the prefill graph takes"
+    st = th.new_stream(instructions="", policy=DuplexPolicy(temperature=0.0), seed=1)
+    (r,) = th.step_units([UnitInput(st, _audio(0), force_speak=True)])
+    torch.cuda.synchronize()
+    assert r.generated_ids
+    th.close(st)

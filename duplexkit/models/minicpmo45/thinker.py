@@ -353,7 +353,10 @@ class Thinker:
                 gen.seed()
         st = ThinkerStream(stream_id=f"ts{next(_stream_ids)}", policy=policy, kv=self._stream_cache(), generator=gen)
         pieces = self.session_prefix(instructions, ref_audio, seed_text)
-        self.forward_embeds(torch.cat([self.embed_ids(p) if isinstance(p, list) else p for p in pieces]), st.kv)
+        # inference mode, as every unit and chat pass: the CUDA-graph input buffers of the fast thinker are
+        # inference tensors (captured under it), and an in-place copy into one outside it is refused
+        with torch.inference_mode():
+            self.forward_embeds(torch.cat([self.embed_ids(p) if isinstance(p, list) else p for p in pieces]), st.kv)
         st.prefix_len = st.kv.get_seq_length()
         if policy.window_low is not None and st.prefix_len >= policy.window_low:
             self.close(st)
