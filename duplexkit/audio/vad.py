@@ -156,6 +156,9 @@ class VadEvent:
         sample: the onset / offset as a sample index from stream start.
         audio: for ``speech_started``: float32 [n] from ``audio_start_ms`` up to the end of the
             audio processed so far (pre-roll + the confirmed speech); ``None`` for ``speech_stopped``.
+        decided_sample: the sample index from stream start at which the event was decided (the
+            end of the frame that confirmed the start or completed the hangover); later than
+            ``sample`` by the confirmation or the hangover.
     """
 
     kind: Literal["speech_started", "speech_stopped"]
@@ -163,6 +166,7 @@ class VadEvent:
     audio_start_ms: int
     sample: int = 0
     audio: np.ndarray | None = field(default=None, repr=False, compare=False)
+    decided_sample: int = 0
 
     @property
     def audio_end_ms(self) -> int:
@@ -255,6 +259,19 @@ class StreamingVAD:
     def position_ms(self) -> int:
         """Audio processed so far (framed samples), integer ms."""
         return self._ms(self._pos)
+
+    @property
+    def position_samples(self) -> int:
+        """Audio processed so far: framed samples from stream start (a remainder shorter than a
+        frame, carried to the next :meth:`process`, is not counted)."""
+        return self._pos
+
+    @property
+    def start_pending(self) -> bool:
+        """True while not speaking and a frame of the current confirmation window
+        (``start_confirm_ms``) is speech: the next frames may still confirm a start. False once
+        the window holds no speech frame (or while speaking)."""
+        return not self._speaking and any(v for _, v in self._recent)
 
     def _ms(self, samples: int) -> int:
         return samples * 1000 // self.cfg.sample_rate
@@ -379,6 +396,7 @@ class StreamingVAD:
                 audio_start_ms=start_ms,
                 sample=onset,
                 audio=self.audio_between(start_sample),
+                decided_sample=self._pos,
             )
         if speech:
             self._silent_frames = 0
@@ -390,4 +408,5 @@ class StreamingVAD:
         offset = self._refine_offset(self._last_speech_end)
         self._speaking = False
         self._recent.clear()
-        return VadEvent("speech_stopped", audio_ms=self._ms(offset), audio_start_ms=self._utt_start_ms, sample=offset)
+        return VadEvent("speech_stopped", audio_ms=self._ms(offset), audio_start_ms=self._utt_start_ms, sample=offset,
+                        decided_sample=self._pos)

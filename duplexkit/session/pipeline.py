@@ -1,6 +1,7 @@
 """The input pipeline of a Session: decode (``StreamDecoder``), arrival-rate check, resample to
 16 kHz, server VAD, unit framing, early unit close, the barge-in fence, silence feeding,
-commit/clear and input backpressure (docs/concepts.md "Early unit close", "Barge-in")."""
+commit/clear, input backpressure and the turn-confirmation hold of server-VAD answers
+(docs/concepts.md "Early unit close", "Barge-in", "Turn confirmation")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 from typing import Optional
 
 from duplexkit.audio import AudioFormatError, b64decode_audio
-from duplexkit.engine.api import AppendUnit, INPUT_SAMPLE_RATE
+from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, EngineFailure, EngineOutput, INPUT_SAMPLE_RATE, \
+    TextDelta, TurnEnd
 from duplexkit.protocol import (
     ConversationItemAdded,
     ConversationItemDone,
@@ -27,9 +29,30 @@ from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.machine import PhaseEvent
 
 
+#: Input silence (no append), ms, after which a held server-VAD answer is released although the
+#: VAD has not yet looked past the confirmation window: a client that stopped streaming cannot
+#: resume the turn before the answer plays (twice the default ``start_confirm_ms``).
+TURN_HOLD_STALL_MS = 200
+
+
+class _TurnHold:
+    """The outputs of a server-VAD answer held until the VAD confirms the turn ended (see
+    :meth:`InputPipelineMixin._check_turn_hold`)."""
+
+    __slots__ = ("response_id", "epoch", "until", "queued")
+
+    def __init__(self, response_id: str, epoch: int, until: int) -> None:
+        self.response_id = response_id
+        self.epoch = epoch
+        self.until = until  # real-sample index the VAD must have classified (commit + confirmation window)
+        self.queued: list = []  # engine outputs of the response's epoch, in arrival order
+
+
 class InputPipelineMixin:
     """The input-audio job of :class:`~duplexkit.session.Session`: client audio in, ``AppendUnit``
     commands and VAD events out."""
+
+    _turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (_check_turn_hold)
 
     def _make_vad(self) -> None:
         td = self.settings.turn_detection
@@ -213,7 +236,9 @@ class InputPipelineMixin:
 
     def _release_units(self, now_ms: float, force: bool = False) -> None:
         """Append held units: all when ``force``, no response is active, or input stalled for
-        the guard time (no more audio can carry an onset); else those the VAD has looked past."""
+        the guard time (no more audio can carry an onset); else those the VAD has looked past.
+        Also settles a held server-VAD answer (:meth:`_check_turn_hold`; this runs on every tick)."""
+        self._check_turn_hold(now_ms)
         if not self._unit_hold:
             return
         guard = self._debt_guard()
@@ -371,3 +396,92 @@ class InputPipelineMixin:
         self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
         if creates:
             self._create_response(None, "server_vad", None, now_ms)
+            r = self._resp
+            if r is not None and r.trigger == "server_vad" and self._vad is not None and td.get("interrupt_response", True):
+                window = self._vad.cfg.start_confirm_ms * INPUT_SAMPLE_RATE // 1000
+                self._turn_hold = _TurnHold(r.id, self.epoch, self._vad_base_samples + e.decided_sample + window)
+                self._check_turn_hold(now_ms)
+
+    # -- turn confirmation: a server-VAD answer is heard only once the turn surely ended ----------
+    def _check_turn_hold(self, now_ms: float) -> None:
+        """Release or drop the held outputs of a server-VAD answer (docs/concepts.md "Turn confirmation").
+
+        The commit of a server-VAD turn creates the response at once, so the engine computes the
+        answer while the VAD goes on listening; its outputs (decisions, text, audio, turn end,
+        failures of its epoch) are held until the VAD has classified ``start_confirm_ms`` (100 ms
+        at the defaults) of input past the point where it decided the turn ended, with no speech
+        frame left in its confirmation window. Speech that resumes in that window is confirmed
+        as a new ``speech_started`` (a barge-in: the response is cancelled with ``turn_detected``)
+        before anything of the answer was sent, so a false end of turn is never heard. The hold
+        also ends when the input has been silent for :data:`TURN_HOLD_STALL_MS` (a client that
+        stopped streaming). Nothing is added when the engine is slower than the window.
+        """
+        h = self._turn_hold
+        if h is None:
+            return
+        r = self._resp
+        if r is None or r.id != h.response_id or self.epoch != h.epoch:
+            self._turn_hold = None  # cancelled: what was held is dropped with its epoch
+            return
+        vad = self._vad
+        if vad is not None and vad.speaking:
+            # the user speaks again (a start decided in the same append as the stop, before it):
+            # the turn goes on, the answer is cancelled before any of it was sent
+            self._turn_hold = None
+            self._fire(PhaseEvent.BARGE_IN)
+            self._cancel_active("turn_detected")
+            return
+        looked = vad is None or (self._vad_base_samples + vad.position_samples >= h.until and not vad.start_pending)
+        stalled = now_ms - self._last_real_ms >= TURN_HOLD_STALL_MS
+        if not (looked or stalled):
+            return
+        self._turn_hold = None
+        self._dispatch_held(h.queued)
+
+    def _dispatch_held(self, queued: list) -> None:
+        for out in queued:
+            if out.epoch != self.epoch:
+                continue  # a held output ended the response and advanced the epoch (token cap)
+            if isinstance(out, Decision):
+                super()._on_decision(out)
+            elif isinstance(out, TextDelta):
+                super()._on_text(out)
+            elif isinstance(out, AudioChunk):
+                super()._on_audio(out)
+            elif isinstance(out, TurnEnd):
+                super()._on_turn_end(out)
+            elif isinstance(out, EngineFailure):
+                super()._engine_failed(out)
+
+    def _turn_held(self, out: EngineOutput) -> bool:
+        """Whether ``out`` (an engine output of the current epoch) joins a held server-VAD answer."""
+        if self._turn_hold is None:
+            return False
+        self._check_turn_hold(self._now_ms)
+        h = self._turn_hold
+        if h is None or out.epoch != h.epoch:
+            return False
+        h.queued.append(out)
+        return True
+
+    # the Session dispatches engine outputs to these (ResponsesMixin comes after this mixin in
+    # the Session's bases): while a server-VAD answer is held they wait here, in order
+    def _on_decision(self, d: Decision) -> None:
+        if not self._turn_held(d):
+            super()._on_decision(d)
+
+    def _on_text(self, t: TextDelta) -> None:
+        if not self._turn_held(t):
+            super()._on_text(t)
+
+    def _on_audio(self, c: AudioChunk) -> None:
+        if not self._turn_held(c):
+            super()._on_audio(c)
+
+    def _on_turn_end(self, t: TurnEnd) -> None:
+        if not self._turn_held(t):
+            super()._on_turn_end(t)
+
+    def _engine_failed(self, e: EngineFailure) -> None:
+        if not self._turn_held(e):
+            super()._engine_failed(e)
