@@ -44,6 +44,7 @@ from typing import Any, Optional, Union
 from duplexkit.audio import InputFormat, StreamDecoder, StreamResampler, UnitFramer
 from duplexkit.audio.arrival import ArrivalRateMonitor
 from duplexkit.engine.api import (
+    AppendUnit,
     AudioChunk,
     ToolDecision,
     Transcription,
@@ -159,6 +160,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._system_text: list[str] = []
         self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
         self._prefix_pending = False  # a new session prefix waits for a turn boundary (settings._sync_stream)
+        self._free_units: set = set()  # appended units not forced to listen (pruned to those in flight)
         # input pipeline
         self._decoder = StreamDecoder(self.settings.input_format)
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
@@ -367,6 +369,10 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._out.append(ev.to_wire())
 
     def _cmd(self, cmd: EngineCommand) -> None:
+        if isinstance(cmd, AppendUnit) and not cmd.force_listen:
+            self._free_units.add(cmd.unit_index)  # a unit the model may start a turn in
+            if len(self._free_units) > 64:  # keep only those still in flight (bounded)
+                self._free_units &= {u for u, _ in self._inflight} | {cmd.unit_index}
         self._out.append(cmd)
 
     def _error(self, pe: ProtocolError) -> None:

@@ -132,10 +132,15 @@ class SettingsMixin:
         self._sync_stream()
 
     def _at_turn_boundary(self) -> bool:
-        """True when the duplex model is between turns: no response is active (none requested, none
-        speaking), the phase is idle and no appended unit awaits its decision, so a command sent now
-        reaches the engine before the next unit and while no assistant turn is open."""
-        return self._resp is None and not self._inflight and self.phase is Phase.IDLE
+        """True when the duplex model is between turns and cannot open one before a command sent
+        now: no response is active (none requested, none speaking), the phase is idle, and every
+        appended unit still awaiting its decision was forced to listen (answer policy ``on_request``,
+        the tool gate, ``force_listen_count``), so none of them can start a turn ahead of it."""
+        if self._resp is not None or self.phase is not Phase.IDLE:
+            return False
+        waiting = {u for u, _ in self._inflight}
+        self._free_units &= waiting
+        return not self._free_units
 
     def _sync_stream(self) -> None:
         """Bring the engine stream's configuration up to the settings (one ``UpdateStream``).

@@ -80,6 +80,18 @@ def test_instructions_wait_for_decisions_in_flight():
     assert up.config.instructions == "B"
 
 
+def test_units_forced_to_listen_do_not_hold_instructions_back():
+    # answer policy on_request (the compat default): a unit outside a requested response is forced
+    # to listen, so it cannot open a turn ahead of the re-prefill: no need to wait for its decision
+    d = Driver(SessionConfig(profile="compat"))
+    d.send({"type": "session.update", "session": {"turn_detection": None, "input_audio_format": "pcm16",
+                                                  "sample_rate_hz": 16000}})
+    d.append(_speech(1.1))
+    assert d.s._inflight and all(c.force_listen for c in d.cmds if isinstance(c, AppendUnit))  # noqa: SLF001
+    (up,) = _updates(d.send({"type": "session.update", "session": {"instructions": "B"}}))
+    assert up.config.instructions == "B"
+
+
 def test_system_item_after_first_unit_is_reprefilled_and_user_text_goes_to_history():
     d = Driver()
     d.send({"type": "session.update", "session": {"instructions": "Base.", "turn_detection": None}})
@@ -120,7 +132,9 @@ def test_assistant_audio_without_audio_bytes_is_text():
 
 def test_compat_profile_sends_no_session_warning_but_applies():
     d = Driver(SessionConfig(profile="compat"))
+    d.send({"type": "session.update", "session": {"input_audio_format": "pcm16", "sample_rate_hz": 16000}})
     d.append(_speech(1.1))
+    assert d.s._units_appended > 0  # noqa: SLF001: after the first unit
     new = d.send({"type": "session.update", "session": {"instructions": "B",
                                                         "audio": {"input": {"noise_reduction": {"type": "near_field"}}}}})
     assert d.types(new) == ["session.updated"] and new[0]["session"]["instructions"] == "B"
