@@ -131,7 +131,7 @@ async def test_agents_sdk_update_agent_takes_effect_at_the_next_turn():
         session = await runner.run(model_config={"url": f"ws://127.0.0.1:{port}/v1/realtime", "api_key": "sk-unused"})
         async with session:
             sender = asyncio.create_task(_send_paced(session, pcm24k_chunks(FIXTURES / "question_16k.wav", 1.5)))
-            switched = False
+            switched = mid_answer = False
             answers = 0
             async with asyncio.timeout(bound(120)):
                 async for event in session:
@@ -147,17 +147,20 @@ async def test_agents_sdk_update_agent_takes_effect_at_the_next_turn():
                         audio[event.item_id] = audio.get(event.item_id, b"") + event.audio.data
                         if not switched:  # mid-answer: the first agent is speaking
                             switched = True
+                            sender.cancel()  # the rest of the answer rides silence units: >= 2 s to go
+                            mid_answer = not any(isinstance(x, TurnEnd) for _, x in engine.timelines[0])
                             await session.update_agent(second)
                     elif event.type == "audio_end":
                         answers += 1
                         if answers == 1:
-                            await sender
+                            await asyncio.gather(sender, return_exceptions=True)
                             sender = asyncio.create_task(
                                 _send_paced(session, pcm24k_chunks(FIXTURES / "question_16k.wav", 1.5)))
                         else:
                             break
             await sender
     assert not errors, errors
+    assert mid_answer
     assert updated[0] == first.instructions and updated[-1] == second.instructions
     assert [len(a) for a in audio.values()] == [3 * 48000, 3 * 48000]  # the first answer was not cut
     (line,) = engine.timelines
