@@ -30,9 +30,11 @@ from duplexkit.protocol import (
 REPREFILL_WARNING = (
     "{what} after the conversation started. MiniCPM-o reads its system prompt only from the "
     "session prefix it prefilled, so the duplex model gets the new text at the next turn boundary (no "
-    "response active, no unit awaiting its decision), when the engine re-prefills the session context; "
-    "that re-prefill drops what the model heard and said before from its context (the conversation items, "
-    "the tool decider and transcripts keep them). The tool decider uses the new text from its next decision.")
+    "response active, no unit the model could start a turn in awaiting its decision), when the engine "
+    "re-prefills the session context. After it the model knows the conversation so far only as a text transcript "
+    "added to its system text (the user's turns by their transcripts, with audio.input.transcription set; the "
+    "assistant's as far as they were heard), not as audio. The tool decider uses the new text from its next "
+    "decision.")
 
 
 #: ``session.warning{code:"text_item_not_heard"}`` text (docs/protocol.md §4.2).
@@ -151,6 +153,7 @@ class ConversationMixin:
                                "item.system")
             elif not started:
                 self._seed_text.append(text)  # seeds the session prefix (docs/model.md §5.1)
+                self._seed_item_ids.add(it.id)
             else:
                 warning = ("text_item_not_heard", TEXT_NOT_HEARD, "item.input_text")
             prev = self._last_item_id()

@@ -161,6 +161,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
         self._prefix_pending = False  # a new session prefix waits for a turn boundary (settings._sync_stream)
         self._free_units: set = set()  # appended units not forced to listen (pruned to those in flight)
+        self._engine_prefix: tuple = (None, None)  # settings' (instructions, seed text) the engine was last given
+        self._seed_item_ids: set = set()  # user text items that went into the seed text (before the first unit)
         # input pipeline
         self._decoder = StreamDecoder(self.settings.input_format)
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
@@ -247,6 +249,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._force_listen_left = self.settings.force_listen_count
         self._emit(SessionCreated(session=self._session_object()))
         self._engine_config = self._stream_config()
+        self._engine_prefix = (self._engine_config.instructions, self._engine_config.seed_text)
         self._cmd(OpenStream(self.stream_id, self.epoch, config=self._engine_config))
         self._stream_open = True
 

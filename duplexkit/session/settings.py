@@ -88,6 +88,15 @@ def _prefix_key(c: StreamConfig) -> tuple:
     return (c.instructions, c.seed_text)
 
 
+#: First line of the conversation transcript a re-prefill adds to the system text (docs/protocol.md §4.1).
+HISTORY_HEADER = ("The conversation so far (a text transcript of what was said and heard before these "
+                  "instructions took effect, not the audio):")
+#: At most this many characters of transcript lines (the most recent whole lines; about 1000 tokens).
+HISTORY_MAX_CHARS = 4000
+#: A user turn without a transcript (no ``transcription`` set).
+USER_SPOKE = "[the user spoke; no transcript]"
+
+
 def _config_key(c: StreamConfig) -> tuple:
     """StreamConfig identity without comparing numpy arrays (the voice compares by sha256)."""
     return (c.instructions, c.ref_voice.sha256 if c.ref_voice is not None else None, c.output_audio,
@@ -149,22 +158,57 @@ class SettingsMixin:
         the engine re-prefill the model's context, which drops what the model heard and said. Before
         the first unit that costs nothing and is sent at once. After it, the prefix is held back
         until :meth:`_at_turn_boundary` (checked after every engine output and tick), so no turn is
-        cut; changes of the other fields (voice, temperature, ...) are sent at once with the prefix
-        the engine already has (docs/protocol.md §4.1, "Instructions after the first unit").
+        cut, and the re-prefilled system text ends with a transcript of the conversation so far
+        (:meth:`_history_text`), so the model keeps it as text; changes of the other fields (voice,
+        temperature, ...) are sent at once with the prefix the engine already has (docs/protocol.md
+        §4.1, "Instructions after the first unit").
         """
         if not self._stream_open:
             return
         want = self._stream_config()
         have = self._engine_config
+        key = _prefix_key(want)
         self._prefix_pending = False
-        if have is not None and _prefix_key(want) != _prefix_key(have) and self._units_appended > 0 \
-                and not self._at_turn_boundary():
-            self._prefix_pending = True
+        if have is not None and key != self._engine_prefix:
+            if self._units_appended > 0 and not self._at_turn_boundary():
+                self._prefix_pending = True
+                want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
+            else:
+                if self._units_appended > 0:
+                    history = self._history_text()
+                    if history:
+                        want = want.replace(instructions="\n\n".join(x for x in (want.instructions, history) if x))
+                self._engine_prefix = key
+        elif have is not None:
             want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
         if have is not None and _config_key(want) == _config_key(have):
             return
         self._engine_config = want
         self._cmd(UpdateStream(self.stream_id, self.epoch, config=want))
+
+    def _history_text(self) -> str:
+        """What was said so far as text, for a re-prefill after the first unit: a header line, then
+        ``User: ...`` / ``Assistant: ...`` lines in conversation order (user turns by their
+        transcript, or a placeholder without one; user text items that were not in the seed;
+        assistant responses as far as they were heard, docs/protocol.md §7.5), the last
+        :data:`HISTORY_MAX_CHARS` characters of whole lines. Empty when nothing was said."""
+        lines = []
+        for it in self._items.values():
+            if it.role == "user" and it.kind == "input_audio":
+                lines.append("User: " + (it.text or USER_SPOKE))
+            elif it.role == "user" and it.kind == "input_text" and it.id not in self._seed_item_ids and it.text:
+                lines.append("User: " + it.text)
+            elif it.role == "assistant" and it.kind in ("output_audio", "output_text"):
+                text = self._truth_text(it) if it.kind == "output_audio" else it.text
+                if text.strip():
+                    lines.append("Assistant: " + text.strip())
+        kept, size = [], 0
+        for line in reversed(lines):
+            if size + len(line) + 1 > HISTORY_MAX_CHARS:
+                break
+            kept.append(line)
+            size += len(line) + 1
+        return "\n".join([HISTORY_HEADER, *reversed(kept)]) if kept else ""
 
     def _validated_settings(self, p: SessionPatch, event_id: Optional[str]) -> _Settings:
         s = self.settings.copy()

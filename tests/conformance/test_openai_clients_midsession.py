@@ -165,9 +165,13 @@ async def test_agents_sdk_update_agent_takes_effect_at_the_next_turn():
     assert [len(a) for a in audio.values()] == [3 * 48000, 3 * 48000]  # the first answer was not cut
     (line,) = engine.timelines
     updates = [i for i, (k, x) in enumerate(line) if k == "cmd" and isinstance(x, UpdateStream)
-               and x.config.instructions == second.instructions]
+               and x.config.instructions.startswith(second.instructions)]
     assert updates, "the new instructions never reached the engine"
     at = updates[0]
+    # the re-prefilled system text: the new instructions, then what was said so far as text
+    new_instructions, history = line[at][1].config.instructions.split("\n\n", 1)
+    assert new_instructions == second.instructions
+    assert history.splitlines()[-1] == "Assistant: Hello there, this is a scripted"  # the first answer, as heard
     turn_ends = [i for i, (k, x) in enumerate(line) if k == "out" and isinstance(x, TurnEnd)]
     assert len(turn_ends) == 2
     # re-prefilled after the first answer ended and before the second one: at the turn boundary

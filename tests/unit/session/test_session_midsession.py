@@ -68,6 +68,36 @@ def test_instructions_mid_turn_wait_for_the_turn_boundary():
     assert not d.of("session.warning", d.send({"type": "session.update", "session": {"instructions": "C"}}))  # once
 
 
+def test_reprefill_carries_the_conversation_as_text():
+    from duplexkit.engine.api import TurnEnd
+
+    d = Driver()
+    d.send({"type": "session.update", "session": {"instructions": "A", "turn_detection": None}})
+    d.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "seeded"}]}})
+    d.append(_speech(1.1))
+    d.send({"type": "input_audio_buffer.commit"})
+    d.tick(100)
+    _decide_listen(d)
+    d.speak(["Hello ", "there."], end=False)
+    done = d.of("response.done", d.engine(TurnEnd(d.sid, d.s.epoch, d.last_unit())))[0]["response"]
+    d.send({"type": "playback.ack", "response_id": done["id"], "played_ms": 5000})  # heard in full
+    d.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "I typed this."}]}})
+    _decide_listen(d)
+    (up,) = _updates(d.send({"type": "session.update", "session": {"instructions": "B"}}))
+    head, history = up.config.instructions.split("\n\n", 1)
+    assert head == "B" and up.config.seed_text == "seeded"
+    assert history.splitlines() == [
+        "The conversation so far (a text transcript of what was said and heard before these instructions took "
+        "effect, not the audio):",
+        "User: [the user spoke; no transcript]", "Assistant: Hello there.", "User: I typed this."]
+    # the settings (and the echo) keep the client's text; a resend of it changes nothing
+    assert d.s.settings.instructions == "B"
+    (up2,) = _updates(d.send({"type": "session.update", "session": {"instructions": "B", "temperature": 0.5}}))
+    assert up2.config.instructions == up.config.instructions and up2.config.temperature == 0.5  # no new prefix
+
+
 def test_instructions_wait_for_decisions_in_flight():
     d = Driver()
     d.send({"type": "session.update", "session": {"turn_detection": None}})
