@@ -271,9 +271,10 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         first_update = not self.started and (
             isinstance(raw, dict) and raw.get("type") == "session.update"
             or isinstance(raw, (str, bytes, bytearray)) and _looks_like_session_update(raw))
+        ev_type: Optional[str] = None
         try:
             ev = parse_client_event(raw, max_event_bytes=self.cfg.limits.max_event_bytes)
-            event_id = ev.event_id
+            event_id, ev_type = ev.event_id, ev.type
             if not self.started:
                 if isinstance(ev, SessionUpdateEvent):
                     self._on_session_update(ev, now_ms, first=True)
@@ -282,7 +283,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._dispatch(ev, now_ms)
         except ProtocolError as pe:
             if pe.event_type is None:
-                pe.event_type = _event_type(raw)
+                pe.event_type = ev_type  # for OpenAI's per-event codes (None when it did not parse)
             if not self.started and first_update:
                 # a rejected first session.update (autostart=0): the error (echoing its event_id)
                 # comes BEFORE session.created, so a client's connect() can fail on it; the
@@ -419,17 +420,6 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._out.append(CloseConnection(code, reason))
 
     _HANDLERS: dict = {}
-
-
-def _event_type(raw: Union[str, bytes, bytearray, dict]) -> Optional[str]:
-    """The ``type`` of a raw client event, None when it has none (for OpenAI's per-event codes)."""
-    if isinstance(raw, (str, bytes, bytearray)):
-        try:
-            raw = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return None
-    t = raw.get("type") if isinstance(raw, dict) else None
-    return t if isinstance(t, str) else None
 
 
 #: ``response.create`` fields that are accepted but not honoured, and why (the ``session.warning``).
