@@ -205,6 +205,8 @@ class SettingsMixin:
         kept, size = [], 0
         for line in reversed(lines):
             if size + len(line) + 1 > HISTORY_MAX_CHARS:
+                if not kept:  # one line longer than the budget: its end
+                    kept.append("…" + line[-(HISTORY_MAX_CHARS - 1):])
                 break
             kept.append(line)
             size += len(line) + 1

@@ -98,6 +98,23 @@ def test_reprefill_carries_the_conversation_as_text():
     assert up2.config.instructions == up.config.instructions and up2.config.temperature == 0.5  # no new prefix
 
 
+def test_history_keeps_the_most_recent_lines():
+    d = Driver()
+    d.send({"type": "session.update", "session": {"turn_detection": None}})
+    d.append(_speech(1.1))
+    _decide_listen(d)
+    for i in range(200):
+        d.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"line {i:03d} " + "x" * 30}]}})
+    text = d.s._history_text()  # noqa: SLF001
+    assert len(text) <= 4000 + 200 and text.splitlines()[-1].startswith("User: line 199")
+    assert "line 000" not in text
+    d.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 9000 + "END"}]}})
+    last = d.s._history_text().splitlines()  # noqa: SLF001
+    assert len(last) == 2 and last[1].endswith("END") and len(last[1]) == 4000
+
+
 def test_instructions_wait_for_decisions_in_flight():
     d = Driver()
     d.send({"type": "session.update", "session": {"turn_detection": None}})
