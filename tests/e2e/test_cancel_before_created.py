@@ -58,7 +58,7 @@ async def _recv_until(ws, got: list, pred, timeout_s: float = 60.0) -> list[dict
 
 
 async def test_cancel_before_created_plays_nothing_and_the_next_create_works(delay_server, fixtures_audio):
-    speech, _ = read_wav(fixtures_audio / "question_16k.wav", 16_000)
+    speech, _ = read_wav(fixtures_audio / "long_question_16k.wav", 16_000)
     everything: list = []
     async with websockets.connect(delay_server.ws_url + "/v1/realtime?duplex=1", max_size=None) as ws:
         await _recv_until(ws, everything, lambda e: e["type"] == "session.created")
@@ -75,9 +75,11 @@ async def test_cancel_before_created_plays_nothing_and_the_next_create_works(del
         assert done["type"] == "response.done", done
         assert done["response"]["status"] == "cancelled", done
         rid = done["response"]["id"]
-        # one more whole unit (3); units 1 (when it was still queued), 2 and 3 give a beat each in order,
-        # so after two beats unit 2 (the cancelled forced unit) has certainly been decided
-        await ws.send(_append(speech[16560 + 24000:16560 + 40000]))
+        # 2.5 s more: at least two whole units (3, 4) even when the forced unit's 0.5 s of padding is taken
+        # back from this audio (docs/concepts.md "Early unit close"). Units 1 (when it was still queued, not
+        # computing), 2, 3 and 4 give a beat each, in order, so after two beats unit 2 (the cancelled forced
+        # unit) has certainly been decided
+        await ws.send(_append(speech[16560 + 24000:16560 + 24000 + 40000]))
         beats: list = []
         after = await _recv_until(ws, everything, lambda e: e["type"] in ("response.created", "error")
                                   or (e["type"] == "response.listen" and beats.append(e) is None and len(beats) == 2))
