@@ -129,34 +129,61 @@ class InputPipelineMixin:
         for the fence, :meth:`_frame`) is appended, so the interrupting audio from its onset minus
         pre-roll on is tagged with the new epoch. After an early unit close the chunk may first go
         through the padding account (:meth:`_settle_debt`).
+
+        The VAD takes the chunk two frames at a time, so that a chunk holding several events (a
+        file sent at once) has them applied in stream order, each at its place in the audio: a
+        speech_stopped is applied after the rest of the chunk is framed, or, when a later piece
+        of the chunk starts speech again, before that piece.
         """
         if x16.size == 0:
             return
-        events = self._vad.process(x16) if self._vad is not None else []
+        if self._vad is None:
+            self._feed_real(x16, [], [], now_ms)
+            return
+        # two frames: a stop and the next start (>= 3 voiced frames after it) never share a piece
+        step = 2 * self._vad.cfg.frame_samples
+        stop, tail = None, []  # a speech_stopped not applied yet, and the pieces after it
+        for i in range(0, x16.size, step):
+            piece = x16[i:i + step]
+            events = self._vad.process(piece)
+            if stop is not None and events:
+                self._feed_real(np.concatenate(tail) if tail else piece[:0], [], [stop], now_ms)
+                stop, tail = None, []
+            starts = [e for e in events if e.kind == "speech_started"]
+            stops = [e for e in events if e.kind == "speech_stopped"]
+            if stop is not None:
+                tail.append(piece)
+                continue
+            self._feed_real(piece, starts, [], now_ms)
+            if stops:
+                stop = stops[-1]
+        if stop is not None:
+            self._feed_real(np.concatenate(tail) if tail else x16[:0], [], [stop], now_ms)
+
+    def _feed_real(self, x16: np.ndarray, starts: list, stops: list, now_ms: float) -> None:
+        """Apply ``starts``, frame ``x16`` (may be empty), then apply ``stops`` (VAD events)."""
         start_real = self._real_samples
-        self._real_samples += x16.size
-        self._capture_turn_audio(x16)
-        self._last_real_ms = float(now_ms)
-        stops = []
-        for e in events:
-            if e.kind == "speech_started":
-                onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
-                if self._debt_onset is None or onset < self._debt_onset:
-                    self._debt_onset = onset
-                self._on_speech_started(e)
-                self._release_units(now_ms)
+        if x16.size:
+            self._real_samples += x16.size
+            self._capture_turn_audio(x16)
+            self._last_real_ms = float(now_ms)
+        for e in starts:
+            onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
+            if self._debt_onset is None or onset < self._debt_onset:
+                self._debt_onset = onset
+            self._on_speech_started(e)
+            self._release_units(now_ms)
+        if x16.size:
+            self._since_commit += x16.size
+            if self._resp is None and self._pad_debt > 0:
+                if self._debt_hold_n == 0:
+                    self._debt_hold_start = start_real
+                self._debt_hold.append(x16)
+                self._debt_hold_n += x16.size
+                self._settle_debt(now_ms)
             else:
-                stops.append(e)
-        self._since_commit += x16.size
-        if self._resp is None and self._pad_debt > 0:
-            if self._debt_hold_n == 0:
-                self._debt_hold_start = start_real
-            self._debt_hold.append(x16)
-            self._debt_hold_n += x16.size
-            self._settle_debt(now_ms)
-        else:
-            self._settle_debt(now_ms, keep=True)
-            self._frame(self._framer.push(x16), now_ms, silence=False)
+                self._settle_debt(now_ms, keep=True)
+                self._frame(self._framer.push(x16), now_ms, silence=False)
         self._release_units(now_ms)
         for e in stops:
             self._on_speech_stopped(e, now_ms)
@@ -424,13 +451,6 @@ class InputPipelineMixin:
             self._turn_hold = None  # cancelled: what was held is dropped with its epoch
             return
         vad = self._vad
-        if vad is not None and vad.speaking:
-            # the user speaks again (a start decided in the same append as the stop, before it):
-            # the turn goes on, the answer is cancelled before any of it was sent
-            self._turn_hold = None
-            self._fire(PhaseEvent.BARGE_IN)
-            self._cancel_active("turn_detected")
-            return
         looked = vad is None or (self._vad_base_samples + vad.position_samples >= h.until and not vad.start_pending)
         stalled = now_ms - self._last_real_ms >= TURN_HOLD_STALL_MS
         if not (looked or stalled):

@@ -70,14 +70,14 @@ class Conversation:
             else:
                 self.d.engine(Decision(sid, e, u, decision="listen"))
 
-    def stream(self, x: np.ndarray) -> None:
-        n = SR * CHUNK_MS // 1000
+    def stream(self, x: np.ndarray, chunk_ms: int = CHUNK_MS) -> None:
+        n = SR * chunk_ms // 1000
         for i in range(0, x.size, n):
             new = self.d.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i:i + n])})
             if any(isinstance(o, dict) and o["type"] == "input_audio_buffer.speech_stopped" for o in new):
                 self.stop_ms.append(self.d.t)
             self._engine(new)
-            self.d.t += CHUNK_MS
+            self.d.t += chunk_ms
             self._engine(self.d.tick(0))
 
     def idle(self, ms: int) -> None:
@@ -149,6 +149,22 @@ def test_a_false_end_of_turn_is_withheld(john, doe, resume_ms):
     assert false["audio"] == 0 and false["transcript"] == 0, f"the false start was sent: {false}"
     assert real["status"] == "completed" and real["audio"] > 0
     assert c.d.types().count("input_audio_buffer.speech_started") == 2
+
+
+@pytest.mark.parametrize("chunk_ms", [250, 60_000])
+def test_a_false_end_of_turn_sent_faster_than_real_time_is_withheld(john, doe, chunk_ms):
+    """The same turn in 250 ms appends, or as one append of the whole file: the VAD's events are
+    applied in stream order (stop, commit, response, then the resumed start cancels it), never
+    two starts before a stop."""
+    decided = stop_decided_ms(np.concatenate([john, silence(1000)]))
+    c = Conversation()
+    c.stream(np.concatenate([john, silence(decided - john.size * 1000 // SR + 40), doe, silence(2500)]), chunk_ms)
+    c.idle(3000)
+    vad = [t.rsplit(".", 1)[-1] for t in c.d.types() if t.startswith("input_audio_buffer.")]
+    assert vad == ["speech_started", "speech_stopped", "committed"] * 2, vad
+    false, real = c.responses()
+    assert (false["status"], false["reason"], false["audio"]) == ("cancelled", "turn_detected", 0), false
+    assert real["status"] == "completed" and real["audio"] > 0
 
 
 def test_an_ordinary_end_of_turn_answers_after_the_confirmation_window():
