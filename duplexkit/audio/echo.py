@@ -275,6 +275,7 @@ class EchoControl:
         self._acc_p = 0.0  # partial hop accumulator (sum of squares) and its sample count
         self._acc_n = 0
         self._gate_pos = 0  # output sample index of the next frame gate_frame will see
+        self._gate_fed = False  # gate_frame was called (a VAD learns the echo path; else suppress does)
         # (echo-active samples gated up to and including the frame, level - envelope dB)
         self._ratios: deque[tuple[int, float]] = deque()
         self._active_samples = 0  # echo-active samples gated so far (adapt_ms, gain_window_ms)
@@ -403,18 +404,26 @@ class EchoControl:
         estimated echo level (the reference envelope plus :attr:`echo_gain_db`, as the gate uses)
         is attenuated by ``residual_suppression_db``: what an AEC leaves of the echo then stays
         below any VAD's floor, so a server-side VAD does not take it for the user, while speech
-        well above the echo passes unchanged. Learns nothing (feed the VAD the unsuppressed
-        :meth:`capture` output).
+        well above the echo passes unchanged.
+
+        The echo path is learned by the gate (:meth:`gate_frame`) from the unsuppressed capture:
+        feed a VAD with it. Without one (no :meth:`gate_frame` call yet, e.g. a client that leaves
+        barge-in to the server VAD), ``suppress`` learns from the 10 ms blocks it is given, so the
+        estimate still drops from the ``initial_gain_db`` prior to the measured echo path and the
+        user talking over an answer reaches the server (it would stay attenuated otherwise).
         """
         a = np.asarray(y, dtype=np.float32)
         att = float(self.cfg.residual_suppression_db)
         if not a.size or att <= 0.0:
             return a
+        base = self.out_samples - a.size  # output index of a[0]
+        hop = self._hop
+        if not self._gate_fed:
+            for i in range(0, a.size - hop + 1, hop):
+                self._judge(a[i:i + hop], base + i)
         out = a.copy()
         gain = self.echo_gain_db
         scale = 10.0 ** (-att / 20.0)
-        base = self.out_samples - a.size  # output index of a[0]
-        hop = self._hop
         i = 0
         while i < a.size:
             j = min(a.size, i + hop)
@@ -438,10 +447,16 @@ class EchoControl:
         """
         f = np.asarray(frame, dtype=np.float32)
         n = int(f.size)
+        self._gate_fed = True
         start = self._gate_pos
         if start + n > self.out_samples:  # fed audio capture() has not returned: use the latest
             start = max(0, self.out_samples - n)
         self._gate_pos = start + n
+        return self._judge(f, start)
+
+    def _judge(self, f: np.ndarray, start: int) -> bool:
+        """Gate decision and echo-path learning for capture output samples [start, start + n)."""
+        n = int(f.size)
         env = self._envelope_power(start + n)
         level = _db(float(np.dot(f, f)) / max(n, 1))
         self.frame_level_dbfs = level

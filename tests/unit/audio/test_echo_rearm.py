@@ -116,3 +116,40 @@ def test_answers_after_barge_ins_play_in_full(fixtures_dir, answer, mode, delay_
         assert played_ms == 5000
     if mode == "gate":  # the gate still knows the echo path (the AEC's residual is far lower)
         assert -atten_db - 6 < room.ctl.echo_gain_db < -atten_db + 6, room.ctl.echo_gain_db
+
+
+# ------------------------------------------------------------------ no local VAD (server barge-in)
+
+
+def _server_side(ctl: EchoControl, played: np.ndarray, mic: np.ndarray) -> list[float]:
+    """A client without a local VAD: capture then suppress, a plain server VAD on what is sent;
+    returns the server's speech starts (s)."""
+    server = StreamingVAD(VadConfig())
+    starts = []
+    for k in range(mic.size // CB):
+        ctl.render(played[k * RB:(k + 1) * RB])
+        sent = ctl.suppress(ctl.capture(mic[k * CB:(k + 1) * CB]))
+        starts += [(k + 1) * CB / 16_000 for e in server.process(sent) if e.kind == "speech_started"]
+    return starts
+
+
+@pytest.mark.parametrize("mode", ["gate", pytest.param("aec", marks=needs_aec)])
+def test_suppress_learns_the_echo_path_when_no_vad_feeds_the_gate(fixtures_dir, mode):
+    """The clients' default (barge_in off, echo on): nothing calls gate_frame, so the estimate
+    stayed at the 0 dB prior and suppress attenuated the user over an answer as if it were echo
+    (the server heard the interruption 1.5 s late, in both modes). suppress now learns the echo
+    path itself: the echo alone still never reaches the server VAD, the estimate is the measured
+    path, and with the AEC the user barges in within 300 ms of the onset."""
+    from _echo_scenario import build_mic  # noqa: E402
+
+    played = assistant_answer(fixtures_dir)
+    user = user_utterance(fixtures_dir)
+    ctl = EchoControl(EchoConfig(mode=mode))
+    assert _server_side(ctl, played, build_mic(played, 80).mic) == []
+    if mode == "gate":
+        assert -26.0 < ctl.echo_gain_db < -14.0, ctl.echo_gain_db  # the -20 dB room, not the 0 dB prior
+        return
+    assert ctl.echo_gain_db < -30.0  # the AEC's residual
+    mic = build_mic(played, 80, user=user, user_at_s=4.0)
+    starts = _server_side(EchoControl(EchoConfig(mode=mode)), played, mic.mic)
+    assert starts and mic.user_onset_s <= starts[0] <= mic.user_onset_s + 0.300, (starts, mic.user_onset_s)
