@@ -446,9 +446,13 @@ class InputPipelineMixin:
         h = self._turn_hold
         if h is None:
             return
+        if self.epoch != h.epoch:
+            self._turn_hold = None  # cancelled (resumed speech, response.cancel): dropped with its epoch
+            return
         r = self._resp
-        if r is None or r.id != h.response_id or self.epoch != h.epoch:
-            self._turn_hold = None  # cancelled: what was held is dropped with its epoch
+        if r is None or r.id != h.response_id:  # ended without a cancel (its tool calls): nothing to confirm
+            self._turn_hold = None
+            self._dispatch_held(h.queued)
             return
         vad = self._vad
         looked = vad is None or (self._vad_base_samples + vad.position_samples >= h.until and not vad.start_pending)
