@@ -128,7 +128,8 @@ async def run(url: str, wav: Path, expect_answer: str, timeout: float) -> dict:
         rec["t_done"] = now()
         if rec["function_calls"]:
             tasks.append(asyncio.create_task(answer_calls(
-                [llm.FunctionCall(**{k: c[k] for k in ("call_id", "name", "arguments")}) for c in rec["function_calls"]])))
+                [llm.FunctionCall(**{k: c[k] for k in ("call_id", "name", "arguments")})
+                 for c in rec["function_calls"]])))
         if rec["audio_samples"] and ev.user_initiated and rec["text"].strip() == expect_answer:
             answered.set()
 

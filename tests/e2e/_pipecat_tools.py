@@ -5,14 +5,16 @@ A minimal Pipecat pipeline without transport or audio devices:
 
     user aggregator -> OpenAIRealtimeLLMService(base_url=ws://.../v1/realtime) -> recorder -> assistant aggregator
 
-A speech WAV is fed as ``InputAudioRawFrame`` s (16 kHz pcm16, 20 ms each, then silence so that the
-server VAD ends the turn). The tool ``get_weather`` is registered with ``register_function``; the run
-ends when a spoken response has completed after the handler returned (or at ``--timeout``). Writes a
-JSON report to ``--out``: the handler's calls, the timeline of frames the service pushed (audio byte
-counts, transcript text, response boundaries, function-call results, errors), the items the server
-added, and Pipecat's own context messages at the end.
+The pipeline starts with ``LLMRunFrame`` as Pipecat's realtime examples do (the service greets: a
+spoken response); then a speech WAV is fed as ``InputAudioRawFrame`` s (16 kHz pcm16, 20 ms each,
+then silence so that the server VAD ends the turn). The tool ``get_weather`` is given as a
+provider-native dict with duplexkit's ``"filler": ""`` and registered with ``register_function``; the
+run ends when a spoken response whose transcript is ``--expect-answer`` has completed (or at
+``--timeout``). Writes a JSON report to ``--out``: the handler's calls, the timeline of frames the
+service pushed, the responses (transcript, audio bytes), the items the server added, the server event
+types received, and Pipecat's own context messages at the end.
 
-Usage: python _pipecat_tools.py --url http://127.0.0.1:PORT --wav question_16k.wav --out report.json
+Usage: python _pipecat_tools.py --url http://127.0.0.1:PORT --wav question_16k.wav --expect-answer TEXT --out report.json
 """
 
 from __future__ import annotations
@@ -197,7 +199,8 @@ async def run(url: str, wav: Path, expect_answer: str, timeout: float) -> dict:
             await worker.cancel()
             await asyncio.wait_for(run_task, 10)
     return {"timed_out": timed_out, "calls": calls, "items": items, "timeline": recorder.timeline,
-            "responses": recorder.responses, "server_events": server_events, "parameters": WEATHER.to_default_dict()["parameters"],
+            "responses": recorder.responses, "server_events": server_events,
+            "parameters": WEATHER.to_default_dict()["parameters"],
             "context": [m if isinstance(m, dict) else repr(m) for m in context.get_messages()],
             "versions": versions()}
 
