@@ -30,7 +30,9 @@ mono), checked for its arrival rate against the declared rate (``ArrivalRateMoni
 non-fatal ``input_rate_mismatch`` error per declared format), resampled to 16 kHz (``StreamResampler``),
 watched by the server VAD (``StreamingVAD``) and cut into units (``UnitFramer``). While a response
 is active and input runs dry, :meth:`Session.tick` appends a silence unit once a unit's deadline
-(1 unit period + ``silence_slack_ms`` after the previous unit) has passed, so an answer never stalls.
+(1 unit period + ``silence_slack_ms`` after the previous unit's place on the input schedule) has
+passed, so an answer never stalls: the first silence unit of a dry spell comes 1 period + slack after
+the last unit, every later one 1 period after the one before (the slack is not paid again).
 """
 
 
@@ -362,7 +364,13 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._tools_tick(now_ms)
         self._release_units(now_ms)
         if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
+            due = self._last_unit_ms + UNIT_PERIOD_MS  # where this unit ends on the input schedule
             self._feed_silence(now_ms)
+            # the next silence unit is due one unit period after this one's place on the schedule, not after
+            # the tick that fed it: the slack and the tick's lag are paid once per dry spell, not once per unit,
+            # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
+            # period behind (a stalled loop), the schedule restarts from now instead of bursting
+            self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
         if self._prefix_pending:
             self._sync_stream()
 

@@ -24,9 +24,7 @@ from duplexkit.clients import DuplexClient
 from _serverproc import ServerProc
 from _timing import bound
 
-SCHEDULE_FIX = ("waits for the silence-schedule change in duplexkit/session/core.py Session.tick (issue 36, helper report: the next silence unit is due one unit period after the last one's place on the schedule); drop this mark with it")
-
-pytestmark = [pytest.mark.e2e, pytest.mark.xfail(strict=True, reason=SCHEDULE_FIX)]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,6 @@ from _driver import Driver, fixture_audio, pcm16_b64
 
 TICK_MS = 50
 
-SCHEDULE_FIX = ("waits for the silence-schedule change in duplexkit/session/core.py Session.tick (issue 36, helper report: the next silence unit is due one unit period after the last one's place on the schedule); drop this mark with it")
-pytestmark = pytest.mark.xfail(strict=True, reason=SCHEDULE_FIX)
 
 
 def _dry_answer(d: Driver, ms: int) -> list[int]:
