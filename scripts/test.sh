@@ -16,6 +16,18 @@ if [[ ${DUPLEXKIT_SKIP_VLLM:-0} != 1 ]]; then
     echo "[test] warning: the vLLM venv could not be set up; tests/engine/test_vllm_*.py will skip" >&2
   fi
 fi
+# Pipecat's and LiveKit Agents' OpenAI Realtime services (tests/e2e/test_framework_tools.py, ~16 s) run
+# in a separate venv (scripts/setup_frameworks.sh, ~40 s once, then ~3 s). DUPLEXKIT_SKIP_FRAMEWORKS=1
+# leaves it out; a failed install is reported here and the tests then skip, naming the reason.
+if [[ ${DUPLEXKIT_SKIP_FRAMEWORKS:-0} != 1 ]]; then
+  if bash scripts/setup_frameworks.sh; then
+    fvenv=${DUPLEXKIT_FRAMEWORKS_VENV:-.venv-frameworks}
+    [[ $fvenv == /* ]] || fvenv=$PWD/$fvenv
+    export DUPLEXKIT_FRAMEWORKS_PYTHON=${DUPLEXKIT_FRAMEWORKS_PYTHON:-$fvenv/bin/python}
+  else
+    echo "[test] warning: the frameworks venv could not be set up; tests/e2e/test_framework_tools.py will skip" >&2
+  fi
+fi
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 export PYTHONUNBUFFERED=1
 PY="${DUPLEXKIT_VENV:-.venv}/bin/python"

@@ -601,7 +601,15 @@ class ToolsMixin:
     def _speak_now(self, text: str, now_ms: float) -> None:
         """``SpeakText`` for the active response, then an early unit close (docs/concepts.md "Early
         unit close") so that the text rides a unit at once instead of waiting for the next 1-s
-        boundary: the audio received so far (or zeros) goes out as the response's forced unit."""
+        boundary: the audio received so far (or zeros) goes out as the response's forced unit.
+
+        Whole units still held back (input that arrived faster than real time, a barge-in hold) go
+        out first, before the ``SpeakText``: the engine speaks queued text on the units after it in
+        order, so otherwise a held unit would say the text and end its turn, and the forced unit
+        after it would open a turn of the model's own while the call still waits (seen with Pipecat
+        and the OpenAI SDK appending a whole utterance at once)."""
+        self._settle_debt(now_ms, keep=True)
+        self._release_units(now_ms, force=True)
         self._cmd(SpeakText(self.stream_id, self.epoch, text=text))
         self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
 

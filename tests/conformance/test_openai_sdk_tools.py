@@ -105,6 +105,36 @@ async def test_ga_server_vad_turn_calls_the_tool(server):
         assert check_spoken_response(ev[created:])["transcript"] == SCRIPTED_ANSWER
 
 
+async def test_ga_after_a_greeting_a_whole_utterance_at_once_gets_only_the_clients_answer(server):
+    """A greeting first, then a whole utterance and its trailing silence appended at once (what
+    Pipecat and a client reading a file send), the output 0.3 s after the call: the filler rides its
+    own forced unit, so no response of the model's own starts while the call waits, and the client's
+    response.create is the answer (before the fix: a 'model' response after the filler, then
+    conversation_already_has_active_response, 3 runs of 3)."""
+    import asyncio
+
+    async with sdk_client(server.url).realtime.connect(model="gpt-realtime") as conn:
+        rec = Recorder(conn, ga_adapter(), bound(30))
+        await rec.next()
+        await conn.session.update(session={"type": "realtime", "tools": [WEATHER_TOOL], "tool_choice": "required"})
+        await rec.until(lambda e: e.type == "session.updated")
+        await conn.response.create(response={"tool_choice": "none"})  # the greeting: no call
+        await rec.until(lambda e: e.type == "response.done")
+        await speak(conn, QUESTION, silence_s=1.5)
+        call_resp, filler = split_responses(await rec.responses(2))
+        call = check_call_response(call_resp)
+        assert check_spoken_response(filler)["trigger"] == "filler"
+        await asyncio.sleep(0.3)
+        await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call["call_id"],
+                                                  "output": "sunny"})
+        await conn.response.create()
+        ev = await rec.until(lambda e: e.type == "response.done")
+        created = [e for e in ev if e.type == "response.created"]
+        assert len(created) == 1 and trigger(created[0].response) == "client", [trigger(e.response) for e in created]
+        i = next(k for k, e in enumerate(ev) if e.type == "response.created")
+        assert check_spoken_response(ev[i:])["transcript"] == SCRIPTED_ANSWER
+
+
 async def test_ga_error_rules_keep_the_session_alive(server):
     """call_not_found, call_already_answered, invalid_tools (bad tools, bad tool_choice): each an
     ``error`` event (GA-typed) and the session goes on: a further response is spoken."""
