@@ -14,6 +14,9 @@ run ends when a spoken response whose transcript is ``--expect-answer`` has comp
 service pushed, the responses (transcript, audio bytes), the items the server added, the server event
 types received, and Pipecat's own context messages at the end.
 
+With ``--provoke-errors``, between the greeting and the speech: a ``response.cancel`` with nothing
+active and two ``response.create`` back to back (:func:`provoke_benign_errors`).
+
 Usage: python _pipecat_tools.py --url http://127.0.0.1:PORT --wav question_16k.wav --expect-answer TEXT --out report.json
 """
 
@@ -113,24 +116,44 @@ class Recorder(FrameProcessor):
         await self.push_frame(frame, direction)
 
 
-def record_server_events(into: list) -> None:
-    """Note the type of every server event the service parses (an observer only: the service's own
-    parser still decides; types it has no model for come back ``None`` and it skips them)."""
+def record_server_events(into: list, error_codes: list) -> None:
+    """Note the type of every server event the service parses, and the code of every ``error`` (an
+    observer only: the service's own parser still decides; types it has no model for come back
+    ``None`` and it skips them)."""
     parse = rt_events.parse_server_event
 
     def recording(message):
-        into.append(json.loads(message).get("type"))
+        ev = json.loads(message)
+        into.append(ev.get("type"))
+        if ev.get("type") == "error":
+            error_codes.append((ev.get("error") or {}).get("code"))
         return parse(message)
 
     rt_events.parse_server_event = recording
 
 
-async def run(url: str, wav: Path, expect_answer: str, timeout: float) -> dict:
+async def provoke_benign_errors(llm: OpenAIRealtimeLLMService, recorder: "Recorder", timeout: float) -> None:
+    """Through the service's own send path: a ``response.cancel`` with no response active, then two
+    ``response.create`` back to back (the second meets the first). OpenAI answers these with
+    ``response_cancel_not_active`` and ``conversation_already_has_active_response``, which Pipecat's
+    receive loop logs and passes over; any other code ends the loop (issue 36: duplexkit's own names
+    did, and every later answer was lost)."""
+    await llm.send_client_event(rt_events.ResponseCancelEvent())
+    n = len(recorder.responses)
+    await llm.send_client_event(rt_events.ResponseCreateEvent())
+    await llm.send_client_event(rt_events.ResponseCreateEvent())
+    async with asyncio.timeout(timeout):
+        while len(recorder.responses) == n:  # the first create's response plays to its end
+            await asyncio.sleep(0.05)
+
+
+async def run(url: str, wav: Path, expect_answer: str, timeout: float, provoke_errors: bool = False) -> dict:
     t0 = time.monotonic()
     calls: list[dict] = []
     items: list[dict] = []
     server_events: list[str] = []
-    record_server_events(server_events)
+    error_codes: list[str] = []
+    record_server_events(server_events, error_codes)
 
     async def get_weather(params: FunctionCallParams) -> None:
         calls.append({"t": round(time.monotonic() - t0, 3), "tool_call_id": params.tool_call_id,
@@ -179,6 +202,8 @@ async def run(url: str, wav: Path, expect_answer: str, timeout: float) -> dict:
         # as a bot starts: the context goes to the service, which greets (a spoken response)
         await worker.queue_frames([LLMRunFrame()])
         await asyncio.wait_for(recorder.spoken.wait(), timeout)
+        if provoke_errors:
+            await provoke_benign_errors(llm, recorder, timeout)
         audio, rate = read_pcm16(wav)
         step = int(rate * CHUNK_S) * 2
         pcm = audio + bytes(int(rate * 1.5) * 2)  # 1.5 s of silence: the server VAD ends the turn
@@ -199,7 +224,7 @@ async def run(url: str, wav: Path, expect_answer: str, timeout: float) -> dict:
             await worker.cancel()
             await asyncio.wait_for(run_task, 10)
     return {"timed_out": timed_out, "calls": calls, "items": items, "timeline": recorder.timeline,
-            "responses": recorder.responses, "server_events": server_events,
+            "responses": recorder.responses, "server_events": server_events, "error_codes": error_codes,
             "parameters": WEATHER.to_default_dict()["parameters"],
             "context": [m if isinstance(m, dict) else repr(m) for m in context.get_messages()],
             "versions": versions()}
@@ -218,11 +243,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--expect-answer", required=True, help="the transcript of the answer to the tool's output")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--provoke-errors", action="store_true",
+                    help="after the greeting, send a response.cancel with nothing active and two response.create "
+                         "back to back (the benign errors Pipecat must survive), then the tool turn")
     args = ap.parse_args()
     logger.remove()
     logger.add(sys.stderr, level="DEBUG")
     try:
-        report = asyncio.run(run(args.url, args.wav, args.expect_answer, args.timeout))
+        report = asyncio.run(run(args.url, args.wav, args.expect_answer, args.timeout, args.provoke_errors))
     except Exception:
         traceback.print_exc()
         return 1

@@ -59,10 +59,10 @@ def _scripted_server() -> ServerProc:
                       "--scripted", f"tool_script=[[\"get_weather\", {json.dumps(SCRIPTED_ARGS)}]]")
 
 
-def _run(py: str, script: str, server: ServerProc, tmp_path: Path) -> dict:
+def _run(py: str, script: str, server: ServerProc, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "report.json"
     cmd = [py, str(Path(__file__).with_name(script)), "--url", server.url, "--wav", str(QUESTION),
-           "--expect-answer", SCRIPTED_ANSWER, "--out", str(out), "--timeout", str(bound(60))]
+           "--expect-answer", SCRIPTED_ANSWER, "--out", str(out), "--timeout", str(bound(60)), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=bound(240), cwd=str(REPO))
     assert r.returncode == 0, r.stderr[-6000:]
     report = json.loads(out.read_text())
@@ -102,6 +102,20 @@ def test_pipecat_openai_realtime_service_runs_a_function_tool(tmp_path):
     assert [tc["id"] for m in calls_in_ctx for tc in m["tool_calls"]] == [call["tool_call_id"]]
     assert [m["tool_call_id"] for m in ctx if m.get("role") == "tool"] == [call["tool_call_id"]]
     assert ctx[-1] == {"role": "assistant", "content": SCRIPTED_ANSWER}
+
+
+def test_pipecat_survives_the_benign_errors_and_answers_later_turns(tmp_path):
+    """Issue 36: Pipecat's receive loop passes over ``response_cancel_not_active`` and
+    ``conversation_already_has_active_response`` and ends on any other code. The compat profile sends
+    OpenAI's names, so after a cancel with nothing active and a create that meets another, the
+    service still takes the user's turn, runs the tool and speaks the answer."""
+    py = _frameworks_python("pipecat")
+    with _scripted_server() as server:
+        rep = _run(py, "_pipecat_tools.py", server, tmp_path, "--provoke-errors")
+    assert sorted(rep["error_codes"]) == ["conversation_already_has_active_response", "response_cancel_not_active"]
+    assert [c["function_name"] for c in rep["calls"]] == ["get_weather"]
+    assert rep["responses"][-1]["text"].strip() == SCRIPTED_ANSWER and rep["responses"][-1]["audio_bytes"] > 0
+    assert not [e for e in rep["timeline"] if e[1] == "ErrorFrame"], rep["timeline"]
 
 
 def test_livekit_openai_realtime_model_runs_a_function_tool(tmp_path):
