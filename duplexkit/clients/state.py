@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from duplexkit.errors import DuplexConnectionError, DuplexError
+from duplexkit.errors import DuplexConnectionError, DuplexError, canonical_error_code
 
 from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve,
                       ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
@@ -84,7 +84,10 @@ REPLY_TYPES: dict[str, tuple[str, ...]] = {
 """Client event type -> the server event types that answer it (first match resolves)."""
 
 QUIET_ERRORS = frozenset({"response_not_active"})
-"""Error codes swallowed for this client's own ``response.cancel`` (docs/protocol.md §7.3 races)."""
+"""Error codes (duplexkit's names) swallowed for this client's own ``response.cancel``
+(docs/protocol.md §7.3 races). Wire codes are compared through
+:func:`duplexkit.errors.canonical_error_code`, so the compat profile's OpenAI code
+(``response_cancel_not_active``) is swallowed too."""
 
 MAX_KEPT_RESPONSES = 256
 """Finished responses kept for lookup; older finished ones are forgotten (player bookkeeping too)."""
@@ -332,15 +335,16 @@ class ClientState:
     def _on_error(self, ev, rec) -> Optional[bool]:
         err = ev.error
         eid = err.event_id
+        quiet_code = canonical_error_code(err.code or "") in QUIET_ERRORS
         p = self._pending.get(eid) if eid else None
         if p is None:
-            if eid and eid in self._quiet_done and err.code in QUIET_ERRORS:
+            if eid and eid in self._quiet_done and quiet_code:
                 return False
             return None
         del self._pending[eid]
         if p.quiet:
             self._quiet_done.append(eid)
-            if err.code in QUIET_ERRORS:
+            if quiet_code:
                 return False  # a cancel race (§7.3): nothing to report
             return None
         self._out.append(Reject(eid, DuplexError.from_event(ev.model_dump(mode="json"))))

@@ -287,6 +287,23 @@ SCENARIOS: dict[str, list[S]] = {
             "event_id": [k for k, v in h.names.items() if v == "cancel"][0]}}), [],
           check=lambda h: not any(isinstance(a, cs.Deliver) and a.event.type == "error" for a in h.actions)),
     ],
+    "compat profile: OpenAI's cancel-race code is swallowed too, and a repeat of it": [
+        S(req("cancel", {"type": "response.cancel"}, quiet=True), ["send:cancel(None)"]),
+        S(lambda h: h.server({"type": "error", "error": {
+            "type": "invalid_request_error", "code": "response_cancel_not_active", "message": "nothing active",
+            "event_id": [k for k, v in h.names.items() if v == "cancel"][0]}}), [],
+          check=lambda h: not any(isinstance(a, cs.Deliver) and a.event.type == "error" for a in h.actions)),
+        S(lambda h: h.server({"type": "error", "error": {
+            "type": "invalid_request_error", "code": "response_cancel_not_active", "message": "nothing active",
+            "event_id": [k for k, v in h.names.items() if v == "cancel"][0]}}), [],
+          check=lambda h: not any(isinstance(a, cs.Deliver) and a.event.type == "error" for a in h.actions)),
+        # a request the caller waits on is rejected under duplexkit's name
+        S(req("delete", {"type": "conversation.item.delete", "item_id": "nope"}), ["send:delete"]),
+        S(lambda h: h.server({"type": "error", "error": {
+            "type": "invalid_request_error", "code": "item_delete_invalid_item_id", "message": "no such item",
+            "event_id": [k for k, v in h.names.items() if v == "delete"][0]}}),
+          ["reject:delete:item_not_found"]),
+    ],
     "beta (vLLM-Omni) names drive the same machine": [
         S(srv(created("r1")), ["started:r1"]),
         S(srv(audio("r1", 1000, beta=True)), [], check=queued("r1", 1000)),
