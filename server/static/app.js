@@ -16,7 +16,8 @@ const INPUT_RATE = 16000;      // Hz, what the page sends (§6.1)
 const OUTPUT_RATE = 24000;     // Hz, what the server sends (§6.2)
 const FRAMES_PER_APPEND = 5;   // 5 x 20 ms = 100 ms appends (§6.1: 100-200 ms)
 const PLAY_LEAD_S = 0.08;      // jitter buffer before the first chunk after an underrun
-const BENIGN_ERRORS = new Set(["response_not_active"]);  // cancel races (§7.3)
+// cancel races (§7.3), under duplexkit's name and the compat profile's OpenAI name (§9)
+const BENIGN_ERRORS = new Set(["response_not_active", "response_cancel_not_active"]);
 const BARGE = { onsetFrames: 6, minRms: 0.015, floorRatio: 3.0, hangFrames: 25 };  // 20 ms frames
 
 const $ = (id) => document.getElementById(id);

@@ -196,6 +196,37 @@ def test_bad_key_then_good_key(browser, server):
         ctx.close()
 
 
+def test_compat_cancel_race_is_benign(browser, server):
+    """In the compat profile the server names a cancel race with OpenAI's code
+    (``response_cancel_not_active``); the page takes it as benign like ``response_not_active``:
+    no "server error" note, the session stays up."""
+    ctx, page, errors = open_page(browser, server)
+    try:
+        page.fill("#key", KEY)
+        page.select_option("#profile", "compat")
+        page.click("#start")
+        page.wait_for_function("() => window.duplexkit.state === 'listening'", timeout=bound(60_000))
+        # two cancels: if an answer was running the first ends it, the second always races
+        page.evaluate("""() => {
+            const ws = window.duplexkit.ws;
+            window.__codes = [];
+            ws.addEventListener("message", (m) => {
+                const ev = JSON.parse(m.data);
+                if (ev.type === "error") window.__codes.push(ev.error.code);
+            });
+            for (const id of ["evt_race_1", "evt_race_2"]) ws.send(JSON.stringify({type: "response.cancel", event_id: id}));
+        }""")
+        page.wait_for_function("() => window.__codes.includes('response_cancel_not_active')", timeout=bound(30_000))
+        notes = page.eval_on_selector_all("#transcript .note", "els => els.map(e => e.textContent)")
+        assert not [n for n in notes if "server error" in n], notes
+        assert page.evaluate("() => window.duplexkit.state") != "error"
+        assert page.inner_text("#error") == ""
+        page.click("#stop")
+        assert errors == []
+    finally:
+        ctx.close()
+
+
 def test_server_down(browser):
     srv = ServerProc("scripted")
     try:
