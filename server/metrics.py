@@ -32,6 +32,8 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
+from duplexkit.errors import canonical_error_code
+
 logger = logging.getLogger("duplexkit.server.metrics")
 
 __all__ = ["ServerMetrics", "SessionObserver", "MetricsMiddleware", "install", "METRICS_MODES"]
@@ -121,9 +123,11 @@ class ServerMetrics:
 
     def error(self, code: str, where: str) -> None:
         """Count one error. Codes are the server's own snake_case identifiers (docs/protocol.md §9,
-        ``request_too_large``); anything else (a free-text close reason) counts as ``other``, so the
-        label set stays bounded."""
-        code = str(code)
+        ``request_too_large``) under duplexkit's names: a compat-profile session's OpenAI code
+        (``response_cancel_not_active``) counts as its duplexkit code (``response_not_active``,
+        :func:`duplexkit.errors.canonical_error_code`); anything else (a free-text close reason)
+        counts as ``other``, so the label set stays bounded."""
+        code = canonical_error_code(str(code))
         self.errors.labels(code=code if _CODE_RE.fullmatch(code) else "other", where=where).inc()
 
     def warn_once(self, exc: BaseException) -> None:

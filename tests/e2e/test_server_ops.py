@@ -104,10 +104,15 @@ async def test_metrics_move_after_a_spoken_turn_and_ready_flips_when_full(one_sl
         await _recv_until(ws, "session.created")
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "!!not base64"}))
         await _recv_until(ws, "error")
+    # a compat-profile session's cancel race goes out under OpenAI's name and is counted under duplexkit's
+    async with websockets.connect(srv.ws_url + "/v1/realtime", additional_headers=AUTH) as ws:
+        await _recv_until(ws, "session.created")
+        await ws.send(json.dumps({"type": "response.cancel"}))
+        assert (await _recv_until(ws, "error"))[-1]["error"]["code"] == "response_cancel_not_active"
 
     after = scrape(srv.url, AUTH)
     d = lambda name, **lb: val(after, name, **lb) - val(before, name, **lb)  # noqa: E731
-    assert d("duplexkit_realtime_sessions_total") == 2
+    assert d("duplexkit_realtime_sessions_total") == 3
     # the turn: 3 speaking units (units_per_turn=3) and the listening units of 3.5 s of speech
     assert d("duplexkit_units_decided_total", decision="speak") == 3
     assert d("duplexkit_units_decided_total", decision="listen") >= 3
@@ -121,6 +126,8 @@ async def test_metrics_move_after_a_spoken_turn_and_ready_flips_when_full(one_sl
     assert d("duplexkit_errors_total", code="session_capacity_exhausted", where="handshake") == 1
     assert d("duplexkit_errors_total", code="session_capacity_exhausted", where="http") == 1
     assert d("duplexkit_errors_total", code="bad_audio", where="realtime") == 1
+    assert d("duplexkit_errors_total", code="response_not_active", where="realtime") == 1
+    assert d("duplexkit_errors_total", code="response_cancel_not_active", where="realtime") == 0
     assert d("duplexkit_errors_total", code="unauthorized", where="http") == 0  # /metrics 401s are not counted
     assert val(after, "duplexkit_units_behind_max") == 0 and val(after, "duplexkit_sessions_active") == 0
     # the scripted engine never imports torch and has no KV pool: no GPU or KV series
