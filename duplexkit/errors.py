@@ -178,6 +178,9 @@ OPENAI_ERROR_CODES: dict[ErrorCode, str] = {
     ErrorCode.INPUT_AUDIO_BUFFER_EMPTY: "input_audio_buffer_commit_empty",
     ErrorCode.RESPONSE_ALREADY_ACTIVE: "conversation_already_has_active_response",
     ErrorCode.RESPONSE_NOT_ACTIVE: "response_cancel_not_active",
+    # the realtime handshake's bad key (an ``error`` event, then the close); LiveKit's realtime
+    # plugin stops reconnecting on ``invalid_api_key`` and would retry ``unauthorized`` forever
+    ErrorCode.UNAUTHORIZED: "invalid_api_key",
 }
 
 #: (duplexkit code, client event type) -> OpenAI code, where OpenAI's code depends on the event

@@ -7,7 +7,8 @@ commands forwarded with :func:`duplexkit.engine.api.apply_command` (``OpenStream
 stream on the shared engine), and a final ``CloseConnection`` closes the socket with its code.
 
 Handshake checks (docs/protocol.md §1): authentication (``Authorization: Bearer`` or the
-``openai-insecure-api-key.<key>`` subprotocol; failure -> ``error{unauthorized}`` + 1008),
+``openai-insecure-api-key.<key>`` subprotocol; failure -> ``error{unauthorized}`` (compat profile:
+``invalid_api_key``) + 1008),
 the ``model`` query parameter (refused -> ``error{model_not_found, param:"model"}`` listing the
 served ids + 1008; OpenAI ids are mapped, see ``ServerState.resolve_model``), session
 capacity (-> ``error{session_capacity_exhausted}`` + 1013).
@@ -29,6 +30,8 @@ from collections import deque
 from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from duplexkit.errors import wire_error_code
 
 from .dialect import dialect_of_first_update, pick_dialect, translate
 from .resume import (JournalOverflow, ResumeRefused, _event_bytes, check_resume_fields, new_token, parse_resume,
@@ -112,14 +115,17 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             if p.startswith(KEY_SUBPROTOCOL_PREFIX):
                 key = p[len(KEY_SUBPROTOCOL_PREFIX):]
                 break
-    if not state.check_key(key):
-        await _reject(ws, subprotocol, _handshake_error("unauthorized", "missing or invalid API key"), 1008)
-        return
-
     duplex_raw = (q.get("duplex") or "").strip().lower()
     if duplex_raw not in _TRUE | _FALSE:
         duplex_raw = ""
     duplex = force_duplex or duplex_raw in _TRUE
+    # handshake refusals use the profile's naming of codes, as the session would (docs/protocol.md §9)
+    naming = "duplexkit" if duplex else "openai"
+
+    if not state.check_key(key):
+        await _reject(ws, subprotocol, _handshake_error(wire_error_code("unauthorized", naming),
+                                                        "missing or invalid API key"), 1008)
+        return
     autostart_raw = (q.get("autostart") or "1").strip().lower()
     autostart = autostart_raw not in {"0", "false", "off", "no"}
 
@@ -138,11 +144,13 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     try:
         dialect = pick_dialect(q.get("dialect"), ws.headers.get("openai-beta"))
     except ValueError as exc:
-        await _reject(ws, subprotocol, _handshake_error("bad_event", str(exc), "dialect"), 1008)
+        await _reject(ws, subprotocol, _handshake_error(wire_error_code("bad_event", naming), str(exc), "dialect"),
+                      1008)
         return
     model = q.get("model")
     if not state.accepts_model(model):
-        await _reject(ws, subprotocol, _handshake_error("model_not_found", state.unknown_model_message(model), "model"),
+        await _reject(ws, subprotocol, _handshake_error(wire_error_code("model_not_found", naming),
+                                                        state.unknown_model_message(model), "model"),
                       1008)
         return
     client = state.client_id(key, ws.scope)

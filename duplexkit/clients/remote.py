@@ -22,6 +22,7 @@ from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
+from duplexkit.errors import canonical_error_code
 from .continuation import ContinuationSeed, ConversationLog
 from .handles import ref_audio_data_url
 from .state import new_event_id
@@ -359,8 +360,9 @@ class DuplexClient(BaseDuplexClient):
             self._got_created = True
         if t == "error" and not self._got_created:
             err = data.get("error") or {}
-            code = err.get("code")
-            if code in _HANDSHAKE_CODES or (code == "bad_event" and err.get("param") in ("model", "dialect")
+            code = canonical_error_code(str(err.get("code")))  # the compat profile's OpenAI names too
+            if code in _HANDSHAKE_CODES or (code in ("bad_event", "invalid_value")
+                                            and err.get("param") in ("model", "dialect")
                                             and not err.get("event_id")):
                 self._handshake_error = data
         if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):

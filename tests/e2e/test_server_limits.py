@@ -33,18 +33,20 @@ def limited_server():
 
 
 async def test_auth_bearer_subprotocol_and_rejection(limited_server):
-    # no key: error{unauthorized} then 1008
-    async with websockets.connect(limited_server.ws_url + "/v1/realtime") as ws:
-        ev = json.loads(await ws.recv())
-        assert ev["type"] == "error" and ev["error"]["code"] == "unauthorized"
-        with pytest.raises(websockets.ConnectionClosed) as ei:
-            await ws.recv()
-        assert ei.value.rcvd.code == 1008
-    # the client surfaces it as a handshake error
-    with pytest.raises(DuplexConnectionError) as ei:
-        async with DuplexClient(limited_server.ws_url, api_key="wrong"):
-            pass
-    assert ei.value.code == "unauthorized" and ei.value.close_code == 1008
+    # no key: error{unauthorized} then 1008; the compat profile names it as OpenAI does (invalid_api_key)
+    for query, code in (("?duplex=1", "unauthorized"), ("", "invalid_api_key")):
+        async with websockets.connect(limited_server.ws_url + "/v1/realtime" + query) as ws:
+            ev = json.loads(await ws.recv())
+            assert ev["type"] == "error" and ev["error"]["code"] == code
+            with pytest.raises(websockets.ConnectionClosed) as ei:
+                await ws.recv()
+            assert ei.value.rcvd.code == 1008 and ei.value.rcvd.reason == code
+    # the client surfaces it as a handshake error, under duplexkit's code in both profiles
+    for profile, wire in (("duplex", "unauthorized"), ("compat", "invalid_api_key")):
+        with pytest.raises(DuplexConnectionError) as ei:
+            async with DuplexClient(limited_server.ws_url, api_key="wrong", profile=profile):
+                pass
+        assert ei.value.code == "unauthorized" and ei.value.wire_code == wire and ei.value.close_code == 1008
     # browser-style subprotocol key
     async with websockets.connect(limited_server.ws_url + "/v1/realtime",
                                   subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
