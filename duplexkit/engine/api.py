@@ -164,7 +164,10 @@ class AppendUnit(EngineCommand):
         force_speak: the model must decide ``speak`` for this unit (the forced unit of a requested
             response, docs/model.md §5.4: listen masked, boundary pass skipped, turn opened). Bound to the
             unit, unlike the older :class:`ForceSpeak` command, so it cannot race queued units.
-            ``force_listen`` wins when both are set.
+            ``force_listen`` wins when both are set. It belongs to the command's ``epoch``: a unit
+            decided in a later epoch (moved there by a :class:`CancelEpoch` while queued, or sent
+            with an older epoch) is decided as ``force_listen``, so a cancelled response's forced
+            unit never speaks.
         frame: optional RGB uint8 [H, W, 3] image riding this unit (docs/model.md §3.3).
     """
 
