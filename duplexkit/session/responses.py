@@ -63,7 +63,9 @@ from duplexkit.session.machine import PhaseEvent
 trace_log = logging.getLogger("duplexkit.latency")
 """Latency trace (debug option, docs/benchmarks.md "Latency trace"): at DEBUG level the Session logs
 one JSON line per finished response with its request -> forced unit -> decision -> first audio
-stamps (Session clock, ms) and the forced unit's engine ``UnitTimings``."""
+stamps (Session clock, ms) and the forced unit's engine ``UnitTimings``. ``first_audio_ms`` is when
+the first audio delta went out to the client (for a server-VAD answer held by the turn confirmation,
+its release), ``engine_audio_ms`` when the engine's first audio of the response arrived."""
 
 
 @dataclass
@@ -103,7 +105,9 @@ class ResponsesMixin:
             t.setdefault("decision_ms", float(now_ms))
             t.setdefault("decision_unit", out.unit_index)
         elif isinstance(out, AudioChunk) and out.audio.size:
-            t.setdefault("first_audio_ms", float(now_ms))
+            # when the engine's audio arrived; first_audio_ms is stamped when it goes out (_on_audio),
+            # later than this for an answer held by the turn confirmation (docs/concepts.md)
+            t.setdefault("engine_audio_ms", float(now_ms))
             t.setdefault("first_audio_unit", out.unit_index)
         elif isinstance(out, UnitTimings):
             self._trace_engine(r, out)
@@ -295,6 +299,8 @@ class ResponsesMixin:
         it.marks.append((r.chars, ms))
         it.sent_ms = ms
         self._audio_started = True
+        if r.trace is not None:
+            r.trace.setdefault("first_audio_ms", self._now_ms)  # sent now (a held answer: its release)
         meta = DeltaMetadata(epoch=self.epoch, audio_duration_ms=ms,
                              audio_text_marks=[TextMark(text_chars=r.chars, audio_end_ms=ms)], end_of_turn=bool(c.final))
         self._emit(OutputAudioDelta(response_id=r.id, item_id=r.item_id, delta=b64encode_audio(pcm), format="pcm16",

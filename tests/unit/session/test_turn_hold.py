@@ -11,11 +11,14 @@ What the client gets is read from the server events.
 
 from __future__ import annotations
 
+import json
+import logging
+
 import numpy as np
 import pytest
 
 from duplexkit.audio import StreamingVAD, VadConfig
-from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, TextDelta, TurnEnd
+from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, TextDelta, TurnEnd, UnitTimings
 from duplexkit.session.pipeline import TURN_HOLD_STALL_MS
 
 from _driver import Driver, fixture_audio, pcm16_b64
@@ -60,6 +63,7 @@ class Conversation:
                 self.d.engine(Decision(sid, e, u, decision="speak", turn_start=True))
                 self.d.engine(TextDelta(sid, e, u, text="Nice to ", n_tokens=2))
                 self.d.engine(AudioChunk(sid, e, u, audio=np.full(20160, 0.1, np.float32), text="Nice to "))
+                self.d.engine(UnitTimings(sid, e, u, timings={"total_ms": 1.0}))
             elif self._speaking.get(e) == 1:
                 self._speaking[e] = 2
                 self.d.engine(Decision(sid, e, u, decision="speak"))
@@ -184,6 +188,28 @@ def test_an_ordinary_end_of_turn_answers_after_the_confirmation_window():
     assert len(rs) == 1 and rs[0]["status"] == "completed" and rs[0]["audio"] > 0
     # clock after append k = (k + 1) * 20 ms of audio: released by the append covering decided + 100 ms
     assert decided + 100 <= first_audio <= decided + 100 + 2 * CHUNK_MS, (decided, first_audio)
+
+
+def test_the_latency_trace_stamps_first_audio_at_the_release(caplog):
+    """The latency trace (``duplexkit.latency`` at DEBUG) of a held answer: ``first_audio_ms`` is
+    when the first audio delta went out (the hold's release), ``engine_audio_ms`` when the engine's
+    audio arrived (at once here, so 100 ms of confirmation earlier)."""
+    caplog.set_level(logging.DEBUG, logger="duplexkit.latency")
+    c = Conversation()
+    x = np.concatenate([silence(300), speech("question_16k.wav"), silence(2500)])
+    n = SR * CHUNK_MS // 1000
+    sent_ms = None
+    for i in range(0, x.size, n):
+        t0 = c.d.t  # the Session's clock while this append is applied
+        c.stream(x[i:i + n])
+        if sent_ms is None and "response.output_audio.delta" in c.d.types():
+            sent_ms = t0
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "duplexkit.latency"]
+    assert len(recs) == 1 and recs[0]["trigger"] == "server_vad", recs
+    tr = recs[0]
+    assert tr["first_audio_ms"] == sent_ms, tr
+    assert tr["first_audio_ms"] - tr["engine_audio_ms"] >= 100 - 2 * CHUNK_MS, tr  # held for the confirmation
+    assert tr["request_ms"] <= tr["engine_audio_ms"], tr
 
 
 def test_a_client_that_stops_streaming_still_gets_its_answer(john):
