@@ -1,6 +1,7 @@
 """The bundled duplexkit server: a FastAPI app factory (docs/protocol.md §1, §10).
 
 Routes: ``/v1/realtime`` and ``/v1/duplex`` (WebSocket, :mod:`duplexkit_server.realtime`),
+``/v1/telephony/twilio`` and ``/v1/telephony/telnyx`` (phone media streams, :mod:`duplexkit_server.telephony`),
 ``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``,
 the probes ``GET /ready`` and ``GET /live`` (:mod:`duplexkit_server.lifecycle`), ``GET /metrics``
 (:mod:`duplexkit_server.metrics`) and the browser page at ``/`` (``static/index.html``).
@@ -113,6 +114,10 @@ class ServerSettings:
             :mod:`duplexkit_server.ray_serve` from Ray Serve's replica context); reported as
             ``replica`` by ``/health`` and ``/ready`` and in the ``x-duplexkit-replica`` response and
             WebSocket-handshake header. None: not reported.
+        telephony_webhook: URL POSTed each phone call's start metadata; its JSON answer is applied as
+            session settings (``--telephony-webhook``; docs/telephony.md, "Webhook"). None: off.
+        telephony_webhook_timeout_s: how long a call waits for that answer before it goes on with the
+            defaults, seconds.
     """
 
     model_id: Optional[str] = None
@@ -159,6 +164,8 @@ class ServerSettings:
     max_outbound_bytes: int = 8 * 1024 * 1024
     outbound_stall_s: float = 30.0
     resume_keep_sent_s: float = 10.0
+    telephony_webhook: Optional[str] = None
+    telephony_webhook_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
@@ -645,6 +652,16 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     @app.websocket("/v1/duplex")
     async def ws_duplex(websocket: WebSocket):
         await realtime.handle(state, websocket, force_duplex=True)
+
+    from . import telephony
+
+    @app.websocket("/v1/telephony/twilio")
+    async def ws_telephony_twilio(websocket: WebSocket):
+        await telephony.handle(state, websocket, "twilio")
+
+    @app.websocket("/v1/telephony/telnyx")
+    async def ws_telephony_telnyx(websocket: WebSocket):
+        await telephony.handle(state, websocket, "telnyx")
 
     @app.websocket("/{path:path}")
     async def ws_unknown_path(websocket: WebSocket, path: str):

@@ -81,6 +81,27 @@ def _add_tool_args(p) -> None:
                    help="API key for --tool-model (default: $DUPLEXKIT_TOOL_MODEL_KEY)")
     p.add_argument("--tool-model-name", default=None, metavar="NAME",
                    help="the model name sent to --tool-model (default: the endpoint's own default)")
+    _add_telephony_args(p)
+
+
+def _add_telephony_args(p) -> None:
+    """``serve`` options of the phone media-stream bridges (docs/telephony.md)."""
+    p.add_argument("--telephony-webhook", default=None, metavar="URL",
+                   help="POST each phone call's start metadata (provider, call id, from, to, custom parameters) "
+                        "to URL; its JSON answer ({\"session\": {...}}) sets that call's session (instructions, "
+                        "voice, tools...); a failure keeps the defaults")
+    p.add_argument("--telephony-webhook-timeout-s", type=float, default=3.0, metavar="S",
+                   help="how long a call waits for the webhook's answer (default 3 s)")
+
+
+def _telephony_settings(args) -> dict:
+    url = getattr(args, "telephony_webhook", None)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise CliError(f"--telephony-webhook must be an http:// or https:// URL, got {url!r}", EXIT_USAGE)
+    timeout = getattr(args, "telephony_webhook_timeout_s", 3.0)
+    if not timeout > 0:
+        raise CliError(f"--telephony-webhook-timeout-s must be > 0, got {timeout}", EXIT_USAGE)
+    return {"telephony_webhook": url, "telephony_webhook_timeout_s": timeout}
 
 
 def _tool_settings(args) -> dict:
@@ -195,7 +216,8 @@ def cmd_serve(args) -> int:
         default_input_rate=args.default_input_rate, default_instructions=args.instructions,
         default_voice=Path(args.default_voice) if args.default_voice else None,
         voices=dict(_parse_voice(v) for v in (args.voice or [])),
-        **_hardening_settings(args), **_tool_settings(args))
+        **_hardening_settings(args), **_tool_settings(args),
+        **_telephony_settings(args))
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:
         sock.close()  # the port was free; Serve's proxy binds it
