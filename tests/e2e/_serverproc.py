@@ -63,8 +63,12 @@ class ServerProc:
         raise RuntimeError(f"server not ready after {timeout} s (last /health {last}):\n{self.output()}")
 
     def wait_idle(self, bound_s: float = 60.0) -> None:
-        """Wait until ``/health`` reports no active session (a session a client closed frees its
-        slot a moment later, later still on a busy machine; the per-client cap counts it till then)."""
+        """Wait until ``/health`` reports no active session. A session the server closes
+        (``session.close``, idle timeout, shutdown) has given its slot back before its close frame is
+        sent; one the client closes frees it a moment later, when the server notices (later still on
+        a busy machine; the per-client cap counts it till then); one whose connection dropped without
+        a close handshake is parked and keeps its slot for ``--resume-window-s`` (docs/server.md,
+        "Limits and close codes")."""
         for _ in range(int(bound(bound_s) / 0.05)):
             if httpx.get(self.url + "/health", timeout=bound(10)).json()["sessions_active"] == 0:
                 return
