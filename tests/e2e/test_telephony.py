@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import base64
+import contextlib
 import json
 import re
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
+from fastapi import Request
 
 from duplexkit.audio import read_wav
 from duplexkit.audio.codecs import float32_to_ulaw, ulaw_to_float32
@@ -68,6 +70,10 @@ class FakeTwilio:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await self._read_all()
+
+    async def _read_all(self) -> None:
         async for raw in self.ws:
             m = json.loads(raw)
             self.received.append(m)
@@ -230,3 +236,41 @@ async def test_custom_parameters_reach_the_engine():
             assert cfg.ref_voice is not None
             assert cfg.ref_voice.sha256 == load_reference_voice(voice_wav).sha256
             await tw.send({"event": "stop", "stop": {}})
+
+
+async def test_webhook_sets_the_call_session():
+    """``--telephony-webhook``: the start metadata is POSTed; the answer's session fields win over the
+    custom parameters (a second session.update) and reach the engine."""
+    from fastapi import FastAPI
+    from _loopback import inprocess_server
+
+    from duplexkit.testing import ScriptedEngine
+    from duplexkit_server.app import ServerSettings, create_app
+
+    posted: list[dict] = []
+    hook = FastAPI()
+
+    @hook.post("/call")
+    async def call(request: Request):
+        posted.append(await request.json())
+        return {"session": {"instructions": "Webhook persona for " + posted[-1]["custom_parameters"]["tenant"],
+                            "input_audio_format": "pcm16"}}  # a reserved field: ignored
+
+    engine = ScriptedEngine(units_per_turn=2)
+    sid = "MZ" + "d" * 32
+    async with inprocess_server(hook) as hook_port:
+        app = create_app(engine, ServerSettings(telephony_webhook=f"http://127.0.0.1:{hook_port}/call"))
+        async with inprocess_server(app) as port:
+            async with websockets.connect(f"ws://127.0.0.1:{port}/v1/telephony/twilio") as ws:
+                tw = FakeTwilio(ws, sid)
+                await ws.send(json.dumps(twilio_start(sid, {"tenant": "acme", "instructions": "param persona"})))
+                deadline = time.monotonic() + bound(20)
+                while not engine._streams and time.monotonic() < deadline:
+                    await tw.media([SILENCE] * 5)
+                stream = next(iter(engine._streams.values()))
+                await tw.silence_until(lambda: len(stream.units_seen) >= 1, 20)
+                assert stream.config.instructions.startswith("Webhook persona for acme")
+                assert posted == [{"provider": "twilio", "stream_id": sid, "call_id": "CA" + "1" * 32, "from": None,
+                                   "to": None, "custom_parameters": {"tenant": "acme",
+                                                                     "instructions": "param persona"}}]
+                await tw.send({"event": "stop", "stop": {}})
