@@ -106,9 +106,12 @@ async def test_beta_shaped_session_gets_both_names_with_one_sequence_number(serv
 
 
 async def test_bad_dialect_is_refused_naming_the_parameter(server):
-    async with websockets.connect(server.ws_url + "/v1/realtime?dialect=v0") as ws:
-        ev = json.loads(await ws.recv())
-        assert ev["error"]["param"] == "dialect" and "ga, beta, both" in ev["error"]["message"]
-        with pytest.raises(websockets.ConnectionClosed) as ei:
-            await ws.recv()
-        assert ei.value.rcvd.code == 1008
+    # the code in the profile's naming (docs/protocol.md §9): OpenAI's invalid_value in compat
+    for query, code in (("dialect=v0", "invalid_value"), ("duplex=1&dialect=v0", "bad_event")):
+        async with websockets.connect(server.ws_url + "/v1/realtime?" + query) as ws:
+            ev = json.loads(await ws.recv())
+            assert ev["error"]["param"] == "dialect" and "ga, beta, both" in ev["error"]["message"]
+            assert ev["error"]["code"] == code, ev
+            with pytest.raises(websockets.ConnectionClosed) as ei:
+                await ws.recv()
+            assert ei.value.rcvd.code == 1008
