@@ -590,11 +590,16 @@ class TelephonyConnection:
                 if text is None or len(text) > max_bytes:
                     logger.info("telephony call %s: a binary or oversized frame was skipped", self._call_id())
                     continue
+                data = None
                 try:
                     data = json.loads(text)
                     was_started = self.bridge.call is not None
                     events, out = self.bridge.provider_message(data)
                 except (ValueError, RecursionError) as exc:  # BadProviderMessage is a ValueError
+                    if isinstance(data, dict) and data.get("event") == "start" and self.bridge.call is None:
+                        logger.warning("telephony %s stream refused: %s", self.bridge.adapter.name, str(exc)[:200])
+                        await self._on_close(type("C", (), {"code": 1003})())
+                        return
                     logger.info("telephony call %s: provider message skipped: %s", self._call_id(), str(exc)[:200])
                     continue
                 if data.get("event") == "error":

@@ -179,10 +179,18 @@ async def test_twilio_call_marks_barge_in_dtmf(server):
     assert stats["media_in"] > 150  # 3.5 s of question + silence + interruption, 20 ms each
 
 
-async def test_twilio_refuses_a_missing_token(server):
+async def test_refused_token_and_media_format(server):
     with pytest.raises(websockets.exceptions.InvalidStatus):
         async with websockets.connect(f"{server.ws_url}/v1/telephony/twilio?token=wrong") as ws:
             await ws.recv()
+    # a stream in a format the bridge cannot speak (Telnyx G722) is closed at its start
+    async with websockets.connect(f"{server.ws_url}/v1/telephony/telnyx?token={KEY}") as ws:
+        await ws.send(json.dumps({"event": "start", "stream_id": "S", "start": {
+            "call_control_id": "v3:g722", "media_format": {"encoding": "G722", "sample_rate": 16000, "channels": 1}}}))
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await asyncio.wait_for(ws.recv(), bound(20))
+        assert info.value.rcvd.code == 1003
+    assert "telephony telnyx stream refused: unsupported media format 'G722'" in server.output()
 
 
 async def test_telnyx_call(server):
