@@ -66,6 +66,8 @@ TELEPHONY_RATE = 8000
 OUTPUT_RATE = 24000
 #: Longest outbound ``media`` piece before a ``mark``, ms: the granularity of the playback truth.
 DEFAULT_MARK_EVERY_MS = 200
+#: Marks sent and not yet echoed that are remembered (an hour of answer audio at 200 ms a mark).
+MAX_PENDING_MARKS = 18_000
 #: Custom parameters the bridge reads (the rest are call metadata only).
 PARAM_INSTRUCTIONS = "instructions"
 PARAM_VOICE = "voice"
@@ -390,6 +392,8 @@ class CallBridge:
             self._mark_seq += 1
             name = f"dk{self._mark_seq}"
             self._marks[name] = (resp.response_id, resp.sent_samples * 1000 // TELEPHONY_RATE)
+            if len(self._marks) > MAX_PENDING_MARKS:  # a provider that does not echo marks: forget the oldest
+                del self._marks[next(iter(self._marks))]
             out.append(self.adapter.out_media(self.call.stream_id, base64.b64encode(piece).decode("ascii")))
             out.append(self.adapter.out_mark(self.call.stream_id, name))
             self.stats["media_out"] += 1

@@ -141,7 +141,9 @@ async def test_twilio_call_marks_barge_in_dtmf(server):
         media = [m for m in tw.received if m["event"] == "media"]
         assert all(m["streamSid"] == sid for m in tw.received)
         audio = ulaw_to_float32(b"".join(base64.b64decode(m["media"]["payload"]) for m in media))
-        assert np.abs(audio).max() > 0.05  # the scripted answer's tone, decoded from mu-law
+        assert np.abs(audio).max() > 0.05  # the scripted answer's tone, decoded from mu-law ...
+        spec = np.abs(np.fft.rfft(audio[:8000]))
+        assert abs(np.argmax(spec) * 8000 / 8000 - 440) < 5  # ... at 440 Hz when read at 8 kHz
         # each media piece is followed by its mark; marks are unique
         assert [m["event"] for m in tw.received[:4]] == ["media", "mark", "media", "mark"]
         assert len(set(tw.marks)) == len(tw.marks)
@@ -248,7 +250,7 @@ async def test_custom_parameters_reach_the_engine():
 
 async def test_webhook_sets_the_call_session():
     """``--telephony-webhook``: the start metadata is POSTed; the answer's session fields win over the
-    custom parameters (a second session.update) and reach the engine."""
+    custom parameters (a second session.update) and reach the engine; its tools' decider reads DTMF."""
     from fastapi import FastAPI
     from _loopback import inprocess_server
 
@@ -262,6 +264,8 @@ async def test_webhook_sets_the_call_session():
     async def call(request: Request):
         posted.append(await request.json())
         return {"session": {"instructions": "Webhook persona for " + posted[-1]["custom_parameters"]["tenant"],
+                            "tools": [{"type": "function", "name": "route_call", "description": "Route the call",
+                                       "parameters": {"type": "object", "properties": {}}}],
                             "input_audio_format": "pcm16"}}  # a reserved field: ignored
 
     engine = ScriptedEngine(units_per_turn=2)
@@ -281,4 +285,9 @@ async def test_webhook_sets_the_call_session():
                 assert posted == [{"provider": "twilio", "stream_id": sid, "call_id": "CA" + "1" * 32, "from": None,
                                    "to": None, "custom_parameters": {"tenant": "acme",
                                                                      "instructions": "param persona"}}]
+                # a keypad digit, then a question: the tool decider (the engine's, here) reads the digit
+                await tw.send({"event": "dtmf", "dtmf": {"track": "inbound_track", "digit": "1"}})
+                await tw.media(_frames("question_16k.wav"))
+                await tw.silence_until(lambda: bool(engine.chat_requests), 30)
+                assert "DTMF: 1" in str(engine.chat_requests[0].messages)
                 await tw.send({"event": "stop", "stop": {}})
