@@ -206,6 +206,10 @@ async def test_telnyx_call(server):
             "to": "+13122123456", "client_state": "", "custom_parameters": {"voice": "nobody"},
             "media_format": {"encoding": "PCMU", "sample_rate": 8000, "channels": 1}}}))
         await tx.send({"event": "dtmf", "occurred_at": "2026-01-01T00:00:00Z", "dtmf": {"digit": "#"}})
+        # messages the bridge cannot use are skipped (one log line each); the call goes on
+        await ws.send("not json")
+        await tx.send({"event": "media", "media": {"track": "inbound"}})
+        await tx.send({"event": "media", "media": {"track": "inbound", "payload": "***"}})
         await tx.media(_frames("question_16k.wav"))
         await tx.silence_until(lambda: len(tx.marks) >= 2, 30)
         assert all(m["stream_id"] == sid for m in tx.received)
@@ -216,6 +220,8 @@ async def test_telnyx_call(server):
     stats = ast.literal_eval(m.group(1))
     assert stats["marks_played"] == 1 and stats["dtmf"] == 1
     assert "voice 'nobody' is not a server voice" in server.output()
+    assert "provider message skipped: media message without a base64 payload" in server.output()
+    assert "session error bad_audio" in server.output()  # the session's own answer to bad base64
 
 
 async def test_custom_parameters_reach_the_engine():
