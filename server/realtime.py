@@ -448,8 +448,12 @@ class RealtimeConnection:
             self._closed.set()
             self.release_slot()  # the session is over: its slot is free before anything is closed
             if self._writer_task is not None:
+                # the writer also stops on ``_closed`` by itself: on Python 3.11 a cancel that lands
+                # while ``wait_for(send_text)`` completes is swallowed, and the writer would wait on
+                # ``_outbox_ready`` forever (the session never ended: /health ``sessions_open`` stuck)
+                self._outbox_ready.set()
                 self._writer_task.cancel()
-                await asyncio.gather(self._writer_task, return_exceptions=True)
+                await asyncio.wait({self._writer_task}, timeout=self._stall_s)
             for t in (reader, dispatched):
                 if t is not None:
                     t.cancel()
@@ -642,9 +646,11 @@ class RealtimeConnection:
             self._socket_lost()
 
     async def _write_loop(self) -> None:
-        while True:
+        while not self._closed.is_set():
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
+            if self._closed.is_set():
+                break
             while self._outbox:
                 if self.ws is None or self._lost:
                     self._clear_outbox()

@@ -54,6 +54,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from duplexkit.audio.codecs import float32_to_alaw, float32_to_ulaw, pcm16_to_float32
 from duplexkit.audio.resample import StreamResampler
+from duplexkit.errors import DuplexkitError
 
 logger = logging.getLogger("duplexkit.server.telephony")
 
@@ -108,8 +109,11 @@ class CallStart:
                 "from": self.from_, "to": self.to, "custom_parameters": dict(self.custom_parameters)}
 
 
-class BadProviderMessage(ValueError):
-    """A provider message the bridge cannot use (logged and skipped; the call goes on)."""
+class BadProviderMessage(DuplexkitError, ValueError):
+    """A provider message the bridge cannot use (logged and skipped; the call goes on).
+    Code ``bad_event`` (docs/protocol.md §9)."""
+
+    default_code = "bad_event"
 
 
 def _str(v: Any) -> Optional[str]:

@@ -79,6 +79,23 @@ async def test_100_sequential_sessions_are_never_refused():
         assert _health(srv)["sessions_opened"] == 100
 
 
+async def test_a_session_closed_then_its_socket_closed_at_once_ends():
+    # the browser page's Stop: session.close and the close frame back to back, without waiting
+    # for session.closed; the writer was sending session.closed when the session ended, and on
+    # Python 3.11 its cancel was swallowed by wait_for: the session never ended (sessions_open stuck)
+    with ServerProc("scripted") as srv:
+        for i in range(6):
+            async with websockets.connect(srv.ws_url + "/v1/realtime?duplex=1") as ws:
+                assert (await _first_event(ws))["type"] == "session.created"
+                await ws.send(json.dumps({"type": "session.close"}))
+                if i % 2:
+                    await asyncio.sleep(0.05)
+                await ws.close(1000)
+        _wait(lambda: _health(srv)["sessions_open"] == 0, "every session ended (sessions_open 0)", 10)
+        h = _health(srv)
+        assert h["sessions_opened"] == 6 and h["sessions_active"] == 0, h
+
+
 async def test_a_page_reloaded_five_times_is_not_locked_out():
     # defaults: 8 slots, 4 per client; a browser reload closes with 1001 (going away), which parks
     # the session for the resume window: parked sessions keep their slot but leave the client's share
