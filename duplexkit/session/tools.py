@@ -47,6 +47,7 @@ transcript of the user item. Model names an OpenAI client sends (``whisper-1``, 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -81,6 +82,8 @@ from duplexkit.protocol import (
 )
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.machine import PhaseEvent
+
+log = logging.getLogger("duplexkit.session")
 
 __all__ = [
     "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
@@ -258,6 +261,16 @@ class ToolsMixin:
         self._transcribing: dict = {}  # user item id -> its audio's duration (s), until the transcript comes
         self._answer: Optional[dict] = None  # the answer being spoken piece by piece (_answer_piece)
 
+    def _tool_warning(self, warning: SessionWarning) -> None:
+        """A tool-flow warning (``tool_output_timeout``, ``tool_decision_timeout``,
+        ``tool_decision_failed``, ``tool_call_dropped``, ``tool_call_invalid``; ``param: "tools"``):
+        ``session.warning`` in the duplex profile; logged only in the compat profile, whose
+        unmodified OpenAI clients reject event types they do not know (docs/protocol.md §4.1)."""
+        if self._duplex:
+            self._emit(warning)
+        else:
+            log.info("session %s: %s (%s): %s", self.session_id, warning.code, warning.param, warning.message)
+
     # -- settings -------------------------------------------------------------------------------
     def _tools_active(self, tools: Optional[list] = None, choice: Any = None) -> bool:
         tools = self.settings.tools if tools is None else tools
@@ -398,7 +411,7 @@ class ToolsMixin:
         for c in late:
             c.overdue = True
         if late:
-            self._emit(SessionWarning(code="tool_output_timeout", param="tools", message=(
+            self._tool_warning(SessionWarning(code="tool_output_timeout", param="tools", message=(
                 f"no function_call_output for {', '.join(c.call_id for c in late)} after {TOOL_OUTPUT_WAIT_MS // 1000} s: "
                 "the model is no longer held for it (a later output is still accepted)")))
         self._progress_tick(now_ms)
@@ -406,7 +419,7 @@ class ToolsMixin:
         if d is None or now_ms - d.started_ms < TOOL_DECISION_TIMEOUT_MS:
             return
         self._decision = None
-        self._emit(SessionWarning(code="tool_decision_timeout", param="tools", message=(
+        self._tool_warning(SessionWarning(code="tool_decision_timeout", param="tools", message=(
             f"the tool decider gave no answer in {TOOL_DECISION_TIMEOUT_MS} ms: the model answers without tools "
             "this turn (a late decision is dropped)")))
         self._decision_without_call(d, now_ms)
@@ -443,7 +456,7 @@ class ToolsMixin:
             return
         self._decision = None
         if out.error:
-            self._emit(SessionWarning(code="tool_decision_failed", param="tools",
+            self._tool_warning(SessionWarning(code="tool_decision_failed", param="tools",
                                       message=f"the tool decider failed ({out.error}); the model answers without tools"))
         if d.kind == "answer":
             self._answer_done(d, out, now_ms)
@@ -457,7 +470,7 @@ class ToolsMixin:
             if r is None or r.id != d.response_id:
                 return
             if r.opened:  # the model already answered in this response (a unit decided before the gate)
-                self._emit(SessionWarning(code="tool_call_dropped", param="tools", message=(
+                self._tool_warning(SessionWarning(code="tool_call_dropped", param="tools", message=(
                     "the tool decider's call came after the model had started answering; the call was dropped")))
                 return
         else:
@@ -549,7 +562,7 @@ class ToolsMixin:
                 except jsonschema.ValidationError as e:
                     why = f"arguments do not match the schema: {e.message}"
             if why is not None:
-                self._emit(SessionWarning(code="tool_call_invalid", param="tools",
+                self._tool_warning(SessionWarning(code="tool_call_invalid", param="tools",
                                           message=f"the tool decider's call was dropped: {why}"))
                 continue
             ok.append(c)

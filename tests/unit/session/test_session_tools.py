@@ -221,6 +221,18 @@ def test_function_call_output_errors_keep_the_session():
     assert not d.s.closed
 
 
+def test_tool_warnings_are_logged_not_sent_in_the_compat_profile(caplog):
+    # unmodified OpenAI clients reject event types they do not know (docs/protocol.md §4.1)
+    d = Driver(SessionConfig(profile="compat"))
+    d.send({"type": "session.update", "session": {"tools": [WEATHER], "turn_detection": None}})
+    _turn(d)
+    with caplog.at_level("INFO", logger="duplexkit.session"):
+        new = d.tick(TOOL_DECISION_TIMEOUT_MS + 10)
+    assert d.of("session.warning", new) == [] and d.of("error", new) == []
+    assert "tool_decision_timeout" in caplog.text
+    assert not d.s.closed
+
+
 def test_decision_timeout_warns_and_drops_the_late_answer():
     d = _session()
     _turn(d)
