@@ -182,7 +182,7 @@ class SessionPatch(_In):
     overlap_policy: Optional[str] = None
     native_duplex: Optional[StrictBool] = None
     output_sample_rate_hz: Optional[int] = Field(default=None, strict=True)
-    tools: Optional[List[Any]] = None
+    tools: Optional[Any] = None  # checked by duplexkit.session.tools.parse_tools (invalid_tools)
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     transcription: Optional[Dict[str, Any]] = None
     tool_filler: Optional[str] = Field(default=None, max_length=500)
@@ -300,7 +300,7 @@ class ResponseParams(_In):
     accepted and not honoured (their paths in :attr:`ignored`)."""
 
     output_modalities: Optional[List[str]] = None
-    tools: Optional[List[Any]] = None
+    tools: Optional[Any] = None  # checked by duplexkit.session.tools.parse_tools (invalid_tools)
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     max_output_tokens: Optional[Union[Literal["inf"], int]] = None

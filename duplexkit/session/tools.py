@@ -132,6 +132,26 @@ def _err(code: ErrorCode, message: str, param: str, event_id: Optional[str]) -> 
     return ProtocolError(code, message, param=param, event_id=event_id)
 
 
+def _remote_ref(schema: Any, depth: int = 0) -> Optional[str]:
+    """The first ``$ref`` / ``$dynamicRef`` in ``schema`` that is not a local ``#...`` pointer (None if
+    all are local). Depth-bounded: the tool list is at most :data:`MAX_TOOLS_BYTES` of JSON."""
+    if depth > 64:
+        return None
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            if k in ("$ref", "$dynamicRef") and isinstance(v, str) and not v.startswith("#"):
+                return v
+            found = _remote_ref(v, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(schema, list):
+        for v in schema:
+            found = _remote_ref(v, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
 def parse_tools(tools: Any, param: str = "tools", event_id: Optional[str] = None) -> list:
     """Validate a list of OpenAI function tools and return them in the Realtime flat shape
     ``{"type": "function", "name", "description", "parameters"}`` (plus a duplexkit ``filler`` string
@@ -140,7 +160,8 @@ def parse_tools(tools: Any, param: str = "tools", event_id: Optional[str] = None
     Raises:
         ProtocolError(``invalid_tools``): not a list, more than :data:`MAX_TOOLS` tools or
             :data:`MAX_TOOLS_BYTES` bytes, a tool that is not a function, a bad or duplicate name, a
-            ``parameters`` that is not a valid JSON Schema of an object.
+            ``parameters`` that is not a valid JSON Schema of an object, or one with a non-local
+            ``$ref`` (the server fetches no schema).
     """
     import jsonschema
 
@@ -180,6 +201,10 @@ def parse_tools(tools: Any, param: str = "tools", event_id: Optional[str] = None
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise _err(code, "parameters must be a JSON Schema of an object ({\"type\": \"object\", ...})",
                        f"{p}.parameters", event_id)
+        ref = _remote_ref(params)
+        if ref is not None:
+            raise _err(code, f"parameters may only use local references ('#/...'), got {ref!r}: the server fetches "
+                       "no schema", f"{p}.parameters", event_id)
         try:
             jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator).check_schema(params)
         except jsonschema.SchemaError as e:

@@ -531,6 +531,12 @@ def test_session_update_validation_is_atomic():
          "invalid_tools"),
         ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "invalid_tools"),
         ({"tools": [{"type": "function", "name": f"f{i}"} for i in range(129)]}, "invalid_tools"),
+        ({"tools": "get_weather"}, "invalid_tools"),
+        ({"tools": {"type": "function", "name": "f"}}, "invalid_tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"$ref": "https://example.com/s.json"}}]},
+         "invalid_tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "file:///etc/passwd"}}}}]}, "invalid_tools"),
         ({"tool_choice": "sometimes"}, "invalid_tools"),
         ({"tool_choice": {"type": "function", "name": "missing"}}, "invalid_tools"),
         ({"temperature": 0.2, "audio": {"input": {"transcription": "whisper-1"}}}, "bad_event"),
