@@ -23,7 +23,12 @@ PACKAGES=("pipecat-ai[openai]==1.14.0" "livekit-agents==1.8.9" "livekit-plugins-
 STAMP_FILE="$VENV/.duplexkit-frameworks-stamp"
 
 stamp() {
-  { cat scripts/setup_frameworks.sh; "$PY" -c 'import sys; print(sys.version_info[:3])'; } | sha256sum | cut -d' ' -f1
+  { cat scripts/setup_frameworks.sh pyproject.toml; "$PY" -c 'import sys; print(sys.version_info[:3])'; } | sha256sum | cut -d' ' -f1
+}
+# duplexkit itself, editable from this checkout (the integrations' tests import it here: duplexkit.integrations)
+duplexkit_ok() {
+  "$VENV/bin/python" -c 'import os, duplexkit.testing, duplexkit.clients
+assert os.path.samefile(os.path.dirname(duplexkit.__file__), "duplexkit")' >/dev/null 2>&1
 }
 frameworks_ok() {
   "$VENV/bin/python" -c 'import jsonschema
@@ -32,7 +37,7 @@ from livekit.plugins.openai.realtime import RealtimeModel
 from livekit.agents import function_tool' >/dev/null 2>&1
 }
 
-if [[ ${DUPLEXKIT_FORCE:-0} != 1 && -f "$STAMP_FILE" && $(cat "$STAMP_FILE") == "$(stamp)" ]] && frameworks_ok; then
+if [[ ${DUPLEXKIT_FORCE:-0} != 1 && -f "$STAMP_FILE" && $(cat "$STAMP_FILE") == "$(stamp)" ]] && frameworks_ok && duplexkit_ok; then
   echo "[setup-frameworks] $VENV is up to date"
   exit 0
 fi
@@ -44,6 +49,13 @@ fi
 rm -f "$STAMP_FILE"
 echo "[setup-frameworks] installing ${PACKAGES[*]}"
 "$VENV/bin/python" -m pip install -q "${PACKAGES[@]}"
+# + duplexkit, editable, with its light dependencies only (numpy, soxr, webrtcvad-wheels, ...; no torch:
+# the scripted engine and the clients import without it)
+"$VENV/bin/python" -m pip install -q -e .
+if ! duplexkit_ok; then
+  echo "[setup-frameworks] error: duplexkit (this checkout) does not import in $VENV" >&2
+  exit 1
+fi
 if ! frameworks_ok; then
   echo "[setup-frameworks] error: pipecat / livekit do not import in $VENV" >&2
   "$VENV/bin/python" -c 'from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
