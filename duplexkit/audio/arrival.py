@@ -9,11 +9,14 @@ delivers ``declared_rate`` samples per second.
 The rule (:class:`ArrivalRateMonitor`):
 
 * only **continuous** streaming is judged: a gap between two appends longer than
-  ``max(gap_factor x the previous append's duration, min_gap_ms)`` (a paused microphone, a
-  client-side VAD that sends only speech, a stalled network or event loop) starts a new run;
+  ``max(min(gap_factor x the previous append's duration, max_gap_ms), min_gap_ms)`` (a paused
+  microphone, a client-side VAD that sends only speech, a stalled network or event loop, a client
+  idle after sending a whole file at once) starts a new run;
 * over the shortest window of at least ``window_ms`` (3 s) of wall time ending at the latest
-  append, with at least ``min_appends`` appends, ``ratio = frames received / (elapsed s x declared
-  rate)``;
+  append, with at least ``min_appends`` appends, ``ratio = (frames received + lead) / (elapsed s x
+  declared rate)``, where ``lead`` is how far the run was ahead of the wall clock when the window
+  opened (frames delivered since the run began minus its elapsed time x rate, at least 0): audio
+  sent ahead (a file sent at once, then live appends) covers the wall time that follows it;
 * ``ratio < min_ratio`` (0.8) is reported, once. That catches a rate declared too high by any common
   factor (16 kHz sent as 24 kHz: 0.67; 8 kHz as 16 kHz: 0.5; 16 kHz as 48 kHz: 0.33) and a
   client that drops audio, while real-time jitter (up to ~600 ms late within 3 s) stays above it;
@@ -64,8 +67,9 @@ class ArrivalRateMonitor:
         window_ms: shortest wall-clock span judged, ms (default 3000).
         min_ratio: report when frames arrive at less than this fraction of the declared rate (0.8).
         min_appends: fewest appends inside the window before it is judged (5).
-        gap_factor, min_gap_ms: a gap between appends longer than ``max(gap_factor x previous
-            append's duration, min_gap_ms)`` ends a continuous run (4, 200 ms).
+        gap_factor, min_gap_ms, max_gap_ms: a gap between appends longer than
+            ``max(min(gap_factor x previous append's duration, max_gap_ms), min_gap_ms)`` ends a
+            continuous run (4, 200 ms, 1500 ms).
     Raises:
         ValueError: a non-positive rate or window, or ``min_ratio`` outside (0, 1].
 
@@ -78,7 +82,8 @@ class ArrivalRateMonitor:
     """
 
     def __init__(self, declared_rate: int, *, window_ms: float = 3000.0, min_ratio: float = 0.8,
-                 min_appends: int = 5, gap_factor: float = 4.0, min_gap_ms: float = 200.0) -> None:
+                 min_appends: int = 5, gap_factor: float = 4.0, min_gap_ms: float = 200.0,
+                 max_gap_ms: float = 1500.0) -> None:
         if declared_rate <= 0 or window_ms <= 0:
             raise ValueError(f"declared_rate and window_ms must be > 0, got {declared_rate}, {window_ms}")
         if not (0.0 < min_ratio <= 1.0):
@@ -89,11 +94,13 @@ class ArrivalRateMonitor:
         self.min_appends = int(min_appends)
         self.gap_factor = float(gap_factor)
         self.min_gap_ms = float(min_gap_ms)
+        self.max_gap_ms = float(max_gap_ms)
         self.warned = False
-        self._points: deque = deque()  # (t_ms, cumulative frames) of the current continuous run
+        self._points: deque = deque()  # (t_ms, cumulative frames, lead frames) of the current run
         self._frames = 0
         self._last_t: Optional[float] = None
         self._last_dur_ms = 0.0
+        self._run_t0 = 0.0  # wall time of the run's first append, ms
 
     def reset(self) -> None:
         """Forget the current run (a new declared format makes a new monitor instead)."""
@@ -113,22 +120,26 @@ class ArrivalRateMonitor:
         now = float(now_ms)
         if self._last_t is not None:
             gap = now - self._last_t
-            if gap < 0 or gap > max(self.gap_factor * self._last_dur_ms, self.min_gap_ms):
+            allowed = max(min(self.gap_factor * self._last_dur_ms, self.max_gap_ms), self.min_gap_ms)
+            if gap < 0 or gap > allowed:
                 self.reset()
+        if not self._points:
+            self._run_t0 = now
         self._last_t = now
         self._last_dur_ms = frames * 1000.0 / self.declared_rate
         self._frames += frames
         pts = self._points
-        pts.append((now, self._frames))
+        lead = max(0.0, self._frames - (now - self._run_t0) * self.declared_rate / 1000.0)
+        pts.append((now, self._frames, lead))
         # keep the shortest window of >= window_ms ending now: drop the oldest anchor while the
         # next one still spans the window
         while len(pts) >= 2 and now - pts[1][0] >= self.window_ms:
             pts.popleft()
-        t0, f0 = pts[0]
+        t0, f0, lead0 = pts[0]
         span = now - t0
         if span < self.window_ms or len(pts) - 1 < self.min_appends:
             return None
-        ratio = (self._frames - f0) / (span / 1000.0 * self.declared_rate)
+        ratio = (self._frames - f0 + lead0) / (span / 1000.0 * self.declared_rate)
         if ratio >= self.min_ratio:
             return None
         self.warned = True

@@ -213,7 +213,7 @@ def test_16k_sent_as_24k_in_real_time_gets_exactly_one_warning():
     assert len(errs) == 1, errs
     e = errs[0]["error"]
     assert e["code"] == "input_rate_mismatch" and e["type"] == "invalid_request_error"
-    assert "0.67x" in e["message"] and "16000 Hz" in e["message"] and "24000 Hz" in e["message"]
+    assert "0.69x" in e["message"] and "16000 Hz" in e["message"] and "24000 Hz" in e["message"]
     # it answers the append that completed the first 3 s window (append 31 at t = 3000 ms), and
     # the audio was still used: all 12 s reached the engine (as 8 s of "24 kHz" audio)
     assert e["event_id"] == "c31"
@@ -249,6 +249,15 @@ def test_no_warning_for_correct_or_fast_streams(name, rate, chunk_ms, wall):
     assert d.t >= 1400  # the stream did span wall time
 
 
+@pytest.mark.parametrize("idle_ms", [5000, 1000, 100])
+def test_no_warning_for_a_whole_file_then_live_appends(idle_ms):
+    # a client sends a 10 s recording at once, waits, then streams its microphone in real time
+    d = Driver()
+    new = _stream(d, _speech(10.0), 16000, 10_000, lambda k: idle_ms)
+    new += _stream(d, _speech(8.0), 16000, 100, lambda k: 100)
+    assert not d.of("error", new), d.of("error", new)
+
+
 def test_the_warning_is_rearmed_by_a_new_declared_format():
     d = Driver()
     d.send({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}}})
@@ -270,10 +279,22 @@ def test_monitor_rule_directly():
     hits = [(k, w) for k, w in got if w is not None]
     assert len(hits) == 1 and hits[0][0] == 30
     w = hits[0][1]
-    assert abs(w.ratio - 2 / 3) < 1e-9 and w.likely_rate == 16000 and w.window_ms == 3000
+    # the run's lead when the window opened (its first append, 1600 frames) counts as delivered
+    assert abs(w.ratio - (30 * 1600 + 1600) / 72000) < 1e-9 and w.likely_rate == 16000 and w.window_ms == 3000
     # a stall longer than 4 appends' duration starts a new run: the slow-looking window is never judged
     mon = ArrivalRateMonitor(16000)
     for k in range(20):
         assert mon.observe(1600, 100 * k + (800 if k >= 10 else 0) + (800 if k >= 15 else 0)) is None
+    # a whole file at once (10 s), then live appends: after an idle gap (a new run) or a short one
+    # (the file's lead covers the wall time that follows it) nothing is flagged
+    for idle_ms in (5000, 1000, 300):
+        mon = ArrivalRateMonitor(16000)
+        assert mon.observe(160_000, 0) is None
+        for k in range(60):
+            assert mon.observe(1600, idle_ms + 100 * k) is None, (idle_ms, k)
+    # ... but a misdeclared live stream after a short file is still flagged once the lead is spent
+    mon = ArrivalRateMonitor(24000)
+    hits = [k for k in range(120) if mon.observe(48_000 if k == 0 else 1600, 100 * k) is not None]
+    assert len(hits) == 1
     with pytest.raises(ValueError):
         ArrivalRateMonitor(0)
