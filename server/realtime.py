@@ -70,7 +70,7 @@ async def _reject(ws: WebSocket, subprotocol: Optional[str], event: dict, close_
 
 
 WS_ENDPOINTS_HINT = ("the realtime endpoints are /v1/realtime (add ?duplex=1 for full duplex) "
-                     "and /v1/duplex")
+                     "and /v1/duplex; phone media streams: /v1/telephony/twilio and /v1/telephony/telnyx")
 
 
 async def reject_unknown_path(ws: WebSocket) -> None:

@@ -96,6 +96,30 @@ def test_openai_sdk_example(scripted_server, tmp_path):
     assert len(read_wav(out)[0]) == 72000
 
 
+def test_openai_sdk_tools_example(scripted_server, tmp_path):
+    # the tool loop of docs/tools.md with the unmodified OpenAI SDK: the call, the local function's
+    # output, the spoken answer (the scripted decider's answer text), written as a 24 kHz WAV
+    pytest.importorskip("openai")
+    out = tmp_path / "tool_answer.wav"
+    r = run(PY, "examples/openai_sdk_tools.py", "--url", scripted_server.url, "--model", "scripted",
+            "--output", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "get_weather(" in r.stdout and "(tool)" in r.stdout and "completed (client)" in r.stdout
+    pcm, rate = read_wav(out)
+    assert rate == 24000 and len(pcm) >= 24000 and float(abs(pcm).max()) > 0.01
+
+
+def test_twilio_fake_call_example(scripted_server, tmp_path):
+    # a simulated phone call through /v1/telephony/twilio: the reply is heard and timed, and the same
+    # audio over the realtime WebSocket is timed in the same run (docs/telephony.md)
+    out = tmp_path / "call.wav"
+    r = run(PY, "examples/twilio/fake_call.py", "--url", scripted_server.ws_url, "--compare-realtime",
+            "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    pcm, rate = read_wav(out)
+    assert rate == 8000 and float(abs(pcm).max()) > 0.01
+
+
 def test_gradio_example_is_import_guarded():
     r = run(PY, "-c", "import sys; sys.path.insert(0, 'examples'); import gradio_demo; print('ok')")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
