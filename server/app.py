@@ -2,6 +2,7 @@
 
 Routes: ``/v1/realtime`` and ``/v1/duplex`` (WebSocket, :mod:`duplexkit_server.realtime`),
 ``/v1/telephony/twilio`` and ``/v1/telephony/telnyx`` (phone media streams, :mod:`duplexkit_server.telephony`),
+``POST /v1/realtime/calls`` (WebRTC, :mod:`duplexkit_server.webrtc`),
 ``POST /v1/chat/completions`` (:mod:`duplexkit_server.chat`), ``GET /v1/models``, ``GET /health``,
 the probes ``GET /ready`` and ``GET /live`` (:mod:`duplexkit_server.lifecycle`), ``GET /metrics``
 (:mod:`duplexkit_server.metrics`) and the browser page at ``/`` (``static/index.html``).
@@ -662,6 +663,11 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     @app.websocket("/v1/telephony/telnyx")
     async def ws_telephony_telnyx(websocket: WebSocket):
         await telephony.handle(state, websocket, "telnyx")
+
+    from . import webrtc
+
+    # POST /v1/realtime/calls (WebRTC, docs/webrtc.md); answers 501 without aiortc
+    webrtc.install(app, state, http_auth)
 
     @app.websocket("/{path:path}")
     async def ws_unknown_path(websocket: WebSocket, path: str):
