@@ -193,6 +193,12 @@ async def follow(client, answer_wait: float) -> int:
                 return 0 if r.status in ("completed", "incomplete") else 1
         elif t == "error":
             print(f"server error: {ev.error.code}: {ev.error.message}")
+        elif t == "session.warning" and (ev.code or "").startswith("tool_"):
+            # the tool flow gave up on something (docs/tools.md): say why no call or answer came
+            print(f"tool warning: {ev.code}: {ev.message}")
+            if ev.code == "tool_decision_timeout":
+                print("  (the decider took longer than the tool gate's 3 s: on a slow CPU the tiny model often "
+                      "does; the model answers without tools this turn)")
 
 
 if __name__ == "__main__":

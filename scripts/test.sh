@@ -34,7 +34,7 @@ PY="${DUPLEXKIT_VENV:-.venv}/bin/python"
 
 # pytest's status, with 5 ("no tests collected") turned into a failure
 run_pytest() {
-  "$PY" -m pytest -ra -q "$@"
+  "$PY" -m pytest -ra -q --durations=25 "$@"
   local rc=$?
   if [[ $rc -eq 5 ]]; then
     echo "[test] pytest collected no tests: treating as failure" >&2
