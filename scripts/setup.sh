@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything duplexkit needs on a fresh Debian/Ubuntu machine: system packages
 # (PortAudio, PulseAudio for headless audio tests, espeak-ng/sox for speech fixtures, libsndfile)
-# and a virtual environment at .venv with duplexkit[all] installed in editable mode.
+# and a virtual environment at .venv with duplexkit[all] installed in editable mode (all = every extra,
+# webrtc's aiortc included: the WebRTC route and its tests need it).
 #
 # Idempotent and quick on re-runs: after a successful install it writes a stamp into the venv
 # holding a hash of pyproject.toml, this script, the Python version and DUPLEXKIT_TORCH_INDEX.
@@ -88,7 +89,7 @@ import duplexkit, duplexkit_server
 root = os.path.realpath(sys.argv[1])
 assert os.path.realpath(duplexkit.__file__).startswith(root + os.sep), duplexkit.__file__
 for mod in ("torch", "torchaudio", "stepaudio2", "transformers", "fastapi", "prometheus_client", "sounddevice", "pytest",
-            "kubernetes_validate", "ray"):
+            "kubernetes_validate", "ray", "aiortc"):
     assert importlib.util.find_spec(mod) is not None, mod
 PY
 }
