@@ -61,9 +61,9 @@ def _mic_track():
             self._t0: Optional[float] = None
             self._pts = 0
 
-        def say(self, x48: np.ndarray) -> asyncio.Future:
+        def say(self, x48: np.ndarray, started: Optional[asyncio.Future] = None) -> asyncio.Future:
             fut = asyncio.get_running_loop().create_future()
-            self._clips.append([np.asarray(x48, np.float32), 0, fut])
+            self._clips.append([np.asarray(x48, np.float32), 0, fut, started])
             return fut
 
         async def recv(self):
@@ -81,6 +81,8 @@ def _mic_track():
             filled = 0
             while filled < FRAME and self._clips:
                 clip = self._clips[0]
+                if clip[1] == 0 and clip[3] is not None and not clip[3].done():
+                    clip[3].set_result(time.monotonic())  # its first frame goes out now
                 k = min(FRAME - filled, clip[0].size - clip[1])
                 out[filled:filled + k] = clip[0][clip[1]:clip[1] + k]
                 clip[1] += k
@@ -112,6 +114,7 @@ class RtcCall:
     def __init__(self, url: str, *, key: Optional[str] = None, duplex: bool = False,
                  session: Optional[dict] = None, form: bool = False) -> None:
         self.url, self.key, self.duplex, self.session, self.form = url.rstrip("/"), key, duplex, session, form
+        self._first: list = []  # clips queued before connect(): the track's first frames
         self.events: list[tuple[float, dict]] = []
         self.frames: list[tuple[float, float]] = []
         self.audio: list[np.ndarray] = []
@@ -130,6 +133,9 @@ class RtcCall:
         self._changed = asyncio.Event()
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.mic = _mic_track()
+        for x48, started, done in self._first:
+            done_fut = self.mic.say(x48, started)
+            done_fut.add_done_callback(lambda f, d=done: d.done() or d.set_result(f.result()))
         self.pc.addTrack(self.mic)
         self.channel = self.pc.createDataChannel("oai-events")
         opened = asyncio.get_running_loop().create_future()
@@ -181,10 +187,17 @@ class RtcCall:
             self.frames.append((time.monotonic(), float(np.sqrt(np.mean(a * a))) if a.size else 0.0))
             self._changed.set()
 
-    def say(self, audio: np.ndarray, rate: int) -> asyncio.Future:
+    def say(self, audio: np.ndarray, rate: int, started: Optional[asyncio.Future] = None) -> asyncio.Future:
         """Speak ``audio`` (mono float32 at ``rate`` Hz) into the microphone track; the future gives
-        the ``time.monotonic()`` at which its last sample was sent."""
-        return self.mic.say(resample(np.asarray(audio, np.float32), rate, RTC_RATE))
+        the ``time.monotonic()`` at which its last sample was sent (``started``, when given, gets the
+        time its first frame was sent). Before :meth:`connect` the clip becomes the track's first
+        audio (the session's input then starts with it)."""
+        x48 = resample(np.asarray(audio, np.float32), rate, RTC_RATE)
+        if self.mic is None:
+            done = asyncio.get_running_loop().create_future()
+            self._first.append((x48, started, done))
+            return done
+        return self.mic.say(x48, started)
 
     def send(self, event: dict) -> None:
         """Send a client event on the data channel."""

@@ -73,6 +73,9 @@ APPEND_MS = 100
 ACK_EVERY_MS = 200
 #: The data channel OpenAI's clients open for events.
 EVENTS_LABEL = "oai-events"
+#: Frames aiortc's jitter buffer holds before it hands the microphone's audio on (aiortc's own
+#: default is 4, i.e. 80 ms; see :func:`_shorten_jitter_buffer`).
+INPUT_JITTER_FRAMES = 1
 #: Largest SDP offer accepted, bytes.
 MAX_SDP_BYTES = 64 * 1024
 #: A call whose peer connection is not up this long after the answer ends, seconds.
@@ -466,6 +469,21 @@ def _make_track(take: Callable[[], Any]):
     return PacedAudioTrack()
 
 
+def _shorten_jitter_buffer(pc, track) -> None:
+    """Hand the microphone's frames to the session after :data:`INPUT_JITTER_FRAMES` instead of
+    aiortc's 4 (80 ms): the input feeds the model, not a speaker, so it needs no playout smoothing
+    (a late frame is only late). Best effort: aiortc keeps the buffer in a private attribute."""
+    try:
+        from aiortc.jitterbuffer import JitterBuffer
+
+        for t in pc.getTransceivers():
+            rx = t.receiver
+            if rx is not None and rx.track is track and hasattr(rx, "_RTCRtpReceiver__jitter_buffer"):
+                rx._RTCRtpReceiver__jitter_buffer = JitterBuffer(capacity=16, prefetch=INPUT_JITTER_FRAMES)
+    except Exception:  # another aiortc version: keep its default
+        logger.debug("webrtc: the input jitter buffer could not be shortened", exc_info=True)
+
+
 class WebRTCCall:
     """One WebRTC call: a peer connection driving one Session (module docstring). Registered in
     ``ServerState.connections`` like a realtime connection (``session``, :meth:`shutdown`).
@@ -536,6 +554,7 @@ class WebRTCCall:
         @self.pc.on("track")
         def on_track(track) -> None:
             if track.kind == "audio":
+                _shorten_jitter_buffer(self.pc, track)
                 self._spawn(self._read_mic(track), "webrtc-mic")
 
         @self.pc.on("connectionstatechange")
