@@ -110,6 +110,7 @@ try:  # Pipecat is an optional extra: the module imports without it (the service
     from pipecat.processors.aggregators.llm_context import LLMContext
     from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.llm_service import FunctionCallFromLLM, LLMService
+    from pipecat.services.settings import LLMSettings
     from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
     from pipecat.utils.text.base_text_aggregator import TextType
     from pipecat.utils.time import time_now_iso8601
@@ -280,6 +281,12 @@ class DuplexkitLLMService(LLMService):
             raise OptionalDependencyError("pipecat", "pipecat", "duplexkit.integrations.pipecat")
         if (engine is None) == (url is None):
             raise PipecatPlugError("give exactly one of engine= (inline) and url= (remote)")
+        if "settings" not in kwargs:  # Pipecat wants every field set; the session owns these
+            model = getattr(engine, "model_id", None) if engine is not None else None
+            kwargs["settings"] = LLMSettings(
+                model=model or "duplexkit", system_instruction=instructions, temperature=None, max_tokens=None,
+                top_p=None, top_k=None, frequency_penalty=None, presence_penalty=None, seed=None,
+                filter_incomplete_user_turns=False, user_turn_completion_config=None)
         super().__init__(**kwargs)
         self._engine, self._url, self._api_key = engine, url, api_key
         self._tools_arg = tools
