@@ -9,6 +9,10 @@
 //            reports what was heard with playback.ack{truncate:true} (§7.3).
 //   Session  connect, events, states (idle, connecting, listening, speaking, interrupted, error),
 //            teardown. Every error releases the microphone and closes the socket.
+//   Rtc      the WebRTC transport (docs/webrtc.md): the microphone track and the `oai-events` data
+//            channel on an RTCPeerConnection, the offer POSTed to /v1/realtime/calls, the answer
+//            played from the remote track. The server paces the audio, reports playback truth and
+//            clears the track on barge-in, so Player, Mic capture and Barge are not used then.
 // `window.duplexkit` exposes the live state for debugging and for the browser tests.
 "use strict";
 
@@ -171,6 +175,7 @@ class Mic {
 const dk = window.duplexkit = {
   state: "idle", error: null, sessionId: null, ws: null, mic: null, player: null,
   appendsSent: 0, acks: [], responses: [], states: [], micTrack: null,
+  transport: "websocket", rtc: null, callId: null, trackEvents: [],
 };
 let active = null;          // the response being generated: {id, item, el, status}
 let frames = [], framesLen = 0;
@@ -192,7 +197,14 @@ function line(cls, text) {
   $("transcript").appendChild(d); $("transcript").scrollTop = 1e9;
   return d;
 }
-function send(ev) { if (dk.ws && dk.ws.readyState === WebSocket.OPEN) { dk.ws.send(JSON.stringify(ev)); return true; } return false; }
+function send(ev) {
+  if (dk.rtc) {
+    if (dk.rtc.dc.readyState === "open") { dk.rtc.dc.send(JSON.stringify(ev)); return true; }
+    return false;
+  }
+  if (dk.ws && dk.ws.readyState === WebSocket.OPEN) { dk.ws.send(JSON.stringify(ev)); return true; }
+  return false;
+}
 function findResp(id) { return dk.responses.find((r) => r.id === id); }
 function ack(r, played, truncate) {
   const ev = { type: "playback.ack", response_id: r.id, played_ms: played };
@@ -206,6 +218,14 @@ function ack(r, played, truncate) {
 // flush the player at once and report what was heard (§7.4)
 function cutShort(r, why) {
   if (r.acked !== null) return;
+  if (!dk.player) {   // WebRTC: the server cleared its track and finalised the item itself
+    r.acked = 0;
+    note(`(${why})`);
+    setState("interrupted");
+    clearTimeout(interruptedTimer);
+    interruptedTimer = setTimeout(() => { if (dk.state === "interrupted") setState("listening"); }, 800);
+    return;
+  }
   const played = dk.player.flush(r.id);
   ack(r, played, true);
   note(`(${why} after ${played} ms)`);
@@ -296,6 +316,7 @@ function onEvent(ev) {
       break;
     }
     case "output_audio_buffer.cleared": {
+      if (dk.rtc) dk.trackEvents.push({ type: ev.type, response_id: ev.response_id, at: performance.now() });
       const r = ev.response_id && findResp(ev.response_id);
       if (r) cutShort(r, "cleared");
       break;
@@ -304,7 +325,7 @@ function onEvent(ev) {
       const r = findResp(ev.response.id);
       if (!r) break;
       r.status = ev.response.status; r.el.dataset.status = r.status;
-      r.doneAt = performance.now(); r.playedAtDone = dk.player.playedMs(r.id);
+      r.doneAt = performance.now(); r.playedAtDone = dk.player ? dk.player.playedMs(r.id) : null;
       if (active === r) active = null;
       if (r.status === "cancelled") cutShort(r, "interrupted");
       else if (r.status === "failed") {
@@ -323,6 +344,18 @@ function onEvent(ev) {
       } else {
         note("server error: " + lastServerError);   // a bad event: the session goes on (§9)
       }
+      break;
+    }
+    // WebRTC only (docs/webrtc.md): the server's track started / finished / dropped a response's audio
+    case "output_audio_buffer.started":
+      dk.trackEvents.push({ type: ev.type, response_id: ev.response_id, at: performance.now() });
+      if (dk.state !== "error") setState("speaking");
+      break;
+    case "output_audio_buffer.stopped": {
+      dk.trackEvents.push({ type: ev.type, response_id: ev.response_id, at: performance.now() });
+      const r = findResp(ev.response_id);
+      if (r && r.acked === null) r.acked = 0;   // heard in full: the server acknowledged it
+      if (dk.state === "speaking") setState("listening");
       break;
     }
     case "session.closed":
@@ -378,9 +411,11 @@ function openSocket(key) {
 async function start() {
   userClosing = false; lastServerError = null; initEventId = null;
   dk.error = null; dk.sessionId = null; dk.appendsSent = 0; dk.acks = []; dk.responses = []; dk.states = []; active = null;
+  dk.trackEvents = []; dk.callId = null; dk.transport = $("transport").value;
   $("error").textContent = "";
   $("start").disabled = true; $("stop").disabled = false;
   setState("connecting");
+  if (dk.transport === "webrtc") { startRtc(); return; }
   try {
     dk.player = new Player();          // created inside the click: allowed to play
     dk.mic = new Mic(onFrame);
@@ -393,19 +428,89 @@ async function start() {
     dk.micTrack = dk.mic.track;
     await dk.player.ctx.resume();
     initEventId = "init_" + Date.now();
-    const session = {
-      type: "realtime",
-      audio: {
-        input: {
-          format: { type: "audio/pcm", rate: INPUT_RATE },
-          turn_detection: { type: "server_vad", create_response: $("answer").checked, interrupt_response: true },
-        },
-        output: { format: { type: "audio/pcm", rate: OUTPUT_RATE } },
-      },
-    };
-    if (voice) session.ref_audio = voice.url;
-    ws.send(JSON.stringify({ type: "session.update", event_id: initEventId, session }));
+    ws.send(JSON.stringify({ type: "session.update", event_id: initEventId, session: sessionSettings(voice) }));
     ticker = setInterval(tick, 50);
+  } catch (e) {
+    if (userClosing) return;
+    fail(describe(e));
+  }
+}
+
+// the session settings both transports send (WebSocket: the first session.update; WebRTC: the
+// `session` field of the call request, applied before session.created)
+function sessionSettings(voice) {
+  const session = {
+    type: "realtime",
+    audio: {
+      input: {
+        format: { type: "audio/pcm", rate: INPUT_RATE },
+        turn_detection: { type: "server_vad", create_response: $("answer").checked, interrupt_response: true },
+      },
+      output: { format: { type: "audio/pcm", rate: OUTPUT_RATE } },
+    },
+  };
+  if (voice) session.ref_audio = voice.url;
+  return session;
+}
+
+// ------------------------------------------------------------------------------------ Rtc
+// resolves once ICE gathering is complete (the server takes no trickled candidates), or after 3 s
+function iceGathered(pc) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const t = setTimeout(resolve, 3000);
+    pc.addEventListener("icegatheringstatechange", () => {
+      if (pc.iceGatheringState === "complete") { clearTimeout(t); resolve(); }
+    });
+  });
+}
+
+async function startRtc() {
+  try {
+    const voiceFile = $("voice").files[0];
+    const voice = voiceFile ? await voiceDataUrl(voiceFile) : null;
+    if (userClosing) return;
+    const stream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+    if (userClosing) { stream.getTracks().forEach((t) => t.stop()); return; }
+    const pc = new RTCPeerConnection();
+    const audio = document.createElement("audio");
+    audio.autoplay = true;
+    const dc = pc.createDataChannel("oai-events");
+    dk.rtc = { pc, dc, audio, stream };
+    dk.mic = { close: () => stream.getTracks().forEach((t) => t.stop()) };
+    dk.micTrack = stream.getAudioTracks()[0];
+    pc.addTrack(dk.micTrack, stream);
+    pc.ontrack = (e) => { audio.srcObject = e.streams[0] || new MediaStream([e.track]); audio.play().catch(() => {}); };
+    dc.onmessage = (m) => { try { onEvent(JSON.parse(m.data)); } catch (e) { console.error(e); } };
+    dc.onclose = () => { if (dk.rtc && dk.rtc.dc === dc && !userClosing) fail(lastServerError || "the call ended (data channel closed)"); };
+    pc.onconnectionstatechange = () => {
+      if (pc.connectionState === "failed" && dk.rtc && dk.rtc.pc === pc && !userClosing) fail(`cannot reach the server's media (WebRTC ${pc.connectionState})`);
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGathered(pc);
+    if (userClosing) return;
+    const u = new URL("v1/realtime/calls", location.href);
+    if ($("profile").value === "duplex") u.searchParams.set("duplex", "1");
+    if ($("model").value) u.searchParams.set("model", $("model").value);
+    const form = new FormData();   // OpenAI's unified shape: sdp + session
+    form.append("sdp", pc.localDescription.sdp);
+    form.append("session", JSON.stringify(sessionSettings(voice)));
+    const key = $("key").value.trim();
+    let r;
+    try {
+      r = await fetch(u.href, { method: "POST", body: form, headers: key ? { Authorization: "Bearer " + key } : {} });
+    } catch (e) { throw new Error(`cannot reach the server at ${location.host}`); }
+    if (r.status !== 201) {
+      let msg = `HTTP ${r.status}`;
+      try { const e = (await r.json()).error; msg = `${e.message} (${e.code})`; } catch (e) { /* not JSON */ }
+      throw new Error(msg);
+    }
+    dk.callId = (r.headers.get("Location") || "").split("/").pop() || null;
+    const answer = await r.text();
+    if (userClosing) return;
+    await pc.setRemoteDescription({ type: "answer", sdp: answer });
   } catch (e) {
     if (userClosing) return;
     fail(describe(e));
@@ -424,6 +529,15 @@ function describe(e) {
 function teardown() {
   clearInterval(ticker); ticker = 0;
   if (dk.mic) dk.mic.close();
+  const rtc = dk.rtc;
+  dk.rtc = null;
+  if (rtc) {   // WebRTC: session.close on the channel, then the peer connection goes (the server ends the call)
+    if (rtc.dc.readyState === "open") { try { rtc.dc.send(JSON.stringify({ type: "session.close" })); } catch (e) { /* closing */ } }
+    rtc.dc.onclose = null;
+    rtc.stream.getTracks().forEach((t) => t.stop());
+    rtc.audio.srcObject = null;
+    setTimeout(() => rtc.pc.close(), 100);
+  }
   const ws = dk.ws;
   dk.ws = null;
   if (ws) {
