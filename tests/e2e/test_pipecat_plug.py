@@ -155,3 +155,21 @@ def test_pipecat_plug_remote_barge_in(tmp_path):
     with ServerProc("scripted", "--scripted", "units_per_turn=8") as srv:
         rep = _flow(tmp_path, "--flow", "barge_in", "--url", srv.url, "--wav", str(INTERRUPT), server=srv)
     _check_barge_in(rep)
+
+
+def test_pipecat_agent_example_runs_inline_scripted(tmp_path):
+    """examples/pipecat_agent.py as documented: inline scripted engine, says so, runs the tool and
+    writes the spoken filler and answer (1 s + 2 s of the scripted voice)."""
+    out = tmp_path / "answer.wav"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([_python(), str(REPO / "examples" / "pipecat_agent.py"), "--output", str(out),
+                        "--listen-s", "4"], capture_output=True, text=True, timeout=bound(180), cwd=str(tmp_path),
+                       env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("NOTE: the SCRIPTED engine"), r.stdout
+    assert "[tool] get_weather({'city': 'Paris'})" in lines and f"[bot] {ANSWER}" in lines, r.stdout
+    import wave
+
+    with wave.open(str(out), "rb") as w:
+        assert w.getframerate() == 24_000 and abs(w.getnframes() / 24_000 - 3.0) < 0.05
