@@ -266,3 +266,36 @@ def test_parse_offer_shapes():
         parse_offer("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--x--")
     with pytest.raises(BadOffer):
         parse_offer("application/sdp", b"\xff\xfe")
+
+
+def test_shutdown_sends_session_closed_on_the_channel_and_ends_the_call():
+    import signal
+
+    with ServerProc("scripted") as srv:
+        async def go():
+            call = await RtcCall(srv.url).connect(timeout=bound(30))
+            try:
+                await call.wait_for(lambda c: c.event("session.created"), bound(10), "session.created")
+                srv.proc.send_signal(signal.SIGINT)
+                _, closed = await call.wait_for(lambda c: c.event("session.closed"), bound(30), "session.closed")
+                assert closed["reason"] == "shutdown"
+            finally:
+                await call.close()
+
+        asyncio.run(go())
+        assert srv.proc.wait(bound(60)) is not None
+        assert "ended (shutdown)" in srv.output(), srv.output()[-3000:]
+
+
+def test_without_aiortc_the_route_answers_501_with_an_install_hint(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from duplexkit.testing import ScriptedEngine
+    from duplexkit_server import create_app, webrtc
+
+    monkeypatch.setattr(webrtc, "available", lambda: False)
+    with TestClient(create_app(ScriptedEngine()), base_url="http://127.0.0.1") as c:
+        r = c.post("/v1/realtime/calls", content=b"v=0\r\n", headers={"Content-Type": "application/sdp"})
+    assert r.status_code == 501, r.text
+    err = r.json()["error"]
+    assert err["code"] == "webrtc_unavailable" and "pip install" in err["message"] and err["type"] == "server_error"
