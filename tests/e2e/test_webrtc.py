@@ -115,12 +115,14 @@ def test_call_answers_on_the_track_events_on_the_channel_barge_in_and_end(server
                 lambda c: next((x for x in c.events if x[1]["type"] == "response.done"
                                 and x[1]["response"]["id"] == rid2), None), bound(30), "response.done of the 2nd")
             assert done2["response"]["status"] == "cancelled", done2
-            # nothing loud on the track from shortly after the clear until a next answer starts
+            # the track goes quiet at once: after the clear only what was already in flight or in the
+            # client's jitter buffer (4 frames) is heard, counted in frames (not in time: a loaded
+            # machine may deliver frames late, but not more of them)
+            await asyncio.sleep(1.0)  # the user is still speaking: no next answer yet
             nxt = call.event("output_audio_buffer.started", t_clear)
             t_next = nxt[0] if nxt else float("inf")
-            await asyncio.sleep(0.8)
-            late = [(t - t_clear, r) for t, r in call.frames if t_clear + 0.3 < t < min(t_next, t_clear + 0.8) and r > LOUD]
-            assert late == [], late
+            late = [round(t - t_clear, 3) for t, r in call.frames if t_clear < t < min(t_next, t_clear + 1.0) and r > LOUD]
+            assert len(late) <= 10, late  # 200 ms at most
             played2 = sum(1 for t, r in call.frames if t > t_q2 and t < t_clear and r > LOUD) * 20
             assert 500 < played2 < (UNITS_PER_TURN - 2) * 1000, played2
             # 3. the channel carries the realtime events, renumbered, without audio deltas
