@@ -292,7 +292,7 @@ async def bench(args) -> dict:
             async for _ in h.audio():
                 raw_ms.append((time.perf_counter() - t) * 1000)
                 break
-            await h.wait(30)
+            await client.cancel()
         # the plugin (a RealtimeSession, as AgentSession drives it)
         model = (RealtimeModel(engine=engine, turn_detection=None) if engine is not None
                  else RealtimeModel(url=args.url, turn_detection=None))
@@ -306,6 +306,7 @@ async def bench(args) -> dict:
                 plug_ms.append((time.perf_counter() - t) * 1000)
                 break
             break
+        rt.interrupt()
         await model.aclose()
     if engine is not None:
         await engine.aclose()
