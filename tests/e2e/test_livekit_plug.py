@@ -127,3 +127,20 @@ def test_livekit_plug_remote_serve_scripted(tmp_path):
                     "--scripted", f"tool_script=[[\"get_weather\", {json.dumps(SCRIPTED_ARGS)}]]") as server:
         rep = _run(py, tmp_path, "--url", server.url, server=server)
     _check(rep)
+
+
+def test_livekit_agent_example_runs_without_a_livekit_server(tmp_path):
+    """examples/livekit_agent.py: inline scripted engine, WAV in, WAV out; it says the engine is scripted."""
+    py = _frameworks_python()
+    out = tmp_path / "answer.wav"
+    r = subprocess.run([py, str(REPO / "examples" / "livekit_agent.py"), "--output", str(out),
+                        "--idle-s", "1.5", "--timeout", str(bound(60))],
+                       capture_output=True, text=True, timeout=bound(180), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SCRIPTED engine" in r.stderr
+    assert "[tool] get_weather(city='Paris')" in r.stdout
+    assert f"[agent] {SCRIPTED_ANSWER}" in r.stdout
+    import wave
+
+    with wave.open(str(out), "rb") as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 24000
