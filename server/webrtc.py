@@ -653,6 +653,7 @@ class WebRTCCall:
         elif t == "output_audio_buffer.cleared":  # the session's answer to output_audio_buffer.clear
             if event.get("response_id"):
                 self._barge_in(event["response_id"], announce=False)
+            self._barge_in(None, announce=False)  # and the tail of a finished response still queued
         elif t == "response.done":
             resp = event.get("response") or {}
             rid = resp.get("id")

@@ -177,6 +177,35 @@ def test_form_with_session_capacity_and_hangup(server):
     asyncio.run(go())
 
 
+def test_client_output_audio_buffer_clear_empties_the_track(server):
+    """OpenAI's WebRTC-only client event: ``output_audio_buffer.clear`` cancels the response and the
+    track goes quiet at once (one ``output_audio_buffer.cleared``, from the session)."""
+    wait_closed(server, "before")
+
+    async def go():
+        call = await RtcCall(server.url, key=KEY).connect(timeout=bound(30))
+        try:
+            await call.wait_for(lambda c: c.event("session.created"), bound(10), "session.created")
+            call.send({"type": "response.create"})
+            _, st = await call.wait_for(lambda c: c.event("output_audio_buffer.started"), bound(30), "the answer")
+            await call.wait_for(lambda c: c.first_sound(0, LOUD), bound(10), "answer audio")
+            await asyncio.sleep(0.5)
+            call.send({"type": "output_audio_buffer.clear"})
+            t_clear, ev = await call.wait_for(lambda c: c.event("output_audio_buffer.cleared"), bound(10), "cleared")
+            assert ev["response_id"] == st["response_id"]
+            _, done = await call.wait_for(lambda c: c.event("response.done"), bound(10), "response.done")
+            assert done["response"]["status"] == "cancelled"
+            await asyncio.sleep(1.0)
+            late = [t for t, r in call.frames if t > t_clear and r > LOUD]
+            assert len(late) <= 10, late
+            assert call.types().count("output_audio_buffer.cleared") == 1
+        finally:
+            await call.close()
+        wait_closed(server, "after the call")
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("body, ctype, param", [
     (b"hello", "application/sdp", "sdp"),
     (b"v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n",
