@@ -17,7 +17,8 @@ if [[ ${DUPLEXKIT_SKIP_VLLM:-0} != 1 ]]; then
   fi
 fi
 # Pipecat's and LiveKit Agents' OpenAI Realtime services (tests/e2e/test_framework_tools.py, ~16 s) and
-# duplexkit's Pipecat service (tests/e2e/test_pipecat_plug.py, ~60 s) run in a separate venv
+# duplexkit's Pipecat service (tests/e2e/test_pipecat_plug.py, ~60 s) and LiveKit plugin
+# (tests/e2e/test_livekit_plug.py, ~45 s) run in a separate venv
 # (scripts/setup_frameworks.sh, ~40 s once, then ~3 s). DUPLEXKIT_SKIP_FRAMEWORKS=1 leaves it out;
 # a failed install is reported here and the tests then skip, naming the reason.
 if [[ ${DUPLEXKIT_SKIP_FRAMEWORKS:-0} != 1 ]]; then
