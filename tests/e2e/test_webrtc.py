@@ -206,6 +206,40 @@ def test_client_output_audio_buffer_clear_empties_the_track(server):
     asyncio.run(go())
 
 
+def test_the_openai_sdk_creates_a_call(server):
+    """``OpenAI().realtime.calls.create(sdp=..., session=...)`` (the unmodified SDK: its multipart
+    form) gets the SDP answer; the peer connection comes up and ``session.created`` shows the session."""
+    openai = pytest.importorskip("openai")
+    if not hasattr(openai.OpenAI(api_key="x").realtime, "calls"):
+        pytest.skip("this openai version has no realtime.calls")
+    from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+    from aiortc.mediastreams import AudioStreamTrack
+
+    wait_closed(server, "before")
+
+    async def go():
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTrack(AudioStreamTrack())  # a silent microphone
+        ch = pc.createDataChannel("oai-events")
+        got: asyncio.Queue = asyncio.Queue()
+        ch.on("message", lambda m: got.put_nowait(__import__("json").loads(m)))
+        try:
+            await pc.setLocalDescription(await pc.createOffer())
+            client = openai.OpenAI(api_key=KEY, base_url=server.url + "/v1")
+            answer = await asyncio.to_thread(client.realtime.calls.create, sdp=pc.localDescription.sdp,
+                                             session={"type": "realtime", "model": "gpt-realtime",
+                                                      "instructions": "Answer in one sentence."})
+            assert answer.text.startswith("v=0")
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=answer.text, type="answer"))
+            ev = await asyncio.wait_for(got.get(), bound(30))
+            assert ev["type"] == "session.created" and ev["session"]["instructions"] == "Answer in one sentence."
+        finally:
+            await pc.close()
+        wait_closed(server, "after the SDK's call")
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("body, ctype, param", [
     (b"hello", "application/sdp", "sdp"),
     (b"v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n",
