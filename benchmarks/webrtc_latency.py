@@ -89,12 +89,14 @@ def _utterance(question: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([lead, question[:end]]), np.concatenate([question[end:], np.zeros(4 * SR, np.float32)])
 
 
-async def ws_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: float) -> float:
+async def ws_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: float, key: Optional[str] = None) -> float:
     """Like a microphone client: the 100 ms append holding samples [i*0.1, (i+1)*0.1) s is sent once
     they are recorded, at t0 + (i+1)*0.1 s; the speech ends at t0 + len(speech)/SR."""
     import websockets
 
-    async with websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime", max_size=None) as ws:
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime", max_size=None,
+                                  additional_headers=headers) as ws:
         first_audio: asyncio.Future = asyncio.get_running_loop().create_future()
         created: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -127,13 +129,13 @@ async def ws_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: floa
         return (t_first - t_end) * 1000
 
 
-async def rtc_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: float) -> float:
+async def rtc_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: float, key: Optional[str] = None) -> float:
     """The utterance is the microphone track's first audio (the session's input starts with it, as
     on the WebSocket); frame k (20 ms) is sent at t_first_frame + k*0.02 s, i.e. once recorded with
     t0 = t_first_frame - 0.02 s; the speech ends at t0 + len(speech)/SR."""
     from webrtc_client import RtcCall
 
-    call = RtcCall(url)
+    call = RtcCall(url, key=key)
     started = asyncio.get_running_loop().create_future()
     call.say(np.concatenate([speech, rest]), SR, started)
     await call.connect(timeout=timeout)
@@ -146,14 +148,14 @@ async def rtc_round(url: str, speech: np.ndarray, rest: np.ndarray, timeout: flo
         await call.close()
 
 
-async def run(url: str, rounds: int, timeout: float) -> dict:
+async def run(url: str, rounds: int, timeout: float, key: Optional[str] = None) -> dict:
     q, _ = read_wav(REPO / "tests" / "fixtures" / "audio" / "question_16k.wav", SR)
     speech, rest = _utterance(q)
     res: dict[str, list[float]] = {"websocket": [], "webrtc": []}
     for r in range(rounds):
         for name, fn in (("websocket", ws_round), ("webrtc", rtc_round)) if r % 2 == 0 else \
                 (("webrtc", rtc_round), ("websocket", ws_round)):
-            ms = await fn(url, speech, rest, timeout)
+            ms = await fn(url, speech, rest, timeout, key)
             res[name].append(ms)
             print(f"round {r + 1} {name:9s} {ms:7.0f} ms", flush=True)
             await asyncio.sleep(0.5)
@@ -163,6 +165,7 @@ async def run(url: str, rounds: int, timeout: float) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="end of speech -> first answer audio, WebSocket vs WebRTC")
     ap.add_argument("--url", default=None, help="a running server (default: start duplexkit serve scripted)")
+    ap.add_argument("--key", default=None, help="API key of --url (Bearer)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--units", type=int, default=1, help="scripted answer length, units (s)")
     ap.add_argument("--timeout", type=float, default=30.0)
@@ -173,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if url is None:
         proc, url = _start_server(args.units)
     try:
-        res = asyncio.run(run(url, args.rounds, args.timeout))
+        res = asyncio.run(run(url, args.rounds, args.timeout, args.key))
     finally:
         if proc is not None:
             proc.terminate()

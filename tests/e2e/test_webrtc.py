@@ -240,6 +240,24 @@ def test_the_openai_sdk_creates_a_call(server):
     asyncio.run(go())
 
 
+def test_latency_benchmark_runs_a_round_on_both_transports(server, tmp_path):
+    """benchmarks/webrtc_latency.py against this server: one round each, its table and JSON."""
+    import json
+    import subprocess
+
+    wait_closed(server, "before")
+    out = tmp_path / "lat.json"
+    r = subprocess.run([sys.executable, "benchmarks/webrtc_latency.py", "--url", server.url, "--key", KEY,
+                        "--rounds", "1", "--out", str(out)], cwd=str(REPO), capture_output=True, text=True,
+                       timeout=bound(180))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "webrtc adds" in r.stdout
+    res = json.loads(out.read_text())
+    assert len(res["websocket"]) == 1 and len(res["webrtc"]) == 1
+    assert all(0 < v[0] < 10_000 for v in res.values()), res
+    wait_closed(server, "after the benchmark")
+
+
 @pytest.mark.parametrize("body, ctype, param", [
     (b"hello", "application/sdp", "sdp"),
     (b"v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n",
