@@ -356,7 +356,7 @@ class RealtimeSession(_SessionBase):
         local_ids = {it.id for it in chat_ctx.items}
         waits = []
         for it in chat_ctx.items:
-            if it.id in remote_ids:
+            if it.id in remote_ids or it.id.startswith("lk."):  # LiveKit's own instructions messages
                 continue
             event: Optional[dict] = None
             if it.type == "function_call_output":
@@ -459,6 +459,7 @@ class RealtimeSession(_SessionBase):
         self._main.cancel()
         with contextlib.suppress(BaseException):
             await self._main
+        self._drain_ops(DuplexRealtimeError("the session closed", code="session_closed"))
 
     # ------------------------------------------------------------------ internals: calls in order
     def _enqueue(self, coro: Any) -> "asyncio.Future":
@@ -528,7 +529,8 @@ class RealtimeSession(_SessionBase):
             coro, fut = self._ops.get_nowait()
             coro.close()
             if not fut.done():
-                fut.set_exception(DuplexRealtimeError(f"the session did not open: {exc}", code="connection_failed"))
+                fut.set_exception(exc if isinstance(exc, DuplexRealtimeError) else
+                                  DuplexRealtimeError(f"the session did not open: {exc}", code="connection_failed"))
                 fut.exception()
 
     def _emit_error(self, exc: BaseException, *, recoverable: bool) -> None:

@@ -144,3 +144,20 @@ def test_livekit_agent_example_runs_without_a_livekit_server(tmp_path):
 
     with wave.open(str(out), "rb") as w:
         assert w.getframerate() == 24000 and w.getnframes() > 24000
+
+
+def test_without_livekit_agents_the_module_imports_and_says_what_to_install():
+    """In duplexkit's own venv (no livekit-agents) the module imports (tests/unit/test_errors.py walks
+    every module) and making a model raises the typed OptionalDependencyError."""
+    try:
+        import livekit.agents  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        pytest.skip("livekit-agents is installed in this venv")
+    from duplexkit.errors import DuplexkitError, OptionalDependencyError
+    from duplexkit.integrations import livekit as plug
+
+    assert issubclass(plug.DuplexRealtimeError, DuplexkitError)
+    with pytest.raises(OptionalDependencyError, match=r"duplexkit\[livekit\]"):
+        plug.RealtimeModel(url="ws://127.0.0.1:1")
