@@ -130,7 +130,8 @@ OUTPUT_RATE = 24_000
 
 class PipecatPlugError(DuplexkitError, ValueError):
     """A :class:`DuplexkitLLMService` that cannot be built as asked (code ``bad_config``): neither or
-    both of ``engine`` and ``url``, or a tool that is not a function tool with a name."""
+    both of ``engine`` and ``url``, a tool that is not a function tool with a name, or parameters
+    that are not a valid JSON Schema."""
 
     default_code = "bad_config"
 
@@ -161,6 +162,10 @@ class _PipecatTool(FunctionTool):
         self.timeout_s = None  # Pipecat's timeout_secs applies (a timed-out call gets an error output)
         self.late_result = "drop"
         self.arguments_model = None
+        try:
+            jsonschema.Draft202012Validator.check_schema(parameters)
+        except jsonschema.SchemaError as exc:
+            raise PipecatPlugError(f"tool {name!r}: parameters are not a valid JSON Schema: {exc.message}") from None
         self._validator = jsonschema.Draft202012Validator(parameters)
 
     @property
@@ -269,7 +274,8 @@ class DuplexkitLLMService(LLMService):
         input_rates: the sample rates in Hz of the input audio frames seen so far.
 
     Raises:
-        PipecatPlugError: neither or both of ``engine`` and ``url``; a tool that is not a function tool.
+        PipecatPlugError: neither or both of ``engine`` and ``url``; a tool that is not a function tool,
+            or whose parameters are not a valid JSON Schema.
         OptionalDependencyError: Pipecat is not installed.
     """
 
@@ -597,10 +603,10 @@ class DuplexkitLLMService(LLMService):
             self._claimed.discard(rec.call_id)
         if frame.error:
             raise ToolError(frame.error, tool=tool.name)
-        return tool_output_text(frame.result)
+        return _tool_output_text(frame.result)
 
 
-def tool_output_text(result: Any) -> str:
+def _tool_output_text(result: Any) -> str:
     """A handler's result as ``function_call_output.output`` text: a ``str`` as it is, anything
     else as JSON (non-JSON values through ``str``)."""
     if isinstance(result, str):

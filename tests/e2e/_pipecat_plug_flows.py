@@ -16,6 +16,8 @@ Flows (``--flow``):
 * ``tool``: the user asks (question_16k.wav), the session's decider calls ``get_weather`` (scripted),
   the handler registered with ``register_function`` runs and its result goes back; the spoken answer
   follows (audio frames + bot transcript). The session transcribes the user's turn.
+* ``tool_cancel``: as ``tool``, but the handler takes ``--tool-delay-s`` and the user talks again
+  (``--wav2``) while it runs: the call is cancelled (the handler sees ``CancelledError``).
 * ``barge_in``: the bot speaks first (``LLMRunFrame``: an 8 s scripted answer, input streamed in
   real time), and the user talks over it after ``--barge-after-s`` of written audio.
 
@@ -39,7 +41,7 @@ from loguru import logger
 
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 from pipecat.frames.frames import (
-    EndFrame, ErrorFrame, FunctionCallInProgressFrame, FunctionCallResultFrame, FunctionCallsStartedFrame,
+    EndFrame, ErrorFrame, FunctionCallCancelFrame, FunctionCallInProgressFrame, FunctionCallResultFrame, FunctionCallsStartedFrame,
     InputAudioRawFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMRunFrame,
     OutputAudioRawFrame, TranscriptionFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame, TTSTextFrame,
     UserStartedSpeakingFrame, UserStoppedSpeakingFrame,
@@ -66,7 +68,8 @@ TOOL_RESULT = {"temperature_c": 21, "conditions": "sunny"}
 CHUNK_S = 0.02
 LOGGED = (InterruptionFrame, UserStartedSpeakingFrame, UserStoppedSpeakingFrame, TranscriptionFrame,
           TTSStartedFrame, TTSStoppedFrame, LLMFullResponseStartFrame, LLMFullResponseEndFrame,
-          FunctionCallsStartedFrame, FunctionCallInProgressFrame, FunctionCallResultFrame, ErrorFrame)
+          FunctionCallsStartedFrame, FunctionCallInProgressFrame, FunctionCallResultFrame, FunctionCallCancelFrame,
+          ErrorFrame)
 
 
 def read_pcm16(path: Path) -> tuple[bytes, int]:
@@ -134,6 +137,8 @@ class Recorder(FrameProcessor):
             entry = [self.clock.now(), d, type(frame).__name__]
             if isinstance(frame, FunctionCallResultFrame):
                 entry += [frame.tool_call_id, frame.result]
+            elif isinstance(frame, FunctionCallCancelFrame):
+                entry += [frame.tool_call_id]
             elif isinstance(frame, ErrorFrame):
                 entry += [str(frame.error), bool(frame.fatal)]
             self.timeline.append(entry)
@@ -185,13 +190,18 @@ async def run(args) -> dict:
     items: list = []
 
     async def get_weather(params: FunctionCallParams) -> None:
-        calls.append({"t": clock.now(), "tool_call_id": params.tool_call_id, "function_name": params.function_name,
-                      "arguments": dict(params.arguments)})
-        await asyncio.sleep(0.2)  # a lookup takes a moment
+        call = {"t": clock.now(), "tool_call_id": params.tool_call_id, "function_name": params.function_name,
+                "arguments": dict(params.arguments), "cancelled": False}
+        calls.append(call)
+        try:
+            await asyncio.sleep(args.tool_delay_s)  # a lookup takes a moment
+        except asyncio.CancelledError:
+            call["cancelled"] = clock.now()
+            raise
         await params.result_callback(dict(TOOL_RESULT, city=params.arguments.get("city")))
 
     engine = scripted_engine(args.engine) if args.engine else None
-    svc = DuplexkitLLMService(engine=engine, url=args.url, tools=[WEATHER] if args.flow == "tool" else None,
+    svc = DuplexkitLLMService(engine=engine, url=args.url, tools=[WEATHER] if args.flow != "barge_in" else None,
                               instructions="You are a helpful voice assistant.",
                               client_options={"request_timeout_s": args.timeout})
     svc.register_function("get_weather", get_weather)
@@ -217,22 +227,27 @@ async def run(args) -> dict:
     await runner.add_workers(worker)
     run_task = asyncio.create_task(runner.run())
 
-    speech, rate = read_pcm16(args.wav)
-    speech = resample_pcm16(speech, rate, args.input_rate)
-    rate = args.input_rate
-    step = int(rate * CHUNK_S) * 2
+    rate, ch = args.input_rate, args.input_channels
+
+    def prep(path: Path) -> bytes:  # at --input-rate, the same signal on every channel (the service downmixes)
+        pcm, r = read_pcm16(path)
+        pcm = resample_pcm16(pcm, r, rate)
+        return np.repeat(np.frombuffer(pcm, "<i2"), ch).astype("<i2").tobytes() if ch > 1 else pcm
+
+    speech = prep(args.wav)
+    step = int(rate * CHUNK_S) * 2 * ch
     silence = bytes(step)
     stop_feed = asyncio.Event()
     marks: dict = {}
 
     async def feed(pcm: bytes, pace: float) -> None:
         for i in range(0, len(pcm), step):
-            await worker.queue_frame(InputAudioRawFrame(audio=pcm[i:i + step], sample_rate=rate, num_channels=1))
+            await worker.queue_frame(InputAudioRawFrame(audio=pcm[i:i + step], sample_rate=rate, num_channels=ch))
             await asyncio.sleep(CHUNK_S * pace)
 
     async def feed_silence() -> None:  # a live microphone: silence in real time until told to stop
         while not stop_feed.is_set():
-            await worker.queue_frame(InputAudioRawFrame(audio=silence, sample_rate=rate, num_channels=1))
+            await worker.queue_frame(InputAudioRawFrame(audio=silence, sample_rate=rate, num_channels=ch))
             await asyncio.sleep(CHUNK_S)
 
     timed_out, failure = False, None
@@ -253,6 +268,22 @@ async def run(args) -> dict:
                     raise TimeoutError("no spoken answer")
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)
+        elif args.flow == "tool_cancel":  # the user talks again while the tool runs
+            await feed(speech, 0.25)
+            bg = asyncio.create_task(feed_silence())
+            while not calls:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no tool call")
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            stop_feed.set()
+            await bg
+            marks["speech_start"] = clock.now()
+            await feed(prep(args.wav2), 1.0)
+            marks["speech_end"] = clock.now()
+            stop_feed.clear()
+            bg = asyncio.create_task(feed_silence())
+            await asyncio.sleep(1.5)
         else:  # barge_in
             bg = asyncio.create_task(feed_silence())
             await worker.queue_frame(LLMRunFrame())
@@ -298,7 +329,10 @@ async def run(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--flow", choices=["tool", "barge_in"], required=True)
+    ap.add_argument("--flow", choices=["tool", "barge_in", "tool_cancel"], required=True)
+    ap.add_argument("--wav2", type=Path, help="tool_cancel: what the user says while the tool runs (16 kHz)")
+    ap.add_argument("--tool-delay-s", type=float, default=0.2, help="how long the tool's handler takes")
+    ap.add_argument("--input-channels", type=int, default=1)
     ap.add_argument("--engine", help="scripted[:k=v;...] (inline)")
     ap.add_argument("--url", help="a duplexkit serve URL (remote)")
     ap.add_argument("--wav", type=Path, required=True)

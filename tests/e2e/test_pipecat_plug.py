@@ -157,6 +157,54 @@ def test_pipecat_plug_remote_barge_in(tmp_path):
     _check_barge_in(rep)
 
 
+def test_pipecat_plug_inline_barge_in_cancels_a_running_tool(tmp_path):
+    """The user talks again while the handler runs (stereo 16 kHz input, downmixed by the service):
+    the call is cancelled in Pipecat (the handler gets CancelledError, FunctionCallCancelFrame) and
+    in duplexkit (status cancelled, no function_call_output sent)."""
+    rep = _flow(tmp_path, "--flow", "tool_cancel", "--engine", f"scripted:units_per_turn=3;tool_script={TOOL_SCRIPT}",
+                "--wav", str(QUESTION), "--wav2", str(INTERRUPT), "--tool-delay-s", "30", "--input-channels", "2")
+    (call,) = rep["calls"]
+    assert call["arguments"] == ARGS and call["cancelled"]
+    starts = [e[0] for e in rep["events"] if e[1] == "input_audio_buffer.speech_started"]
+    assert len(starts) == 2 and starts[1] <= call["cancelled"] <= starts[1] + 0.5, (starts, call)
+    (rec,) = rep["tool_calls"]
+    assert rec["status"] == "cancelled" and not rec["sent"] and rec["output"] is None
+    assert not [i for i in rep["items"] if i["type"] == "function_call_output"]
+    assert [e[3] for e in rep["down"] if e[2] == "FunctionCallCancelFrame"] == [call["tool_call_id"]]
+    assert not [e for e in rep["down"] if e[2] == "FunctionCallResultFrame"]
+    assert not [e for e in rep["up"] + rep["down"] if e[2] == "ErrorFrame"], rep["up"]
+
+
+_CONFIG_ERRORS = """
+from duplexkit.errors import DuplexkitError
+from duplexkit.integrations.pipecat import DuplexkitLLMService, PipecatPlugError
+from duplexkit.testing import ScriptedEngine
+cases = [dict(), dict(engine=ScriptedEngine(), url="ws://127.0.0.1:1"),
+         dict(engine=ScriptedEngine(), tools=[{"type": "web_search"}]),
+         dict(engine=ScriptedEngine(), tools=[{"type": "function", "name": "f", "parameters": {"type": 3}}])]
+for kw in cases:
+    try:
+        DuplexkitLLMService(**kw)
+    except PipecatPlugError as exc:
+        assert isinstance(exc, DuplexkitError) and isinstance(exc, ValueError) and exc.code == "bad_config"
+        print("refused:", exc)
+    else:
+        raise SystemExit(f"accepted {kw}")
+svc = DuplexkitLLMService(engine=ScriptedEngine(), tools=[{"type": "function", "name": "f", "filler": ""}])
+print("ok", [t.session_tool() for t in svc._tools])
+"""
+
+
+def test_pipecat_plug_refuses_bad_configuration():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([_python(), "-c", _CONFIG_ERRORS], capture_output=True, text=True, timeout=bound(120),
+                       cwd=str(REPO), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("refused:") == 4, r.stdout
+    assert "ok [{'type': 'function', 'name': 'f', 'description': '', 'parameters': {'type': 'object', " \
+           "'properties': {}}, 'filler': ''}]" in r.stdout, r.stdout
+
+
 def test_pipecat_agent_example_runs_inline_scripted(tmp_path):
     """examples/pipecat_agent.py as documented: inline scripted engine, says so, runs the tool and
     writes the spoken filler and answer (1 s + 2 s of the scripted voice)."""
