@@ -75,8 +75,12 @@ class SessionDriver:
 
     ``observer`` (optional, set after construction; the server's metrics use it): an object with
     ``engine_command(cmd)``, ``engine_output(out)`` and ``server_event(event_dict)``, called for each
-    command forwarded to the stream, each output pumped from it and each event sent. An exception
-    raised by the observer is logged and otherwise ignored.
+    command forwarded to the stream, each output pumped from it and each event sent, and optionally
+    ``client_event(raw)``, called with each client event (the JSON text or dict as given to
+    :meth:`client_event`) before the Session applies it. More observers (a recording,
+    :mod:`duplexkit.recording`) go in with :meth:`add_observer`; each is called after ``observer``, in
+    the order added, and a hook an observer lacks is skipped. An exception raised by an observer is
+    logged and otherwise ignored.
     """
 
     def __init__(self, session, engine: Engine, *, on_event: EventSink,
@@ -95,17 +99,24 @@ class SessionDriver:
         self._pump_task: Optional[asyncio.Task] = None
         self.dispatch_done = asyncio.Event()
         self.observer: Any = None
+        self.observers: list = []  # further observers (add_observer), after ``observer``
         self.decider = decider
         self.transcriber = transcriber
         self._transcribers: dict = {}  # model name -> transcriber (when none was given)
         self._shell_tasks: set[asyncio.Task] = set()
 
+    def add_observer(self, observer: Any) -> None:
+        """Add an observer (see the class docstring) called after ``observer``."""
+        self.observers.append(observer)
+
     def _observe(self, hook: str, arg) -> None:
-        if self.observer is not None:
-            try:
-                getattr(self.observer, hook)(arg)
-            except Exception:  # metrics never break a session
-                logger.exception("session observer %s failed", hook)
+        for obs in ((self.observer, *self.observers) if self.observers else (self.observer,)):
+            fn = getattr(obs, hook, None) if obs is not None else None
+            if fn is not None:
+                try:
+                    fn(arg)
+                except Exception:  # metrics and recordings never break a session
+                    logger.exception("session observer %s failed", hook)
 
     # -- clock and Session calls ------------------------------------------------------------------
     def now_ms(self) -> int:
@@ -123,6 +134,7 @@ class SessionDriver:
 
     def client_event(self, raw: Union[str, bytes, dict]) -> None:
         """Apply one client event (a JSON text frame or an already-parsed dict)."""
+        self._observe("client_event", raw)
         self.session.receive_client_event(raw, self.now_ms())
         self.flush()
 

@@ -119,6 +119,12 @@ class ServerSettings:
             session settings (``--telephony-webhook``; docs/telephony.md, "Webhook"). None: off.
         telephony_webhook_timeout_s: how long a call waits for that answer before it goes on with the
             defaults, seconds.
+        record_dir: record realtime sessions into ``DIR/<session_id>/`` (``--record``;
+            :mod:`duplexkit.recording`, docs/debugging.md). None: off.
+        record_policy: ``"all"`` (every session; ``?record=0`` opts out), ``"opt-in"`` (only sessions
+            connecting with ``?record=1``) or ``"always"`` (every session; ``?record=0`` is refused).
+        record_max_mb: per-session recording cap in MiB (events + audio).
+        record_keep: retention, ``"N"`` newest recordings or ``"Nd"`` days (None: keep all).
     """
 
     model_id: Optional[str] = None
@@ -167,6 +173,10 @@ class ServerSettings:
     resume_keep_sent_s: float = 10.0
     telephony_webhook: Optional[str] = None
     telephony_webhook_timeout_s: float = 3.0
+    record_dir: Optional[Path] = None
+    record_policy: str = "all"
+    record_max_mb: float = 100.0
+    record_keep: Optional[str] = None
 
     def __post_init__(self) -> None:
         env_key = os.environ.get("DUPLEXKIT_API_KEY")

@@ -153,6 +153,13 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
                                                         state.unknown_model_message(model), "model"),
                       1008)
         return
+    from duplexkit.recording import session_record_choice
+
+    recorded, refusal = session_record_choice(state.settings, q.get("record"))  # docs/server.md, "Recording"
+    if refusal is not None:
+        await _reject(ws, subprotocol, _handshake_error(wire_error_code("bad_event", naming), refusal, "record"),
+                      1008)
+        return
     client = state.client_id(key, ws.scope)
     held = {"slot": False, "parked": False, "ending": False}
 
@@ -221,6 +228,11 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
         if model and model not in state.model_ids:
             conn.requested_model = model  # an OpenAI id served by this model (ServerState.resolve_model)
         state.connections.add(conn)
+        recording = None
+        if recorded:
+            from duplexkit.recording import attach_server_recording
+
+            recording = attach_server_recording(state, conn.driver)
         try:
             if first is None:
                 await ws.accept(subprotocol=subprotocol)
@@ -228,6 +240,8 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
         finally:
             state.connections.discard(conn)
             state.session_closed(conn.session)
+            if recording is not None:
+                recording.close()
     finally:
         release_slot()
 

@@ -38,7 +38,7 @@ from .common import (
     _int_range,
     _stdout_gone,
 )
-from .serve import (_add_hardening_args, _add_ray_args, _add_tool_args, cmd_serve)
+from .serve import (_add_hardening_args, _add_ray_args, _add_record_args, _add_tool_args, cmd_serve)
 from .demo import (cmd_demo)
 from .chat import (cmd_chat)
 from .mic import (cmd_mic)
@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "always run it in-process)")
     _add_hardening_args(p)
     _add_tool_args(p)
+    _add_record_args(p)
     _add_ray_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -94,6 +94,34 @@ def _add_telephony_args(p) -> None:
                    help="how long a call waits for the webhook's answer (default 3 s)")
 
 
+def _add_record_args(p) -> None:
+    """``serve`` options of session recordings (docs/debugging.md, docs/server.md "Recording")."""
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="record realtime sessions into DIR/<session_id>/ (audio, events, transcripts, meta; "
+                        "view with `duplexkit replay DIR`); default off")
+    p.add_argument("--record-policy", default="all", choices=["all", "opt-in", "always"],
+                   help="which sessions --record records: all (default; a client may opt out with ?record=0), "
+                        "opt-in (only ?record=1), always (?record=0 is refused)")
+    p.add_argument("--record-max-mb", type=_float_min(0, strict=True), default=100.0, metavar="MB",
+                   help="per-session recording cap in MiB, events + audio (default 100); over it recording stops")
+    p.add_argument("--record-keep", default=None, metavar="N|Nd",
+                   help="retention: keep the N newest recordings, or those of the last N days (e.g. 7d); "
+                        "default: keep all")
+
+
+def _record_settings(args) -> dict:
+    from duplexkit.recording import RecordingError, parse_keep
+
+    keep = getattr(args, "record_keep", None)
+    try:
+        parse_keep(keep)
+    except RecordingError as exc:
+        raise CliError(f"--record-keep: {exc}", EXIT_USAGE) from exc
+    rec = getattr(args, "record", None)
+    return {"record_dir": Path(rec) if rec else None, "record_policy": getattr(args, "record_policy", "all"),
+            "record_max_mb": getattr(args, "record_max_mb", 100.0), "record_keep": keep}
+
+
 def _telephony_settings(args) -> dict:
     url = getattr(args, "telephony_webhook", None)
     if url is not None and not url.startswith(("http://", "https://")):
@@ -217,7 +245,7 @@ def cmd_serve(args) -> int:
         default_voice=Path(args.default_voice) if args.default_voice else None,
         voices=dict(_parse_voice(v) for v in (args.voice or [])),
         **_hardening_settings(args), **_tool_settings(args),
-        **_telephony_settings(args))
+        **_telephony_settings(args), **_record_settings(args))
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:
         sock.close()  # the port was free; Serve's proxy binds it

@@ -38,13 +38,15 @@ class InlineDuplexClient(BaseDuplexClient):
         transcriber: the recogniser for ``input_audio_transcription`` (a
             :class:`duplexkit.agent.Transcriber`); None = one per requested model name
             (:func:`duplexkit.agent.make_transcriber`).
+        record: a directory (or a :class:`duplexkit.recording.Recorder`) to record this session into,
+            ``DIR/<session_id>/`` (docs/debugging.md); None (default) records nothing.
         **options: the client options of :class:`~duplexkit.clients.base.BaseDuplexClient`
             (``session``, ``ref_audio``, ``input_rate``, ``player``, ``auto_ack``, ``barge_in``,
             ``request_timeout_s``, ``tools``, ``tool_choice``).
     """
 
     def __init__(self, engine, *, profile: str = "duplex", config=None, tick_interval_s: float = 0.05,
-                 decider: Any = None, transcriber: Any = None, **options: Any) -> None:
+                 decider: Any = None, transcriber: Any = None, record: Any = None, **options: Any) -> None:
         from duplexkit.session import SessionConfig
 
         cfg_fields = {f.name for f in dataclasses.fields(SessionConfig)}
@@ -63,6 +65,8 @@ class InlineDuplexClient(BaseDuplexClient):
         self.decider = decider
         self.transcriber = transcriber
         self._driver = None
+        self.record = record
+        self.recording = None  # duplexkit.recording.SessionRecording while recording
 
     @property
     def session_machine(self):
@@ -85,6 +89,13 @@ class InlineDuplexClient(BaseDuplexClient):
         self._driver = SessionDriver(Session(self.config, now_ms=0), self.engine, on_event=self._on_server_event,
                                      on_close=self._on_close, tick_interval_s=self.tick_interval_s,
                                      decider=self.decider, transcriber=self.transcriber)
+        if self.record is not None:
+            from duplexkit.recording import recorder_for
+
+            self.recording = recorder_for(self.record).open_session(
+                self._driver.now_ms, side="inline", model_id=self.config.model_id,
+                random_weights=getattr(self.engine, "random_weights", None))
+            self._driver.add_observer(self.recording)
         self._driver.start()
         # autostart=0 semantics: the first session.update (sent by connect()) is applied before
         # session.created (docs/protocol.md §5.1).
@@ -99,6 +110,8 @@ class InlineDuplexClient(BaseDuplexClient):
     async def _shutdown(self) -> None:
         if self._driver is not None:
             await self._driver.aclose()
+        if self.recording is not None:
+            self.recording.close()
 
     def _on_close(self, item) -> None:
         self.close_code = item.code

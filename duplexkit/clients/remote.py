@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -113,14 +114,20 @@ class DuplexClient(BaseDuplexClient):
             instructions, voice and reference voice in the first ``session.update`` (the
             ``session``/``ref_audio`` options win), then the played transcript as an item. Lossy:
             see docs/clients.md, "Continuing elsewhere".
+        record: a directory (or a :class:`duplexkit.recording.Recorder`) to record what this client
+            sends and receives into, ``DIR/<session_id>/`` (docs/debugging.md); None (default): off.
+            (A server-side recording is the server's ``--record``; ``?record=0|1`` in ``url`` asks
+            the server to skip or make one, docs/server.md.)
         **options: the options of :class:`~duplexkit.clients.base.BaseDuplexClient`.
     """
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, profile: str = "duplex",
                  model: Optional[str] = None, heartbeat_s: Optional[float] = 15.0, resume: bool = True,
                  resume_attempts: int = 5, open_timeout_s: float = 10.0, max_frame_bytes: int = 64 * 2**20,
-                 continuation: Optional[ContinuationSeed] = None, **options: Any) -> None:
+                 continuation: Optional[ContinuationSeed] = None, record: Any = None, **options: Any) -> None:
         super().__init__(**options)
+        self.record = record
+        self.recording = None  # duplexkit.recording.SessionRecording while recording
         self._seed = continuation
         self._log = ConversationLog()
         self._ref_audio_url: Optional[str] = None
@@ -224,6 +231,12 @@ class DuplexClient(BaseDuplexClient):
             raise DuplexConnectionError(f"cannot connect to {self.url}: {exc}", code="connection_failed") from exc
 
     async def _open(self) -> None:
+        if self.record is not None and self.recording is None:
+            from duplexkit.recording import recorder_for
+
+            t0 = time.monotonic()
+            self.recording = recorder_for(self.record).open_session(
+                lambda: int((time.monotonic() - t0) * 1000), side="client")
         self._ws = await self._connect_ws()
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_loop(), name="duplex-reader")
@@ -264,6 +277,10 @@ class DuplexClient(BaseDuplexClient):
                                         close_code=getattr(exc.rcvd, "code", None)) from exc
 
     def _sent(self, text: str) -> None:
+        if self.recording is not None:
+            from duplexkit.audio import InputFormat
+
+            self.recording.client_event(text, self.state.input_format or InputFormat("pcm16", self.options.input_rate))
         self._frames_sent += 1
         self._outbox.append((self._frames_sent, text))
 
@@ -296,6 +313,8 @@ class DuplexClient(BaseDuplexClient):
             await asyncio.gather(self._reader, return_exceptions=True)
         if self._heartbeat is not None:
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self.recording is not None:
+            self.recording.close()
 
     # -- loops --------------------------------------------------------------------------------
     def _resumable(self) -> bool:
@@ -320,6 +339,8 @@ class DuplexClient(BaseDuplexClient):
                         continue
                     if not isinstance(data, dict):
                         continue
+                    if self.recording is not None:
+                        self.recording.server_event(msg)
                     self._on_frame(data, parse_server_event)
                 exc: Optional[BaseException] = None
             except websockets.exceptions.ConnectionClosed as e:
@@ -362,7 +383,7 @@ class DuplexClient(BaseDuplexClient):
             err = data.get("error") or {}
             code = canonical_error_code(str(err.get("code")))  # the compat profile's OpenAI names too
             if code in _HANDSHAKE_CODES or (code in ("bad_event", "invalid_value")
-                                            and err.get("param") in ("model", "dialect")
+                                            and err.get("param") in ("model", "dialect", "record")
                                             and not err.get("event_id")):
                 self._handshake_error = data
         if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):
