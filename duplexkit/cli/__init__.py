@@ -1,4 +1,4 @@
-"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``.
+"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``, ``replay``.
 
 Every subcommand has ``--help``. Heavy imports (torch, the model port, the server) happen only
 inside the command that needs them, so ``duplexkit --help`` is instant.
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None, help="benchmark name (omit to list them)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+    from .replay import add_replay_parser
+
+    add_replay_parser(sub)
     parser.commands = dict(sub.choices)
     return parser
 

@@ -1,0 +1,64 @@
+"""``duplexkit replay`` (duplexkit/replay.py) on a real recording of the inline client with the
+scripted engine: the page, the timeline's lanes, the CLI, the PNG (matplotlib optional)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from duplexkit.cli import main
+from duplexkit.errors import OptionalDependencyError
+from duplexkit.recording import Recorder, RecordingError
+from duplexkit.replay import LANES, find_recordings, render_html, render_png, timeline, load_recording
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_recording import _one_turn  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recs")
+    r = Recorder(root)
+    rec, *_ = asyncio.run(_one_turn(r))
+    assert r.flush(20)
+    return rec.folder
+
+
+def test_timeline_has_every_lane_kind(recording):
+    tl = timeline(load_recording(recording))
+    lanes = {s["lane"] for s in tl["spans"]} | {m["lane"] for m in tl["marks"]}
+    assert {"model decisions", "assistant generated", "assistant heard", "latency"} <= lanes
+    assert {s["kind"] for s in tl["spans"] if s["lane"] == "model decisions"} >= {"listen", "speak"}
+    lat = [m for m in tl["marks"] if m["lane"] == "latency"]
+    assert lat and all(m["t"] >= m["t0"] for m in lat)
+
+
+def test_cli_writes_a_self_contained_page(recording, tmp_path, capsys):
+    assert main(["replay", str(recording.parent), "--out", str(tmp_path)]) == 0
+    page = tmp_path / f"{recording.name}.html"
+    assert str(page) in capsys.readouterr().out
+    text = page.read_text()
+    assert text.count("data:audio/wav;base64,") == 3 and "http" not in text.replace("http://www.w3.org", "")
+    for lane in LANES:
+        assert f'data-lane="{lane}"' in text
+
+
+def test_not_a_recording(tmp_path, capsys):
+    with pytest.raises(RecordingError):
+        find_recordings(tmp_path)
+    assert main(["replay", str(tmp_path)]) == 2
+    assert "no events.jsonl" in capsys.readouterr().err
+
+
+def test_png_needs_matplotlib(recording, tmp_path, monkeypatch):
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.raises(OptionalDependencyError) as e:
+            render_png(recording, tmp_path / "x.png")
+        assert "pip install 'duplexkit[replay]'" in str(e.value)
+    else:
+        out = render_png(recording, tmp_path / "x.png")
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
