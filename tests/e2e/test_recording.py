@@ -15,6 +15,7 @@ import soundfile as sf
 
 from duplexkit.audio import VirtualPlayer, read_wav
 from duplexkit.clients import DuplexClient, DuplexConnectionError
+from duplexkit.recording import Recorder
 from _serverproc import ServerProc
 from _timing import bound
 
@@ -22,10 +23,10 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 TD = {"type": "server_vad", "create_response": False, "interrupt_response": True, "silence_duration_ms": 500}
 
 
-async def _barge_in_session(url: str) -> tuple:
+async def _barge_in_session(url: str, record=None) -> tuple:
     player = VirtualPlayer(block_ms=20)
     async with DuplexClient(url, player=player, session={"turn_detection": TD}, input_rate=16_000,
-                            request_timeout_s=bound(30)) as c:
+                            request_timeout_s=bound(30), record=record) as c:
         await c.send_audio(np.zeros(16_000, np.float32))
         h = await c.create_response()
         for _ in range(8):  # silence faster than real time carries the answer
@@ -47,7 +48,8 @@ async def _barge_in_session(url: str) -> tuple:
 def test_server_recording_with_a_barge_in(tmp_path):
     rec_dir = tmp_path / "recs"
     with ServerProc("scripted", "--record", str(rec_dir), "--scripted", "units_per_turn=null") as srv:
-        sid, h = asyncio.run(_barge_in_session(srv.ws_url + "/v1/realtime?duplex=1"))
+        client_rec = Recorder(tmp_path / "client")
+        sid, h = asyncio.run(_barge_in_session(srv.ws_url + "/v1/realtime?duplex=1", client_rec))
         srv.wait_idle()
         folder = rec_dir / sid
         for _ in range(int(bound(20) / 0.1)):
@@ -84,6 +86,19 @@ def test_server_recording_with_a_barge_in(tmp_path):
     assert done["event"]["response"]["status_details"]["reason"] == "turn_detected"
     assert all("audio" not in e["event"] or isinstance(e["event"]["audio"], dict)
                for e in ev if e["type"] == "input_audio_buffer.append")
+    # the same conversation as the remote client recorded it on its side
+    assert client_rec.flush(20)
+    cfolder = tmp_path / "client" / sid
+    cmeta = json.loads((cfolder / "meta.json").read_text())
+    assert cmeta["complete"] and cmeta["side"] == "client" and cmeta["random_weights"] is None
+    (cresp,) = [r for r in cmeta["responses"] if r["response_id"] == h.id]
+    assert cresp["status"] == "cancelled" and 0 < cresp["heard_ms"] < cresp["generated_ms"]
+    assert abs(cresp["heard_ms"] - resp["heard_ms"]) <= 40
+    cuser, _ = sf.read(cfolder / "user.wav", dtype="float32")
+    speech = read_wav(FIX / "interrupt_16k.wav", 16_000)[0]
+    assert abs(np.sum(cuser ** 2) - np.sum(speech ** 2)) / np.sum(speech ** 2) < 0.05  # what it sent
+    cev = [json.loads(x) for x in (cfolder / "events.jsonl").read_text().splitlines()]
+    assert {e["dir"] for e in cev} == {"client", "server"}
 
 
 def test_record_override_refused_when_the_server_forbids_it(tmp_path):
