@@ -21,7 +21,7 @@ from _serverproc import ServerProc
 from _timing import bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_recording import _one_turn  # noqa: E402
+from test_recording_inline import _one_turn  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 
 import pytest
@@ -13,10 +12,10 @@ import pytest
 from duplexkit.cli import main
 from duplexkit.errors import OptionalDependencyError
 from duplexkit.recording import Recorder, RecordingError
-from duplexkit.replay import LANES, find_recordings, render_html, render_png, timeline, load_recording
+from duplexkit.replay import LANES, find_recordings, load_recording, render_png, timeline
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_recording import _one_turn  # noqa: E402
+from test_recording_inline import _one_turn  # noqa: E402
 
 
 @pytest.fixture(scope="module")
