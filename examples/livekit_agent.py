@@ -41,6 +41,7 @@ from livekit import rtc
 from livekit.agents import Agent, AgentSession, function_tool
 from livekit.agents.voice import io
 
+from duplexkit.errors import DuplexkitError
 from duplexkit.integrations.livekit import OUTPUT_SAMPLE_RATE, RealtimeModel
 
 ASSETS = Path(__file__).resolve().parents[1] / "duplexkit" / "assets"
@@ -64,14 +65,22 @@ class Assistant(Agent):
                          tools=[get_weather])
 
 
-def make_model(engine_name: str | None, url: str | None) -> tuple[RealtimeModel, object]:
+def make_model(engine_name: str | None, url: str | None,
+               api_key: str | None = None) -> tuple[RealtimeModel, object]:
     """The duplexkit realtime model (and the in-process engine, or None); says when answers are not real."""
     if url:
-        from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+        from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, fetch_health
 
-        if remote_random_weights(url):
+        health = fetch_health(url) or {}
+        if health.get("random_weights"):
             print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
-        return RealtimeModel(url=url), None
+        # a scripted or random-weight server only speaks when asked: its decider must call the tool
+        # (which then asks for the answer); a real checkpoint decides for itself
+        weak = bool(health.get("random_weights")) or health.get("model") == "scripted"
+        if health.get("model") == "scripted":
+            print("NOTE: the server runs the SCRIPTED engine (no model): answers are a 440 Hz tone with "
+                  "scripted text; tool_choice 'required'.", file=sys.stderr)
+        return RealtimeModel(url=url, api_key=api_key, tool_choice="required" if weak else "auto"), None
     name = engine_name or "scripted"
     if name == "scripted":
         from duplexkit.testing import ScriptConfig, ScriptedEngine
@@ -159,7 +168,7 @@ class WavSpeaker(io.AudioOutput):
 
 
 async def run_offline(args: argparse.Namespace) -> int:
-    model, engine = make_model(args.engine, args.url)
+    model, engine = make_model(args.engine, args.url, args.api_key)
     session = AgentSession(llm=model, aec_warmup_duration=None)
     session.input.audio = WavMicrophone(args.input)
     speaker = WavSpeaker(args.output)
@@ -187,19 +196,31 @@ async def run_offline(args: argparse.Namespace) -> int:
     def _on_state(ev) -> None:
         state["agent"], state["since"] = ev.new_state, time.monotonic()
 
+    @session.on("close")
+    def _on_close(ev) -> None:  # LiveKit closes the session on an unrecoverable error (e.g. a refused key)
+        state["closed"] = getattr(ev, "error", None) or getattr(ev, "reason", None) or "closed"
+
     async def answered() -> None:  # something was said, and the agent has listened quietly for a while since
         while not (state["answers"] and state["agent"] == "listening" and time.monotonic() - state["since"] > args.idle_s):
+            if state.get("closed"):
+                raise RuntimeError(f"the agent session closed: {state['closed']}")
             await asyncio.sleep(0.1)
 
     try:
-        await session.start(agent=Assistant(), record=False)
+        await asyncio.wait_for(session.start(agent=Assistant(), record=False), args.timeout)
         await asyncio.wait_for(answered(), args.timeout)
     except asyncio.TimeoutError:
         print(f"no answer within {args.timeout} s", file=sys.stderr)
         return 1
+    except (DuplexkitError, RuntimeError) as exc:  # the session did not open (a wrong key, a refused model, ...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
-        await session.aclose()
-        await model.aclose()
+        for closing in (session.aclose(), model.aclose()):
+            try:
+                await asyncio.wait_for(closing, 10)
+            except Exception:  # already closed after an error: nothing more to release
+                pass
         speaker.close()
         if engine is not None:
             await engine.aclose()
@@ -215,7 +236,8 @@ def run_livekit_cli() -> None:
 
     @server.rtc_session()
     async def entrypoint(ctx: JobContext) -> None:
-        model, _ = make_model(os.environ.get("DUPLEXKIT_ENGINE"), os.environ.get("DUPLEXKIT_URL"))
+        model, _ = make_model(os.environ.get("DUPLEXKIT_ENGINE"), os.environ.get("DUPLEXKIT_URL"),
+                              os.environ.get("DUPLEXKIT_API_KEY"))
         session = AgentSession(llm=model)
         await session.start(agent=Assistant(), room=ctx.room)
 
@@ -229,6 +251,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", help="in-process engine: scripted (default), tiny or a checkpoint directory")
     ap.add_argument("--url", help="a duplexkit serve address instead of an in-process engine")
+    ap.add_argument("--api-key", default=os.environ.get("DUPLEXKIT_API_KEY"),
+                    help="the server's --api-key (default: $DUPLEXKIT_API_KEY)")
     ap.add_argument("--input", type=Path, default=ASSETS / "question_16k.wav", help="what the user says (WAV)")
     ap.add_argument("--output", type=Path, default=Path("livekit_answer.wav"), help="what the agent says (24 kHz WAV)")
     ap.add_argument("--timeout", type=float, default=60.0)

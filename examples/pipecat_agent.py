@@ -135,8 +135,9 @@ def build_service(args) -> tuple:
     if args.url:
         health = fetch_health(args.url) or {}
         random_w, scripted = bool(health.get("random_weights")), health.get("model") == "scripted"
+        # a scripted or random-weight server only speaks when asked: its decider must call the tool
         svc = DuplexkitLLMService(url=args.url, api_key=args.api_key, tools=[WEATHER],
-                                  tool_choice=tool_choice or ("required" if random_w else "auto"))
+                                  tool_choice=tool_choice or ("required" if random_w or scripted else "auto"))
         return svc, random_w, scripted, None
     if args.engine == "scripted":
         from duplexkit.testing import ScriptConfig, ScriptedEngine
@@ -185,6 +186,10 @@ async def main(args) -> int:
     if engine is not None:
         await engine.aclose()
     print(f"wrote {args.output} ({len(out.pcm) / 48_000:.2f} s of the bot's speech, {printer.answers} answers)")
+    if not printer.answers:
+        print("error: no answer came (see the log above: a refused key, an unreachable server, or a "
+              "model that did not answer)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -197,7 +202,8 @@ if __name__ == "__main__":
     ap.add_argument("--input", type=Path, default=ASSETS_DIR / "question_16k.wav", help="the user's speech (WAV)")
     ap.add_argument("--output", type=Path, default=Path("pipecat_answer.wav"), help="the bot's speech (24 kHz WAV)")
     ap.add_argument("--listen-s", type=float, default=6.0, help="silence after the speech while the bot answers (s)")
-    ap.add_argument("--tool-choice", help="auto, required or none (default: required with random weights, else auto)")
+    ap.add_argument("--tool-choice", help="auto, required or none (default: required with random weights or the "
+                    "scripted engine, else auto)")
     ap.add_argument("--greet", action="store_true", help="let the bot speak first (LLMRunFrame)")
     a = ap.parse_args()
     logger.remove()

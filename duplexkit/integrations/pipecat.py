@@ -427,7 +427,7 @@ class DuplexkitLLMService(LLMService):
         try:
             await client.connect()
         except DuplexkitError as exc:
-            await self.push_error(error_msg=f"duplexkit session did not open: {exc}", exception=exc, fatal=True)
+            await self.push_error(error_msg=f"duplexkit session did not open: {exc}", exception=exc, force_treat_as_permanent=True)
             return
         self.client = client
         self._closing = False
@@ -506,10 +506,10 @@ class DuplexkitLLMService(LLMService):
                 await self._on_event(ev)
         except DuplexkitError as exc:
             if not self._closing:
-                await self.push_error(error_msg=f"duplexkit session lost: {exc}", exception=exc, fatal=True)
+                await self.push_error(error_msg=f"duplexkit session lost: {exc}", exception=exc, force_treat_as_permanent=True)
             return
         if not self._closing:
-            await self.push_error(error_msg=f"duplexkit session closed ({client.close_reason})", fatal=True)
+            await self.push_error(error_msg=f"duplexkit session closed ({client.close_reason})", force_treat_as_permanent=True)
 
     async def _on_event(self, ev) -> None:
         await self._call_event_handler("on_duplexkit_event", ev)

@@ -106,8 +106,10 @@ async def phone_call(url: str, frames: list[bytes], provider: str, params: dict,
                     play_until[0] = max(play_until[0], time.monotonic()) + len(chunk) / 8000
                 elif m["event"] == "mark":  # echo once the audio before it has played
                     delay = max(0.0, play_until[0] - time.monotonic())
-                    asyncio.get_running_loop().call_later(delay, asyncio.ensure_future, _quiet_send(ws, json.dumps(
-                        {"event": "mark", key: sid, "mark": m["mark"]})))
+                    text = json.dumps({"event": "mark", key: sid, "mark": m["mark"]})
+                    # the coroutine is made when the timer fires: one left unsent at hang-up is never created
+                    asyncio.get_running_loop().call_later(
+                        delay, lambda text=text: asyncio.ensure_future(_quiet_send(ws, text)))
                 elif m["event"] == "clear":
                     play_until[0] = time.monotonic()
 

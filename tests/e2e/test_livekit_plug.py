@@ -146,6 +146,23 @@ def test_livekit_agent_example_runs_without_a_livekit_server(tmp_path):
         assert w.getframerate() == 24000 and w.getnframes() > 24000
 
 
+def test_livekit_agent_example_against_a_keyed_server(tmp_path):
+    """examples/livekit_agent.py --url as documented: with the key it answers (the scripted server gets
+    tool_choice required); without it, it says the session did not open and exits 1, promptly."""
+    py = _frameworks_python()
+    with ServerProc("scripted", "--api-key", "k1") as server:
+        ex = [py, str(REPO / "examples" / "livekit_agent.py"), "--url", server.ws_url, "--idle-s", "1.5",
+              "--output", str(tmp_path / "a.wav"), "--timeout", str(bound(30))]
+        r = subprocess.run(ex + ["--api-key", "k1"], capture_output=True, text=True, timeout=bound(120),
+                           cwd=str(tmp_path))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "[tool] get_weather(" in r.stdout and f"[agent] {SCRIPTED_ANSWER}" in r.stdout
+        r = subprocess.run(ex, capture_output=True, text=True, timeout=bound(120), cwd=str(tmp_path),
+                           env={**os.environ, "DUPLEXKIT_API_KEY": ""})
+        assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "unauthorized" in r.stderr
+
+
 def test_without_livekit_agents_the_module_imports_and_says_what_to_install():
     """In duplexkit's own venv (no livekit-agents) the module imports (tests/unit/test_errors.py walks
     every module) and making a model raises the typed OptionalDependencyError."""

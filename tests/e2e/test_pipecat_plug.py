@@ -221,3 +221,19 @@ def test_pipecat_agent_example_runs_inline_scripted(tmp_path):
 
     with wave.open(str(out), "rb") as w:
         assert w.getframerate() == 24_000 and abs(w.getnframes() / 24_000 - 3.0) < 0.05
+
+
+def test_pipecat_agent_example_against_a_keyed_server(tmp_path):
+    """examples/pipecat_agent.py --url as documented: with the key it answers (a scripted server gets
+    tool_choice required); without it, it exits 1 and says no answer came."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    with ServerProc("scripted", "--api-key", "k1") as server:
+        ex = [_python(), str(REPO / "examples" / "pipecat_agent.py"), "--url", server.ws_url,
+              "--output", str(tmp_path / "a.wav"), "--listen-s", "4"]
+        r = subprocess.run(ex + ["--api-key", "k1"], capture_output=True, text=True, timeout=bound(180),
+                           cwd=str(tmp_path), env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert f"[bot] {ANSWER}" in r.stdout.splitlines(), r.stdout
+        r = subprocess.run(ex, capture_output=True, text=True, timeout=bound(180), cwd=str(tmp_path), env=env)
+        assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "no answer came" in r.stderr
