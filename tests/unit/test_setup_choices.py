@@ -130,7 +130,8 @@ def test_overrides_win_over_the_machine(fake_venv, tmp_path, fakebin, gpu, env, 
 def test_a_bad_choice_is_one_error_line(fake_venv, tmp_path):
     venv, _ = fake_venv
     r = _setup("--dry-run", venv=venv, path=_path_without_nvidia_smi(), tmp_path=tmp_path, DUPLEXKIT_TORCH="rocm")
-    assert r.returncode == 1 and r.stderr.strip() == "[setup] error: DUPLEXKIT_TORCH must be auto, cpu or cuda, not 'rocm'"
+    assert r.returncode == 1
+    assert r.stderr.strip() == "[setup] error: DUPLEXKIT_TORCH must be auto, cpu or cuda, not 'rocm'"
 
 
 def test_the_choice_is_part_of_the_stamp(fake_venv, tmp_path, fakebin):
@@ -220,7 +221,8 @@ def test_demo_dry_run_lists_only_the_demo_packages(tmp_path, fake_venv):
     listed = apt.split(":", 1)[1].split("(")[0].split()
     assert set(listed) == DEMO_PACKAGES, apt
     assert "chromium" not in r.stdout.lower() and "pulseaudio" not in r.stdout
-    assert r.stdout.strip().splitlines()[-1] == f"[demo] then: TORCHDYNAMO_DISABLE=1 {venv}/bin/duplexkit demo --output x.wav"
+    last = r.stdout.strip().splitlines()[-1]
+    assert last == f"[demo] then: TORCHDYNAMO_DISABLE=1 {venv}/bin/duplexkit demo --output x.wav"
     assert _pip_calls(log) == []  # a dry run installs nothing
 
 
