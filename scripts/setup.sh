@@ -13,7 +13,7 @@
 #
 # torch: one of two builds of torch 2.9.1 + torchaudio 2.9.1, chosen by the machine:
 #   no NVIDIA GPU (no nvidia-smi on PATH, no /proc/driver/nvidia): the CPU-only build from PyTorch's
-#       index https://download.pytorch.org/whl/cpu (about 0.2 GB to download, 0.7 GB on disk). When that
+#       index https://download.pytorch.org/whl/cpu (about 0.2 GB to download, 0.8 GB on disk). When that
 #       index cannot be reached from here, PyPI's CUDA build instead, with a warning saying so;
 #   an NVIDIA GPU: PyPI's build for CUDA 12.8 (about 4.1 GB to download, 6.6 GB on disk; docs/install.md).
 # A torch 2.9.1 already in the venv is kept, whichever build it is, unless DUPLEXKIT_TORCH or
@@ -94,7 +94,7 @@ else
 fi
 torch_plan() {
   case $TORCH_BUILD in
-    cpu) echo "the CPU-only build from $TORCH_INDEX (about 0.2 GB to download, 0.7 GB on disk)" ;;
+    cpu) echo "the CPU-only build from $TORCH_INDEX (about 0.2 GB to download, 0.8 GB on disk)" ;;
     cuda) echo "PyPI's CUDA 12.8 build (about 4.1 GB to download: torch 0.9 GB, 16 nvidia-* CUDA libraries" \
       "2.9 GB, triton 0.2 GB; 6.6 GB on disk)" ;;
     index) echo "the build on $TORCH_INDEX (label $TORCH_WANT)" ;;
@@ -161,7 +161,7 @@ up_to_date() {
 PIP_STEPS=(
   "1/3 pip itself (about 2 MB)"
   "2/3 torch $TORCH_VERSION + torchaudio $TORCH_VERSION: $(torch_plan)"
-  "3/3 duplexkit[all], editable, and its dependencies (transformers, fastapi, ray, aiortc, onnxruntime, playwright, ...): about 0.5 GB to download, 1.8 GB on disk"
+  "3/3 duplexkit[all], editable, and its dependencies (transformers, fastapi, ray, aiortc, onnxruntime, playwright, ...): about 0.5 GB to download, 1.9 GB on disk"
 )
 
 if [[ $MODE == dry-run ]]; then

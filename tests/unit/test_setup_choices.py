@@ -173,7 +173,7 @@ def test_no_gpu_installs_torch_from_the_cpu_index(fake_venv, tmp_path, local_ind
     # each step says what it installs and how much before pip runs; the big steps are not quiet
     out = r.stdout
     assert out.index("[setup] 2/3 torch 2.9.1 + torchaudio 2.9.1: the CPU-only build") < out.index("[setup] 3/3")
-    assert "about 0.2 GB to download" in out and "1.8 GB on disk" in out
+    assert "about 0.2 GB to download" in out and "1.9 GB on disk" in out
     assert not any(" -q " in c and "torch==" in c for c in calls) and not any(" -q -e " in c for c in calls)
     assert (venv / ".duplexkit-setup-stamp").exists()
 
