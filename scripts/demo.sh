@@ -17,7 +17,7 @@ VENV=${DUPLEXKIT_VENV:-.venv}
 if [[ ${1:-} == "--dry-run" ]]; then
   shift
   bash scripts/setup.sh --demo --dry-run
-  echo "[demo] then: TORCHDYNAMO_DISABLE=1 $VENV/bin/duplexkit demo $*"
+  echo "[demo] then: TORCHDYNAMO_DISABLE=1 $VENV/bin/duplexkit demo${*:+ $*}"
   exit 0
 fi
 bash scripts/setup.sh --demo
