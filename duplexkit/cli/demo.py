@@ -187,6 +187,7 @@ async def _demo_async(args) -> int:
     print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / 24_000)))
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
+    print(_what_next(args))
     return 0 if h.status in ("completed", "incomplete") else 1
 
 
@@ -196,3 +197,40 @@ def _print_progress(sent_s: float, total_s: float) -> None:
 
 def cmd_demo(args) -> int:
     return asyncio.run(_demo_async(args))
+
+
+def _what_next(args) -> str:
+    """The three lines the demo ends with: serve the model, open the browser page, talk from a terminal.
+
+    The ``duplexkit`` command is named as the user can type it: ``duplexkit`` when it is the one on
+    ``PATH``, else the path of the one next to this interpreter (``.venv/bin/duplexkit`` after
+    scripts/demo.sh), relative to the working directory when it is under it. With ``--url`` the server
+    already runs, so its address is used; else ``duplexkit serve``'s default (127.0.0.1:8000).
+    """
+    import shutil
+    import sys
+    from urllib.parse import urlsplit
+
+    exe = Path(sys.executable).with_name("duplexkit")
+    if not exe.is_file() or shutil.which("duplexkit") == str(exe):
+        cmd = "duplexkit"
+    else:
+        try:
+            cmd = str(exe.relative_to(Path.cwd()))
+        except ValueError:
+            cmd = str(exe)
+    if args.url:
+        u = urlsplit(args.url if "://" in args.url else "ws://" + args.url)
+        host = u.netloc or "127.0.0.1:8000"
+        http = "https" if u.scheme in ("wss", "https") else "http"
+        ws = "wss" if http == "https" else "ws"
+        serve = f"already running at {http}://{host}"
+    else:
+        host, http, ws = "127.0.0.1:8000", "http", "ws"
+        model = args.model if " " not in str(args.model) else f"'{args.model}'"
+        layout = f" --layout {args.layout}" if args.layout else ""
+        serve = f"{cmd} serve {model}{layout}"
+    return ("what next:\n"
+            f"  serve it:              {serve}\n"
+            f"  open the page:         {http}://{host}/  (talk through the browser's microphone)\n"
+            f"  talk from a terminal:  {cmd} mic --url '{ws}://{host}/v1/realtime?duplex=1'")

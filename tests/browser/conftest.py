@@ -50,7 +50,8 @@ def _speech_recording(path: Path, with_interrupt: bool) -> Path:
 @pytest.fixture(scope="session")
 def chromium_path() -> str:
     if CHROMIUM is None:
-        pytest.skip("Debian `chromium` is not installed (scripts/setup.sh installs it): browser tests need it")
+        pytest.skip("Debian `chromium` is not installed (scripts/setup_test.sh browser installs it): "
+                    "browser tests need it")
     return CHROMIUM
 
 

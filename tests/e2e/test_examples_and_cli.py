@@ -144,6 +144,21 @@ def test_cli_demo_scripted(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "status=completed" in r.stdout and "timings (wall clock" in r.stdout and "TTFP" in r.stdout
     assert len(read_wav(out)[0]) == 72000
+    serve, page, mic = _what_next(r.stdout)
+    cmd = mic.split()[0]  # the duplexkit command as the user can type it here
+    assert shutil.which(cmd) or (REPO / cmd).is_file(), cmd
+    assert serve == f"{cmd} serve scripted"
+    assert page.startswith("http://127.0.0.1:8000/ ")
+    assert mic == f"{cmd} mic --url 'ws://127.0.0.1:8000/v1/realtime?duplex=1'"
+
+
+def _what_next(stdout: str) -> list[str]:
+    """The values of the demo's last lines: serve it, open the page, talk from a terminal."""
+    lines = stdout.strip().splitlines()
+    assert lines[-4] == "what next:", lines[-6:]
+    labels = ("serve it:", "open the page:", "talk from a terminal:")
+    assert [ln.split(":")[0].strip() + ":" for ln in lines[-3:]] == list(labels), lines[-3:]
+    return [ln.strip()[len(lab):].strip() for ln, lab in zip(lines[-3:], labels)]
 
 
 def test_cli_demo_against_server(scripted_server, tmp_path):
@@ -151,6 +166,10 @@ def test_cli_demo_against_server(scripted_server, tmp_path):
     r = run(PY, "-m", "duplexkit.cli", "demo", "--url", scripted_server.ws_url, "--output", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "status=completed" in r.stdout
+    serve, page, mic = _what_next(r.stdout)  # the running server's address, not the default port
+    assert serve == f"already running at {scripted_server.url}"
+    assert page.startswith(scripted_server.url + "/ ")
+    assert mic.endswith(f" mic --url '{scripted_server.ws_url}/v1/realtime?duplex=1'")
 
 
 @pytest.mark.parametrize("keep_samples", [32_000, 50_000])  # ends mid-speech / holds an inner pause
@@ -208,7 +227,7 @@ def test_cli_chat_inline_scripted(tmp_path):
 
 
 def test_cli_serve_rejects_a_missing_checkpoint(tmp_path):
-    r = run(PY, "-m", "duplexkit.cli", "serve", str(tmp_path / "nope"), "--port", "1", timeout=60)
+    r = run(PY, "-m", "duplexkit.cli", "serve", str(tmp_path / "nope"), "--port", "0", timeout=60)
     assert r.returncode == 2 and "checkpoint directory not found" in r.stderr
 
 

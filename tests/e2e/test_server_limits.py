@@ -5,8 +5,10 @@ graceful shutdown (session.closed{shutdown} + 1001)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 
@@ -167,6 +169,25 @@ async def test_server_voices(fixtures_audio):
             "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
             "audio": {"voice": "alice", "format": "wav"}})
         assert r.status_code == 200
-    r = subprocess.run([sys.executable, "-m", "duplexkit.cli", "serve", "scripted", "--voice", "bad"],
-                       capture_output=True, text=True, timeout=bound(60))
+    # --port 0: the bad --voice is reported after the listening socket is bound, so a fixed port (the
+    # default 8000) would make this depend on what else runs on the machine; held busy here to show it
+    with _default_port_busy():
+        r = subprocess.run([sys.executable, "-m", "duplexkit.cli", "serve", "scripted", "--host", "127.0.0.1",
+                            "--port", "0", "--voice", "bad"], capture_output=True, text=True, timeout=bound(60))
     assert r.returncode != 0 and "NAME=PATH" in r.stderr
+
+
+@contextlib.contextmanager
+def _default_port_busy():
+    """``duplexkit serve``'s default port (8000 on 127.0.0.1) taken for the block: by this socket when it
+    is free, else by whatever already holds it. Tests must not notice either way."""
+    from duplexkit.cli import build_parser
+
+    port = build_parser().parse_args(["serve", "scripted"]).port
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            pass  # already in use
+        yield
