@@ -61,6 +61,7 @@ APT_PACKAGES=(
   sox
   python3-venv
   chromium
+  graphviz
 )
 if [[ ${DUPLEXKIT_SKIP_APT:-0} != 1 ]]; then
   missing=()
