@@ -75,11 +75,14 @@ def test_a_changed_result_makes_its_plot_stale(monkeypatch, tmp_path):
 def test_a_changed_page_makes_the_screenshot_stale(monkeypatch, tmp_path):
     static = tmp_path / "static"
     shutil.copytree(mf.STATIC, static)
-    assert not mf.screenshot_is_stale()
     monkeypatch.setattr(mf, "STATIC", static)
-    assert not mf.screenshot_is_stale()  # same files, same digest
-    (static / "index.html").write_text((static / "index.html").read_text() + "\n<!-- changed -->\n")
-    assert mf.screenshot_is_stale()
+    shot = tmp_path / "page.png"
+    mf.write_screenshot(mf.SCREENSHOT, shot)  # stamped with the copy's digest
+    assert not mf.screenshot_is_stale(shot)
+    (static / "app.js").write_text((static / "app.js").read_text() + "\n// changed\n")
+    assert mf.screenshot_is_stale(shot)
+    mf.write_screenshot(mf.SCREENSHOT, shot)  # what the browser test does then
+    assert not mf.screenshot_is_stale(shot)
 
 
 def test_screenshot_stamp_keeps_the_pixels(tmp_path):
