@@ -376,9 +376,14 @@ def stale() -> list[str]:
 
 
 def build(out: Path = FIGURES) -> list[Path]:
-    """Write every SVG into ``out``; return the paths written."""
+    """Write every SVG into ``out``; return the paths written.
+
+    Raises:
+        FileNotFoundError: Graphviz's ``dot`` is not on PATH.
+        ImportError: matplotlib or the graphviz package is missing (the ``docs`` extra).
+    """
     if shutil.which("dot") is None:
-        raise SystemExit("make_figures: Graphviz's `dot` is not on PATH (Debian: apt-get install graphviz)")
+        raise FileNotFoundError("Graphviz's `dot` is not on PATH (Debian: apt-get install graphviz)")
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (dot_text, what) in diagrams().items():
@@ -417,6 +422,9 @@ def main(argv: Optional[list] = None) -> int:
             print(f"wrote {path.relative_to(ROOT)}")
     except ImportError as exc:
         print(f"make_figures: {exc} (pip install -e '.[docs]')", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"make_figures: {exc}", file=sys.stderr)
         return 2
     _gen_state_diagram().main([])  # the Mermaid block of docs/architecture.md, from the same table
     print("wrote docs/architecture.md (state-diagram block)")
