@@ -1,6 +1,6 @@
 """Smoke check of the GPU machine: package imports, device, copy bandwidth and bf16 matmul rate.
 
-Run on the device machine after installing the carried wheels (see benchmarks/NOTES.md).
+Run on the device machine after installing the carried wheels (see benchmarks/README.md).
 Prints one table; the bandwidth is the "floor" denominator used by benchmarks/gpu_engine.py.
 """
 

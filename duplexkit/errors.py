@@ -570,7 +570,7 @@ def detach_traceback(exc: BaseException) -> BaseException:
     whose locals hold the list that holds the exception. Until Python's cyclic collector runs, the
     failed call's locals stay alive with it, and on a GPU those are tensors: after an
     out-of-memory error in the vocoder, the very memory the next call needs (measured:
-    68 GiB of the Code2Wav warm-up kept until ``gc.collect()``, benchmarks/NOTES.md 2026-12-02).
+    68 GiB of the Code2Wav warm-up kept until ``gc.collect()``, benchmarks/results/2026-12-02-cudnn-per-thread-h200.md).
     The frames are dropped at once; the note (``raised at:`` plus the formatted frames) keeps the
     place for logs, since ``traceback.format_exception`` prints notes.
     """

@@ -13,14 +13,14 @@ Before the trim a full ``gc.collect()`` runs on the event loop: a closed session
 joined in reference cycles (connection, Session, driver, replay journal), which only the cyclic
 collector frees, and it runs only after enough new allocations; on a server that went quiet after
 a burst, the sessions' journals of base64 audio stayed allocated until the next burst (measured:
-+345 % RSS after 64 sessions x 5 min, benchmarks/NOTES.md).
++345 % RSS after 64 sessions x 5 min, benchmarks/results/2026-12-01-server-load.md).
 
 The trim reaches only memory that glibc's malloc manages. CPython's own small-object allocator
 (pymalloc: every object or buffer of <= 512 bytes) carves 1 MiB arenas from the OS and gives an arena
 back only when every object in it is dead; a few objects that outlive a burst (a metric's new value,
 a timer handle, a cached header) are scattered over the arenas the burst filled and keep each one
 mapped with its free pools resident (measured: 5 extra arenas, ~5 MiB of free pools, after
-16 sessions x 120 s; benchmarks/NOTES.md). :func:`use_malloc_for_objects` re-executes the server with
+16 sessions x 120 s; benchmarks/results/2026-12-01-server-load.md). :func:`use_malloc_for_objects` re-executes the server with
 ``PYTHONMALLOC=malloc`` (CPython's documented switch, https://docs.python.org/3/using/cmdline.html#envvar-PYTHONMALLOC),
 so that small objects also come from glibc's malloc and ``malloc_trim`` gives their free pages back
 one 4 KiB page at a time.
@@ -36,7 +36,7 @@ growing the heap (one that fits a free heap chunk still takes it: the threshold 
 grows, not how it is reused). glibc's default threshold starts at 128 KiB and, each time a mmapped
 chunk is freed, rises to that chunk's size (up to 32 MiB on 64-bit; "dynamic mmap threshold" in
 mallopt(3), https://man7.org/linux/man-pages/man3/mallopt.3.html), after which even megabyte buffers
-grow the heap. At 64 sessions x 5 min the journals' audio grew the heap by ~540 MiB. Measured in benchmarks/NOTES.md ("what pins the brk heap"). An operator's own setting wins:
+grow the heap. At 64 sessions x 5 min the journals' audio grew the heap by ~540 MiB. Measured in benchmarks/results/2026-12-01-server-load.md ("what pins the brk heap"). An operator's own setting wins:
 nothing is changed when ``MALLOC_MMAP_THRESHOLD_`` is set or ``GLIBC_TUNABLES`` names
 ``glibc.malloc.mmap_threshold`` (glibc reads both at start, tunables(7)). Only the server process sets
 it: the engine process keeps glibc's adaptive default, which suits torch's many same-sized CPU tensors
@@ -128,7 +128,7 @@ def schedule_trim(delay_s: float = 1.0, min_interval_s: float = 5.0) -> None:
         # attribute lookup; a library that looks a method up by a freshly built name keeps one such
         # string alive per slot it last filled (soxr: getattr(obj, f"process_{dtype}") for every
         # resampler, ~100 strings each on its own heap page after 64 sessions x 5 min,
-        # benchmarks/NOTES.md). Clearing it costs a few lookups that refill it.
+        # benchmarks/results/2026-12-01-server-load.md). Clearing it costs a few lookups that refill it.
         sys._clear_type_cache()
         if _libc is not None:
             loop.create_task(asyncio.to_thread(malloc_trim))
@@ -142,7 +142,7 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
     and with glibc's per-thread cache off (``glibc.malloc.tcache_count=0`` appended to
     ``GLIBC_TUNABLES``, tunables(7); the cache keeps up to 7 freed chunks of each size class per thread,
     out of reach of ``malloc_trim``: after a load they pinned about half of the heap pages left,
-    benchmarks/NOTES.md). An operator's ``GLIBC_TUNABLES`` is kept and extended; one that names
+    benchmarks/results/2026-12-01-server-load.md). An operator's ``GLIBC_TUNABLES`` is kept and extended; one that names
     ``glibc.malloc.tcache_count`` is left as it is. glibc reads tunables at start only, so they go in
     the re-executed environment; the process's own children (the engine process) get the operator's
     ``GLIBC_TUNABLES`` back: the next call, in the re-executed process, restores it in ``os.environ``.
@@ -226,7 +226,7 @@ def numpy_without_block_cache() -> Optional[str]:
 
     Why: after a load, those cached blocks (a session's short audio frames: float32 arrays of a few
     hundred samples) sit one per page all over the brk heap the load grew, and ``malloc_trim`` cannot
-    return a page that holds one (benchmarks/NOTES.md, "what pins the brk heap"). How: numpy's
+    return a page that holds one (benchmarks/results/2026-12-01-server-load.md, "what pins the brk heap"). How: numpy's
     documented data-memory policy API (NEP 49, https://numpy.org/doc/stable/reference/c-api/data_memory.html):
     a ``PyDataMem_Handler`` named :data:`NUMPY_HANDLER_NAME` whose functions are
     ``PyMem_GetAllocator(PYMEM_DOMAIN_RAW)``'s, in a ``"mem_handler"`` capsule, passed to

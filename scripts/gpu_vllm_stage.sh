@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# vLLM thinker vs native fast thinker on the lent GPU machine (issue 17 item 4; benchmarks/NOTES.md).
+# vLLM thinker vs native fast thinker on the lent GPU machine (benchmarks/results/2026-12-02-vllm-units-h200.md).
 #
 # The machine has no network: vLLM 0.26.0 (the CUDA 13 wheel that pins torch 2.11, the image's) and
 # the packages it needs that the image lacks travel in two carried folders, each under the 64 MiB a
-# call may carry next to the working tree (prepared here as benchmarks/NOTES.md describes):
+# call may carry next to the working tree (prepared here as benchmarks/results/2026-12-02-vllm-units-h200.md describes):
 #   .vllmgpu_a/  vllm026.tar.xz.part00             first 58 MiB of the trimmed vLLM tree (tar.xz)
 #   .vllmgpu_b/  vllm026.tar.xz.part01, .sha256    the rest, and the checksum of the whole archive
 #                wheels/*.whl                      ~80 small wheels (fastapi, pydantic, msgspec, ...)

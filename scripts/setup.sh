@@ -131,6 +131,7 @@ APT_DEV=(
   libasound2-plugins
   espeak-ng
   sox
+  graphviz
 )
 if [[ $APT_SET == demo ]]; then
   APT_PACKAGES=("${APT_DEMO[@]}")

@@ -43,9 +43,9 @@ __all__ = ["ServerMetrics", "SessionObserver", "MetricsMiddleware", "install", "
 METRICS_MODES = ("auth", "public", "off")
 
 #: Histogram buckets in seconds. Stage steps are tens of ms to ~1 s on a GPU; a unit is 1 s of
-#: audio, so anything above 1 s is behind real time (benchmarks/NOTES.md).
+#: audio, so anything above 1 s is behind real time (benchmarks/README.md).
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
-#: TTFP targets are 250-500 ms (benchmarks/NOTES.md); the scripted engine's answers land at ~1-3 s.
+#: TTFP targets are 250-500 ms (benchmarks/README.md); the scripted engine's answers land at ~1-3 s.
 TTFP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 _AUDIO_DELTA = "response.output_audio.delta"

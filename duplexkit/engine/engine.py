@@ -152,7 +152,7 @@ class DuplexEngine:
         PyTorch keeps cuDNN's autotuned convolution plans per thread (``thread_local`` benchmark
         cache in ATen's cuDNN v8 convolution), so plans tuned on the caller's thread were tuned again
         by the Code2Wav thread at its first chunks of each batch size, mid-conversation (measured on
-        the H200: 8 new streams waited 2.4-2.8 s for their first audio, benchmarks/NOTES.md).
+        the H200: 8 new streams waited 2.4-2.8 s for their first audio, benchmarks/results/2026-12-02-cudnn-per-thread-h200.md).
 
         Args:
             max_kv_len: thinker/talker KV positions the captured graphs cover.
@@ -214,7 +214,7 @@ class DuplexEngine:
         This pays the one-time lazy initialisation that graph capture does not reach (the audio
         encoder's first eager call, kernel autotuning of the vocoder's convolutions, allocator
         growth): measured on the H200, a process's first response took 1.7-2.3 s against 0.4 s
-        afterwards (benchmarks/NOTES.md, issue 11). Runs on its own event loop in a helper thread,
+        afterwards (benchmarks/results/2026-12-01-e2e-latency-h200.md). Runs on its own event loop in a helper thread,
         so it may be called with or without a running loop. Returns the time to the first audio
         chunk in ms (None when the turn produced no audio).
 

@@ -3,7 +3,7 @@
 By default the three stage threads (thinker, talker, Code2Wav) launch on the legacy default CUDA
 stream of their device, so the GPU runs their kernels in the one order they were queued: a thinker
 decode step (a few short kernels, then a ``.tolist()`` host sync) waits behind every vocoder kernel
-queued before it. Measured on the H200 at 32 streams (benchmarks/NOTES.md, issue 19, stop 15), the
+queued before it. Measured on the H200 at 32 streams (benchmarks/results/2026-12-02-cudnn-per-thread-h200.md), the
 thinker's round took 460-970 ms in the engine against ~300 ms alone, its thread waiting at the
 per-step host sync and at host-to-device copies behind the vocoder's work.
 

@@ -254,7 +254,7 @@ class VllmDuplexThinker:
         (:meth:`embed_units`), then all chunks are submitted together, so vLLM schedules them in the
         same engine steps and decodes the streams in lockstep. (Run inside each :meth:`unit`, the
         front end staggers the submissions by one Whisper pass per stream: at 32 streams on an H200
-        that made the vLLM unit 3.6x the native one, benchmarks/NOTES.md.)
+        that made the vLLM unit 3.6x the native one, benchmarks/results/2026-12-02-vllm-units-h200.md.)
 
         Returns one ``(UnitResult, epoch)`` per item, in order, or the exception of an item that
         failed on its own (a closed stream, the context full, ...). An exception of the batched

@@ -12,8 +12,8 @@ Timeouts are generous upper bounds for a loaded machine; nothing asserts on how 
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "img" / "browser-page.png"
+_spec = importlib.util.spec_from_file_location("make_figures", REPO / "scripts" / "make_figures.py")
+make_figures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_figures)
 KEY = "browser-test-key"
 UNITS_PER_TURN = 6  # 6 s answers: long enough to speak over the first one
 
@@ -135,13 +138,15 @@ def test_conversation_barge_in_and_playback_truth(browser, server, fixtures_audi
         assert h["sessions_open"] == 1
         assert page.evaluate("() => window.duplexkit.appendsSent") >= appends  # read after /health
 
-        # the docs' screenshot: written when missing (or with DUPLEXKIT_UPDATE_SCREENSHOT=1)
+        # the docs' screenshot, stamped with the digest of server/static/ (scripts/make_figures.py):
+        # written when missing, when the page changed since it was taken (tests/unit/test_figures.py
+        # fails until then), or with DUPLEXKIT_UPDATE_SCREENSHOT=1
         shot = tmp_path / "browser-page.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        if not SCREENSHOT.exists() or os.environ.get("DUPLEXKIT_UPDATE_SCREENSHOT") == "1":
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(shot, SCREENSHOT)
+        if make_figures.screenshot_is_stale(SCREENSHOT) or os.environ.get("DUPLEXKIT_UPDATE_SCREENSHOT") == "1":
+            make_figures.write_screenshot(shot, SCREENSHOT)
+            assert not make_figures.screenshot_is_stale(SCREENSHOT)
 
         page.click("#stop")
         assert page.get_attribute("#state", "data-state") == "idle"

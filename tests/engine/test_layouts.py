@@ -15,7 +15,7 @@ def test_bundled_layouts_load():
     one = load_layout("1gpu")
     assert {s.device for s in one.stages.values()} == {"cuda:0"}
     assert [one.stages[s].memory_fraction for s in ("thinker", "talker", "code2wav")] == [0.55, 0.15, 0.15]
-    assert all(s.max_num_seqs == 16 for s in one.stages.values())  # measured at 16 on an H200 (NOTES.md)
+    assert all(s.max_num_seqs == 16 for s in one.stages.values())  # measured at 16 on an H200 (benchmarks/results/2026-11-30-gpu-engine-h200.md)
     two = load_layout("2gpu")
     assert two.thinker.device == "cuda:0" and two.talker.device == two.code2wav.device == "cuda:1"
     three = load_layout("3gpu")

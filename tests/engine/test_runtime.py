@@ -253,7 +253,7 @@ def test_warmup_runs_each_stage_warmup_on_its_own_worker_thread():
     """DuplexEngine.warmup runs the thinker's, talker's and vocoder's warm-ups on their stage
     threads, one after the other: cuDNN's autotuned convolution plans are kept per thread, so the
     vocoder's tuned on the caller's thread were tuned again mid-conversation (8 new streams waited
-    2.4-2.8 s for their first audio on the H200, benchmarks/NOTES.md)."""
+    2.4-2.8 s for their first audio on the H200, benchmarks/results/2026-12-02-cudnn-per-thread-h200.md)."""
     import threading
     from types import SimpleNamespace
 

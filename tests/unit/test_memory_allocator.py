@@ -1,6 +1,6 @@
 """The server's small-object allocator (issue 13, deliverable 6): ``duplexkit.memory.use_malloc_for_objects``.
 
-Why it exists (benchmarks/NOTES.md, "Server load"): after a burst of sessions a few surviving objects
+Why it exists (benchmarks/results/2026-12-01-server-load.md, "Server load"): after a burst of sessions a few surviving objects
 are scattered over the 1 MiB arenas of CPython's pymalloc that the burst filled; an arena is given back
 only when empty, so RSS stays up although the objects are gone. On glibc's malloc the same free
 memory is given back page by page by ``malloc_trim``. The pattern is reproduced here in a child
@@ -154,7 +154,7 @@ def test_serve_called_from_another_program_does_not_re_execute(monkeypatch):
 
 # glibc raises its mmap threshold to the size of each mmapped chunk freed (up to 32 MiB), after which a
 # session's 64 000-character base64 strings come from the brk heap and spread it; the fixed threshold
-# keeps them mmapped (duplexkit.memory.fix_mmap_threshold; benchmarks/NOTES.md "what pins the brk heap")
+# keeps them mmapped (duplexkit.memory.fix_mmap_threshold; benchmarks/results/2026-12-01-server-load.md "what pins the brk heap")
 _THRESHOLD = textwrap.dedent("""
     import json, sys
     from duplexkit import memory
@@ -238,7 +238,7 @@ def test_mmap_threshold_not_set_without_glibc_or_when_refused(monkeypatch):
 
 
 # numpy's default data handler keeps up to 7 freed blocks of each size under 1024 bytes and never gives
-# them back; after a load they pin one heap page each (benchmarks/NOTES.md "what pins the brk heap").
+# them back; after a load they pin one heap page each (benchmarks/results/2026-12-01-server-load.md "what pins the brk heap").
 # Here: 7 arrays of each size, each followed by 4 KiB of other data (so that each sits on a page of its
 # own, as a load's short audio frames do), all freed, collect + trim.
 _NUMPY_BLOCKS = textwrap.dedent("""

@@ -8,7 +8,7 @@ allocation on another thread's legacy stream fails (``cudaErrorStreamCaptureImpl
 "operation not permitted when stream is capturing"), a draw from the default CUDA generator fails
 ("Offset increment outside graph capture"), and the broken capture leaves the graph pool recording
 ("beginAllocateToPool: already recording to mempool_id") so that every later capture fails too.
-Measured on the H200 (benchmarks/NOTES.md, issue 19 step 9): one lazy capture at 8 sessions broke the
+Measured on the H200 (benchmarks/results/2026-12-01-e2e-latency-h200.md, the third run): one lazy capture at 8 sessions broke the
 engine for the rest of the process.
 
 :class:`CaptureGate` is a readers-writer gate. Stage work holds it *shared* (any number of threads

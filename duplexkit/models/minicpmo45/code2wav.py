@@ -157,7 +157,7 @@ class Code2Wav:
         if torch.is_tensor(window):
             # a plain attribute (not a buffer) that the package's ``_stft`` / ``_istft`` move with
             # ``.to(x.device)`` on every call: from the CPU that is a pageable copy that waits for every
-            # kernel queued on the stream (twice per HiFT call, benchmarks/NOTES.md issue 19 step 8);
+            # kernel queued on the stream (twice per HiFT call, benchmarks/results/2026-11-30-gpu-engine-h200.md, step 8);
             # on the HiFT's device the call is a no-op
             hift.stft_window = window.to(self.device)
         self.n_timesteps = int(n_timesteps)
@@ -312,7 +312,7 @@ class Code2Wav:
         ``inference_chunk`` and the batched graphs copy from it; a chunk's new cache is a new tensor
         set, or, in the batched path, the stream's own tensor of its previous chunk, never the
         base), so a listening stream costs no flow-cache memory. A copy was 378 MiB per stream
-        at real size (benchmarks/NOTES.md, 48 streams on one H200)."""
+        at real size (benchmarks/results/2026-12-02-gpu-engine-48-64-streams-h200.md)."""
         self._check_open(stream)
         stream.flow_cache = dict(stream.base_cache)
         stream.own_att = None

@@ -15,7 +15,7 @@ operation order (so on CPU float32 a batch of one equals the package's call bit 
 batches agree within float rounding of batched convolutions, see tests/model/test_code2wav_batch.py).
 
 Private generators also keep HiFT off the default CUDA generator, which a CUDA-graph capture on
-another thread registers process-wide (benchmarks/NOTES.md, run 6).
+another thread registers process-wide (benchmarks/results/2026-11-30-gpu-engine-h200.md, run 6).
 """
 
 from __future__ import annotations

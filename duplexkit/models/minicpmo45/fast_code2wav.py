@@ -34,16 +34,16 @@ attention caches (10 steps x 16 blocks x 2 CFG rows x 8 heads x 128 x up to prom
 float16 on CUDA with TF32 on, :func:`att_cache_dtype_default`: ~0.25 GB per stream at real size,
 504 MiB in float32) are ONE buffer per call, read and written in place: the streams' cached frames
 are copied in, each step writes its new frames beside them, and the new caches (trimmed) are copied
-out (:meth:`BatchedCode2Wav._euler`). Before stop 19 the graphs held them three times (input, output
+out (:meth:`BatchedCode2Wav._euler`). Before the in-place caches the graphs held them three times (input, output
 and the blocks' scratch) and the package's concatenations copied them ~4 more times per step; a
 graph of its own per shape held ~1 GB per row, and 48 streams ran out of memory on the H200
-(benchmarks/NOTES.md, 2026-12-02).
+(benchmarks/results/2026-12-02-gpu-engine-48-64-streams-h200.md).
 A turn's last chunk writes no new flow cache (the stream returns to its voice's base cache after it)
 and runs in sub-batches of :data:`LAST_SUB_BATCH` streams on CUDA, so many turns ending in one round
 do not allocate every stream's caches at once.
 
 Why: one flow call costs ~0.3-0.4 s of CPU (launch bound); HiFT per stream cost ~25 ms of CPU each,
-so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/NOTES.md).
+so 32 streams spent ~1.5 s per round in Code2Wav (benchmarks/results/2026-11-30-gpu-engine-h200.md, step 7).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ GRAPH_MAX_BATCH = 16
 captured Euler-loop graph on CUDA (bigger groups run as sub-batches of this size). The graphs share
 one scratch sized for this many rows (fp32 attention caches of every DiT step and block, read and
 written in place: 10.09 GiB at 16 rows at real size, 5.05 at 8, 20.18 at 32). Measured on an H200 at
-real size (benchmarks/NOTES.md, stop 19, ``code2wav_batch.py --graph-rows``, one call): a 32-stream
+real size (benchmarks/results/2026-12-02-code2wav-in-place-h200.md, ``code2wav_batch.py --graph-rows``, one call): a 32-stream
 round takes 282 ms with 8 rows, 215 with 16, 208 with 32 (before the in-place caches: 362 with 8
 rows); an 8-stream round 92-100 ms at any of them; the audio of 32 rows is within 2.8e-5 (75.5 dB) of
 16 rows'. 32 rows take 32 streams' unit p90 from 426 to 415 ms in the engine, but 48 streams then run
@@ -146,7 +146,7 @@ def matmul_tf32_default(device) -> bool:
     """Whether the vocoder's fp32 matmuls run on TF32 tensor cores: on for CUDA devices unless the
     environment sets ``DUPLEXKIT_CODE2WAV_TF32=0``; never on the CPU.
 
-    Measured on an H200 at real size with random weights (benchmarks/NOTES.md, stop 16,
+    Measured on an H200 at real size with random weights (benchmarks/results/2026-12-02-tf32-triton-h200.md,
     ``benchmarks/code2wav_batch.py --compare-to``): audio within 2.8e-5 (max abs) of full fp32, SNR
     75 dB, for 67.2 -> 49.7 ms per chunk at 1 stream and 660 -> 498 ms per round at 32. The
     reference runs these matmuls in fp32 (``Token2wav(float16=False)``), PyTorch's default."""
@@ -164,8 +164,9 @@ def att_cache_dtype_default(device, flow_dtype, matmul_tf32: bool):
     mantissa bits, float16's precision, so caches stored in float16 lose no more than the matmuls
     that made them; they take half the memory (~0.25 GB per stream at real size instead of 504
     MiB, where 64 streams ran out of memory on the H200) and half the copy traffic, and attention
-    runs on the tensor cores instead of float32 SIMT (~27 ms of a 32-stream round; benchmarks/NOTES.md, stop
-    20). The attention then takes float16 queries (softmax accumulated in float32 by the kernel);
+    runs on the tensor cores instead of float32 SIMT (~27 ms of a 32-stream round;
+    benchmarks/results/2026-12-03-code2wav-caches-acceptance-h200.md). The attention then takes
+    float16 queries (softmax accumulated in float32 by the kernel);
     its float16 output is copied into the float32 activations. ``DUPLEXKIT_CODE2WAV_TF32=0`` gives
     the reference's float32 arithmetic everywhere, caches included.
 
@@ -608,7 +609,8 @@ class BatchedCode2Wav(Code2Wav):
                 and values are written at ``[:, :, :T]`` and attention reads the whole of it. The
                 package instead concatenates ``[new, cached]`` three times per block and step and
                 copies the result into its buffer: the same keys in the same order, so the same
-                attention, without ~4 copies of every cache per step (benchmarks/NOTES.md, stop 19).
+                attention, without ~4 copies of every cache per step
+                (benchmarks/results/2026-12-02-code2wav-in-place-h200.md).
             T: the chunk's frames.
 
         Returns:
@@ -908,7 +910,8 @@ class BatchedCode2Wav(Code2Wav):
         vocoder (issue 19 step 8).
 
         cuDNN autotuning (``cudnn.benchmark``) is on only inside :meth:`warmup`, for the steady chunk
-        shapes: ~25 % less CPU per chunk on the H200 (benchmarks/NOTES.md). cuDNN keeps the plan of
+        shapes: ~25 % less CPU per chunk on the H200 (benchmarks/results/2026-11-30-gpu-engine-h200.md,
+        step 4). cuDNN keeps the plan of
         each shape per thread after its first call, tuned or not, so the warmed shapes keep their
         tuned plans and the rest (a turn's variable-length last chunk, a shape met later) get the
         heuristic plan. The flag is process wide: set while serving, it also made the other stage
