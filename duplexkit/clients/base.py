@@ -32,16 +32,18 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union, cast
 
 import numpy as np
 
-from duplexkit.audio.playback import Player, RenderingPlayer, VirtualPlayer
 from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
 
 from . import state as cs
 from . import tools as tl
 from .handles import ClientOptions, ResponseHandle, _EventQueue, ref_audio_data_url, wait_done
+
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used
+    from duplexkit.audio.playback import Player, RenderingPlayer
 
 logger = logging.getLogger("duplexkit.clients")
 
@@ -99,13 +101,15 @@ class BaseDuplexClient(abc.ABC):
         if echo not in (None, False, True, "off", "gate", "aec", "auto") and \
                 type(echo).__name__ != "EchoConfig":
             raise ValueError(f"echo must be None, 'off', 'gate', 'aec', 'auto' or an EchoConfig, got {echo!r}")
+        from duplexkit.audio.playback import VirtualPlayer
+
         if player is None:
             player = VirtualPlayer()
         # echo control's reference is what the player plays: a clear error now, not a failure mid-call
         cs.require_player(player, rendering=echo not in (None, False, "off"))
         # a VirtualPlayer plays while the session is open (started by connect, stopped by close)
         self._own_player = isinstance(player, VirtualPlayer)
-        self.player: Player = player
+        self.player: "Player" = player
         self.state = cs.ClientState(player, auto_ack=auto_ack, new_record=lambda ev: ResponseHandle(self, ev))
         self.close_code: Optional[int] = None
         self._released = False
@@ -436,8 +440,7 @@ class BaseDuplexClient(abc.ABC):
                 cfg = EchoConfig(mode="aec" if aec_available() else "gate")
             elif isinstance(cfg, str):
                 cfg = EchoConfig(mode=cfg)
-            player = self.player
-            assert isinstance(player, RenderingPlayer)  # checked at construction (require_player)
+            player = cast("RenderingPlayer", self.player)  # checked at construction (require_player)
             ctl = EchoControl(cfg, capture_rate=16_000, render_rate=player.sample_rate)
             lock = self._echo_lock
 

@@ -11,14 +11,16 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
 import numpy as np
 
-from duplexkit.audio.playback import Player
 from duplexkit.errors import DuplexConnectionError, DuplexTimeout
 
 from .records import ResponseRecord
+
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used
+    from duplexkit.audio.playback import Player
 
 __all__ = ["ClientOptions", "ResponseHandle", "ResponseOwner", "ref_audio_data_url", "wait_done"]
 

@@ -78,11 +78,10 @@ import base64
 import secrets
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
-from duplexkit.audio.playback import ForgettingPlayer, Player, RenderingPlayer
 from duplexkit.errors import DuplexConnectionError, DuplexError, ErrorCode, canonical_error_code
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
 
@@ -90,10 +89,14 @@ from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnect
                       ResponseAudio, ResponseEnded, ResponseStarted, Resumed, ResumeAccepted, SessionEnded, Send)
 from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
 
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used (it loads soxr, soundfile, webrtcvad)
+    from duplexkit.audio.playback import Player
+
 __all__ = [
     "ClientState", "ResponseRecord", "Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio",
     "ResponseEnded", "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed",
-    "Reconnect", "ResumeAccepted", "REPLY_TYPES", "HANDLERS", "require_player", "response_id_of", "OUTPUT_RATE", "OUTBOX_FRAMES",
+    "Reconnect", "ResumeAccepted", "REPLY_TYPES", "HANDLERS", "require_player", "response_id_of", "OUTPUT_RATE",
+    "OUTBOX_FRAMES",
 ]
 
 REPLY_TYPES: dict[str, tuple[str, ...]] = {
@@ -369,13 +372,16 @@ class ClientState:
         """The last :class:`Reconnect` got no answer (the connection could not be opened, the send
         failed, no reply came in time, or the new connection dropped before it was the session's).
         Returns the next :class:`Reconnect`, or the session-ending actions after
-        ``resume_attempts`` attempts."""
-        return self._reconnect_or_fail()
+        ``resume_attempts`` attempts. Nothing when no resume is under way."""
+        return self._reconnect_or_fail() if self.reconnecting else []
 
     def resume_answer(self, reply: Any) -> list:
         """The first frame the server sent on the new connection (its decoded JSON value), after
         our ``session.resume``. Returns :class:`ResumeAccepted`, or the session-ending actions of
-        a refusal (the error's code; ``resume_failures`` counts them). See the module docstring."""
+        a refusal (the error's code; ``resume_failures`` counts them). See the module docstring.
+        Nothing when no resume is under way."""
+        if not self.reconnecting:
+            return []
         if not isinstance(reply, dict) or reply.get("type") not in ("session.resumed", "error"):
             # a server that replays without session.resumed (vLLM-Omni): its first replayed event is
             # the answer
@@ -691,6 +697,8 @@ class ClientState:
         old = [k for k, r in self.responses.items() if not r.generating and not r.audible]
         for k in old[: len(self.responses) - MAX_KEPT_RESPONSES // 2]:
             del self.responses[k]
+            from duplexkit.audio.playback import ForgettingPlayer
+
             if isinstance(self.player, ForgettingPlayer):
                 self.player.forget(k)
 
@@ -731,10 +739,12 @@ _LENIENT_TYPES = frozenset({"session.created", "session.updated", "session.resum
 sessions); their handlers read such a body through :func:`_session_dict` / :func:`_top_level`."""
 
 
-def require_player(player: Any, *, rendering: bool = False) -> Player:
+def require_player(player: Any, *, rendering: bool = False) -> "Player":
     """``player`` when it is a :class:`~duplexkit.audio.Player` (a
     :class:`~duplexkit.audio.RenderingPlayer` too when ``rendering``: echo control needs
     ``on_render``). Raises TypeError naming what it lacks."""
+    from duplexkit.audio.playback import Player, RenderingPlayer
+
     if not isinstance(player, Player):
         members = sorted((set(vars(Player)) | set(Player.__annotations__)) - set(vars(Protocol)))
         missing = [m for m in members if not m.startswith("_") and not hasattr(player, m)]

@@ -224,3 +224,9 @@ def test_an_error_answering_a_request_is_no_handshake_refusal():
                                            "message": "x", "param": "model", "event_id": eid}})
     assert st.handshake_error is None
     assert ended_error(st.connection_ended(1006)).code == "connection_lost"
+
+
+def test_answers_and_failures_outside_a_resume_change_nothing():
+    st = opened()
+    assert st.reconnect_failed() == [] and st.resume_answer({"type": "session.resumed", "session_id": SID}) == []
+    assert st.resumes == 0 and not st.reconnecting and not st.closed and st.resume_token == "tok1"
