@@ -14,7 +14,9 @@ A *player* is what the clients feed with the assistant's audio and ask what was 
 
 After a barge-in the client calls :meth:`Player.flush` and reports ``played_ms(response_id)``;
 when a response has played out, :meth:`Player.on_drained` callbacks tell the client to report it
-as fully heard at that moment.
+as fully heard at that moment. :class:`Player` is everything the clients need; two optional
+capabilities are protocols of their own: :class:`RenderingPlayer` (``on_render``, needed for echo
+control) and :class:`ForgettingPlayer` (``forget``). All three shipped players have both.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Player", "PlaybackBuffer", "VirtualPlayer", "OUTPUT_RATE"]
+__all__ = ["Player", "RenderingPlayer", "ForgettingPlayer", "PlaybackBuffer", "VirtualPlayer", "OUTPUT_RATE"]
 
 #: Output audio rate, Hz (docs/protocol.md §6.2: always 24 kHz mono).
 OUTPUT_RATE = 24000
@@ -57,6 +59,26 @@ class Player(Protocol):
     def on_drained(self, callback: Callable[[str], None]) -> None:
         """Register ``callback(response_id)``: called each time the queued audio of a response has
         all been played (its queue ran empty after holding audio)."""
+
+
+@runtime_checkable
+class RenderingPlayer(Player, Protocol):
+    """A :class:`Player` that reports every block it plays: what echo control needs (the clients'
+    ``echo`` option other than off; docs/clients.md, "Players"). A client given ``echo`` and a
+    player without ``on_render`` raises TypeError at construction."""
+
+    def on_render(self, callback: Callable[[np.ndarray], None]) -> None:
+        """Register ``callback(block)``: each block handed to the output (float32 [n] at
+        ``sample_rate``), in play order; may run on the audio thread."""
+
+
+@runtime_checkable
+class ForgettingPlayer(Player, Protocol):
+    """A :class:`Player` that can drop the bookkeeping of an old response. Optional: the clients
+    call it (when present) for responses they stop keeping, so a long session's player stays small."""
+
+    def forget(self, response_id: str) -> None:
+        """Remove everything kept for ``response_id`` (its played cursor included)."""
 
 
 class _Queue:

@@ -4,21 +4,22 @@ The asyncio shells (:mod:`duplexkit.clients.base`) carry them out: :class:`Send`
 :class:`Resolve`/:class:`Reject` settle the waiting call of that ``event_id``, the response actions
 feed :class:`~duplexkit.clients.ResponseHandle` iterators, :class:`Deliver` feeds ``events()``.
 :class:`PlaybackFlushed` and :class:`PlaybackHeard` record what the state did to the player (for
-tests, logs and metrics).
+tests, logs and metrics). :class:`Reconnect` and :class:`ResumeAccepted` tell a shell whose transport
+can reconnect (the WebSocket client) what to do after a dropped connection (docs/protocol.md §1.6).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .state import ResponseRecord
+from .records import ResponseRecord
 
 __all__ = ["Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio", "ResponseEnded",
-           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed"]
+           "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed", "Reconnect",
+           "ResumeAccepted", "TransportStep"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ class Reject:
 class ResponseStarted:
     """A ``response.created`` (model-, client- or VAD-triggered) opened ``response``."""
 
-    response: "ResponseRecord"
+    response: ResponseRecord
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class ResponseAudio:
     """Decoded audio of ``response``: float32 [n] at 24 kHz (also queued on the player unless
     the response was flushed)."""
 
-    response: "ResponseRecord"
+    response: ResponseRecord
     pcm: np.ndarray
 
 
@@ -69,7 +70,7 @@ class ResponseEnded:
     """``response`` stopped generating (``response.done``, or ``error`` set when the session ended
     first)."""
 
-    response: "ResponseRecord"
+    response: ResponseRecord
     error: Optional[BaseException] = None
 
 
@@ -130,5 +131,35 @@ class Resumed:
     type: str = "client.resumed"
 
 
+@dataclass(frozen=True)
+class Reconnect:
+    """Transport directive (docs/protocol.md §1.6): wait ``delay_s`` seconds, open a new connection
+    and send ``event`` (a ``session.resume``) as its first frame; then hand the first frame the server
+    answers (a decoded JSON value) to :meth:`~duplexkit.clients.state.ClientState.resume_answer`, or
+    call :meth:`~duplexkit.clients.state.ClientState.reconnect_failed` when the connection could
+    not be opened, the send failed or no answer came. ``attempt`` counts from 1."""
+
+    attempt: int
+    delay_s: float
+    event: dict
+
+
+@dataclass(frozen=True)
+class ResumeAccepted:
+    """Transport directive: the new connection carries the session. Send ``frames`` (client frames
+    the dropped connection lost, as they were first sent) in order on it; if that fails, call
+    :meth:`~duplexkit.clients.state.ClientState.reconnect_failed`. Otherwise the new connection is
+    the session's: hand ``event`` (the server's answer, when it was an event) to
+    :meth:`~duplexkit.clients.state.ClientState.receive` like any server event and read on.
+    ``lost``: ``(first, last)`` frame numbers that were lost and are no longer kept (None: none)."""
+
+    frames: tuple[str, ...] = ()
+    event: Optional[dict] = None
+    lost: Optional[tuple[int, int]] = None
+
+
+TransportStep = Union[Reconnect, ResumeAccepted]
+"""The directives a shell with a reconnecting transport carries out (only the remote client)."""
+
 Action = Union[Send, Resolve, Reject, ResponseStarted, ResponseAudio, ResponseEnded, PlaybackFlushed,
-               PlaybackHeard, Deliver, SessionEnded]
+               PlaybackHeard, Deliver, SessionEnded, Reconnect, ResumeAccepted]

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union, cast
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
 from . import state as cs
 from . import tools as tl
 from .handles import ClientOptions, ResponseHandle, _EventQueue, ref_audio_data_url, wait_done
+
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used
+    from duplexkit.audio.playback import Player, RenderingPlayer
 
 logger = logging.getLogger("duplexkit.clients")
 
@@ -80,10 +83,13 @@ class BaseDuplexClient(abc.ABC):
 
     Raises:
         ToolDefinitionError: a function that cannot be a tool, or two tools with one name.
+        TypeError: ``player`` is not a :class:`~duplexkit.audio.Player`, or ``echo`` asks for echo
+            control and the player has no ``on_render`` (:class:`~duplexkit.audio.RenderingPlayer`).
+        ValueError: ``input_rate`` outside 8000..48000 Hz, or an unknown ``echo`` value.
     """
 
     def __init__(self, *, session: Optional[dict] = None, ref_audio: Any = None, input_rate: int = 16_000,
-                 player: Any = None, auto_ack: bool = True, barge_in: Any = False, echo: Any = None,
+                 player: Optional[Player] = None, auto_ack: bool = True, barge_in: Any = False, echo: Any = None,
                  request_timeout_s: float = 30.0, max_buffered_events: int = 4096,
                  tools: Optional[Sequence[Any]] = None, tool_choice: Union[str, dict] = "auto") -> None:
         self.options = ClientOptions(session=dict(session or {}), ref_audio=ref_audio, input_rate=int(input_rate),
@@ -95,13 +101,15 @@ class BaseDuplexClient(abc.ABC):
         if echo not in (None, False, True, "off", "gate", "aec", "auto") and \
                 type(echo).__name__ != "EchoConfig":
             raise ValueError(f"echo must be None, 'off', 'gate', 'aec', 'auto' or an EchoConfig, got {echo!r}")
-        from duplexkit.audio import VirtualPlayer
+        from duplexkit.audio.playback import VirtualPlayer
 
         if player is None:
             player = VirtualPlayer()
+        # echo control's reference is what the player plays: a clear error now, not a failure mid-call
+        cs.require_player(player, rendering=echo not in (None, False, "off"))
         # a VirtualPlayer plays while the session is open (started by connect, stopped by close)
         self._own_player = isinstance(player, VirtualPlayer)
-        self.player = player
+        self.player: "Player" = player
         self.state = cs.ClientState(player, auto_ack=auto_ack, new_record=lambda ev: ResponseHandle(self, ev))
         self.close_code: Optional[int] = None
         self._released = False
@@ -432,14 +440,15 @@ class BaseDuplexClient(abc.ABC):
                 cfg = EchoConfig(mode="aec" if aec_available() else "gate")
             elif isinstance(cfg, str):
                 cfg = EchoConfig(mode=cfg)
-            ctl = EchoControl(cfg, capture_rate=16_000, render_rate=getattr(self.player, "sample_rate", OUTPUT_RATE))
+            player = cast("RenderingPlayer", self.player)  # checked at construction (require_player)
+            ctl = EchoControl(cfg, capture_rate=16_000, render_rate=player.sample_rate)
             lock = self._echo_lock
 
             def render(block: np.ndarray) -> None:  # the player's thread
                 with lock:
                     ctl.render(block)
 
-            self.player.on_render(render)
+            player.on_render(render)
             self._echo = ctl
         return self._echo
 
@@ -551,9 +560,6 @@ class BaseDuplexClient(abc.ABC):
         if not self._released:
             self._apply(self.state.playback_drained(response_id))
 
-    def _player_busy(self, rec: Any) -> bool:
-        return bool(self.player.queued_samples(rec.id))
-
     def _apply(self, actions: list) -> None:
         """Carry out the state's actions; sends are queued in order on the event loop."""
         sends = []
@@ -580,6 +586,8 @@ class BaseDuplexClient(abc.ABC):
             elif isinstance(a, cs.SessionEnded):
                 if self.close_code is None and a.error is None:
                     self.close_code = CLOSE_CODES.get(str(a.reason), 1000)
+                if a.error is not None and self._failure is None:
+                    self._failure = a.error  # the transport failed: later calls raise it
                 self._session_closed.set()
                 self._finish_streams(a.error)
         if sends:

@@ -11,18 +11,28 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
 import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexTimeout
 
-from . import state as cs
+from .records import ResponseRecord
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .base import BaseDuplexClient
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used
+    from duplexkit.audio.playback import Player
 
-__all__ = ["ClientOptions", "ResponseHandle", "ref_audio_data_url", "wait_done"]
+__all__ = ["ClientOptions", "ResponseHandle", "ResponseOwner", "ref_audio_data_url", "wait_done"]
+
+
+class ResponseOwner(Protocol):
+    """What a :class:`ResponseHandle` needs of its client (a
+    :class:`~duplexkit.clients.BaseDuplexClient`): its player and its ``cancel``."""
+
+    player: Player
+
+    async def cancel(self, response_id: Optional[str] = None) -> None:
+        """Send ``response.cancel`` for ``response_id``."""
 
 
 async def wait_done(aw: Any, timeout: Optional[float]) -> bool:
@@ -108,7 +118,7 @@ class ClientOptions:
     session: Optional[dict] = None
     ref_audio: Any = None
     input_rate: int = 16_000
-    player: Any = None
+    player: Optional[Player] = None
     auto_ack: bool = True
     barge_in: Any = False
     echo: Any = None
@@ -162,7 +172,7 @@ class _EventQueue:
         return await self.get()
 
 
-class ResponseHandle(cs.ResponseRecord):
+class ResponseHandle(ResponseRecord):
     """One response (docs/protocol.md §5.3), created on ``response.created``: a
     :class:`~duplexkit.clients.state.ResponseRecord` (identity, text, status, ``generating``,
     ``audible``, ``played_ms``) plus the asyncio side: an audio iterator and ``wait()``.
@@ -171,7 +181,7 @@ class ResponseHandle(cs.ResponseRecord):
     seconds).
     """
 
-    def __init__(self, client: "BaseDuplexClient", event: Any) -> None:
+    def __init__(self, client: ResponseOwner, event: Any) -> None:
         super().__init__(event)
         self._client = client
         self.created_at = time.monotonic()
@@ -213,7 +223,8 @@ class ResponseHandle(cs.ResponseRecord):
             await self.wait(timeout)
         except DuplexConnectionError:
             pass  # generation ended with the connection; what arrived still plays
-        while not self.heard_final and self.audio_samples and (self.audible or self._client._player_busy(self)):
+        while not self.heard_final and self.audio_samples and \
+                (self.audible or self._client.player.queued_samples(self.id)):
             if deadline is not None and time.monotonic() > deadline:
                 raise DuplexTimeout(f"response {self.id} still playing after {timeout} s")
             await asyncio.sleep(0.01)

@@ -6,7 +6,9 @@ it connects with ``autostart=0`` and sends the full session first, maps beta eve
 the server advertises ``capabilities.supports_session_resume`` it reconnects after a dropped
 connection and sends ``session.resume{session_id, resume_token, last_server_event_seq}``
 (docs/protocol.md §1.6): events it already saw are dropped on replay, frames the dead connection
-lost are sent again, and ``events()`` shows ``client.reconnecting`` then ``session.resumed``.
+lost are sent again, and ``events()`` shows ``client.reconnecting`` then ``session.resumed``. Every
+resume decision (whether to reconnect, when, what to send, what the answer means, which frames to send
+again) is the sans-I/O core's (:class:`~duplexkit.clients.state.ClientState`); this shell does the I/O.
 :meth:`DuplexClient.continuation` seeds a new session elsewhere when the server is gone.
 It never hangs: transport loss fails every waiting call and iterator with
 :class:`~duplexkit.clients.base.DuplexConnectionError`, and every call has a timeout.
@@ -18,25 +20,18 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .actions import Reconnect, ResumeAccepted
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
-from duplexkit.errors import canonical_error_code
 from .continuation import ContinuationSeed, ConversationLog
 from .handles import ref_audio_data_url
-from .state import new_event_id
+from .state import OUTBOX_FRAMES  # noqa: F401  (re-exported: its home was this module)
 
 logger = logging.getLogger("duplexkit.clients.remote")
 
 __all__ = ["DuplexClient", "build_url"]
-
-OUTBOX_FRAMES = 1024
-"""Client frames kept for re-sending after a resume (docs/protocol.md §1.6); older ones are lost
-with a dropped connection if the server had not processed them."""
-
-_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
 
 
 def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None, autostart: bool = False) -> str:
@@ -134,23 +129,50 @@ class DuplexClient(BaseDuplexClient):
         self.url = build_url(url, profile=profile, model=model)
         self.api_key = api_key
         self.heartbeat_s = heartbeat_s
-        self.resume_enabled = resume
-        self.resume_attempts = resume_attempts
+        self.state.resume_enabled = resume
+        self.state.resume_attempts = resume_attempts
         self.open_timeout_s = open_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._ws = None
         self._reader: Optional[asyncio.Task] = None
         self._heartbeat: Optional[asyncio.Task] = None
-        self._handshake_error: Optional[dict] = None
-        self._got_created = False
-        self._reconnected = asyncio.Event()
+        self._reconnected = asyncio.Event()  # cleared while the read loop carries out a drop
         self._reconnected.set()
-        self.resume_token: Optional[str] = None
-        self.resume_failures = 0
-        # frames sent on this session, for re-sending what a dropped connection lost (§1.6)
-        self._frames_sent = 0
-        self._outbox: deque = deque(maxlen=OUTBOX_FRAMES)
         self.frames_resent = 0
+
+    # -- the resume state lives in the sans-I/O core (ClientState, docs/protocol.md §1.6) --------
+    @property
+    def resume_enabled(self) -> bool:
+        return self.state.resume_enabled
+
+    @resume_enabled.setter
+    def resume_enabled(self, value: bool) -> None:
+        self.state.resume_enabled = bool(value)
+
+    @property
+    def resume_attempts(self) -> int:
+        return self.state.resume_attempts
+
+    @resume_attempts.setter
+    def resume_attempts(self, value: int) -> None:
+        self.state.resume_attempts = int(value)
+
+    @property
+    def resume_token(self) -> Optional[str]:
+        """The current resume token (from ``session.created``, rotated by each ``session.resumed``)."""
+        return self.state.resume_token
+
+    @property
+    def resume_failures(self) -> int:
+        """Resumes the server refused."""
+        return self.state.resume_failures
+
+    @property
+    def frames_sent(self) -> int:
+        """Client frames written to the server on this session (all connections)."""
+        return self.state.frames_sent
+
+    _frames_sent = frames_sent
 
     @property
     def resumes(self) -> int:
@@ -164,7 +186,7 @@ class DuplexClient(BaseDuplexClient):
             return "closed"
         if self.state.reconnecting or not self._reconnected.is_set():
             return "reconnecting"
-        return "open" if self._got_created else "connecting"
+        return "open" if self.state.opened else "connecting"
 
     # -- continuation (docs/clients.md, "Continuing elsewhere") ---------------------------------
     def continuation(self) -> ContinuationSeed:
@@ -190,7 +212,7 @@ class DuplexClient(BaseDuplexClient):
     async def connect(self) -> dict:
         """:meth:`BaseDuplexClient.connect`; with ``continuation``, the seed's items are created
         right after ``session.created`` (each awaited; a refusal raises and closes)."""
-        opened = self._got_created
+        opened = self.state.opened
         session = await super().connect()
         if self._seed is not None and not opened:
             try:
@@ -210,8 +232,8 @@ class DuplexClient(BaseDuplexClient):
 
     @property
     def supports_resume(self) -> bool:
-        caps = (self.session or {}).get("capabilities") or {}
-        return bool(caps.get("supports_session_resume"))
+        """The server advertises ``capabilities.supports_session_resume``."""
+        return self.state.supports_resume
 
     # -- transport ----------------------------------------------------------------------------
     async def _connect_ws(self):
@@ -259,7 +281,7 @@ class DuplexClient(BaseDuplexClient):
         except websockets.exceptions.ConnectionClosed as exc:
             if self._failure is not None:
                 raise self._failure from exc
-            if self._resumable():
+            if self.state.resumable and not self._released:
                 # wait for the read loop to notice the drop and resume on a new connection
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + self.options.request_timeout_s
@@ -281,23 +303,7 @@ class DuplexClient(BaseDuplexClient):
             from duplexkit.audio import InputFormat
 
             self.recording.client_event(text, self.state.input_format or InputFormat("pcm16", self.options.input_rate))
-        self._frames_sent += 1
-        self._outbox.append((self._frames_sent, text))
-
-    async def _resend_lost(self, ws, received: Optional[int]) -> None:
-        """After ``session.resumed``: re-send the frames after the ``received``-th, which the dropped
-        connection lost (written to it, never processed). Frames older than the outbox keeps
-        (:data:`OUTBOX_FRAMES`) cannot be re-sent; that is logged."""
-        if not isinstance(received, int) or received >= self._frames_sent:
-            return
-        oldest = self._outbox[0][0] if self._outbox else self._frames_sent + 1
-        if received + 1 < oldest:
-            logger.warning("frames %d..%d were lost with the connection and are no longer kept; re-sending from %d",
-                           received + 1, oldest - 1, oldest)
-        for idx, text in list(self._outbox):
-            if idx > received:
-                await ws.send(text)
-                self.frames_resent += 1
+        self.state.frame_sent(text)
 
     async def _shutdown(self) -> None:
         for t in (self._heartbeat,):
@@ -317,14 +323,8 @@ class DuplexClient(BaseDuplexClient):
             self.recording.close()
 
     # -- loops --------------------------------------------------------------------------------
-    def _resumable(self) -> bool:
-        return (self.resume_enabled and self._got_created and self.supports_resume and not self.closed
-                and self.close_reason is None)
-
     async def _read_loop(self) -> None:
         import websockets
-
-        from duplexkit.protocol import parse_server_event
 
         while True:
             ws = self._ws
@@ -341,7 +341,7 @@ class DuplexClient(BaseDuplexClient):
                         continue
                     if self.recording is not None:
                         self.recording.server_event(msg)
-                    self._on_frame(data, parse_server_event)
+                    self._on_frame(data)
                 exc: Optional[BaseException] = None
             except websockets.exceptions.ConnectionClosed as e:
                 exc = e
@@ -350,106 +350,81 @@ class DuplexClient(BaseDuplexClient):
             except Exception as e:  # pragma: no cover - defensive
                 exc = e
             self.close_code = getattr(ws, "close_code", None) or self.close_code
-            if self.closed or self.close_reason is not None:
+            if self._released:
                 self._finish_all(None)
                 return
-            if self._handshake_error is not None:
-                err = self._handshake_error.get("error") or {}
-                self._on_transport_lost(DuplexConnectionError(
-                    str(err.get("message") or "handshake rejected"), code=str(err.get("code")),
-                    close_code=self.close_code, event=self._handshake_error))
+            if not await self._carry_out_drop(str(exc) if exc else ""):
                 return
-            if self._resumable() and await self._try_resume():
-                continue
-            if self._failure is not None:  # the resume was refused
-                self._on_transport_lost(self._failure)
-                return
-            self._on_transport_lost(DuplexConnectionError(
-                f"connection lost (close code {self.close_code}){': ' + str(exc) if exc else ''}",
-                code="connection_lost", close_code=self.close_code))
-            return
 
-    def _on_frame(self, data: dict, parse_server_event) -> None:
-        from duplexkit.protocol import ProtocolError
+    def _on_frame(self, data: dict) -> None:
+        from duplexkit.protocol import ProtocolError, parse_server_event
 
         try:
             ev = parse_server_event(data)
         except ProtocolError:  # pragma: no cover - data is already a dict
             return
-        t = ev.type
-        if t in ("session.created", "session.updated"):
-            self._got_created = True
-        if t == "error" and not self._got_created:
-            err = data.get("error") or {}
-            code = canonical_error_code(str(err.get("code")))  # the compat profile's OpenAI names too
-            if code in _HANDSHAKE_CODES or (code in ("bad_event", "invalid_value")
-                                            and err.get("param") in ("model", "dialect", "record")
-                                            and not err.get("event_id")):
-                self._handshake_error = data
-        if t in ("session.created", "session.resumed") and isinstance(data.get("resume_token"), str):
-            self.resume_token = data["resume_token"]  # rotated by each session.resumed (docs/protocol.md §1.6)
         self._log.observe(ev)
         self._on_server_event(ev)
 
-    async def _try_resume(self) -> bool:
-        """Reconnect and resume (docs/protocol.md §1.6). True once ``session.resumed`` arrived (the
-        replay then flows through the read loop); False when every attempt failed or the server
-        refused the resume (``self._failure`` then says why)."""
+    async def _carry_out_drop(self, detail: str) -> bool:
+        """The connection ended: carry out what the core decides (docs/protocol.md §1.6): reconnect
+        and send its ``session.resume``, hand it the answer, re-send the frames it names. True once
+        a new connection carries the session (its replay then flows through the read loop); False
+        when the session is over (everything has been failed or ended)."""
         import websockets
 
-        from duplexkit.protocol import parse_server_event
-
         self._reconnected.clear()
-        self._apply(self.state.transport_interrupted(self.close_code))
+        ws = None
         try:
-            delay = 0.2
-            for _ in range(self.resume_attempts):
-                try:
-                    ws = await self._connect_ws()
-                except DuplexConnectionError:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+            actions = self.state.connection_ended(self.close_code, detail)
+            while True:
+                step = next((a for a in actions if isinstance(a, (Reconnect, ResumeAccepted))), None)
+                self._apply([a for a in actions if a is not step])
+                if isinstance(step, Reconnect):
+                    await asyncio.sleep(step.delay_s)
+                    ws, reply = await self._open_resume(step.event)
+                    actions = self.state.reconnect_failed() if ws is None else self.state.resume_answer(reply)
                     continue
-                try:
-                    await ws.send(json.dumps({"type": "session.resume", "event_id": new_event_id(),
-                                              "session_id": self.session_id, "resume_token": self.resume_token,
-                                              "last_server_event_seq": self.last_server_event_seq}))
-                    reply = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
-                except (websockets.exceptions.ConnectionClosed, asyncio.TimeoutError, ValueError):
-                    await _close_quietly(ws)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                    continue
-                if isinstance(reply, dict) and reply.get("type") == "session.resumed":
-                    if isinstance(reply.get("resume_token"), str):
-                        self.resume_token = reply["resume_token"]  # the old one no longer works
+                if isinstance(step, ResumeAccepted):
+                    if step.lost is not None:
+                        logger.warning("frames %d..%d were lost with the connection and are no longer kept; "
+                                       "re-sending from %d", step.lost[0], step.lost[1], step.lost[1] + 1)
                     try:
-                        await self._resend_lost(ws, reply.get("client_frames_received"))
-                    except websockets.exceptions.ConnectionClosed:
-                        await asyncio.sleep(delay)
-                        continue  # the new connection dropped too: resume again
+                        for frame in step.frames:
+                            await ws.send(frame)
+                            self.frames_resent += 1
+                    except websockets.exceptions.ConnectionClosed:  # the new connection dropped too
+                        await _close_quietly(ws)
+                        ws = None
+                        actions = self.state.reconnect_failed()
+                        continue
                     self._ws = ws
-                    self._on_frame(reply, parse_server_event)
+                    if step.event is not None:
+                        self._on_frame(step.event)
                     return True
-                if not (isinstance(reply, dict) and reply.get("type") == "error"):
-                    # a server that replays without session.resumed (vLLM-Omni): its first replayed
-                    # event is the answer
-                    self._ws = ws
-                    self._apply(self.state.resume_accepted())
-                    if isinstance(reply, dict):
-                        self._on_frame(reply, parse_server_event)
-                    return True
-                err = reply.get("error") or {}
-                self.resume_failures += 1
-                await _close_quietly(ws)
-                self._failure = DuplexConnectionError(
-                    f"the server refused to resume the session: {err.get('message') or reply}",
-                    code=str(err.get("code") or "resume_refused"), close_code=self.close_code,
-                    event=reply)
+                if ws is not None:  # the resume was refused
+                    await _close_quietly(ws)
+                self._finish_streams(self._failure)
                 return False
-            return False
         finally:
             self._reconnected.set()
+
+    async def _open_resume(self, event: dict) -> tuple[Any, Any]:
+        """Open a new connection, send ``event`` (the core's ``session.resume``) as its first frame
+        and read the server's first answer: ``(ws, decoded answer)``, or ``(None, None)`` when any
+        of it failed (the connection is then closed)."""
+        import websockets
+
+        try:
+            ws = await self._connect_ws()
+        except DuplexConnectionError:
+            return None, None
+        try:
+            await ws.send(json.dumps(event))
+            return ws, json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+        except (websockets.exceptions.ConnectionClosed, asyncio.TimeoutError, ValueError):
+            await _close_quietly(ws)
+            return None, None
 
     async def _heartbeat_loop(self) -> None:
         while True:

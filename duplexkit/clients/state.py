@@ -39,11 +39,37 @@ It owns:
   :meth:`barge_in` works on whatever is audible, including the tail of a response the server
   already finished (``response.cancel`` is only sent while it is generating);
 * the **input format** of the session (:attr:`ClientState.input_format`, from the last
-  ``session.created``/``session.updated``), which the shells encode and resample for.
+  ``session.created``/``session.updated``), which the shells encode and resample for;
+* the **resume handshake** (docs/protocol.md §1.6) of a transport that can reconnect: the token,
+  the frames sent (to re-send what a dropped connection lost), and every decision after a drop:
 
-Actions (all frozen dataclasses): :class:`Send`, :class:`Resolve`, :class:`Reject`,
-:class:`ResponseStarted`, :class:`ResponseAudio`, :class:`ResponseEnded`, :class:`PlaybackFlushed`,
-:class:`PlaybackHeard`, :class:`Deliver`, :class:`SessionEnded`.
+  ===========================================  ====================================================
+  the shell reports                            the state decides
+  ===========================================  ====================================================
+  :meth:`connection_ended` (the socket closed)  after ``session.closed``: the session ended cleanly;
+                                               a handshake refusal before ``session.created``: fail
+                                               with it; resumable (``resume_enabled``, the server
+                                               advertises it, the session is open): deliver
+                                               ``client.reconnecting`` and :class:`Reconnect`;
+                                               else fail with ``connection_lost``
+  :meth:`reconnect_failed` (no connection, or   the next :class:`Reconnect` (0.2 s doubling to 5 s
+  no answer, or the new one dropped)           between attempts) until ``resume_attempts``, then
+                                               fail with ``connection_lost``
+  :meth:`resume_answer` (the first frame the   ``session.resumed``: take its rotated token and
+  server sent on the new connection)           answer :class:`ResumeAccepted` with the frames after
+                                               its ``client_frames_received``; an ``error``: the
+                                               resume was refused, fail with its code; anything
+                                               else (vLLM-Omni replays at once): deliver
+                                               ``client.resumed`` and accept with that event
+  ===========================================  ====================================================
+
+Server events are dispatched through one explicit table, :data:`HANDLERS` (event type -> method);
+types not in it are only delivered.
+
+Actions (all frozen dataclasses, :mod:`duplexkit.clients.actions`): :class:`Send`, :class:`Resolve`,
+:class:`Reject`, :class:`ResponseStarted`, :class:`ResponseAudio`, :class:`ResponseEnded`,
+:class:`PlaybackFlushed`, :class:`PlaybackHeard`, :class:`Deliver`, :class:`SessionEnded`, and the
+transport directives :class:`Reconnect`, :class:`ResumeAccepted`.
 """
 
 from __future__ import annotations
@@ -52,21 +78,25 @@ import base64
 import secrets
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
-from duplexkit.errors import DuplexConnectionError, DuplexError, canonical_error_code
-
-from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve,
-                      ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
-from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
+from duplexkit.errors import DuplexConnectionError, DuplexError, ErrorCode, canonical_error_code
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
+
+from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnect, Reconnecting, Reject, Resolve,
+                      ResponseAudio, ResponseEnded, ResponseStarted, Resumed, ResumeAccepted, SessionEnded, Send)
+from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
+
+if TYPE_CHECKING:  # duplexkit.audio is imported when first used (it loads soxr, soundfile, webrtcvad)
+    from duplexkit.audio.playback import Player
 
 __all__ = [
     "ClientState", "ResponseRecord", "Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio",
     "ResponseEnded", "PlaybackFlushed", "PlaybackHeard", "Deliver", "SessionEnded", "Reconnecting", "Resumed",
-    "REPLY_TYPES", "response_id_of", "OUTPUT_RATE",
+    "Reconnect", "ResumeAccepted", "REPLY_TYPES", "HANDLERS", "require_player", "response_id_of", "OUTPUT_RATE",
+    "OUTBOX_FRAMES",
 ]
 
 REPLY_TYPES: dict[str, tuple[str, ...]] = {
@@ -83,7 +113,7 @@ REPLY_TYPES: dict[str, tuple[str, ...]] = {
 }
 """Client event type -> the server event types that answer it (first match resolves)."""
 
-QUIET_ERRORS = frozenset({"response_not_active"})
+QUIET_ERRORS = frozenset({ErrorCode.RESPONSE_NOT_ACTIVE})
 """Error codes (duplexkit's names) swallowed for this client's own ``response.cancel``
 (docs/protocol.md §7.3 races). Wire codes are compared through
 :func:`duplexkit.errors.canonical_error_code`, so the compat profile's OpenAI code
@@ -91,6 +121,24 @@ QUIET_ERRORS = frozenset({"response_not_active"})
 
 MAX_KEPT_RESPONSES = 256
 """Finished responses kept for lookup; older finished ones are forgotten (player bookkeeping too)."""
+
+OUTBOX_FRAMES = 1024
+"""Client frames kept for re-sending after a resume (docs/protocol.md §1.6); older ones are lost
+with a dropped connection if the server had not processed them."""
+
+RESUME_FIRST_DELAY_S = 0.2
+RESUME_MAX_DELAY_S = 5.0
+"""Delay before the second reconnect attempt, doubled before each later one up to the maximum
+(the first attempt starts at once; docs/clients.md, "Resume")."""
+
+HANDSHAKE_CODES = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.SESSION_CAPACITY_EXHAUSTED,
+                             ErrorCode.MODEL_NOT_FOUND})
+"""Codes of an ``error`` before ``session.created`` that refuse the connection itself (the server
+closes next); with :data:`HANDSHAKE_PARAMS` the failure names them instead of ``connection_lost``."""
+
+HANDSHAKE_PARAMS = frozenset({"model", "dialect", "record"})
+"""Query parameters whose bad value (``bad_event``/``invalid_value`` with that ``param`` and no
+``event_id``, before ``session.created``) refuses the connection."""
 
 _QUIET_KEEP = 256
 
@@ -117,23 +165,38 @@ class ClientState:
             acknowledging to the application (flushes still happen).
         new_record: factory of response records (the asyncio shells pass their ``ResponseHandle``).
         new_event_id: factory of client ``event_id`` strings.
+        resume_enabled: resume the session after a dropped connection when the server advertises
+            ``capabilities.supports_session_resume`` (the WebSocket client's ``resume``; an
+            in-process transport never drops).
+        resume_attempts: reconnect attempts per drop before giving up.
+
+    Raises:
+        TypeError: ``player`` is not a :class:`~duplexkit.audio.Player` (the message names what it lacks).
     """
 
-    player: Any
+    player: Player
     auto_ack: bool = True
     new_record: Callable[[Any], ResponseRecord] = ResponseRecord
     new_event_id: Callable[[], str] = field(default=None)  # type: ignore[assignment]
+    resume_enabled: bool = False
+    resume_attempts: int = 5
     session: Any = None
     session_id: Optional[str] = None
     epoch: int = 0
+    opened: bool = False
     closed: bool = False
     close_reason: Optional[str] = None
     last_server_event_seq: int = 0
     barge_ins: int = 0
     resumes: int = 0
     reconnecting: bool = False
+    resume_token: Optional[str] = None
+    resume_failures: int = 0
+    frames_sent: int = 0
+    handshake_error: Optional[dict] = None
 
     def __post_init__(self) -> None:
+        require_player(self.player)
         if self.new_event_id is None:
             self.new_event_id = new_event_id
         self._pending: "OrderedDict[str, _Pending]" = OrderedDict()
@@ -142,6 +205,9 @@ class ClientState:
         self._items_added: set[str] = set()
         self._vad_items: set[str] = set()
         self._out: list = []
+        self._outbox: "deque[tuple[int, str]]" = deque(maxlen=OUTBOX_FRAMES)  # (frame number, frame)
+        self._attempt = 0  # reconnect attempts made since the last drop
+        self._drop: tuple[Optional[int], str] = (None, "")  # close code and detail of the last drop
 
     # -------------------------------------------------------------- inputs: the application
     def request(self, event: dict, *, quiet: bool = False) -> Send:
@@ -222,7 +288,11 @@ class ClientState:
     # -------------------------------------------------------------- inputs: the server
     def receive(self, event: Union[dict, Any]) -> list:
         """Handle one server event (a dict or a parsed model). Returns the actions. Never raises
-        for a well-formed or malformed event (unknown events are delivered as they are)."""
+        for a well-formed or malformed event (unknown events are delivered as they are).
+
+        The event's handler comes from :data:`HANDLERS`; a type without one, or a body that did not
+        validate (:class:`~duplexkit.protocol.UnknownServerEvent`, except the session events,
+        which other servers send partial), is only delivered."""
         ev = parse_server_event(event) if isinstance(event, dict) else event
         t = ev.type
         if t == "conversation.item.added":
@@ -239,15 +309,17 @@ class ClientState:
         ep = _epoch_of(ev)
         if ep is not None and ep > self.epoch:
             self.epoch = ep
-        handler = getattr(self, "_on_" + t.replace(".", "_"), None)
-        if isinstance(ev, UnknownServerEvent) and t not in ("session.created", "session.updated"):
+        if t == "error" and not self.opened:
+            self._note_handshake_refusal(ev)
+        handler = HANDLERS.get(t)
+        if isinstance(ev, UnknownServerEvent) and t not in _LENIENT_TYPES:
             handler = None  # a body that did not validate: delivered as it is, nothing else
         rec = self._record_of(ev)
         deliver = True
         if handler is not None:
-            deliver = handler(ev, rec) is not False
-        if t == "response.created" and handler is not None:
-            rec = self.responses.get(getattr(ev.response, "id", None) or "")
+            deliver = handler(self, ev, rec) is not False
+            if t == "response.created":
+                rec = self.responses.get(getattr(ev.response, "id", None) or "")
         if rec is not None:
             rec.events.append(ev.model_copy(update={"delta": f"<{rec.chunk_sizes[-1]} samples>"})
                               if t == "response.output_audio.delta" and rec.chunk_sizes else ev)
@@ -258,20 +330,128 @@ class ClientState:
             self._end(None)
         return self._take()
 
+    # -------------------------------------------------------------- inputs: the transport (resume, §1.6)
+    def frame_sent(self, frame: str) -> None:
+        """The shell wrote ``frame`` (one client frame, as sent) to the transport: counted and kept
+        (the last :data:`OUTBOX_FRAMES`) for re-sending after a resume."""
+        self.frames_sent += 1
+        self._outbox.append((self.frames_sent, frame))
+
+    @property
+    def supports_resume(self) -> bool:
+        """The server advertises ``capabilities.supports_session_resume`` (docs/protocol.md §1.6)."""
+        caps = (self.session or {}).get("capabilities") or {}
+        return bool(caps.get("supports_session_resume"))
+
+    @property
+    def resumable(self) -> bool:
+        """A drop now would be resumed: resume is enabled, the server offers it, and the session
+        is open (``session.created`` arrived; no ``session.closed``)."""
+        return (self.resume_enabled and self.opened and self.supports_resume and not self.closed
+                and self.close_reason is None)
+
+    def connection_ended(self, close_code: Optional[int], detail: str = "") -> list:
+        """The transport closed (``close_code``: the WebSocket close code, None when unknown;
+        ``detail``: what the transport said). Returns the session-ending actions, or, when the
+        session is :attr:`resumable`, a ``client.reconnecting`` notice and a :class:`Reconnect`
+        (nothing fails meanwhile). See the module docstring's table."""
+        self._drop = (close_code, detail)
+        if self.closed or self.close_reason is not None:
+            return self.close()
+        if self.handshake_error is not None:
+            err = self.handshake_error.get("error") or {}
+            return self.connection_lost(DuplexConnectionError(
+                str(err.get("message") or "handshake rejected"), code=str(err.get("code")),
+                close_code=close_code, event=self.handshake_error))
+        if not self.resumable:
+            return self.connection_lost(self._lost_error())
+        self._attempt = 0
+        return self.transport_interrupted(close_code) + self._reconnect_or_fail()
+
+    def reconnect_failed(self) -> list:
+        """The last :class:`Reconnect` got no answer (the connection could not be opened, the send
+        failed, no reply came in time, or the new connection dropped before it was the session's).
+        Returns the next :class:`Reconnect`, or the session-ending actions after
+        ``resume_attempts`` attempts. Nothing when no resume is under way."""
+        return self._reconnect_or_fail() if self.reconnecting else []
+
+    def resume_answer(self, reply: Any) -> list:
+        """The first frame the server sent on the new connection (its decoded JSON value), after
+        our ``session.resume``. Returns :class:`ResumeAccepted`, or the session-ending actions of
+        a refusal (the error's code; ``resume_failures`` counts them). See the module docstring.
+        Nothing when no resume is under way."""
+        if not self.reconnecting:
+            return []
+        if not isinstance(reply, dict) or reply.get("type") not in ("session.resumed", "error"):
+            # a server that replays without session.resumed (vLLM-Omni): its first replayed event is
+            # the answer
+            return self.resume_accepted() + [ResumeAccepted(event=reply if isinstance(reply, dict) else None)]
+        if reply["type"] == "error":
+            self.resume_failures += 1
+            self.reconnecting = False
+            err = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+            return self.connection_lost(DuplexConnectionError(
+                f"the server refused to resume the session: {err.get('message') or reply}",
+                code=str(err.get("code") or "resume_refused"), close_code=self._drop[0], event=reply))
+        token = reply.get("resume_token")
+        if isinstance(token, str):
+            self.resume_token = token  # rotated: the old one no longer works (§1.6)
+        frames, lost = self._frames_after(reply.get("client_frames_received"))
+        self._out.append(ResumeAccepted(frames=frames, event=reply, lost=lost))
+        return self._take()
+
     def transport_interrupted(self, close_code: Optional[int]) -> list:
         """The transport dropped and the shell is reconnecting to resume (docs/protocol.md §1.6):
-        nothing is failed; a :class:`Reconnecting` notice is delivered to ``events()``."""
+        nothing is failed; a :class:`Reconnecting` notice is delivered to ``events()``.
+        (:meth:`connection_ended` calls it when it decides to resume.)"""
         self.reconnecting = True
         self._out.append(Deliver(Reconnecting(close_code=close_code, last_server_event_seq=self.last_server_event_seq)))
         return self._take()
 
     def resume_accepted(self) -> list:
         """A server without ``session.resumed`` took the resume (its replay started): count it and
-        deliver a :class:`Resumed` notice. (With ``session.resumed``, :meth:`receive` does this.)"""
+        deliver a :class:`Resumed` notice. (With ``session.resumed``, :meth:`receive` does this;
+        :meth:`resume_answer` calls it.)"""
         self.resumes += 1
         self.reconnecting = False
         self._out.append(Deliver(Resumed(last_server_event_seq=self.last_server_event_seq)))
         return self._take()
+
+    def _reconnect_or_fail(self) -> list:
+        if self._attempt >= self.resume_attempts:
+            self.reconnecting = False
+            return self.connection_lost(self._lost_error())
+        delay = 0.0 if self._attempt == 0 else min(RESUME_FIRST_DELAY_S * 2 ** (self._attempt - 1),
+                                                     RESUME_MAX_DELAY_S)
+        self._attempt += 1
+        self._out.append(Reconnect(self._attempt, delay, {
+            "type": "session.resume", "event_id": self.new_event_id(), "session_id": self.session_id,
+            "resume_token": self.resume_token, "last_server_event_seq": self.last_server_event_seq}))
+        return self._take()
+
+    def _lost_error(self) -> DuplexConnectionError:
+        close_code, detail = self._drop
+        return DuplexConnectionError(f"connection lost (close code {close_code}){': ' + detail if detail else ''}",
+                                     code="connection_lost", close_code=close_code)
+
+    def _frames_after(self, received: Any) -> tuple[tuple[str, ...], Optional[tuple[int, int]]]:
+        """The kept frames after the ``received``-th, and the numbers of the frames after it that
+        are no longer kept (None when none are)."""
+        if not isinstance(received, int) or isinstance(received, bool) or received >= self.frames_sent:
+            return (), None
+        oldest = self._outbox[0][0] if self._outbox else self.frames_sent + 1
+        lost = (received + 1, oldest - 1) if received + 1 < oldest else None
+        return tuple(f for n, f in self._outbox if n > received), lost
+
+    def _note_handshake_refusal(self, ev: Any) -> None:
+        """An ``error`` before ``session.created``: remember it when it refuses the connection
+        itself (:data:`HANDSHAKE_CODES`, or a bad query parameter :data:`HANDSHAKE_PARAMS`)."""
+        data = ev.raw if isinstance(ev, UnknownServerEvent) else ev.model_dump(mode="json", exclude_unset=True)
+        err = data.get("error") if isinstance(data.get("error"), dict) else {}
+        code = canonical_error_code(str(err.get("code")))  # the compat profile's OpenAI names too
+        if code in HANDSHAKE_CODES or (code in (ErrorCode.BAD_EVENT, "invalid_value")
+                                       and err.get("param") in HANDSHAKE_PARAMS and not err.get("event_id")):
+            self.handshake_error = data
 
     def close(self) -> list:
         """The client ended the session itself (after ``session.close``, or releasing the
@@ -318,16 +498,24 @@ class ClientState:
         td = ((s.get("audio") or {}).get("input") or {}).get("turn_detection", s.get("turn_detection"))
         return isinstance(td, dict) and td.get("interrupt_response") is not False
 
-    # -------------------------------------------------------------- handlers (return False: not delivered)
+    # -------------------------------------------------------------- handlers (HANDLERS; return False: not delivered)
     def _on_session_created(self, ev, rec) -> None:
+        self._on_session_updated(ev, rec)
+        token = _top_level(ev, "resume_token")
+        if isinstance(token, str):
+            self.resume_token = token
+
+    def _on_session_updated(self, ev, rec) -> None:
         self.session = _session_dict(ev)
         self.session_id = self.session.get("id") or self.session_id
-
-    _on_session_updated = _on_session_created
+        self.opened = True
 
     def _on_session_resumed(self, ev, rec) -> None:
         self.resumes += 1
         self.reconnecting = False
+        token = _top_level(ev, "resume_token")
+        if isinstance(token, str):
+            self.resume_token = token  # rotated by each session.resumed (docs/protocol.md §1.6)
 
     def _on_session_closed(self, ev, rec) -> None:
         self.close_reason = ev.reason
@@ -509,13 +697,63 @@ class ClientState:
         old = [k for k, r in self.responses.items() if not r.generating and not r.audible]
         for k in old[: len(self.responses) - MAX_KEPT_RESPONSES // 2]:
             del self.responses[k]
-            forget = getattr(self.player, "forget", None)
-            if forget is not None:
-                forget(k)
+            from duplexkit.audio.playback import ForgettingPlayer
+
+            if isinstance(self.player, ForgettingPlayer):
+                self.player.forget(k)
 
     def _take(self) -> list:
         out, self._out = self._out, []
         return out
+
+
+Handler = Callable[[ClientState, Any, Optional[ResponseRecord]], Optional[bool]]
+
+HANDLERS: dict[str, Handler] = {
+    "session.created": ClientState._on_session_created,
+    "session.updated": ClientState._on_session_updated,
+    "session.resumed": ClientState._on_session_resumed,
+    "session.closed": ClientState._on_session_closed,
+    "error": ClientState._on_error,
+    "conversation.item.added": ClientState._on_conversation_item_added,
+    "response.created": ClientState._on_response_created,
+    "response.output_item.added": ClientState._on_response_output_item_added,
+    "response.output_audio.delta": ClientState._on_response_output_audio_delta,
+    "response.output_audio_transcript.delta": ClientState._on_response_output_audio_transcript_delta,
+    "response.output_audio_transcript.done": ClientState._on_response_output_audio_transcript_done,
+    "response.output_text.delta": ClientState._on_response_output_text_delta,
+    "response.output_text.done": ClientState._on_response_output_text_done,
+    "response.listen": ClientState._on_response_listen,
+    "response.done": ClientState._on_response_done,
+    "output_audio_buffer.cleared": ClientState._on_output_audio_buffer_cleared,
+    "input_audio_buffer.speech_started": ClientState._on_input_audio_buffer_speech_started,
+    "input_audio_buffer.speech_stopped": ClientState._on_input_audio_buffer_speech_stopped,
+}
+"""Server event type (GA name; :func:`~duplexkit.protocol.parse_server_event` maps beta names) ->
+the :class:`ClientState` method that handles it, called as ``handler(state, event, record)``
+(``record``: the response the event belongs to, or None). A handler returning False keeps the
+event from ``events()``. Types not listed are only delivered."""
+
+_LENIENT_TYPES = frozenset({"session.created", "session.updated", "session.resumed"})
+"""Types whose handler also runs for a body that did not validate (other servers send partial
+sessions); their handlers read such a body through :func:`_session_dict` / :func:`_top_level`."""
+
+
+def require_player(player: Any, *, rendering: bool = False) -> "Player":
+    """``player`` when it is a :class:`~duplexkit.audio.Player` (a
+    :class:`~duplexkit.audio.RenderingPlayer` too when ``rendering``: echo control needs
+    ``on_render``). Raises TypeError naming what it lacks."""
+    from duplexkit.audio.playback import Player, RenderingPlayer
+
+    if not isinstance(player, Player):
+        members = sorted((set(vars(Player)) | set(Player.__annotations__)) - set(vars(Protocol)))
+        missing = [m for m in members if not m.startswith("_") and not hasattr(player, m)]
+        raise TypeError(f"player must be a duplexkit.audio.Player; {type(player).__name__} has no "
+                        + ", ".join(missing))
+    if rendering and not isinstance(player, RenderingPlayer):
+        raise TypeError(f"echo control needs a player with on_render(callback) (duplexkit.audio.RenderingPlayer): "
+                        f"{type(player).__name__} has none; use echo='off' or a player that reports what it plays")
+    return player
 
 
 def response_id_of(ev: Any) -> Optional[str]:
@@ -542,6 +780,14 @@ def _epoch_of(ev) -> Optional[int]:
 
 _ENCODING_OF_TYPE = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw",
                      "audio/pcma": "g711_alaw"}
+
+
+def _top_level(ev: Any, key: str) -> Any:
+    """A top-level key of a server event beyond its model's fields (the extras a model keeps, or the
+    raw body of one that did not validate); None when absent."""
+    if isinstance(ev, UnknownServerEvent):
+        return ev.raw.get(key)
+    return getattr(ev, key, None)
 
 
 def _session_dict(ev) -> dict:
