@@ -261,12 +261,14 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             return
         if not self.started:
             self.start(now_ms)
+        self._machine.begin_step()
         self._close(reason, code)
 
     def receive_client_event(self, raw: Union[str, bytes, bytearray, dict], now_ms: float = 0) -> None:
         """Apply one client event (a text frame, its bytes, or a decoded dict). Never raises."""
         if self.closed:
             return
+        self._machine.begin_step()
         self._last_client_ms = float(now_ms)
         self._now_ms = float(now_ms)
         event_id = raw.get("event_id") if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) else None
@@ -318,6 +320,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         """Apply one engine output. Outputs of other streams or older epochs are dropped."""
         if self.closed or not self.started or out.stream_id != self.stream_id:
             return
+        self._machine.begin_step()
         self._now_ms = float(now_ms)
         if isinstance(out, ToolDecision):  # matched by request id, not by epoch
             self._on_tool_decision(out, now_ms)
@@ -355,6 +358,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         """Advance the clock: idle timeout, and silence feeding while a response is active."""
         if self.closed or not self.started:
             return
+        self._machine.begin_step()
         self._now_ms = float(now_ms)
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
@@ -375,6 +379,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._sync_stream()
 
     def _emit(self, ev: ServerEvent) -> None:
+        self._machine.check_emit(ev.type)  # EmissionError unless the move taken declares it
         self._seq += 1
         ev.event_id = self._ids.event()
         ev.server_event_seq = self._seq
@@ -420,9 +425,9 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._close(ev.reason or "client_close", 1000)
 
     def _close(self, reason: str, code: int) -> None:
+        self._fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
         if self._resp is not None:
             self._cancel_active("client_cancelled" if reason == "client_close" else reason_to_cancel(reason))
-        self._fire(PhaseEvent.CLOSE)
         self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason))
         self._cmd(CloseStream(self.stream_id, self.epoch))
         self._out.append(CloseConnection(code, reason))

@@ -54,6 +54,7 @@ from duplexkit.protocol import (
     TextMark,
     TransitionError,
 )
+from duplexkit.errors import ERROR_TYPES
 from duplexkit.protocol.server_events import StatusError
 from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
@@ -326,18 +327,18 @@ class ResponsesMixin:
         self._fire(PhaseEvent.FAIL)
         self._advance_epoch()
         self._finish("failed", StatusDetails(type="failed", error=StatusError(
-            type="server_error", code=e.code or "server_error", message=e.message or "engine error")))
+            type=ERROR_TYPES[ErrorCode.SERVER_ERROR], code=e.code or ErrorCode.SERVER_ERROR.value, message=e.message or "engine error")))
 
     def _engine_fatal(self, e: EngineFailure) -> None:
+        self._fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
         if self._resp is not None:
             self._advance_epoch()
             self._finish("failed", StatusDetails(type="failed", error=StatusError(
-                type="server_error", code="server_error", message=e.message or "engine failure")))
+                type=ERROR_TYPES[ErrorCode.SERVER_ERROR], code=ErrorCode.SERVER_ERROR.value, message=e.message or "engine failure")))
         self._error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "the engine failed and cannot continue"))
-        self._fire(PhaseEvent.CLOSE)
-        self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason="server_error"))
+        self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=ErrorCode.SERVER_ERROR.value))
         self._cmd(CloseStream(self.stream_id, self.epoch))
-        self._out.append(CloseConnection(1011, "server_error"))
+        self._out.append(CloseConnection(1011, ErrorCode.SERVER_ERROR.value))
 
     def _finish(self, status: str, details: Optional[StatusDetails]) -> None:
         """Close the parts the active response opened (§5.3 steps 7–12) and emit response.done."""

@@ -597,6 +597,7 @@ class ToolsMixin:
         """The active response's output: one ``function_call`` item per call, then ``response.done``;
         then the filler."""
         r = self._resp
+        self._fire(PhaseEvent.TOOL_CALL)  # requested -> idle: the calls are the response's output
         outputs = []
         for i, c in enumerate(calls):
             call_id = c.call_id or self._ids.call()
@@ -619,7 +620,6 @@ class ToolsMixin:
             self._calls[call_id] = _Call(call_id=call_id, item_id=it.id, name=c.name, turn=self._turn_seq,
                                          issued_ms=self._now_ms)
             outputs.append(model)
-        self._fire(PhaseEvent.TOOL_CALL)
         self._emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
         self._resp = None
         self._force_listen_left = self.settings.force_listen_count
@@ -751,7 +751,7 @@ class ToolsMixin:
             self._decision = None
         if self._answer is not None and self._answer["response_id"] == r.id:
             self._answer = None
-        if self._queued_create is not None and r.trigger in ("filler", "progress"):
+        if self._queued_create is not None and r.trigger in ("filler", "progress") and not self.closed:
             params, event_id = self._queued_create
             self._queued_create = None
             self._create_response(params, "client", event_id, now_ms)
