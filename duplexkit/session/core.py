@@ -94,18 +94,19 @@ from duplexkit.errors import BINARY_FRAME
 from duplexkit.session.config import COMMIT_MERGE_MS, CloseConnection, SessionConfig, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response, reason_to_cancel
-from duplexkit.session.conversation import ConversationMixin
+from duplexkit.session.conversation import Conversation
+from duplexkit.session.outbox import Outbox
 from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.pipeline import InputPipelineMixin
 from duplexkit.session.responses import ResponsesMixin
 from duplexkit.session.settings import SettingsMixin, _Settings, _vad_classes
 from duplexkit.session.tools import ToolsMixin
-from duplexkit.session.wire import WireObjectsMixin
+from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
 
-class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMixin, ToolsMixin, WireObjectsMixin):
+class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
     """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
@@ -121,11 +122,9 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self.cfg = cfg or SessionConfig()
         self.session_id = session_id or new_session_id()
         self.stream_id = self.session_id
-        self._ids = IdFactory()
-        self._out: list = []
-        self._seq = 0
-        self.epoch = 0
-        self._machine = PhaseMachine()
+        self.out = Outbox(self.cfg, self.session_id, now_ms)
+        self.ids = self.out.ids
+        self.conv = Conversation(self)
         self._last_client_ms = float(now_ms)
         duplex = self.cfg.profile == "duplex"
         self._vad_cls = _vad_classes() if self.cfg.vad_available else None
@@ -192,19 +191,12 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         self._inflight_samples = 0
         self._force_listen_left = 0
         self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
-        # conversation
-        self._items: "OrderedDict[str, _ConvItem]" = OrderedDict()
-        self._used_ids: set = set()
-        self._responses: dict[str, _ConvItem] = {}  # response id -> assistant item (responses that opened one)
-        self._issued: set = set()  # every response id this session issued
-        self._warned: set = set()  # params that already got a session.warning
         self._update_warnings: list = []
         self._resp: Optional[_Response] = None
         self._audio_started = False
         self._stream_open = False
         self.timings: dict = {}
         self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
-        self._now_ms = float(now_ms)  # the clock of the latest input (client event, engine output, tick)
         self._init_tools()
 
     @property
@@ -239,8 +231,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
     def drain(self) -> list:
         """Take every pending output in order: server event dicts (with ``type``, ``event_id``,
         ``server_event_seq``), :class:`EngineCommand` objects, and finally a :class:`CloseConnection`."""
-        out, self._out = self._out, []
-        return out
+        return self.out.drain()
 
     def start(self, now_ms: float = 0) -> None:
         """Emit ``session.created`` and the ``OpenStream`` command (idempotent)."""
@@ -378,24 +369,52 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
         if self._prefix_pending:
             self._sync_stream()
 
+    @property
+    def epoch(self) -> int:
+        return self.out.epoch
+
+    @property
+    def _machine(self):
+        return self.out.machine
+
+    @property
+    def _ids(self):
+        return self.out.ids
+
+    @property
+    def _now_ms(self) -> float:
+        return self.out.now_ms
+
+    @_now_ms.setter
+    def _now_ms(self, v: float) -> None:
+        self.out.now_ms = v
+
+    def item_playback(self, item_id: str) -> tuple[int, int, bool]:
+        """``(sent_ms, committed_ms, final)`` of an assistant item. KeyError if unknown."""
+        return self.conv.item_playback(item_id)
+
+    def history(self) -> list[dict]:
+        """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
+        return self.conv.history()
+
+    def _session_object(self):
+        return session_object(self.settings, self.session_id, self.cfg, self.epoch, self._duplex)
+
     def _emit(self, ev: ServerEvent) -> None:
-        self._machine.check_emit(ev.type)  # EmissionError unless the move taken declares it
-        self._seq += 1
-        ev.event_id = self._ids.event()
-        ev.server_event_seq = self._seq
-        self._out.append(ev.to_wire())
+        self.out.emit(ev)
+
+    def _warn(self, *a, **k) -> None:
+        self.out.warn(*a, **k)
 
     def _cmd(self, cmd: EngineCommand) -> None:
         if isinstance(cmd, AppendUnit) and not cmd.force_listen:
             self._free_units.add(cmd.unit_index)  # a unit the model may start a turn in
             if len(self._free_units) > 64:  # keep only those still in flight (bounded)
                 self._free_units &= {u for u, _ in self._inflight} | {cmd.unit_index}
-        self._out.append(cmd)
+        self.out.cmd(cmd)
 
     def _error(self, pe: ProtocolError) -> None:
-        """One ``error`` event; its code in the session's naming (:attr:`SessionConfig.error_codes`,
-        docs/protocol.md §9)."""
-        self._emit(ErrorEvent(error=ErrorInfo(**pe.to_error_dict(self.cfg.wire_error_codes))))
+        self.out.error(pe)
 
     @property
     def _duplex(self) -> bool:
@@ -403,7 +422,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
 
     def _fire(self, ev: PhaseEvent, event_id: Optional[str] = None) -> Optional[Phase]:
         """Move the phase (:meth:`PhaseMachine.fire`; raises TransitionError where the table says)."""
-        return self._machine.fire(ev, event_id)
+        return self.out.fire(ev, event_id)
 
     def _dispatch(self, ev: Any, now_ms: float) -> None:
         if self._close_pending_ms is not None and not isinstance(ev, _KEEPS_COMMIT_OPEN):
@@ -430,7 +449,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             self._cancel_active("client_cancelled" if reason == "client_close" else reason_to_cancel(reason))
         self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason))
         self._cmd(CloseStream(self.stream_id, self.epoch))
-        self._out.append(CloseConnection(code, reason))
+        self.out.close_connection(code, reason)
 
     _HANDLERS: dict = {}
 
@@ -467,11 +486,11 @@ Session._HANDLERS = {
     InputAudioBufferClearEvent: Session._on_clear,
     ResponseCreateEvent: Session._on_response_create,
     ResponseCancelEvent: Session._on_response_cancel,
-    ConversationItemCreateEvent: Session._on_item_create,
-    ConversationItemRetrieveEvent: Session._on_item_retrieve,
-    ConversationItemDeleteEvent: Session._on_item_delete,
-    ConversationItemTruncateEvent: Session._on_item_truncate,
-    PlaybackAckEvent: Session._on_playback_ack,
+    ConversationItemCreateEvent: lambda s, ev, now: s.conv.on_item_create(ev, now),
+    ConversationItemRetrieveEvent: lambda s, ev, now: s.conv.on_item_retrieve(ev, now),
+    ConversationItemDeleteEvent: lambda s, ev, now: s.conv.on_item_delete(ev, now),
+    ConversationItemTruncateEvent: lambda s, ev, now: s.conv.on_item_truncate(ev, now),
+    PlaybackAckEvent: lambda s, ev, now: s.conv.on_playback_ack(ev, now),
     SessionHeartbeatEvent: Session._on_heartbeat,
     SessionCloseEvent: Session._on_close,
     SessionEventAckEvent: Session._on_event_ack,

@@ -377,13 +377,12 @@ class InputPipelineMixin:
         if flush:
             self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0
-        uid = item_id or self._new_item_id()
-        prev = self._last_item_id()
+        uid = item_id or self.conv.new_item_id()
         it = _ConvItem(id=uid, role="user", kind="input_audio")
-        self._add_item(it)
+        prev = self.conv.add(it)
         self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        self._emit(ConversationItemAdded(previous_item_id=prev, item=self.conv.model(it)))
+        self._emit(ConversationItemDone(previous_item_id=prev, item=self.conv.model(it)))
         self._user_turn_ended(uid, now_ms)
         return uid
 
@@ -400,7 +399,7 @@ class InputPipelineMixin:
         return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
 
     def _on_speech_started(self, e) -> None:
-        self._vad_item = self._new_item_id()
+        self._vad_item = self.conv.new_item_id()
         self._vad_item_committed = False
         self._emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
         td = self.settings.turn_detection or {}
@@ -409,7 +408,7 @@ class InputPipelineMixin:
             self._cancel_active("turn_detected")
 
     def _on_speech_stopped(self, e, now_ms: float) -> None:
-        uid = self._vad_item or self._new_item_id()
+        uid = self._vad_item or self.conv.new_item_id()
         committed = self._vad_item_committed
         self._vad_item = None
         self._vad_item_committed = False

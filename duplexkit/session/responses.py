@@ -60,6 +60,7 @@ from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
 from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.wire import response_model
 
 trace_log = logging.getLogger("duplexkit.latency")
 """Latency trace (debug option, docs/benchmarks.md "Latency trace"): at DEBUG level the Session logs
@@ -178,9 +179,9 @@ class ResponsesMixin:
         if not audio:
             mods = ["text"]
         rid = self._ids.response()
-        self._issued.add(rid)
+        self.conv.issue_response(rid)
         return _Response(
-            id=rid, item_id=self._new_item_id(), epoch=self.epoch, trigger=trigger, audio=audio,
+            id=rid, item_id=self.conv.new_item_id(), epoch=self.epoch, trigger=trigger, audio=audio,
             modalities=mods, metadata=metadata, max_tokens=None if cap == "inf" else int(cap), forced_unit=forced_unit,
         )
 
@@ -200,8 +201,10 @@ class ResponsesMixin:
         self._cancel_active("client_cancelled")
 
     def _advance_epoch(self) -> None:
-        self.epoch += 1
-        self._cmd(CancelEpoch(self.stream_id, self.epoch))
+        self.out.advance_epoch()
+
+    def _response_model(self, r: _Response, status: str, details=None, output=None):
+        return response_model(r, status, details, output, self.conv.committed_ms(r.id))
 
     def _cancel_active(self, reason: str) -> None:
         """Epoch +1, CancelEpoch, close the active response as cancelled (``reason``)."""
@@ -210,13 +213,11 @@ class ResponsesMixin:
 
     def _open_envelope(self, r: _Response) -> None:
         r.opened = True
-        prev = self._last_item_id()
         it = _ConvItem(id=r.item_id, role="assistant", kind="output_audio" if r.audio else "output_text",
-                   status="in_progress", response_id=r.id)
-        self._add_item(it)
-        self._responses[r.id] = it
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(OutputItemAdded(response_id=r.id, item=self._item_model(it)))
+                       status="in_progress", response_id=r.id)
+        prev = self.conv.open_response_item(r.id, it)
+        self._emit(ConversationItemAdded(previous_item_id=prev, item=self.conv.model(it)))
+        self._emit(OutputItemAdded(response_id=r.id, item=self.conv.model(it)))
         part = Part(type="audio", transcript="") if r.audio else Part(type="text", text="")
         self._emit(ContentPartAdded(response_id=r.id, item_id=r.item_id, part=part))
         if self._duplex:
@@ -263,7 +264,7 @@ class ResponsesMixin:
             r = self._ensure_open()
         r.tokens += int(t.n_tokens)
         if not r.audio and t.text:
-            it = self._responses[r.id]
+            it = self.conv.response_item(r.id)
             it.text += t.text
             r.parts.append(t.text)
             r.chars += len(t.text)
@@ -293,7 +294,7 @@ class ResponsesMixin:
             return
         r.pending_pcm, r.pending_text = b"", ""
         r.samples += len(pcm) // 2
-        it = self._responses[r.id]
+        it = self.conv.response_item(r.id)
         it.text += text
         r.parts.append(text)
         r.chars += len(text)
@@ -338,7 +339,7 @@ class ResponsesMixin:
         self._error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "the engine failed and cannot continue"))
         self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=ErrorCode.SERVER_ERROR.value))
         self._cmd(CloseStream(self.stream_id, self.epoch))
-        self._out.append(CloseConnection(1011, ErrorCode.SERVER_ERROR.value))
+        self.out.close_connection(1011, ErrorCode.SERVER_ERROR.value)
 
     def _finish(self, status: str, details: Optional[StatusDetails]) -> None:
         """Close the parts the active response opened (§5.3 steps 7–12) and emit response.done."""
@@ -346,7 +347,7 @@ class ResponsesMixin:
         assert r is not None
         output = []
         if r.opened:
-            it = self._responses[r.id]
+            it = self.conv.response_item(r.id)
             it.status = "completed" if status == "completed" else "incomplete"
             text = "".join(r.parts)
             if r.audio:
@@ -357,9 +358,9 @@ class ResponsesMixin:
                 self._emit(OutputTextDone(response_id=r.id, item_id=r.item_id, text=text))
                 part = Part(type="text", text=text)
             self._emit(ContentPartDone(response_id=r.id, item_id=r.item_id, part=part))
-            model = self._item_model(it)
+            model = self.conv.model(it)
             self._emit(OutputItemDone(response_id=r.id, item=model))
-            self._emit(ConversationItemDone(previous_item_id=self._previous_of(it.id), item=model))
+            self._emit(ConversationItemDone(previous_item_id=self.conv.previous_of(it.id), item=model))
             if self.settings.playback_commit_policy == "commit_on_done" and not it.final:
                 it.committed_ms = max(it.committed_ms, it.sent_ms)
             output = [model]

@@ -193,13 +193,13 @@ class SettingsMixin:
         assistant responses as far as they were heard, docs/protocol.md §7.5), the last
         :data:`HISTORY_MAX_CHARS` characters of whole lines. Empty when nothing was said."""
         lines = []
-        for it in self._items.values():
+        for it in self.conv.items():
             if it.role == "user" and it.kind == "input_audio":
                 lines.append("User: " + (it.text or USER_SPOKE))
             elif it.role == "user" and it.kind == "input_text" and it.id not in self._seed_item_ids and it.text:
                 lines.append("User: " + it.text)
             elif it.role == "assistant" and it.kind in ("output_audio", "output_text"):
-                text = self._truth_text(it) if it.kind == "output_audio" else it.text
+                text = self.conv.truth_text(it) if it.kind == "output_audio" else it.text
                 if text.strip():
                     lines.append("Assistant: " + text.strip())
         kept, size = [], 0
@@ -393,13 +393,7 @@ class SettingsMixin:
         clients, which reject event types they do not know (the Agents SDK turns one into an error
         event, Pipecat ends its receive loop), so there the warning is logged by the server only
         (docs/protocol.md §4.1)."""
-        if param in self._warned:
-            return
-        self._warned.add(param)
-        if not self._duplex:
-            log.info("session %s: %s (%s): %s", self.session_id, code, param, message)
-            return
-        self._emit(SessionWarning(code=code, message=message, param=param))
+        self.out.warn(code, message, param, event_id)
 
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
         if td is None:

@@ -287,6 +287,9 @@ class ToolsMixin:
         self._answer: Optional[dict] = None  # the answer being spoken piece by piece (_answer_piece)
 
     def _tool_warning(self, warning: SessionWarning) -> None:
+        self.out.notice(warning)
+
+    def _tool_warning_old(self, warning: SessionWarning) -> None:
         """A tool-flow warning (``tool_output_timeout``, ``tool_decision_timeout``,
         ``tool_decision_failed``, ``tool_call_dropped``, ``tool_call_invalid``; ``param: "tools"``):
         ``session.warning`` in the duplex profile; logged only in the compat profile, whose
@@ -394,21 +397,22 @@ class ToolsMixin:
         msgs = []
         if self.settings.instructions:
             msgs.append(ChatMessage("system", [self.settings.instructions]))
-        for it in list(self._items.values())[-_HISTORY_ITEMS:]:
+        for it in list(self.conv.items())[-_HISTORY_ITEMS:]:
             if it.kind == "function_call":
                 msgs.append(ChatMessage("assistant", [
                     "<tool_call>\n" + json.dumps({"name": it.name, "arguments": _loads(it.text)}) + "\n</tool_call>"]))
             elif it.kind == "function_call_output":
                 msgs.append(ChatMessage("user", ["<tool_response>\n" + it.text + "\n</tool_response>"]))
             elif it.role == "assistant":
-                text = self._truth_text(it) if it.kind == "output_audio" else it.text
+                text = self.conv.truth_text(it) if it.kind == "output_audio" else it.text
                 if text:
                     msgs.append(ChatMessage("assistant", [text]))
             elif it.role in ("user", "system") and it.text:
                 msgs.append(ChatMessage(it.role, [it.text]))
         if audio is not None and audio.size:
             # the turn being decided: its audio (the last user item has no transcript yet)
-            if msgs and msgs[-1].role == "user" and self._items and next(reversed(self._items.values())).text:
+            items = self.conv.items()
+            if msgs and msgs[-1].role == "user" and items and items[-1].text:
                 msgs.pop()
             msgs.append(ChatMessage("user", [audio]))
         return msgs
@@ -601,20 +605,19 @@ class ToolsMixin:
         outputs = []
         for i, c in enumerate(calls):
             call_id = c.call_id or self._ids.call()
-            it = _ConvItem(id=self._new_item_id(), role=None, kind="function_call", status="in_progress",
+            it = _ConvItem(id=self.conv.new_item_id(), role=None, kind="function_call", status="in_progress",
                            text=c.arguments or "{}", response_id=r.id, name=c.name, call_id=call_id)
-            prev = self._last_item_id()
-            self._add_item(it)
-            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it).model_copy(
+            prev = self.conv.add(it)
+            self._emit(ConversationItemAdded(previous_item_id=prev, item=self.conv.model(it).model_copy(
                 update={"arguments": ""})))
-            self._emit(OutputItemAdded(response_id=r.id, output_index=i, item=self._item_model(it).model_copy(
+            self._emit(OutputItemAdded(response_id=r.id, output_index=i, item=self.conv.model(it).model_copy(
                 update={"arguments": ""})))
             self._emit(FunctionCallArgumentsDelta(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
                                                   delta=it.text))
             self._emit(FunctionCallArgumentsDone(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
                                                  name=c.name, arguments=it.text))
             it.status = "completed"
-            model = self._item_model(it)
+            model = self.conv.model(it)
             self._emit(OutputItemDone(response_id=r.id, output_index=i, item=model))
             self._emit(ConversationItemDone(previous_item_id=prev, item=model))
             self._calls[call_id] = _Call(call_id=call_id, item_id=it.id, name=c.name, turn=self._turn_seq,
@@ -653,7 +656,7 @@ class ToolsMixin:
 
     def _on_transcription(self, out: Transcription) -> None:
         seconds = self._transcribing.pop(out.item_id, None)
-        it = self._items.get(out.item_id)
+        it = self.conv.get(out.item_id)
         if it is None or seconds is None:
             return  # the item was deleted meanwhile
         if out.error:
@@ -686,15 +689,12 @@ class ToolsMixin:
         if c.status == "cancelled":
             raise _err(ErrorCode.CALL_CANCELLED, f"call {item.call_id!r} was cancelled (its function_call item "
                        "was deleted)", "item.call_id", event_id)
-        if item.id is not None and item.id in self._used_ids:
+        if item.id is not None and self.conv.is_used(item.id):
             raise _err(ErrorCode.BAD_EVENT, f"item id {item.id!r} is already used", "item.id", event_id)
         c.status = "answered"
-        it = _ConvItem(id=item.id or self._new_item_id(), role=None, kind="function_call_output",
+        it = _ConvItem(id=item.id or self.conv.new_item_id(), role=None, kind="function_call_output",
                        text=item.output, call_id=c.call_id)
-        prev = self._last_item_id()
-        self._add_item(it)
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        self.conv.add_done(it)
         self._outputs_pending = True
 
     def _cancel_call_of(self, item_id: str) -> None:

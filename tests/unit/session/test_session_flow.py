@@ -618,7 +618,7 @@ def test_size_limit_and_parser_fuzz():
         new = d.send(raw)
         assert [e["error"]["code"] for e in new] == [code], raw
     assert d.send({"type": "session.heartbeat"})[0]["type"] == "session.heartbeat_ack"
-    assert d.s.epoch == 0 and not d.s._items
+    assert d.s.epoch == 0 and not d.s.conv.items()
 
 
 def test_heartbeat_close_and_timeout():
