@@ -209,19 +209,18 @@ class Conversation:
             warning = None
             if item.role == "system":
                 # part of the session prefix: after the first unit, re-prefilled at the next turn boundary
-                self._s._system_text.append(text)
+                self._s.opts.add_system_text(text)
                 if started:
                     warning = ("instructions_reprefill", REPREFILL_WARNING.format(what="A system message arrived"),
                                "item.system")
             elif not started:
-                self._s._seed_text.append(text)  # seeds the session prefix (docs/model.md §5.1)
-                self._s._seed_item_ids.add(it.id)
+                self._s.opts.add_seed_text(text, it.id)  # seeds the session prefix (docs/model.md §5.1)
             else:
                 warning = ("text_item_not_heard", TEXT_NOT_HEARD, "item.input_text")
             self.add_done(it)
             if warning is not None:
                 self._o.warn(*warning)
-            self._s._sync_stream()
+            self._s.opts.sync_stream()
             return
         if kinds == {"input_audio"} and item.role == "user":
             fmt = self._s.settings.input_format

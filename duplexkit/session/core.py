@@ -99,14 +99,14 @@ from duplexkit.session.outbox import Outbox
 from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.pipeline import InputPipelineMixin
 from duplexkit.session.responses import ResponsesMixin
-from duplexkit.session.settings import SettingsMixin, _Settings, _vad_classes
+from duplexkit.session.settings import Settings
 from duplexkit.session.tools import ToolsMixin
 from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
 
-class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
+class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
     """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
@@ -126,44 +126,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self.ids = self.out.ids
         self.conv = Conversation(self)
         self._last_client_ms = float(now_ms)
-        duplex = self.cfg.profile == "duplex"
-        self._vad_cls = _vad_classes() if self.cfg.vad_available else None
-        vad_ok = self._vad_cls is not None
-        td = (
-            {
-                "type": "server_vad",
-                "threshold": 0.5,
-                "prefix_padding_ms": 300,
-                "silence_duration_ms": 500,
-                "interrupt_response": True,
-                "create_response": not duplex,
-            }
-            if vad_ok
-            else None
-        )
-        self.settings = _Settings(
-            output_modalities=["audio", "text"] if self.cfg.audio_output_available else ["text"],
-            instructions=self.cfg.default_instructions,
-            voice="default",
-            ref_voice=self.cfg.default_voice,
-            ref_from_client=False,
-            input_format=InputFormat("pcm16", self.cfg.limits.input_default_rate if duplex else 24000),
-            turn_detection=td,
-            temperature=float(self.cfg.temperature),
-            max_output_tokens=self.cfg.max_output_tokens,
-            force_listen_count=0,
-            answer_policy=self.cfg.answer_policy or ("model" if duplex else "on_request"),
-            playback_commit_policy="ack_only" if duplex else "commit_on_done",
-            seed=self.cfg.seed,
-            early_unit_close=duplex,
-        )
-        self._seed_text: list[str] = []
-        self._system_text: list[str] = []
-        self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
-        self._prefix_pending = False  # a new session prefix waits for a turn boundary (settings._sync_stream)
-        self._free_units: set = set()  # appended units not forced to listen (pruned to those in flight)
-        self._engine_prefix: tuple = (None, None)  # settings' (instructions, seed text) the engine was last given
-        self._seed_item_ids: set = set()  # user text items that went into the seed text (before the first unit)
+        self.opts = Settings(self)
         # input pipeline
         self._decoder = StreamDecoder(self.settings.input_format)
         self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
@@ -191,13 +154,16 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self._inflight_samples = 0
         self._force_listen_left = 0
         self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
-        self._update_warnings: list = []
         self._resp: Optional[_Response] = None
         self._audio_started = False
-        self._stream_open = False
         self.timings: dict = {}
         self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
         self._init_tools()
+
+    @property
+    def settings(self):
+        """The current settings (``session.update`` applied; read-only for callers)."""
+        return self.opts.current
 
     @property
     def state(self) -> str:
@@ -241,10 +207,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self._last_unit_ms = float(now_ms)
         self._force_listen_left = self.settings.force_listen_count
         self._emit(SessionCreated(session=self._session_object()))
-        self._engine_config = self._stream_config()
-        self._engine_prefix = (self._engine_config.instructions, self._engine_config.seed_text)
-        self._cmd(OpenStream(self.stream_id, self.epoch, config=self._engine_config))
-        self._stream_open = True
+        self._cmd(OpenStream(self.stream_id, self.epoch, config=self.opts.open_stream()))
 
     def close(self, reason: str = "shutdown", code: int = 1001, now_ms: float = 0) -> None:
         """Close from the server side (shutdown: ``session.closed{reason}`` then close ``code``)."""
@@ -272,7 +235,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
             event_id, ev_type = ev.event_id, ev.type
             if not self.started:
                 if isinstance(ev, SessionUpdateEvent):
-                    self._on_session_update(ev, now_ms, first=True)
+                    self.opts.on_session_update(ev, now_ms, first=True)
                     return
                 self.start(now_ms)
             self._dispatch(ev, now_ms)
@@ -342,8 +305,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
             self._engine_failed(out)
         elif isinstance(out, UnitTimings):
             self.timings = dict(out.timings)
-        if self._prefix_pending:
-            self._sync_stream()
+        if self.opts.prefix_pending():
+            self.opts.sync_stream()
 
     def tick(self, now_ms: float) -> None:
         """Advance the clock: idle timeout, and silence feeding while a response is active."""
@@ -366,8 +329,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
             # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
             # period behind (a stalled loop), the schedule restarts from now instead of bursting
             self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
-        if self._prefix_pending:
-            self._sync_stream()
+        if self.opts.prefix_pending():
+            self.opts.sync_stream()
 
     @property
     def epoch(self) -> int:
@@ -400,6 +363,14 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
     def _session_object(self):
         return session_object(self.settings, self.session_id, self.cfg, self.epoch, self._duplex)
 
+    def _units_in_flight(self) -> set:
+        return {u for u, _ in self._inflight}
+
+    def _set_input_format(self, fmt) -> None:
+        self._decoder = StreamDecoder(fmt)
+        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(fmt.rate)  # a new declaration: re-armed
+
     def _emit(self, ev: ServerEvent) -> None:
         self.out.emit(ev)
 
@@ -407,10 +378,8 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self.out.warn(*a, **k)
 
     def _cmd(self, cmd: EngineCommand) -> None:
-        if isinstance(cmd, AppendUnit) and not cmd.force_listen:
-            self._free_units.add(cmd.unit_index)  # a unit the model may start a turn in
-            if len(self._free_units) > 64:  # keep only those still in flight (bounded)
-                self._free_units &= {u for u, _ in self._inflight} | {cmd.unit_index}
+        if isinstance(cmd, AppendUnit) and not cmd.force_listen:  # a unit the model may start a turn in
+            self.opts.note_free_unit(cmd.unit_index, self._units_in_flight())
         self.out.cmd(cmd)
 
     def _error(self, pe: ProtocolError) -> None:
@@ -480,7 +449,7 @@ _KEEPS_COMMIT_OPEN = (ResponseCreateEvent, SessionHeartbeatEvent, SessionEventAc
 """Client events that do not close a commit's held-back unit (:data:`COMMIT_MERGE_MS`)."""
 
 Session._HANDLERS = {
-    SessionUpdateEvent: Session._on_session_update,
+    SessionUpdateEvent: lambda s, ev, now: s.opts.on_session_update(ev, now),
     InputAudioBufferAppendEvent: Session._on_append,
     InputAudioBufferCommitEvent: Session._on_commit,
     InputAudioBufferClearEvent: Session._on_clear,

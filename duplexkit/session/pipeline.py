@@ -57,10 +57,11 @@ class InputPipelineMixin:
     def _make_vad(self) -> None:
         td = self.settings.turn_detection
         self._vad_base_samples = self._real_samples
-        if td is None or self._vad_cls is None:
+        vad_cls = self.opts.vad_classes()
+        if td is None or vad_cls is None:
             self._vad = None
             return
-        StreamingVAD, VadConfig = self._vad_cls
+        StreamingVAD, VadConfig = vad_cls
         self._vad = StreamingVAD(VadConfig(threshold=td["threshold"], prefix_padding_ms=td["prefix_padding_ms"],
                                            silence_duration_ms=td["silence_duration_ms"]))
         self._vad_item = None

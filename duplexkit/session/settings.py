@@ -7,8 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from duplexkit.audio import AudioFormatError, InputFormat, StreamDecoder, StreamResampler
-from duplexkit.audio.arrival import ArrivalRateMonitor
+from duplexkit.audio import AudioFormatError, InputFormat
 from duplexkit.engine.api import (
     INPUT_SAMPLE_RATE,
     OUTPUT_SAMPLE_RATE,
@@ -27,8 +26,10 @@ from duplexkit.protocol import (
 )
 from duplexkit.session.conversation import REPREFILL_WARNING
 from duplexkit.session.machine import Phase
-from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools
+from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools, \
+    parse_transcription
 from duplexkit.session.voice import load_ref_audio
+from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
@@ -111,47 +112,121 @@ _PLAIN_FIELDS = (
 """``session.update`` fields applied as they come (the pydantic model validated them), with the
 conversion each gets."""
 
-class SettingsMixin:
-    """The ``session.update`` job of :class:`~duplexkit.session.Session` (state: ``settings``,
-    ``_seed_text``, ``_system_text``, the VAD/decoder objects it rebuilds)."""
+class Settings:
+    """The settings part of :class:`~duplexkit.session.Session`: the ``session.update`` job and the
+    engine stream's configuration.
 
-    def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+
+    State: the current settings (:attr:`current`, what ``Session.settings`` returns), the session
+    prefix's text parts (system text items, seed text), and what the engine stream was last given.
+    """
+
+    def __init__(self, s) -> None:
+        self._s = s
+        self._o = s.out
+        cfg = self._o.cfg
+        duplex = self._o.duplex
+        self._vad_cls = _vad_classes() if cfg.vad_available else None
+        td = None
+        if self._vad_cls is not None:
+            td = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                  "interrupt_response": True, "create_response": not duplex}
+        self.current = _Settings(
+            output_modalities=["audio", "text"] if cfg.audio_output_available else ["text"],
+            instructions=cfg.default_instructions,
+            voice="default",
+            ref_voice=cfg.default_voice,
+            ref_from_client=False,
+            input_format=InputFormat("pcm16", cfg.limits.input_default_rate if duplex else 24000),
+            turn_detection=td,
+            temperature=float(cfg.temperature),
+            max_output_tokens=cfg.max_output_tokens,
+            force_listen_count=0,
+            answer_policy=cfg.answer_policy or ("model" if duplex else "on_request"),
+            playback_commit_policy="ack_only" if duplex else "commit_on_done",
+            seed=cfg.seed,
+            early_unit_close=duplex,
+        )
+        self._seed_text: list[str] = []
+        self._system_text: list[str] = []
+        self._seed_item_ids: set = set()  # user text items that went into the seed text (before the first unit)
+        self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
+        self._engine_prefix: tuple = (None, None)  # (instructions, seed text) the engine was last given
+        self._prefix_pending = False  # a new session prefix waits for a turn boundary (sync_stream)
+        self._free_units: set = set()  # appended units not forced to listen (pruned to those in flight)
+        self._update_warnings: list = []
+
+    # -- what the other parts ask -----------------------------------------------------------------
+    def vad_classes(self):
+        """``(StreamingVAD, VadConfig)``, or None when the server VAD cannot run."""
+        return self._vad_cls
+
+    def session_object(self):
+        return session_object(self.current, self._o.session_id, self._o.cfg, self._o.epoch, self._o.duplex)
+
+    def open_stream(self) -> StreamConfig:
+        """The config of the engine stream being opened (``OpenStream``)."""
+        self._engine_config = self._stream_config()
+        self._engine_prefix = (self._engine_config.instructions, self._engine_config.seed_text)
+        return self._engine_config
+
+    def prefix_pending(self) -> bool:
+        """A new session prefix waits for a turn boundary (:meth:`sync_stream`)."""
+        return self._prefix_pending
+
+    def note_free_unit(self, unit_index: int, in_flight: set) -> None:
+        """An appended unit the model may start a turn in (not forced to listen); the set is kept
+        bounded to the units still ``in_flight``."""
+        self._free_units.add(unit_index)
+        if len(self._free_units) > 64:
+            self._free_units &= in_flight | {unit_index}
+
+    def add_system_text(self, text: str) -> None:
+        """A system message item: part of the session prefix."""
+        self._system_text.append(text)
+
+    def add_seed_text(self, text: str, item_id: str) -> None:
+        """A user text item before the first unit: seeds the session prefix (docs/model.md §5.1)."""
+        self._seed_text.append(text)
+        self._seed_item_ids.add(item_id)
+
+    def on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
         self._update_warnings = []
         new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
         for path in ev.session.ignored:  # accepted, not honoured (docs/protocol.md §4.1)
             self._update_warnings.append(("field_ignored", f"session.{path} is accepted but not honoured: "
                                           + UNHONOURED_SESSION_FIELDS[path][1], "session." + path))
         warnings, self._update_warnings = self._update_warnings, []
-        old = self.settings
-        self.settings = new
+        old = self.current
+        self.current = new
         if new.input_format != old.input_format:
-            self._decoder = StreamDecoder(new.input_format)
-            self._resampler = StreamResampler(new.input_format.rate, INPUT_SAMPLE_RATE)
-            self._arrival = ArrivalRateMonitor(new.input_format.rate)  # a new declaration: re-armed
+            self._s._set_input_format(new.input_format)
         if new.turn_detection != old.turn_detection:
-            self._make_vad()
-        if first and not self.started:
-            self.start(now_ms)
+            self._s._make_vad()
+        if first and not self._s.started:
+            self._s.start(now_ms)
             for w in warnings:
-                self._warn(*w)
+                self._o.warn(*w)
             return
-        self._emit(SessionUpdated(session=self._session_object()))
+        self._o.emit(SessionUpdated(session=self.session_object()))
         for w in warnings:
-            self._warn(*w)
-        self._sync_stream()
+            self._o.warn(*w)
+        self.sync_stream()
 
     def _at_turn_boundary(self) -> bool:
         """True when the duplex model is between turns and cannot open one before a command sent
         now: no response is active (none requested, none speaking), the phase is idle, and every
         appended unit still awaiting its decision was forced to listen (answer policy ``on_request``,
         the tool gate, ``force_listen_count``), so none of them can start a turn ahead of it."""
-        if self._resp is not None or self.phase is not Phase.IDLE:
+        if self._o.phase is not Phase.IDLE or self._s.active_response_id is not None:
             return False
-        waiting = {u for u, _ in self._inflight}
+        waiting = self._s._units_in_flight()
         self._free_units &= waiting
         return not self._free_units
 
-    def _sync_stream(self) -> None:
+    def sync_stream(self) -> None:
         """Bring the engine stream's configuration up to the settings (one ``UpdateStream``).
 
         A new session prefix (instructions, system text items, seed text: docs/model.md §5.1) makes
@@ -163,18 +238,18 @@ class SettingsMixin:
         temperature, ...) are sent at once with the prefix the engine already has (docs/protocol.md
         §4.1, "Instructions after the first unit").
         """
-        if not self._stream_open:
+        if self._engine_config is None:  # the stream is not open yet
             return
         want = self._stream_config()
         have = self._engine_config
         key = _prefix_key(want)
         self._prefix_pending = False
         if have is not None and key != self._engine_prefix:
-            if self._units_appended > 0 and not self._at_turn_boundary():
+            if self._s._units_appended > 0 and not self._at_turn_boundary():
                 self._prefix_pending = True
                 want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
             else:
-                if self._units_appended > 0:
+                if self._s._units_appended > 0:
                     history = self._history_text()
                     if history:
                         want = want.replace(instructions="\n\n".join(x for x in (want.instructions, history) if x))
@@ -184,7 +259,7 @@ class SettingsMixin:
         if have is not None and _config_key(want) == _config_key(have):
             return
         self._engine_config = want
-        self._cmd(UpdateStream(self.stream_id, self.epoch, config=want))
+        self._o.cmd(UpdateStream(self._o.stream_id, self._o.epoch, config=want))
 
     def _history_text(self) -> str:
         """What was said so far as text, for a re-prefill after the first unit: a header line, then
@@ -193,13 +268,13 @@ class SettingsMixin:
         assistant responses as far as they were heard, docs/protocol.md §7.5), the last
         :data:`HISTORY_MAX_CHARS` characters of whole lines. Empty when nothing was said."""
         lines = []
-        for it in self.conv.items():
+        for it in self._s.conv.items():
             if it.role == "user" and it.kind == "input_audio":
                 lines.append("User: " + (it.text or USER_SPOKE))
             elif it.role == "user" and it.kind == "input_text" and it.id not in self._seed_item_ids and it.text:
                 lines.append("User: " + it.text)
             elif it.role == "assistant" and it.kind in ("output_audio", "output_text"):
-                text = self.conv.truth_text(it) if it.kind == "output_audio" else it.text
+                text = self._s.conv.truth_text(it) if it.kind == "output_audio" else it.text
                 if text.strip():
                     lines.append("Assistant: " + text.strip())
         kept, size = [], 0
@@ -213,7 +288,7 @@ class SettingsMixin:
         return "\n".join([HISTORY_HEADER, *reversed(kept)]) if kept else ""
 
     def _validated_settings(self, p: SessionPatch, event_id: Optional[str]) -> _Settings:
-        s = self.settings.copy()
+        s = self.current.copy()
         given = set(p.given)
 
         def err(code: ErrorCode, msg: str, concept: str, field: Optional[str] = None) -> ProtocolError:
@@ -227,13 +302,13 @@ class SettingsMixin:
             mods = p.output_modalities or []
             if not mods or any(m not in ("audio", "text") for m in mods):
                 raise err(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']", "output_modalities")
-            if "audio" in mods and not self.cfg.audio_output_available:
+            if "audio" in mods and not self._o.cfg.audio_output_available:
                 raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
             s.output_modalities = list(dict.fromkeys(mods))
         if "instructions" in given and p.instructions != s.instructions:
             # after the first unit the duplex model gets them at the next turn boundary (_sync_stream)
             s.instructions = p.instructions
-            if self._units_appended > 0:
+            if self._s._units_appended > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
             s.input_format = self._parse_input_format(p, err)
@@ -260,7 +335,7 @@ class SettingsMixin:
             s.tool_choice = parse_tool_choice(choice, s.tools, "session." + p.sources.get("tool_choice", "tool_choice"),
                                               event_id)
         if "transcription" in given:
-            s.transcription = self._parse_transcription(p.transcription, err, warn)
+            s.transcription = parse_transcription(p.transcription, err, warn)
         if "tool_filler" in given:
             s.tool_filler = p.tool_filler
         if "tool_progress" in given:
@@ -280,15 +355,15 @@ class SettingsMixin:
         if "voice" in given:
             s.voice = p.voice
             if not s.ref_from_client or "ref_audio" not in given:
-                s.ref_voice = self.cfg.voices.get(p.voice, self.cfg.default_voice)
+                s.ref_voice = self._o.cfg.voices.get(p.voice, self._o.cfg.default_voice)
                 s.ref_from_client = False
             voice_changed = True
         if "ref_audio" in given:
-            s.ref_voice = load_ref_audio(p.ref_audio, self.cfg.ref_audio_loader, self.cfg.limits.max_ref_audio_s, err)
+            s.ref_voice = load_ref_audio(p.ref_audio, self._o.cfg.ref_audio_loader, self._o.cfg.limits.max_ref_audio_s, err)
             s.ref_from_client = True
             voice_changed = True
-        if voice_changed and self._audio_started:
-            old_sha = self.settings.ref_voice.sha256 if self.settings.ref_voice is not None else None
+        if voice_changed and self._s._audio_started:
+            old_sha = self.current.ref_voice.sha256 if self.current.ref_voice is not None else None
             new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
             if old_sha != new_sha:
                 raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
@@ -307,7 +382,7 @@ class SettingsMixin:
         without a channel count is mono, a channel count given alone keeps the current encoding
         and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
         """
-        cur = self.settings.input_format
+        cur = self.current.input_format
         flat_ch = p.input_channels if "input_channels" in p.given else None
         if p.input_format is None and "input_sample_rate_hz" not in p.given:
             # only a channel count: same encoding and rate
@@ -317,7 +392,7 @@ class SettingsMixin:
                 raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
         f = p.input_format if p.input_format is not None else "pcm16"
         explicit = p.input_sample_rate_hz
-        duplex_default = self.cfg.limits.input_default_rate if self._duplex else 24000
+        duplex_default = self._o.cfg.limits.input_default_rate if self._o.duplex else 24000
         bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
         try:
             if isinstance(f, str):
@@ -385,16 +460,6 @@ class SettingsMixin:
             raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
                       f"output is fixed at {OUTPUT_SAMPLE_RATE} Hz, got {p.output_sample_rate_hz}", "output_sample_rate_hz")
 
-    def _warn(self, code: str, message: str, param: str, event_id: Optional[str] = None) -> None:
-        """Emit ``session.warning`` once per ``param`` per session.
-
-        ``session.warning`` is an extension event: only the duplex profile sends it (as it sends
-        ``response.speak`` and ``response.listen``). The compat profile serves unmodified OpenAI
-        clients, which reject event types they do not know (the Agents SDK turns one into an error
-        event, Pipecat ends its receive loop), so there the warning is logged by the server only
-        (docs/protocol.md §4.1)."""
-        self.out.warn(code, message, param, event_id)
-
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
         if td is None:
             return None
@@ -421,7 +486,7 @@ class SettingsMixin:
             "prefix_padding_ms": 300,
             "silence_duration_ms": 500,
             "interrupt_response": True,
-            "create_response": not self._duplex,
+            "create_response": not self._o.duplex,
         }
         num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         for k, lo, hi, integer in (("threshold", 0.0, 1.0, False), ("prefix_padding_ms", 0, 2000, True),
@@ -439,7 +504,7 @@ class SettingsMixin:
         return out
 
     def _stream_config(self) -> StreamConfig:
-        s = self.settings
+        s = self.current
         instr = s.instructions
         if self._system_text:
             instr = "\n".join([x for x in [instr, *self._system_text] if x])

@@ -89,6 +89,7 @@ __all__ = [
     "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
     "TOOL_DECISION_TIMEOUT_MS", "TOOL_OUTPUT_WAIT_MS",
     "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "ToolsMixin", "parse_tools", "parse_tool_choice",
+    "parse_transcription",
 ]
 
 MAX_TOOLS = 128
@@ -245,6 +246,30 @@ def parse_tool_choice(choice: Any, tools: list, param: str = "tool_choice", even
     raise _err(code, "tool_choice must be 'auto', 'none', 'required' or {type: 'function', name}", param, event_id)
 
 
+def parse_transcription(tr: Optional[dict], err, warn) -> Optional[dict]:
+    """``audio.input.transcription``: ``{model?, language?, prompt?}`` or null (off)."""
+    if tr is None:
+        return None
+    model = tr.get("model") or DEFAULT_TRANSCRIPTION_MODEL
+    if not isinstance(model, str):
+        raise err(ErrorCode.BAD_EVENT, "transcription.model must be a string", "audio.input.transcription", "model")
+    for k in ("language", "prompt"):
+        if tr.get(k) is not None and not isinstance(tr[k], str):
+            raise err(ErrorCode.BAD_EVENT, f"transcription.{k} must be a string", "audio.input.transcription", k)
+    effective = model
+    if not _OWN_TRANSCRIPTION_MODELS.match(model):
+        effective = DEFAULT_TRANSCRIPTION_MODEL
+    if effective != model and not model.startswith(("whisper", "gpt-4o")):
+        # OpenAI's own names (whisper-1, gpt-4o-*-transcribe: what unmodified clients such as the Agents
+        # SDK send by default) are served by the default silently: those clients reject unknown events
+        warn("transcription_model_substituted",
+             f"transcription model {model!r} is not served here: the user's speech is transcribed by "
+             f"{DEFAULT_TRANSCRIPTION_MODEL!r} (the thinker's own ASR; 'faster-whisper' is the other choice)",
+             "audio.input.transcription.model")
+    return {"model": model, "effective_model": effective, "language": tr.get("language"),
+            "prompt": tr.get("prompt")}
+
+
 @dataclass
 class _Decision:
     """A pending DecideTools request."""
@@ -307,29 +332,6 @@ class ToolsMixin:
 
     def _capturing_turn_audio(self) -> bool:
         return self.settings.transcription is not None or self._tools_active()
-
-    def _parse_transcription(self, tr: Optional[dict], err, warn) -> Optional[dict]:
-        """``audio.input.transcription``: ``{model?, language?, prompt?}`` or null (off)."""
-        if tr is None:
-            return None
-        model = tr.get("model") or DEFAULT_TRANSCRIPTION_MODEL
-        if not isinstance(model, str):
-            raise err(ErrorCode.BAD_EVENT, "transcription.model must be a string", "audio.input.transcription", "model")
-        for k in ("language", "prompt"):
-            if tr.get(k) is not None and not isinstance(tr[k], str):
-                raise err(ErrorCode.BAD_EVENT, f"transcription.{k} must be a string", "audio.input.transcription", k)
-        effective = model
-        if not _OWN_TRANSCRIPTION_MODELS.match(model):
-            effective = DEFAULT_TRANSCRIPTION_MODEL
-        if effective != model and not model.startswith(("whisper", "gpt-4o")):
-            # OpenAI's own names (whisper-1, gpt-4o-*-transcribe: what unmodified clients such as the Agents
-            # SDK send by default) are served by the default silently: those clients reject unknown events
-            warn("transcription_model_substituted",
-                 f"transcription model {model!r} is not served here: the user's speech is transcribed by "
-                 f"{DEFAULT_TRANSCRIPTION_MODEL!r} (the thinker's own ASR; 'faster-whisper' is the other choice)",
-                 "audio.input.transcription.model")
-        return {"model": model, "effective_model": effective, "language": tr.get("language"),
-                "prompt": tr.get("prompt")}
 
     # -- turn audio -----------------------------------------------------------------------------
     def _capture_turn_audio(self, x16: np.ndarray) -> None:

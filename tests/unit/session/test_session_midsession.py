@@ -106,12 +106,12 @@ def test_history_keeps_the_most_recent_lines():
     for i in range(200):
         d.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"line {i:03d} " + "x" * 30}]}})
-    text = d.s._history_text()  # noqa: SLF001
+    text = d.s.opts._history_text()  # noqa: SLF001
     assert len(text) <= 4000 + 200 and text.splitlines()[-1].startswith("User: line 199")
     assert "line 000" not in text
     d.send({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 9000 + "END"}]}})
-    last = d.s._history_text().splitlines()  # noqa: SLF001
+    last = d.s.opts._history_text().splitlines()  # noqa: SLF001
     assert len(last) == 2 and last[1].endswith("END") and len(last[1]) == 4000
 
 
