@@ -189,7 +189,7 @@ class Conversation:
             if ev.previous_item_id != self.last_id():
                 raise bad("previous_item_id may only name the last item", "previous_item_id")
         if item.type == "function_call_output":
-            self._s._on_function_call_output(item, ev.event_id)
+            self._s.tools.on_function_call_output(item, ev.event_id)
             return
         if item.type != "message" or item.role not in ("user", "system", "assistant"):
             raise bad("only message items (user, system, assistant) and function_call_output items are accepted",
@@ -236,14 +236,14 @@ class Conversation:
             x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
             if x.size == 0:
                 raise bad("input_audio item has no audio", "item.content")
-            self._s._drop_turn_audio()
+            self._s.tools.drop_turn_audio()
             self._s._push_real(self._s._resampler.process(x), now_ms)
-            self._s._user_turn_ending(now_ms)
+            self._s.tools.user_turn_ending(now_ms)
             self._s._flush_input(now_ms)
             self._s._since_commit = 0
             it = _ConvItem(id=item.id or self.new_item_id(), role="user", kind="input_audio")
             self.add_done(it)
-            self._s._user_turn_ended(it.id, now_ms)
+            self._s.tools.user_turn_ended(it.id, now_ms)
             return
         raise bad(f"unsupported content {sorted(kinds)} (input_text, or user input_audio)", "item.content")
 
@@ -277,11 +277,11 @@ class Conversation:
         it = self._items.get(ev.item_id)
         if it is None:
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
-        if self._s._resp is not None and self._s._resp.item_id == ev.item_id:
+        if self._s.resp.active() is not None and self._s.resp.active().item_id == ev.item_id:
             raise ProtocolError(ErrorCode.BAD_EVENT, "the active response's item cannot be deleted", param="item_id", event_id=ev.event_id)
         del self._items[ev.item_id]
         if it.kind == "function_call":
-            self._s._cancel_call_of(it.id)
+            self._s.tools.cancel_call_of(it.id)
         self._o.emit(ConversationItemDeleted(item_id=ev.item_id))
 
     def on_item_truncate(self, ev: ConversationItemTruncateEvent, now_ms: float) -> None:
@@ -328,7 +328,7 @@ class Conversation:
             ev = ev.model_copy(update={"response_id": rid})
         it = self._responses.get(ev.response_id)
         if it is None:
-            if self._s._resp is not None and self._s._resp.id == ev.response_id:
+            if self._s.active_response_id == ev.response_id:
                 return  # issued, no audio yet
             if ev.response_id in self._issued:
                 return

@@ -98,15 +98,15 @@ from duplexkit.session.conversation import Conversation
 from duplexkit.session.outbox import Outbox
 from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.pipeline import InputPipelineMixin
-from duplexkit.session.responses import ResponsesMixin
+from duplexkit.session.responses import Responses
 from duplexkit.session.settings import Settings
-from duplexkit.session.tools import ToolsMixin
+from duplexkit.session.tools import Tools
 from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
 
-class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
+class Session(InputPipelineMixin):
     """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
@@ -125,6 +125,8 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self.out = Outbox(self.cfg, self.session_id, now_ms)
         self.ids = self.out.ids
         self.conv = Conversation(self)
+        self.resp = Responses(self)
+        self.tools = Tools(self)
         self._last_client_ms = float(now_ms)
         self.opts = Settings(self)
         # input pipeline
@@ -154,11 +156,7 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self._inflight_samples = 0
         self._force_listen_left = 0
         self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
-        self._resp: Optional[_Response] = None
-        self._audio_started = False
         self.timings: dict = {}
-        self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
-        self._init_tools()
 
     @property
     def settings(self):
@@ -192,7 +190,8 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
 
     @property
     def active_response_id(self) -> Optional[str]:
-        return self._resp.id if self._resp is not None else None
+        r = self.resp.active()
+        return r.id if r is not None else None
 
     def drain(self) -> list:
         """Take every pending output in order: server event dicts (with ``type``, ``event_id``,
@@ -277,33 +276,18 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
         self._machine.begin_step()
         self._now_ms = float(now_ms)
         if isinstance(out, ToolDecision):  # matched by request id, not by epoch
-            self._on_tool_decision(out, now_ms)
+            self.tools.on_tool_decision(out, now_ms)
             return
         if isinstance(out, Transcription):  # belongs to a user item, not to an epoch
-            self._on_transcription(out)
+            self.tools.on_transcription(out)
             return
         if isinstance(out, Decision):
             self._consumed(out.unit_index)
         if isinstance(out, EngineFailure) and out.fatal:
-            self._engine_fatal(out)
+            self.resp.engine_fatal(out)
             return
-        if self._trace_wait is not None and isinstance(out, UnitTimings):
-            self._trace_engine(self._trace_wait, out)
-        if out.epoch != self.epoch:
-            return
-        if self._resp is not None and self._resp.trace is not None:
-            self._trace_output(self._resp, out, now_ms)
-        if isinstance(out, Decision):
-            self._on_decision(out)
-        elif isinstance(out, TextDelta):
-            self._on_text(out)
-        elif isinstance(out, AudioChunk):
-            self._on_audio(out)
-        elif isinstance(out, TurnEnd):
-            self._on_turn_end(out)
-        elif isinstance(out, EngineFailure):
-            self._engine_failed(out)
-        elif isinstance(out, UnitTimings):
+        self.resp.on_output(out, now_ms)
+        if isinstance(out, UnitTimings) and out.epoch == self.epoch:
             self.timings = dict(out.timings)
         if self.opts.prefix_pending():
             self.opts.sync_stream()
@@ -319,9 +303,9 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
             return
         if self._close_pending_ms is not None and now_ms - self._close_pending_ms >= COMMIT_MERGE_MS:
             self._close_committed(now_ms)
-        self._tools_tick(now_ms)
+        self.tools.tick(now_ms)
         self._release_units(now_ms)
-        if self._resp is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
+        if self.resp.active() is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
             due = self._last_unit_ms + UNIT_PERIOD_MS  # where this unit ends on the input schedule
             self._feed_silence(now_ms)
             # the next silence unit is due one unit period after this one's place on the schedule, not after
@@ -362,6 +346,12 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
 
     def _session_object(self):
         return session_object(self.settings, self.session_id, self.cfg, self.epoch, self._duplex)
+
+    def _reset_force_listen(self) -> None:
+        self._force_listen_left = self.settings.force_listen_count
+
+    def _units_ahead(self) -> int:
+        return len(self._inflight) + len(self._unit_hold)
 
     def _units_in_flight(self) -> set:
         return {u for u, _ in self._inflight}
@@ -414,8 +404,8 @@ class Session(InputPipelineMixin, ResponsesMixin, ToolsMixin):
 
     def _close(self, reason: str, code: int) -> None:
         self._fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
-        if self._resp is not None:
-            self._cancel_active("client_cancelled" if reason == "client_close" else reason_to_cancel(reason))
+        if self.resp.active() is not None:
+            self.resp.cancel_active("client_cancelled" if reason == "client_close" else reason_to_cancel(reason))
         self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason))
         self._cmd(CloseStream(self.stream_id, self.epoch))
         self.out.close_connection(code, reason)
@@ -453,8 +443,8 @@ Session._HANDLERS = {
     InputAudioBufferAppendEvent: Session._on_append,
     InputAudioBufferCommitEvent: Session._on_commit,
     InputAudioBufferClearEvent: Session._on_clear,
-    ResponseCreateEvent: Session._on_response_create,
-    ResponseCancelEvent: Session._on_response_cancel,
+    ResponseCreateEvent: lambda s, ev, now: s.resp.on_response_create(ev, now),
+    ResponseCancelEvent: lambda s, ev, now: s.resp.on_response_cancel(ev, now),
     ConversationItemCreateEvent: lambda s, ev, now: s.conv.on_item_create(ev, now),
     ConversationItemRetrieveEvent: lambda s, ev, now: s.conv.on_item_retrieve(ev, now),
     ConversationItemDeleteEvent: lambda s, ev, now: s.conv.on_item_delete(ev, now),
@@ -463,5 +453,5 @@ Session._HANDLERS = {
     SessionHeartbeatEvent: Session._on_heartbeat,
     SessionCloseEvent: Session._on_close,
     SessionEventAckEvent: Session._on_event_ack,
-    OutputAudioBufferClearEvent: Session._on_output_clear,
+    OutputAudioBufferClearEvent: lambda s, ev, now: s.resp.on_output_clear(ev, now),
 }

@@ -29,30 +29,9 @@ from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.machine import PhaseEvent
 
 
-#: Input silence (no append), ms, after which a held server-VAD answer is released although the
-#: VAD has not yet looked past the confirmation window: a client that stopped streaming cannot
-#: resume the turn before the answer plays (twice the default ``start_confirm_ms``).
-TURN_HOLD_STALL_MS = 200
-
-
-class _TurnHold:
-    """The outputs of a server-VAD answer held until the VAD confirms the turn ended (see
-    :meth:`InputPipelineMixin._check_turn_hold`)."""
-
-    __slots__ = ("response_id", "epoch", "until", "queued")
-
-    def __init__(self, response_id: str, epoch: int, until: int) -> None:
-        self.response_id = response_id
-        self.epoch = epoch
-        self.until = until  # real-sample index the VAD must have classified (commit + confirmation window)
-        self.queued: list = []  # engine outputs of the response's epoch, in arrival order
-
-
 class InputPipelineMixin:
     """The input-audio job of :class:`~duplexkit.session.Session`: client audio in, ``AppendUnit``
     commands and VAD events out."""
-
-    _turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (_check_turn_hold)
 
     def _make_vad(self) -> None:
         td = self.settings.turn_detection
@@ -166,7 +145,7 @@ class InputPipelineMixin:
         start_real = self._real_samples
         if x16.size:
             self._real_samples += x16.size
-            self._capture_turn_audio(x16)
+            self.tools.capture_turn_audio(x16)
             self._last_real_ms = float(now_ms)
         for e in starts:
             onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
@@ -176,7 +155,7 @@ class InputPipelineMixin:
             self._release_units(now_ms)
         if x16.size:
             self._since_commit += x16.size
-            if self._resp is None and self._pad_debt > 0:
+            if self.resp.active() is None and self._pad_debt > 0:
                 if self._debt_hold_n == 0:
                     self._debt_hold_start = start_real
                 self._debt_hold.append(x16)
@@ -246,7 +225,7 @@ class InputPipelineMixin:
     def _holding_units(self) -> bool:
         """Units complete during a response wait for the VAD to look past them (barge-in fence)."""
         td = self.settings.turn_detection or {}
-        return self._resp is not None and self._vad is not None and td.get("interrupt_response", True)
+        return self.resp.active() is not None and self._vad is not None and td.get("interrupt_response", True)
 
     def _frame(self, units: list, now_ms: float, silence: bool) -> None:
         """Append units in order. While a response can be interrupted by the server VAD a unit is
@@ -265,8 +244,8 @@ class InputPipelineMixin:
     def _release_units(self, now_ms: float, force: bool = False) -> None:
         """Append held units: all when ``force``, no response is active, or input stalled for
         the guard time (no more audio can carry an onset); else those the VAD has looked past.
-        Also settles a held server-VAD answer (:meth:`_check_turn_hold`; this runs on every tick)."""
-        self._check_turn_hold(now_ms)
+        Also settles a held server-VAD answer (:meth:`Responses.check_turn_hold`; this runs on every tick)."""
+        self.resp.check_turn_hold(now_ms)
         if not self._unit_hold:
             return
         guard = self._debt_guard()
@@ -291,13 +270,13 @@ class InputPipelineMixin:
                              force_speak=force_speak))
 
     def _force_listen_now(self) -> bool:
-        if self._tool_gate():  # the tool decider or a call's output is awaited (docs/tools.md)
+        if self.tools.gate():  # the tool decider or a call's output is awaited (docs/tools.md)
             return True
         if self._force_listen_left > 0:
             self._force_listen_left -= 1
             return True
         if self.settings.answer_policy == "on_request":
-            r = self._resp
+            r = self.resp.active()
             return not (r is not None and r.trigger in ("client", "server_vad"))
         return False
 
@@ -374,7 +353,7 @@ class InputPipelineMixin:
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
                 flush: bool = True, defer: bool = False) -> str:
-        self._user_turn_ending(now_ms)
+        self.tools.user_turn_ending(now_ms)
         if flush:
             self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0
@@ -384,7 +363,7 @@ class InputPipelineMixin:
         self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
         self._emit(ConversationItemAdded(previous_item_id=prev, item=self.conv.model(it)))
         self._emit(ConversationItemDone(previous_item_id=prev, item=self.conv.model(it)))
-        self._user_turn_ended(uid, now_ms)
+        self.tools.user_turn_ended(uid, now_ms)
         return uid
 
     def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
@@ -393,8 +372,17 @@ class InputPipelineMixin:
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
-        self._drop_turn_audio()
+        self.tools.drop_turn_audio()
         self._emit(InputAudioBufferCleared())
+
+    def _vad_looked_past(self, until: int) -> bool:
+        """The VAD has classified input up to real-sample ``until`` and has no start pending."""
+        vad = self._vad
+        return vad is None or (self._vad_base_samples + vad.position_samples >= until and not vad.start_pending)
+
+    def _input_quiet_for(self, ms: float, now_ms: float) -> bool:
+        """No real input for ``ms`` (a client that stopped streaming)."""
+        return now_ms - self._last_real_ms >= ms
 
     def _vad_ms(self, ms: int) -> int:
         return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
@@ -404,9 +392,9 @@ class InputPipelineMixin:
         self._vad_item_committed = False
         self._emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
         td = self.settings.turn_detection or {}
-        if self._resp is not None and td.get("interrupt_response", True):
+        if self.resp.active() is not None and td.get("interrupt_response", True):
             self._fire(PhaseEvent.BARGE_IN)
-            self._cancel_active("turn_detected")
+            self.resp.cancel_active("turn_detected")
 
     def _on_speech_stopped(self, e, now_ms: float) -> None:
         uid = self._vad_item or self.conv.new_item_id()
@@ -417,95 +405,13 @@ class InputPipelineMixin:
         if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             return
         td = self.settings.turn_detection or {}
-        creates = bool(td.get("create_response")) and self._resp is None
+        creates = bool(td.get("create_response")) and self.resp.active() is None
         # early unit close (docs/concepts.md): the creating commit closes the unit as the forced
         # one; otherwise extra_body.early_unit_close decides whether the partial unit goes now
         self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
         if creates:
-            self._create_response(None, "server_vad", None, now_ms)
-            r = self._resp
+            self.resp.create(None, "server_vad", None, now_ms)
+            r = self.resp.active()
             if r is not None and r.trigger == "server_vad" and self._vad is not None and td.get("interrupt_response", True):
                 window = self._vad.cfg.start_confirm_ms * INPUT_SAMPLE_RATE // 1000
-                self._turn_hold = _TurnHold(r.id, self.epoch, self._vad_base_samples + e.decided_sample + window)
-                self._check_turn_hold(now_ms)
-
-    # -- turn confirmation: a server-VAD answer is heard only once the turn surely ended ----------
-    def _check_turn_hold(self, now_ms: float) -> None:
-        """Release or drop the held outputs of a server-VAD answer (docs/concepts.md "Turn confirmation").
-
-        The commit of a server-VAD turn creates the response at once, so the engine computes the
-        answer while the VAD goes on listening; its outputs (decisions, text, audio, turn end,
-        failures of its epoch) are held until the VAD has classified ``start_confirm_ms`` (100 ms
-        at the defaults) of input past the point where it decided the turn ended, with no speech
-        frame left in its confirmation window. Speech that resumes in that window is confirmed
-        as a new ``speech_started`` (a barge-in: the response is cancelled with ``turn_detected``)
-        before anything of the answer was sent, so a false end of turn is never heard. The hold
-        also ends when the input has been silent for :data:`TURN_HOLD_STALL_MS` (a client that
-        stopped streaming). Nothing is added when the engine is slower than the window.
-        """
-        h = self._turn_hold
-        if h is None:
-            return
-        if self.epoch != h.epoch:
-            self._turn_hold = None  # cancelled (resumed speech, response.cancel): dropped with its epoch
-            return
-        r = self._resp
-        if r is None or r.id != h.response_id:  # ended without a cancel (its tool calls): nothing to confirm
-            self._turn_hold = None
-            self._dispatch_held(h.queued)
-            return
-        vad = self._vad
-        looked = vad is None or (self._vad_base_samples + vad.position_samples >= h.until and not vad.start_pending)
-        stalled = now_ms - self._last_real_ms >= TURN_HOLD_STALL_MS
-        if not (looked or stalled):
-            return
-        self._turn_hold = None
-        self._dispatch_held(h.queued)
-
-    def _dispatch_held(self, queued: list) -> None:
-        for out in queued:
-            if out.epoch != self.epoch:
-                continue  # a held output ended the response and advanced the epoch (token cap)
-            if isinstance(out, Decision):
-                super()._on_decision(out)
-            elif isinstance(out, TextDelta):
-                super()._on_text(out)
-            elif isinstance(out, AudioChunk):
-                super()._on_audio(out)
-            elif isinstance(out, TurnEnd):
-                super()._on_turn_end(out)
-            elif isinstance(out, EngineFailure):
-                super()._engine_failed(out)
-
-    def _turn_held(self, out: EngineOutput) -> bool:
-        """Whether ``out`` (an engine output of the current epoch) joins a held server-VAD answer."""
-        if self._turn_hold is None:
-            return False
-        self._check_turn_hold(self._now_ms)
-        h = self._turn_hold
-        if h is None or out.epoch != h.epoch:
-            return False
-        h.queued.append(out)
-        return True
-
-    # the Session dispatches engine outputs to these (ResponsesMixin comes after this mixin in
-    # the Session's bases): while a server-VAD answer is held they wait here, in order
-    def _on_decision(self, d: Decision) -> None:
-        if not self._turn_held(d):
-            super()._on_decision(d)
-
-    def _on_text(self, t: TextDelta) -> None:
-        if not self._turn_held(t):
-            super()._on_text(t)
-
-    def _on_audio(self, c: AudioChunk) -> None:
-        if not self._turn_held(c):
-            super()._on_audio(c)
-
-    def _on_turn_end(self, t: TurnEnd) -> None:
-        if not self._turn_held(t):
-            super()._on_turn_end(t)
-
-    def _engine_failed(self, e: EngineFailure) -> None:
-        if not self._turn_held(e):
-            super()._engine_failed(e)
+                self.resp.hold_answer(self._vad_base_samples + e.decided_sample + window, now_ms)

@@ -362,7 +362,7 @@ class Settings:
             s.ref_voice = load_ref_audio(p.ref_audio, self._o.cfg.ref_audio_loader, self._o.cfg.limits.max_ref_audio_s, err)
             s.ref_from_client = True
             voice_changed = True
-        if voice_changed and self._s._audio_started:
+        if voice_changed and self._s.resp.audio_started():
             old_sha = self.current.ref_voice.sha256 if self.current.ref_voice is not None else None
             new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
             if old_sha != new_sha:

@@ -137,7 +137,7 @@ def test_forced_unit_listen_terminates_precreated_response():
     d = Driver()
     d.append(second(1.1))
     d.send({"type": "response.create"})
-    forced = d.s._resp.forced_unit
+    forced = d.s.resp.active().forced_unit
     assert d.types(d.engine(Decision(d.sid, 0, forced - 1, decision="listen"))) == []  # before the forced unit
     new = d.engine(Decision(d.sid, 0, forced, decision="listen"))
     assert d.types(new) == ["response.listen", "response.done"]
@@ -458,7 +458,7 @@ def test_truncate_without_audio_and_invalid():
     d = Driver()
     d.speak([], end=False)
     rid = d.s.active_response_id
-    iid = d.s._resp.item_id
+    iid = d.s.resp.active().item_id
     new = d.send({"type": "conversation.item.truncate", "item_id": iid, "content_index": 0, "audio_end_ms": 500})
     assert new[0]["type"] == "conversation.item.truncated" and new[0]["audio_end_ms"] == 0
     for bad in (1.5, -1, "x", None, True):
@@ -502,7 +502,7 @@ def test_items_create_retrieve_delete():
     assert d.events[-1]["type"] == "conversation.item.deleted"
     assert d.send({"type": "conversation.item.retrieve", "item_id": iid})[0]["error"]["code"] == "item_not_found"
     d.speak(end=False)
-    e = d.send({"type": "conversation.item.delete", "item_id": d.s._resp.item_id})
+    e = d.send({"type": "conversation.item.delete", "item_id": d.s.resp.active().item_id})
     assert e[0]["error"]["code"] == "bad_event"
 
 
