@@ -205,7 +205,7 @@ class Conversation:
         if kinds == {"input_text"}:
             text = "".join(c.text or "" for c in item.content)
             it = _ConvItem(id=item.id or self.new_item_id(), role=item.role, kind="input_text", text=text)
-            started = self._s._units_appended > 0
+            started = self._s.input.units_appended() > 0
             warning = None
             if item.role == "system":
                 # part of the session prefix: after the first unit, re-prefilled at the next turn boundary
@@ -225,7 +225,7 @@ class Conversation:
         if kinds == {"input_audio"} and item.role == "user":
             fmt = self._s.settings.input_format
             b64_len = sum(len(c.audio or "") for c in item.content)  # counted before anything is decoded
-            self._s._check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
+            self._s.input.check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
             chunks = []
             dec = StreamDecoder(fmt)
             for i, c in enumerate(item.content):
@@ -236,11 +236,7 @@ class Conversation:
             x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
             if x.size == 0:
                 raise bad("input_audio item has no audio", "item.content")
-            self._s.tools.drop_turn_audio()
-            self._s._push_real(self._s._resampler.process(x), now_ms)
-            self._s.tools.user_turn_ending(now_ms)
-            self._s._flush_input(now_ms)
-            self._s._since_commit = 0
+            self._s.input.item_audio(x, now_ms)
             it = _ConvItem(id=item.id or self.new_item_id(), role="user", kind="input_audio")
             self.add_done(it)
             self._s.tools.user_turn_ended(it.id, now_ms)

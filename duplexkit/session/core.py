@@ -97,7 +97,7 @@ from duplexkit.session.responses import _Response, reason_to_cancel
 from duplexkit.session.conversation import Conversation
 from duplexkit.session.outbox import Outbox
 from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
-from duplexkit.session.pipeline import InputPipelineMixin
+from duplexkit.session.pipeline import InputPipeline
 from duplexkit.session.responses import Responses
 from duplexkit.session.settings import Settings
 from duplexkit.session.tools import Tools
@@ -106,7 +106,7 @@ from duplexkit.session.wire import session_object
 log = logging.getLogger("duplexkit.session")
 
 
-class Session(InputPipelineMixin):
+class Session:
     """One realtime session (docs/protocol.md), as a pure state machine. See the module docstring.
 
     Args:
@@ -124,39 +124,13 @@ class Session(InputPipelineMixin):
         self.stream_id = self.session_id
         self.out = Outbox(self.cfg, self.session_id, now_ms)
         self.ids = self.out.ids
+        self._last_client_ms = float(now_ms)
+        self.timings: dict = {}  # the latest UnitTimings of the current epoch (read-only)
+        self.opts = Settings(self)
         self.conv = Conversation(self)
         self.resp = Responses(self)
         self.tools = Tools(self)
-        self._last_client_ms = float(now_ms)
-        self.opts = Settings(self)
-        # input pipeline
-        self._decoder = StreamDecoder(self.settings.input_format)
-        self._resampler = StreamResampler(self.settings.input_format.rate, INPUT_SAMPLE_RATE)
-        self._arrival = ArrivalRateMonitor(self.settings.input_format.rate)
-        self._framer = UnitFramer()
-        self._pad_debt = 0  # zero padding the model heard ahead of the input (early unit closes), samples
-        self._debt_hold: list = []  # real samples held while deciding what the padding stood in for
-        self._debt_hold_n = 0
-        self._debt_hold_start = 0  # real-sample index of the first held sample
-        self._debt_onset: Optional[int] = None  # real-sample index where speech (with pre-roll) starts
-        self._unit_hold: deque = deque()  # (Unit, end real-sample index) held for a barge-in fence
-        self._unit_hold_samples = 0
-        self._last_real_ms = float(now_ms)
-        self._vad = None
-        self._vad_base_samples = 0
-        self._real_samples = 0  # real 16 kHz input samples seen (the VAD timeline)
-        self._since_commit = 0  # real 16 kHz samples pushed since the last commit/clear
-        self._vad_item: Optional[str] = None
-        self._vad_item_committed = False
-        self._make_vad()
-        self._units_appended = 0
-        self.input_appends = 0  # accepted input_audio_buffer.append events (read-only counter)
-        self._last_unit_ms = float(now_ms)
-        self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
-        self._inflight_samples = 0
-        self._force_listen_left = 0
-        self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
-        self.timings: dict = {}
+        self.input = InputPipeline(self, now_ms)
 
     @property
     def settings(self):
@@ -166,7 +140,7 @@ class Session(InputPipelineMixin):
     @property
     def state(self) -> str:
         """``closed`` | ``speaking`` | ``requested`` | ``user_speaking`` | ``idle`` (``new`` before start)."""
-        if self.phase is Phase.IDLE and self._vad_item is not None:
+        if self.phase is Phase.IDLE and self.input.user_speaking():
             return "user_speaking"
         return self.phase.value
 
@@ -186,7 +160,7 @@ class Session(InputPipelineMixin):
     @property
     def input_audio_ms(self) -> int:
         """Real input audio received so far, in ms of 16 kHz audio (silence fed by ``tick`` excluded)."""
-        return self._real_samples * 1000 // INPUT_SAMPLE_RATE
+        return self.input.input_ms()
 
     @property
     def active_response_id(self) -> Optional[str]:
@@ -203,8 +177,7 @@ class Session(InputPipelineMixin):
         if self._machine.fire(PhaseEvent.START) is None:
             return
         self._last_client_ms = float(now_ms)
-        self._last_unit_ms = float(now_ms)
-        self._force_listen_left = self.settings.force_listen_count
+        self.input.started(now_ms)
         self._emit(SessionCreated(session=self._session_object()))
         self._cmd(OpenStream(self.stream_id, self.epoch, config=self.opts.open_stream()))
 
@@ -282,7 +255,7 @@ class Session(InputPipelineMixin):
             self.tools.on_transcription(out)
             return
         if isinstance(out, Decision):
-            self._consumed(out.unit_index)
+            self.input.consumed(out.unit_index)
         if isinstance(out, EngineFailure) and out.fatal:
             self.resp.engine_fatal(out)
             return
@@ -301,20 +274,22 @@ class Session(InputPipelineMixin):
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
-        if self._close_pending_ms is not None and now_ms - self._close_pending_ms >= COMMIT_MERGE_MS:
-            self._close_committed(now_ms)
+        self.input.close_held_commit(now_ms, due_only=True)
         self.tools.tick(now_ms)
-        self._release_units(now_ms)
-        if self.resp.active() is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + self.cfg.silence_slack_ms:
-            due = self._last_unit_ms + UNIT_PERIOD_MS  # where this unit ends on the input schedule
-            self._feed_silence(now_ms)
-            # the next silence unit is due one unit period after this one's place on the schedule, not after
-            # the tick that fed it: the slack and the tick's lag are paid once per dry spell, not once per unit,
-            # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
-            # period behind (a stalled loop), the schedule restarts from now instead of bursting
-            self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
+        self.input.tick(now_ms)
         if self.opts.prefix_pending():
             self.opts.sync_stream()
+
+    @property
+    def input_appends(self) -> int:
+        """Accepted ``input_audio_buffer.append`` events (read-only counter)."""
+        return self.input.input_appends
+
+    # read-only views of the pipeline kept for tests and benchmarks that inspect it
+    _framer = property(lambda self: self.input._framer)
+    _decoder = property(lambda self: self.input._decoder)
+    _since_commit = property(lambda self: self.input._since_commit)
+    _units_appended = property(lambda self: self.input._units_appended)
 
     @property
     def epoch(self) -> int:
@@ -347,20 +322,6 @@ class Session(InputPipelineMixin):
     def _session_object(self):
         return session_object(self.settings, self.session_id, self.cfg, self.epoch, self._duplex)
 
-    def _reset_force_listen(self) -> None:
-        self._force_listen_left = self.settings.force_listen_count
-
-    def _units_ahead(self) -> int:
-        return len(self._inflight) + len(self._unit_hold)
-
-    def _units_in_flight(self) -> set:
-        return {u for u, _ in self._inflight}
-
-    def _set_input_format(self, fmt) -> None:
-        self._decoder = StreamDecoder(fmt)
-        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
-        self._arrival = ArrivalRateMonitor(fmt.rate)  # a new declaration: re-armed
-
     def _emit(self, ev: ServerEvent) -> None:
         self.out.emit(ev)
 
@@ -368,8 +329,6 @@ class Session(InputPipelineMixin):
         self.out.warn(*a, **k)
 
     def _cmd(self, cmd: EngineCommand) -> None:
-        if isinstance(cmd, AppendUnit) and not cmd.force_listen:  # a unit the model may start a turn in
-            self.opts.note_free_unit(cmd.unit_index, self._units_in_flight())
         self.out.cmd(cmd)
 
     def _error(self, pe: ProtocolError) -> None:
@@ -384,8 +343,8 @@ class Session(InputPipelineMixin):
         return self.out.fire(ev, event_id)
 
     def _dispatch(self, ev: Any, now_ms: float) -> None:
-        if self._close_pending_ms is not None and not isinstance(ev, _KEEPS_COMMIT_OPEN):
-            self._close_committed(now_ms)
+        if not isinstance(ev, _KEEPS_COMMIT_OPEN):
+            self.input.close_held_commit(now_ms)
         handler = self._HANDLERS[type(ev)]
         handler(self, ev, now_ms)
         if isinstance(ev, ResponseCreateEvent) and ev.response is not None:
@@ -440,9 +399,9 @@ _KEEPS_COMMIT_OPEN = (ResponseCreateEvent, SessionHeartbeatEvent, SessionEventAc
 
 Session._HANDLERS = {
     SessionUpdateEvent: lambda s, ev, now: s.opts.on_session_update(ev, now),
-    InputAudioBufferAppendEvent: Session._on_append,
-    InputAudioBufferCommitEvent: Session._on_commit,
-    InputAudioBufferClearEvent: Session._on_clear,
+    InputAudioBufferAppendEvent: lambda s, ev, now: s.input.on_append(ev, now),
+    InputAudioBufferCommitEvent: lambda s, ev, now: s.input.on_commit(ev, now),
+    InputAudioBufferClearEvent: lambda s, ev, now: s.input.on_clear(ev, now),
     ResponseCreateEvent: lambda s, ev, now: s.resp.on_response_create(ev, now),
     ResponseCancelEvent: lambda s, ev, now: s.resp.on_response_cancel(ev, now),
     ConversationItemCreateEvent: lambda s, ev, now: s.conv.on_item_create(ev, now),

@@ -1,16 +1,19 @@
 """The input pipeline of a Session: decode (``StreamDecoder``), arrival-rate check, resample to
 16 kHz, server VAD, unit framing, early unit close, the barge-in fence, silence feeding,
-commit/clear, input backpressure and the turn-confirmation hold of server-VAD answers
-(docs/concepts.md "Early unit close", "Barge-in", "Turn confirmation")."""
+commit/clear and input backpressure (docs/concepts.md "Early unit close", "Barge-in"): the
+:class:`InputPipeline` part, and its small machines (the VAD item, the held commit, the barge-in
+unit hold, the padding debt; :class:`~duplexkit.session.machine.Machine` tables)."""
 
 from __future__ import annotations
 
 import numpy as np
+from collections import deque
+from enum import Enum
 from typing import Optional
 
-from duplexkit.audio import AudioFormatError, b64decode_audio
-from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, EngineFailure, EngineOutput, INPUT_SAMPLE_RATE, \
-    TextDelta, TurnEnd
+from duplexkit.audio import AudioFormatError, StreamDecoder, StreamResampler, UnitFramer, b64decode_audio
+from duplexkit.audio.arrival import ArrivalRateMonitor
+from duplexkit.engine.api import AppendUnit, INPUT_SAMPLE_RATE
 from duplexkit.protocol import (
     ConversationItemAdded,
     ConversationItemDone,
@@ -24,19 +27,135 @@ from duplexkit.protocol import (
     SpeechStarted,
     SpeechStopped,
 )
-from duplexkit.session.config import MIN_COMMIT_SAMPLES
+from duplexkit.session.config import COMMIT_MERGE_MS, MIN_COMMIT_SAMPLES, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
-from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.machine import Machine, PhaseEvent
 
 
-class InputPipelineMixin:
-    """The input-audio job of :class:`~duplexkit.session.Session`: client audio in, ``AppendUnit``
-    commands and VAD events out."""
+class InputPipeline:
+    """The input pipeline part of :class:`~duplexkit.session.Session`: client audio in,
+    ``AppendUnit`` commands and VAD events out.
 
-    def _make_vad(self) -> None:
-        td = self.settings.turn_detection
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+        now_ms: the clock at creation (ms).
+    """
+
+    def __init__(self, s, now_ms: float) -> None:
+        self._s = s
+        self._o = s.out
+        fmt = s.settings.input_format
+        self._decoder = StreamDecoder(fmt)
+        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(fmt.rate)
+        self._framer = UnitFramer()
+        self._pad_debt = 0  # zero padding the model heard ahead of the input (early unit closes), samples
+        self._debt_hold: list = []  # real samples held while deciding what the padding stood in for
+        self._debt_hold_n = 0
+        self._debt_hold_start = 0  # real-sample index of the first held sample
+        self._debt_onset: Optional[int] = None  # real-sample index where speech (with pre-roll) starts
+        self._unit_hold: deque = deque()  # (Unit, end real-sample index, silence) held for a barge-in fence
+        self._unit_hold_samples = 0
+        self._last_real_ms = float(now_ms)
+        self._vad = None
+        self._vad_base_samples = 0
+        self._real_samples = 0  # real 16 kHz input samples seen (the VAD timeline)
+        self._since_commit = 0  # real 16 kHz samples pushed since the last commit/clear
+        self._vad_item: Optional[str] = None
+        self._vad_item_committed = False
+        self._units_appended = 0
+        self.input_appends = 0  # accepted input_audio_buffer.append events (read-only counter)
+        self._last_unit_ms = float(now_ms)
+        self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
+        self._inflight_samples = 0
+        self._force_listen_left = 0
+        self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
+        self.make_vad()
+
+    # -- what the other parts ask -----------------------------------------------------------------
+    def started(self, now_ms: float) -> None:
+        """The session started: the input schedule and ``force_listen_count`` begin now."""
+        self._last_unit_ms = float(now_ms)
+        self.reset_force_listen()
+
+    def reset_force_listen(self) -> None:
+        """A response ended: the next ``force_listen_count`` units are forced to listen again."""
+        self._force_listen_left = self._s.settings.force_listen_count
+
+    def set_format(self, fmt) -> None:
+        """A new input format declaration: new decoder and resampler, the arrival check re-armed."""
+        self._decoder = StreamDecoder(fmt)
+        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(fmt.rate)
+
+    def units_appended(self) -> int:
+        return self._units_appended
+
+    def units_in_flight(self) -> set:
+        """Indices of the appended units still awaiting their decision."""
+        return {u for u, _ in self._inflight}
+
+    def units_ahead(self) -> int:
+        """Units appended or held that the engine has not decided yet."""
+        return len(self._inflight) + len(self._unit_hold)
+
+    def user_speaking(self) -> bool:
+        """The server VAD hears speech (an open VAD item)."""
+        return self._vad_item is not None
+
+    def input_ms(self) -> int:
+        """Real input audio so far, ms of 16 kHz audio."""
+        return self._real_samples * 1000 // INPUT_SAMPLE_RATE
+
+    def vad_looked_past(self, until: int) -> bool:
+        """The VAD has classified input up to real-sample ``until`` and has no start pending."""
+        vad = self._vad
+        return vad is None or (self._vad_base_samples + vad.position_samples >= until and not vad.start_pending)
+
+    def quiet_for(self, ms: float, now_ms: float) -> bool:
+        """No real input for ``ms`` (a client that stopped streaming)."""
+        return now_ms - self._last_real_ms >= ms
+
+    def flush_held(self, now_ms: float) -> None:
+        """Send what is held (padding account, barge-in fence) before a ``SpeakText``."""
+        self._settle_debt(now_ms, keep=True)
+        self.release_units(now_ms, force=True)
+
+    def close_held_commit(self, now_ms: float, due_only: bool = False) -> None:
+        """Send a client commit's held-back unit (``due_only``: once :data:`COMMIT_MERGE_MS` passed)."""
+        if self._close_pending_ms is None:
+            return
+        if due_only and now_ms - self._close_pending_ms < COMMIT_MERGE_MS:
+            return
+        self._close_committed(now_ms)
+
+    def tick(self, now_ms: float) -> None:
+        """Release held units; while a response is active and input runs dry, feed a silence unit
+        once a unit's deadline (1 period + ``silence_slack_ms``) has passed (core module docstring)."""
+        self.release_units(now_ms)
+        slack = self._o.cfg.silence_slack_ms
+        if self._s.resp.active() is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + slack:
+            due = self._last_unit_ms + UNIT_PERIOD_MS  # where this unit ends on the input schedule
+            self._feed_silence(now_ms)
+            # the next silence unit is due one unit period after this one's place on the schedule, not after
+            # the tick that fed it: the slack and the tick's lag are paid once per dry spell, not once per unit,
+            # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
+            # period behind (a stalled loop), the schedule restarts from now instead of bursting
+            self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
+
+    def item_audio(self, x: np.ndarray, now_ms: float) -> None:
+        """A user ``input_audio`` item's decoded audio: a whole user turn of its own, pushed and
+        closed (the turn's earlier audio is dropped from the tools' capture)."""
+        self._s.tools.drop_turn_audio()
+        self._push_real(self._resampler.process(x), now_ms)
+        self._s.tools.user_turn_ending(now_ms)
+        self._flush_input(now_ms)
+        self._since_commit = 0
+
+    def make_vad(self) -> None:
+        td = self._s.settings.turn_detection
         self._vad_base_samples = self._real_samples
-        vad_cls = self.opts.vad_classes()
+        vad_cls = self._s.opts.vad_classes()
         if td is None or vad_cls is None:
             self._vad = None
             return
@@ -56,10 +175,10 @@ class InputPipelineMixin:
         w = self._arrival.observe(frames, now_ms)
         if w is None:
             return
-        fmt = self.settings.input_format
+        fmt = self._s.settings.input_format
         guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
                  and w.likely_rate != w.declared_rate else "")
-        self._error(ProtocolError(
+        self._o.error(ProtocolError(
             ErrorCode.INPUT_RATE_MISMATCH,
             f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
             f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
@@ -67,15 +186,15 @@ class InputPipelineMixin:
             f"at least in real time; the audio is still used (this warning is sent once)",
             event_id=event_id))
 
-    def _on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
+    def on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
         # bad base64, a zero-length append or non-finite floats: one bad_audio error, no state change
-        fmt = self.settings.input_format
+        fmt = self._s.settings.input_format
         try:
             data = b64decode_audio(ev.audio, allow_empty=False, what=fmt.describe())
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
-        self._check_pending(incoming, ev.event_id)
+        self.check_pending(incoming, ev.event_id)
         try:
             x = self._decoder.decode(data, allow_empty=False)
         except AudioFormatError as e:
@@ -84,22 +203,22 @@ class InputPipelineMixin:
         self.input_appends += 1
         self._check_arrival(x.size, now_ms, ev.event_id)
         if ev.video_frames:
-            self._warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
+            self._o.warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
                        "(this warning is sent once)", "video_frames", ev.event_id)
         if ev.sample_rate_hz is not None and ev.sample_rate_hz != fmt.rate:
-            self._warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
+            self._o.warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
                        f"input rate {fmt.rate} Hz; the audio is read at {fmt.rate} Hz (declare the rate with "
                        "session.update; this warning is sent once)", "sample_rate_hz", ev.event_id)
 
-    def _check_pending(self, incoming: int, event_id: Optional[str]) -> None:
+    def check_pending(self, incoming: int, event_id: Optional[str]) -> None:
         """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
         ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
         input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
         pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
-        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
+        limit = int(self._o.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
         if pending + incoming > limit:
             raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
-                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
+                                f"more than {self._o.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
                                 "audio dropped", event_id=event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
@@ -145,17 +264,17 @@ class InputPipelineMixin:
         start_real = self._real_samples
         if x16.size:
             self._real_samples += x16.size
-            self.tools.capture_turn_audio(x16)
+            self._s.tools.capture_turn_audio(x16)
             self._last_real_ms = float(now_ms)
         for e in starts:
             onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
             if self._debt_onset is None or onset < self._debt_onset:
                 self._debt_onset = onset
             self._on_speech_started(e)
-            self._release_units(now_ms)
+            self.release_units(now_ms)
         if x16.size:
             self._since_commit += x16.size
-            if self.resp.active() is None and self._pad_debt > 0:
+            if self._s.resp.active() is None and self._pad_debt > 0:
                 if self._debt_hold_n == 0:
                     self._debt_hold_start = start_real
                 self._debt_hold.append(x16)
@@ -164,7 +283,7 @@ class InputPipelineMixin:
             else:
                 self._settle_debt(now_ms, keep=True)
                 self._frame(self._framer.push(x16), now_ms, silence=False)
-        self._release_units(now_ms)
+        self.release_units(now_ms)
         for e in stops:
             self._on_speech_stopped(e, now_ms)
 
@@ -224,8 +343,8 @@ class InputPipelineMixin:
 
     def _holding_units(self) -> bool:
         """Units complete during a response wait for the VAD to look past them (barge-in fence)."""
-        td = self.settings.turn_detection or {}
-        return self.resp.active() is not None and self._vad is not None and td.get("interrupt_response", True)
+        td = self._s.settings.turn_detection or {}
+        return self._s.resp.active() is not None and self._vad is not None and td.get("interrupt_response", True)
 
     def _frame(self, units: list, now_ms: float, silence: bool) -> None:
         """Append units in order. While a response can be interrupted by the server VAD a unit is
@@ -239,13 +358,13 @@ class InputPipelineMixin:
                 self._unit_hold_samples += u.audio.shape[0]
             else:
                 self._append_unit(u, now_ms, silence)
-        self._release_units(now_ms)
+        self.release_units(now_ms)
 
-    def _release_units(self, now_ms: float, force: bool = False) -> None:
+    def release_units(self, now_ms: float, force: bool = False) -> None:
         """Append held units: all when ``force``, no response is active, or input stalled for
         the guard time (no more audio can carry an onset); else those the VAD has looked past.
         Also settles a held server-VAD answer (:meth:`Responses.check_turn_hold`; this runs on every tick)."""
-        self.resp.check_turn_hold(now_ms)
+        self._s.resp.check_turn_hold(now_ms)
         if not self._unit_hold:
             return
         guard = self._debt_guard()
@@ -265,43 +384,45 @@ class InputPipelineMixin:
         self._last_unit_ms = float(now_ms)
         self._inflight.append((u.index, u.audio.shape[0]))
         self._inflight_samples += u.audio.shape[0]
-        self._cmd(AppendUnit(self.stream_id, self.epoch, unit_index=u.index, audio=u.audio,
-                             force_listen=False if force_speak else self._force_listen_now(), is_silence=silence,
-                             force_speak=force_speak))
+        listen = False if force_speak else self._force_listen_now()
+        if not listen:  # a unit the model may start a turn in
+            self._s.opts.note_free_unit(u.index, self.units_in_flight())
+        self._o.cmd(AppendUnit(self._o.stream_id, self._o.epoch, unit_index=u.index, audio=u.audio,
+                               force_listen=listen, is_silence=silence, force_speak=force_speak))
 
     def _force_listen_now(self) -> bool:
-        if self.tools.gate():  # the tool decider or a call's output is awaited (docs/tools.md)
+        if self._s.tools.gate():  # the tool decider or a call's output is awaited (docs/tools.md)
             return True
         if self._force_listen_left > 0:
             self._force_listen_left -= 1
             return True
-        if self.settings.answer_policy == "on_request":
-            r = self.resp.active()
+        if self._s.settings.answer_policy == "on_request":
+            r = self._s.resp.active()
             return not (r is not None and r.trigger in ("client", "server_vad"))
         return False
 
-    def _consumed(self, unit_index: int) -> None:
+    def consumed(self, unit_index: int) -> None:
         while self._inflight and self._inflight[0][0] <= unit_index:
             self._inflight_samples -= self._inflight.popleft()[1]
 
     def _feed_silence(self, now_ms: float) -> None:
         self._settle_debt(now_ms, keep=True)
         if self._unit_hold:
-            self._release_units(now_ms, force=True)
+            self.release_units(now_ms, force=True)
             return
         pending = self._framer.pending_samples
         need = self._framer.needed_samples - pending
         units = self._framer.push(np.zeros(need, np.float32))
         self._frame(units, now_ms, silence=pending == 0)
 
-    def _close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
+    def close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
         """Early unit close: the partial unit (after anything held) goes out now, zero-padded to the
         length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
         ``force_speak``: this is a requested response's forced unit, made even from zeros only.
         Returns the closed unit's index (None when nothing was pending and not forced)."""
         self._close_pending_ms = None  # a commit's held-back unit, if any, is this one
         self._settle_debt(now_ms, keep=True)
-        self._release_units(now_ms, force=True)
+        self.release_units(now_ms, force=True)
         u = self._framer.flush(allow_empty=force_speak)
         if u is None:
             return None
@@ -327,16 +448,16 @@ class InputPipelineMixin:
         if defer and self._framer.pending_samples > 0:
             self._close_pending_ms = float(now_ms)
         else:
-            self._close_unit(now_ms)
+            self.close_unit(now_ms)
         if drop_carry:
             self._decoder.reset()
 
     def _close_committed(self, now_ms: float) -> None:
         """Send a client commit's held-back unit as an ordinary (listen/decide) unit."""
         self._close_pending_ms = None
-        self._close_unit(now_ms)
+        self.close_unit(now_ms)
 
-    def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
+    def on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
         if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             raise ProtocolError(ErrorCode.INPUT_AUDIO_BUFFER_EMPTY,
                                 "less than 100 ms of audio since the last commit or clear", event_id=ev.event_id)
@@ -353,65 +474,56 @@ class InputPipelineMixin:
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
                 flush: bool = True, defer: bool = False) -> str:
-        self.tools.user_turn_ending(now_ms)
+        self._s.tools.user_turn_ending(now_ms)
         if flush:
             self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0
-        uid = item_id or self.conv.new_item_id()
+        uid = item_id or self._s.conv.new_item_id()
         it = _ConvItem(id=uid, role="user", kind="input_audio")
-        prev = self.conv.add(it)
-        self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self.conv.model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self.conv.model(it)))
-        self.tools.user_turn_ended(uid, now_ms)
+        prev = self._s.conv.add(it)
+        self._o.emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
+        self._o.emit(ConversationItemAdded(previous_item_id=prev, item=self._s.conv.model(it)))
+        self._o.emit(ConversationItemDone(previous_item_id=prev, item=self._s.conv.model(it)))
+        self._s.tools.user_turn_ended(uid, now_ms)
         return uid
 
-    def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
+    def on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
         self._framer.clear()
         self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
-        self.tools.drop_turn_audio()
-        self._emit(InputAudioBufferCleared())
-
-    def _vad_looked_past(self, until: int) -> bool:
-        """The VAD has classified input up to real-sample ``until`` and has no start pending."""
-        vad = self._vad
-        return vad is None or (self._vad_base_samples + vad.position_samples >= until and not vad.start_pending)
-
-    def _input_quiet_for(self, ms: float, now_ms: float) -> bool:
-        """No real input for ``ms`` (a client that stopped streaming)."""
-        return now_ms - self._last_real_ms >= ms
+        self._s.tools.drop_turn_audio()
+        self._o.emit(InputAudioBufferCleared())
 
     def _vad_ms(self, ms: int) -> int:
         return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
 
     def _on_speech_started(self, e) -> None:
-        self._vad_item = self.conv.new_item_id()
+        self._vad_item = self._s.conv.new_item_id()
         self._vad_item_committed = False
-        self._emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
-        td = self.settings.turn_detection or {}
-        if self.resp.active() is not None and td.get("interrupt_response", True):
-            self._fire(PhaseEvent.BARGE_IN)
-            self.resp.cancel_active("turn_detected")
+        self._o.emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
+        td = self._s.settings.turn_detection or {}
+        if self._s.resp.active() is not None and td.get("interrupt_response", True):
+            self._o.fire(PhaseEvent.BARGE_IN)
+            self._s.resp.cancel_active("turn_detected")
 
     def _on_speech_stopped(self, e, now_ms: float) -> None:
-        uid = self._vad_item or self.conv.new_item_id()
+        uid = self._vad_item or self._s.conv.new_item_id()
         committed = self._vad_item_committed
         self._vad_item = None
         self._vad_item_committed = False
-        self._emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
+        self._o.emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
         if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             return
-        td = self.settings.turn_detection or {}
-        creates = bool(td.get("create_response")) and self.resp.active() is None
+        td = self._s.settings.turn_detection or {}
+        creates = bool(td.get("create_response")) and self._s.resp.active() is None
         # early unit close (docs/concepts.md): the creating commit closes the unit as the forced
         # one; otherwise extra_body.early_unit_close decides whether the partial unit goes now
-        self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
+        self._commit(now_ms, uid, drop_carry=False, flush=self._s.settings.early_unit_close and not creates)
         if creates:
-            self.resp.create(None, "server_vad", None, now_ms)
-            r = self.resp.active()
+            self._s.resp.create(None, "server_vad", None, now_ms)
+            r = self._s.resp.active()
             if r is not None and r.trigger == "server_vad" and self._vad is not None and td.get("interrupt_response", True):
                 window = self._vad.cfg.start_confirm_ms * INPUT_SAMPLE_RATE // 1000
-                self.resp.hold_answer(self._vad_base_samples + e.decided_sample + window, now_ms)
+                self._s.resp.hold_answer(self._vad_base_samples + e.decided_sample + window, now_ms)

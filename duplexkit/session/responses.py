@@ -173,7 +173,7 @@ class Responses:
         r = self._resp
         self._o.emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
         self._resp = None
-        self._s._reset_force_listen()
+        self._s.input.reset_force_listen()
 
     # latency trace (debug option: the ``duplexkit.latency`` logger at DEBUG)
     def trace_output(self, r: _Response, out: EngineOutput, now_ms: float) -> None:
@@ -240,11 +240,11 @@ class Responses:
         self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=None)
         self._o.emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
         if trace_log.isEnabledFor(logging.DEBUG):
-            self._resp.trace = {"request_ms": float(now_ms), "units_ahead": self._s._units_ahead()}
+            self._resp.trace = {"request_ms": float(now_ms), "units_ahead": self._s.input.units_ahead()}
         tools, choice = self._s.tools.for_response(params, event_id)
         if self._s.tools.plan_response(trigger, tools, choice, now_ms):
             return  # the tool decider answers first (docs/tools.md); the forced unit waits for it
-        self._resp.forced_unit = self._s._close_unit(now_ms, force_speak=True)
+        self._resp.forced_unit = self._s.input.close_unit(now_ms, force_speak=True)
 
     def _new_response(self, trigger, mods, metadata, cap, forced_unit) -> _Response:
         stream_audio = "audio" in self._s.settings.output_modalities
@@ -443,7 +443,7 @@ class Responses:
             if "engine" in r.trace or r.forced_unit is None or status == "cancelled":
                 self._trace_emit(r)
         self._resp = None
-        self._s._reset_force_listen()
+        self._s.input.reset_force_listen()
         self._s.tools.response_finished(r, self._o.now_ms)
 
     # -- turn confirmation: a server-VAD answer is heard only once the turn surely ended ----------
@@ -478,8 +478,8 @@ class Responses:
             self._turn_hold = None
             self._dispatch_held(h.queued)
             return
-        looked = self._s._vad_looked_past(h.until)
-        stalled = self._s._input_quiet_for(TURN_HOLD_STALL_MS, now_ms)
+        looked = self._s.input.vad_looked_past(h.until)
+        stalled = self._s.input.quiet_for(TURN_HOLD_STALL_MS, now_ms)
         if not (looked or stalled):
             return
         self._turn_hold = None

@@ -202,9 +202,9 @@ class Settings:
         old = self.current
         self.current = new
         if new.input_format != old.input_format:
-            self._s._set_input_format(new.input_format)
+            self._s.input.set_format(new.input_format)
         if new.turn_detection != old.turn_detection:
-            self._s._make_vad()
+            self._s.input.make_vad()
         if first and not self._s.started:
             self._s.start(now_ms)
             for w in warnings:
@@ -222,7 +222,7 @@ class Settings:
         the tool gate, ``force_listen_count``), so none of them can start a turn ahead of it."""
         if self._o.phase is not Phase.IDLE or self._s.active_response_id is not None:
             return False
-        waiting = self._s._units_in_flight()
+        waiting = self._s.input.units_in_flight()
         self._free_units &= waiting
         return not self._free_units
 
@@ -245,11 +245,11 @@ class Settings:
         key = _prefix_key(want)
         self._prefix_pending = False
         if have is not None and key != self._engine_prefix:
-            if self._s._units_appended > 0 and not self._at_turn_boundary():
+            if self._s.input.units_appended() > 0 and not self._at_turn_boundary():
                 self._prefix_pending = True
                 want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
             else:
-                if self._s._units_appended > 0:
+                if self._s.input.units_appended() > 0:
                     history = self._history_text()
                     if history:
                         want = want.replace(instructions="\n\n".join(x for x in (want.instructions, history) if x))
@@ -308,7 +308,7 @@ class Settings:
         if "instructions" in given and p.instructions != s.instructions:
             # after the first unit the duplex model gets them at the next turn boundary (_sync_stream)
             s.instructions = p.instructions
-            if self._s._units_appended > 0:
+            if self._s.input.units_appended() > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
             s.input_format = self._parse_input_format(p, err)

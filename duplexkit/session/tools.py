@@ -431,7 +431,7 @@ class Tools:
             return True
         if self._s.resp.active() is not None:
             return False
-        if self._s._vad_item is not None and self._tools_active():
+        if self._s.input.user_speaking() and self._tools_active():
             return True
         return bool(self._waiting_calls())
 
@@ -462,7 +462,7 @@ class Tools:
         waited ``after_ms`` for its output since it was issued or since the last progress line, and
         nothing else is speaking or being decided."""
         tp = self._s.settings.tool_progress
-        if tp is None or self._s.resp.active() is not None or self._decision is not None or self._s._vad_item is not None:
+        if tp is None or self._s.resp.active() is not None or self._decision is not None or self._s.input.user_speaking():
             return
         waiting = self._waiting_calls()
         if not waiting:
@@ -476,7 +476,7 @@ class Tools:
         """Open the gate; a response waiting for the decision gets its forced unit now."""
         r = self._s.resp.active()
         if d.response_id is not None and r is not None and r.id == d.response_id and r.forced_unit is None:
-            self._s.resp.set_forced_unit(self._s._close_unit(now_ms, force_speak=True))
+            self._s.resp.set_forced_unit(self._s.input.close_unit(now_ms, force_speak=True))
 
     # -- decider and recogniser outputs ---------------------------------------------------------
     def on_tool_decision(self, out: ToolDecision, now_ms: float) -> None:
@@ -646,10 +646,9 @@ class Tools:
         order, so otherwise a held unit would say the text and end its turn, and the forced unit
         after it would open a turn of the model's own while the call still waits (seen with Pipecat
         and the OpenAI SDK appending a whole utterance at once)."""
-        self._s._settle_debt(now_ms, keep=True)
-        self._s._release_units(now_ms, force=True)
+        self._s.input.flush_held(now_ms)
         self._o.cmd(SpeakText(self._o.stream_id, self._o.epoch, text=text))
-        self._s.resp.set_forced_unit(self._s._close_unit(now_ms, force_speak=True))
+        self._s.resp.set_forced_unit(self._s.input.close_unit(now_ms, force_speak=True))
 
     def on_transcription(self, out: Transcription) -> None:
         seconds = self._transcribing.pop(out.item_id, None)

@@ -206,7 +206,7 @@ def test_input_clear_keeps_epoch_and_response():
     d.speak(end=False)
     new = d.send({"type": "input_audio_buffer.clear"})
     assert d.types(new) == ["input_audio_buffer.cleared"] and d.s.epoch == 0 and d.s.active_response_id
-    assert d.s._framer.pending_samples == 0
+    assert d.s.input._framer.pending_samples == 0
 
 
 def test_output_audio_buffer_clear():
@@ -370,7 +370,7 @@ def test_server_vad_barge_in():
     d = _speaking_driver()
     rid = d.s.active_response_id
     x = fixture_audio("interrupt_16k.wav")
-    pos_ms = d.s._real_samples * 1000 // 16000
+    pos_ms = d.s.input._real_samples * 1000 // 16000
     new = d.append(x)
     st = d.of("input_audio_buffer.speech_started", new)[0]
     done = d.of("response.done", new)[0]

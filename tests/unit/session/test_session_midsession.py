@@ -30,7 +30,7 @@ def _updates(new) -> list[UpdateStream]:
 def _decide_listen(d: Driver) -> list:
     """The engine decides ``listen`` for every appended unit not yet decided."""
     new = []
-    for u in [u for u, _ in list(d.s._inflight)]:  # noqa: SLF001 (the units the engine owes a decision)
+    for u in [u for u, _ in list(d.s.input._inflight)]:  # noqa: SLF001 (the units the engine owes a decision)
         new += d.engine(Decision(d.sid, d.s.epoch, u, decision="listen"))
     return new
 
@@ -119,7 +119,7 @@ def test_instructions_wait_for_decisions_in_flight():
     d = Driver()
     d.send({"type": "session.update", "session": {"turn_detection": None}})
     d.append(_speech(1.1))
-    assert d.s._inflight  # noqa: SLF001: unit 0 awaits its decision
+    assert d.s.input._inflight  # noqa: SLF001: unit 0 awaits its decision
     new = d.send({"type": "session.update", "session": {"instructions": "B"}})
     assert not _updates(new)
     got = _decide_listen(d)
@@ -134,7 +134,7 @@ def test_units_forced_to_listen_do_not_hold_instructions_back():
     d.send({"type": "session.update", "session": {"turn_detection": None, "input_audio_format": "pcm16",
                                                   "sample_rate_hz": 16000}})
     d.append(_speech(1.1))
-    assert d.s._inflight and all(c.force_listen for c in d.cmds if isinstance(c, AppendUnit))  # noqa: SLF001
+    assert d.s.input._inflight and all(c.force_listen for c in d.cmds if isinstance(c, AppendUnit))  # noqa: SLF001
     (up,) = _updates(d.send({"type": "session.update", "session": {"instructions": "B"}}))
     assert up.config.instructions == "B"
 
@@ -181,7 +181,7 @@ def test_compat_profile_sends_no_session_warning_but_applies():
     d = Driver(SessionConfig(profile="compat"))
     d.send({"type": "session.update", "session": {"input_audio_format": "pcm16", "sample_rate_hz": 16000}})
     d.append(_speech(1.1))
-    assert d.s._units_appended > 0  # noqa: SLF001: after the first unit
+    assert d.s.input._units_appended > 0  # noqa: SLF001: after the first unit
     new = d.send({"type": "session.update", "session": {"instructions": "B",
                                                         "audio": {"input": {"noise_reduction": {"type": "near_field"}}}}})
     assert d.types(new) == ["session.updated"] and new[0]["session"]["instructions"] == "B"
