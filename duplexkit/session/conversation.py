@@ -107,7 +107,7 @@ class Conversation:
         return item_id in self._used_ids
 
     def new_item_id(self) -> str:
-        iid = self._s.ids.item()
+        iid = self._o.ids.item()
         self._used_ids.add(iid)
         return iid
 

@@ -7,19 +7,32 @@ JSON-ready server event dicts, engine commands (``OpenStream``, ``AppendUnit``, 
 ``CancelEpoch``, ``UpdateStream``, ``CloseStream``) and, last, a :class:`CloseConnection` when the
 socket must close. No sockets, asyncio, threads or torch (docs/architecture.md, "The sans-I/O Session").
 
+Parts
+-----
+Like h11's ``Connection``, the Session only composes and dispatches. The work is done by owned
+parts, each declaring its state in its own module and talking to the others through narrow
+methods (never reading another part's attributes):
+
+* :class:`~duplexkit.session.outbox.Outbox` (``out``): the ordered output queue, the phase machine,
+  the epoch and the clock, shared by every part;
+* :class:`~duplexkit.session.settings.Settings` (``opts``): ``session.update`` and the engine
+  stream's configuration (``Session.settings`` is its current value);
+* :class:`~duplexkit.session.pipeline.InputPipeline` (``input``): client audio to units, the VAD,
+  the barge-in fence, the padding debt, commit/clear;
+* :class:`~duplexkit.session.conversation.Conversation` (``conv``): items and playback truth;
+* :class:`~duplexkit.session.responses.Responses` (``resp``): the active response, its envelope and
+  deltas, the turn confirmation hold, the latency trace;
+* :class:`~duplexkit.session.tools.Tools` (``tools``): the tool decider, calls, transcripts.
+
 State machine
 -------------
 The phase (``new``, ``idle``, ``requested``, ``speaking``, ``closed``) is owned by
 :mod:`duplexkit.session.machine`: one table, :data:`~duplexkit.session.machine.TRANSITIONS`
 (h11 ``_state.py`` style), and :meth:`PhaseMachine.fire`, the only code that assigns a phase. An
 illegal pair raises a :class:`~duplexkit.protocol.TransitionError` naming phase and event, which
-becomes one ``error`` event (``response_already_active``, ``response_not_active``).
-
-The Session class is put together from one mixin per job, each in its own module: settings
-(``settings``: ``session.update`` validation, formats, turn detection), the input pipeline
-(``pipeline``), responses (``responses``: the envelope, deltas, epochs, the latency trace), the
-conversation and playback truth (``conversation``), wire objects (``wire``) and the reference voice
-(``voice``). This module holds the public API, the output queue and the dispatch.
+becomes one ``error`` event (``response_already_active``, ``response_not_active``). What is emitted
+follows the move taken (:data:`~duplexkit.session.machine.MOVE_EMITS`); a mismatch is an internal
+:class:`~duplexkit.session.machine.EmissionError`.
 
 Epochs (docs/protocol.md §3) advance on every accepted cancel, barge-in, token cap and engine failure
 of an active response, each paired with a ``CancelEpoch`` command; engine outputs of an older epoch
@@ -35,42 +48,29 @@ passed, so an answer never stalls: the first silence unit of a dry spell comes 1
 the last unit, every later one 1 period after the one before (the slack is not paid again).
 """
 
-
 from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict, deque
 from typing import Any, Optional, Union
 
-from duplexkit.audio import InputFormat, StreamDecoder, StreamResampler, UnitFramer
-from duplexkit.audio.arrival import ArrivalRateMonitor
 from duplexkit.engine.api import (
-    AppendUnit,
-    AudioChunk,
-    ToolDecision,
-    Transcription,
     CloseStream,
     Decision,
-    EngineCommand,
     EngineFailure,
     EngineOutput,
-    INPUT_SAMPLE_RATE,
     OpenStream,
-    StreamConfig,
-    TextDelta,
-    TurnEnd,
+    ToolDecision,
+    Transcription,
     UnitTimings,
 )
+from duplexkit.errors import BINARY_FRAME
 from duplexkit.protocol import (
     ConversationItemCreateEvent,
     ConversationItemDeleteEvent,
     ConversationItemRetrieveEvent,
     ConversationItemTruncateEvent,
     ErrorCode,
-    ErrorEvent,
-    ErrorInfo,
-    IdFactory,
     InputAudioBufferAppendEvent,
     InputAudioBufferClearEvent,
     InputAudioBufferCommitEvent,
@@ -79,7 +79,6 @@ from duplexkit.protocol import (
     ProtocolError,
     ResponseCancelEvent,
     ResponseCreateEvent,
-    ServerEvent,
     SessionCloseEvent,
     SessionClosed,
     SessionCreated,
@@ -90,18 +89,14 @@ from duplexkit.protocol import (
     new_session_id,
     parse_client_event,
 )
-from duplexkit.errors import BINARY_FRAME
-from duplexkit.session.config import COMMIT_MERGE_MS, CloseConnection, SessionConfig, UNIT_PERIOD_MS
-from duplexkit.session.conversation import _ConvItem
-from duplexkit.session.responses import _Response, reason_to_cancel
+from duplexkit.session.config import SessionConfig
 from duplexkit.session.conversation import Conversation
+from duplexkit.session.machine import Phase, PhaseEvent
 from duplexkit.session.outbox import Outbox
-from duplexkit.session.machine import Phase, PhaseEvent, PhaseMachine
 from duplexkit.session.pipeline import InputPipeline
-from duplexkit.session.responses import Responses
+from duplexkit.session.responses import Responses, reason_to_cancel
 from duplexkit.session.settings import Settings
 from duplexkit.session.tools import Tools
-from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
@@ -132,6 +127,7 @@ class Session:
         self.tools = Tools(self)
         self.input = InputPipeline(self, now_ms)
 
+    # -- state (read-only) ------------------------------------------------------------------------
     @property
     def settings(self):
         """The current settings (``session.update`` applied; read-only for callers)."""
@@ -147,15 +143,20 @@ class Session:
     @property
     def phase(self) -> Phase:
         """The machine's phase (:mod:`duplexkit.session.machine`; read-only)."""
-        return self._machine.phase
+        return self.out.phase
 
     @property
     def closed(self) -> bool:
-        return self._machine.phase is Phase.CLOSED
+        return self.out.phase is Phase.CLOSED
 
     @property
     def started(self) -> bool:
-        return self._machine.phase is not Phase.NEW
+        return self.out.phase is not Phase.NEW
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (docs/protocol.md §3)."""
+        return self.out.epoch
 
     @property
     def input_audio_ms(self) -> int:
@@ -163,10 +164,33 @@ class Session:
         return self.input.input_ms()
 
     @property
+    def input_appends(self) -> int:
+        """Accepted ``input_audio_buffer.append`` events (read-only counter)."""
+        return self.input.input_appends
+
+    @property
     def active_response_id(self) -> Optional[str]:
         r = self.resp.active()
         return r.id if r is not None else None
 
+    def item_playback(self, item_id: str) -> tuple[int, int, bool]:
+        """``(sent_ms, committed_ms, final)`` of an assistant item. KeyError if unknown."""
+        return self.conv.item_playback(item_id)
+
+    def history(self) -> list[dict]:
+        """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
+        return self.conv.history()
+
+    # read-only views of the pipeline kept for tests and benchmarks that inspect it
+    _framer = property(lambda self: self.input._framer)
+    _decoder = property(lambda self: self.input._decoder)
+    _since_commit = property(lambda self: self.input._since_commit)
+    _units_appended = property(lambda self: self.input._units_appended)
+
+    def _session_object(self):
+        return self.opts.session_object()
+
+    # -- inputs -----------------------------------------------------------------------------------
     def drain(self) -> list:
         """Take every pending output in order: server event dicts (with ``type``, ``event_id``,
         ``server_event_seq``), :class:`EngineCommand` objects, and finally a :class:`CloseConnection`."""
@@ -174,12 +198,12 @@ class Session:
 
     def start(self, now_ms: float = 0) -> None:
         """Emit ``session.created`` and the ``OpenStream`` command (idempotent)."""
-        if self._machine.fire(PhaseEvent.START) is None:
+        if self.out.fire(PhaseEvent.START) is None:
             return
         self._last_client_ms = float(now_ms)
         self.input.started(now_ms)
-        self._emit(SessionCreated(session=self._session_object()))
-        self._cmd(OpenStream(self.stream_id, self.epoch, config=self.opts.open_stream()))
+        self.out.emit(SessionCreated(session=self.opts.session_object()))
+        self.out.cmd(OpenStream(self.stream_id, self.epoch, config=self.opts.open_stream()))
 
     def close(self, reason: str = "shutdown", code: int = 1001, now_ms: float = 0) -> None:
         """Close from the server side (shutdown: ``session.closed{reason}`` then close ``code``)."""
@@ -187,16 +211,15 @@ class Session:
             return
         if not self.started:
             self.start(now_ms)
-        self._machine.begin_step()
+        self.out.machine.begin_step()
         self._close(reason, code)
 
     def receive_client_event(self, raw: Union[str, bytes, bytearray, dict], now_ms: float = 0) -> None:
         """Apply one client event (a text frame, its bytes, or a decoded dict). Never raises."""
         if self.closed:
             return
-        self._machine.begin_step()
-        self._last_client_ms = float(now_ms)
-        self._now_ms = float(now_ms)
+        self.out.machine.begin_step()
+        self._last_client_ms = self.out.now_ms = float(now_ms)
         event_id = raw.get("event_id") if isinstance(raw, dict) and isinstance(raw.get("event_id"), str) else None
         first_update = not self.started and (
             isinstance(raw, dict) and raw.get("type") == "session.update"
@@ -218,17 +241,18 @@ class Session:
                 # a rejected first session.update (autostart=0): the error (echoing its event_id)
                 # comes BEFORE session.created, so a client's connect() can fail on it; the
                 # session then starts with the defaults (docs/protocol.md §5.1)
-                self._error(pe)
+                self.out.error(pe)
                 self.start(now_ms)
                 return
             if not self.started:
                 self.start(now_ms)
-            self._error(pe)
+            self.out.error(pe)
         except Exception as exc:  # a bug must not kill the connection (docs/protocol.md §9)
             log.exception("session %s: internal error on a client event", self.session_id)
             if not self.started:
                 self.start(now_ms)
-            self._error(ProtocolError(ErrorCode.SERVER_ERROR, f"internal error: {type(exc).__name__}", event_id=event_id))
+            self.out.error(ProtocolError(ErrorCode.SERVER_ERROR, f"internal error: {type(exc).__name__}",
+                                         event_id=event_id))
 
     def receive_binary_frame(self, now_ms: float = 0) -> None:
         """A binary WebSocket frame: answered with ``error{bad_event}`` and otherwise ignored
@@ -240,14 +264,14 @@ class Session:
             self.start(now_ms)
         pe = ProtocolError(ErrorCode.BAD_EVENT, "binary frames are not supported: send each event as a JSON text frame")
         pe.event_type = BINARY_FRAME
-        self._error(pe)
+        self.out.error(pe)
 
     def receive_engine_output(self, out: EngineOutput, now_ms: float = 0) -> None:
         """Apply one engine output. Outputs of other streams or older epochs are dropped."""
         if self.closed or not self.started or out.stream_id != self.stream_id:
             return
-        self._machine.begin_step()
-        self._now_ms = float(now_ms)
+        self.out.machine.begin_step()
+        self.out.now_ms = float(now_ms)
         if isinstance(out, ToolDecision):  # matched by request id, not by epoch
             self.tools.on_tool_decision(out, now_ms)
             return
@@ -266,11 +290,12 @@ class Session:
             self.opts.sync_stream()
 
     def tick(self, now_ms: float) -> None:
-        """Advance the clock: idle timeout, and silence feeding while a response is active."""
+        """Advance the clock: idle timeout, a held commit's unit, the tool clocks, and silence
+        feeding while a response is active."""
         if self.closed or not self.started:
             return
-        self._machine.begin_step()
-        self._now_ms = float(now_ms)
+        self.out.machine.begin_step()
+        self.out.now_ms = float(now_ms)
         if now_ms - self._last_client_ms >= self.cfg.limits.idle_timeout_s * 1000:
             self._close("timeout", 1000)
             return
@@ -280,80 +305,20 @@ class Session:
         if self.opts.prefix_pending():
             self.opts.sync_stream()
 
-    @property
-    def input_appends(self) -> int:
-        """Accepted ``input_audio_buffer.append`` events (read-only counter)."""
-        return self.input.input_appends
-
-    # read-only views of the pipeline kept for tests and benchmarks that inspect it
-    _framer = property(lambda self: self.input._framer)
-    _decoder = property(lambda self: self.input._decoder)
-    _since_commit = property(lambda self: self.input._since_commit)
-    _units_appended = property(lambda self: self.input._units_appended)
-
-    @property
-    def epoch(self) -> int:
-        return self.out.epoch
-
-    @property
-    def _machine(self):
-        return self.out.machine
-
-    @property
-    def _ids(self):
-        return self.out.ids
-
-    @property
-    def _now_ms(self) -> float:
-        return self.out.now_ms
-
-    @_now_ms.setter
-    def _now_ms(self, v: float) -> None:
-        self.out.now_ms = v
-
-    def item_playback(self, item_id: str) -> tuple[int, int, bool]:
-        """``(sent_ms, committed_ms, final)`` of an assistant item. KeyError if unknown."""
-        return self.conv.item_playback(item_id)
-
-    def history(self) -> list[dict]:
-        """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
-        return self.conv.history()
-
-    def _session_object(self):
-        return session_object(self.settings, self.session_id, self.cfg, self.epoch, self._duplex)
-
-    def _emit(self, ev: ServerEvent) -> None:
-        self.out.emit(ev)
-
-    def _warn(self, *a, **k) -> None:
-        self.out.warn(*a, **k)
-
-    def _cmd(self, cmd: EngineCommand) -> None:
-        self.out.cmd(cmd)
-
-    def _error(self, pe: ProtocolError) -> None:
-        self.out.error(pe)
-
-    @property
-    def _duplex(self) -> bool:
-        return self.cfg.profile == "duplex"
-
-    def _fire(self, ev: PhaseEvent, event_id: Optional[str] = None) -> Optional[Phase]:
-        """Move the phase (:meth:`PhaseMachine.fire`; raises TransitionError where the table says)."""
-        return self.out.fire(ev, event_id)
-
+    # -- dispatch ---------------------------------------------------------------------------------
     def _dispatch(self, ev: Any, now_ms: float) -> None:
         if not isinstance(ev, _KEEPS_COMMIT_OPEN):
             self.input.close_held_commit(now_ms)
-        handler = self._HANDLERS[type(ev)]
-        handler(self, ev, now_ms)
+        part, method = _HANDLERS[type(ev)]
+        getattr(getattr(self, part) if part else self, method)(ev, now_ms)
         if isinstance(ev, ResponseCreateEvent) and ev.response is not None:
             for name in ev.response.ignored:  # accepted, not honoured (docs/protocol.md §4)
-                self._warn("field_ignored", f"response.{name} is accepted but not honoured: "
-                           + _IGNORED_RESPONSE_FIELDS.get(name, "this server has no such behaviour"), "response." + name)
+                self.out.warn("field_ignored", f"response.{name} is accepted but not honoured: "
+                              + _IGNORED_RESPONSE_FIELDS.get(name, "this server has no such behaviour"),
+                              "response." + name)
 
     def _on_heartbeat(self, ev: SessionHeartbeatEvent, now_ms: float) -> None:
-        self._emit(SessionHeartbeatAck(session_id=self.session_id))
+        self.out.emit(SessionHeartbeatAck(session_id=self.session_id))
 
     def _on_event_ack(self, ev: SessionEventAckEvent, now_ms: float) -> None:
         return
@@ -362,14 +327,32 @@ class Session:
         self._close(ev.reason or "client_close", 1000)
 
     def _close(self, reason: str, code: int) -> None:
-        self._fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
+        self.out.fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
         if self.resp.active() is not None:
             self.resp.cancel_active("client_cancelled" if reason == "client_close" else reason_to_cancel(reason))
-        self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason))
-        self._cmd(CloseStream(self.stream_id, self.epoch))
+        self.out.emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason))
+        self.out.cmd(CloseStream(self.stream_id, self.epoch))
         self.out.close_connection(code, reason)
 
-    _HANDLERS: dict = {}
+
+#: client event type -> (part attribute of the Session, or "" for the Session itself; method name).
+_HANDLERS: dict = {
+    SessionUpdateEvent: ("opts", "on_session_update"),
+    InputAudioBufferAppendEvent: ("input", "on_append"),
+    InputAudioBufferCommitEvent: ("input", "on_commit"),
+    InputAudioBufferClearEvent: ("input", "on_clear"),
+    ResponseCreateEvent: ("resp", "on_response_create"),
+    ResponseCancelEvent: ("resp", "on_response_cancel"),
+    OutputAudioBufferClearEvent: ("resp", "on_output_clear"),
+    ConversationItemCreateEvent: ("conv", "on_item_create"),
+    ConversationItemRetrieveEvent: ("conv", "on_item_retrieve"),
+    ConversationItemDeleteEvent: ("conv", "on_item_delete"),
+    ConversationItemTruncateEvent: ("conv", "on_item_truncate"),
+    PlaybackAckEvent: ("conv", "on_playback_ack"),
+    SessionHeartbeatEvent: ("", "_on_heartbeat"),
+    SessionCloseEvent: ("", "_on_close"),
+    SessionEventAckEvent: ("", "_on_event_ack"),
+}
 
 
 #: ``response.create`` fields that are accepted but not honoured, and why (the ``session.warning``).
@@ -396,21 +379,3 @@ def _looks_like_session_update(raw: Union[str, bytes, bytearray]) -> bool:
 _KEEPS_COMMIT_OPEN = (ResponseCreateEvent, SessionHeartbeatEvent, SessionEventAckEvent, PlaybackAckEvent,
                       ConversationItemRetrieveEvent)
 """Client events that do not close a commit's held-back unit (:data:`COMMIT_MERGE_MS`)."""
-
-Session._HANDLERS = {
-    SessionUpdateEvent: lambda s, ev, now: s.opts.on_session_update(ev, now),
-    InputAudioBufferAppendEvent: lambda s, ev, now: s.input.on_append(ev, now),
-    InputAudioBufferCommitEvent: lambda s, ev, now: s.input.on_commit(ev, now),
-    InputAudioBufferClearEvent: lambda s, ev, now: s.input.on_clear(ev, now),
-    ResponseCreateEvent: lambda s, ev, now: s.resp.on_response_create(ev, now),
-    ResponseCancelEvent: lambda s, ev, now: s.resp.on_response_cancel(ev, now),
-    ConversationItemCreateEvent: lambda s, ev, now: s.conv.on_item_create(ev, now),
-    ConversationItemRetrieveEvent: lambda s, ev, now: s.conv.on_item_retrieve(ev, now),
-    ConversationItemDeleteEvent: lambda s, ev, now: s.conv.on_item_delete(ev, now),
-    ConversationItemTruncateEvent: lambda s, ev, now: s.conv.on_item_truncate(ev, now),
-    PlaybackAckEvent: lambda s, ev, now: s.conv.on_playback_ack(ev, now),
-    SessionHeartbeatEvent: Session._on_heartbeat,
-    SessionCloseEvent: Session._on_close,
-    SessionEventAckEvent: Session._on_event_ack,
-    OutputAudioBufferClearEvent: lambda s, ev, now: s.resp.on_output_clear(ev, now),
-}
