@@ -118,7 +118,6 @@ class Session:
         self.session_id = session_id or new_session_id()
         self.stream_id = self.session_id
         self.out = Outbox(self.cfg, self.session_id, now_ms)
-        self.ids = self.out.ids
         self._last_client_ms = float(now_ms)
         self.timings: dict = {}  # the latest UnitTimings of the current epoch (read-only)
         self.opts = Settings(self)

@@ -29,7 +29,56 @@ from duplexkit.protocol import (
 )
 from duplexkit.session.config import COMMIT_MERGE_MS, MIN_COMMIT_SAMPLES, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
+from duplexkit.session.holds import PadDebt, UnitHold
 from duplexkit.session.machine import Machine, PhaseEvent
+
+
+class VadItem(str, Enum):
+    """The item of the speech the server VAD hears: ``none``; ``open`` (speech_started gave it an
+    id); ``committed`` (a client commit took the open item while the user still speaks, so its
+    speech_stopped commits nothing more)."""
+
+    NONE = "none"
+    OPEN = "open"
+    COMMITTED = "committed"
+
+
+class VadItemEvent(str, Enum):
+    STARTED = "started"
+    COMMIT = "commit"
+    STOPPED = "stopped"
+    RESET = "reset"  # a new VAD (turn_detection changed)
+
+
+VAD_ITEM_TABLE = {
+    VadItem.NONE: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.STOPPED: VadItem.NONE,
+                   VadItemEvent.RESET: VadItem.NONE},
+    VadItem.OPEN: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.COMMIT: VadItem.COMMITTED,
+                   VadItemEvent.STOPPED: VadItem.NONE, VadItemEvent.RESET: VadItem.NONE},
+    VadItem.COMMITTED: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.STOPPED: VadItem.NONE,
+                        VadItemEvent.RESET: VadItem.NONE},
+}
+"""The VAD item's machine: state -> event -> next state (a missing pair is an internal error)."""
+
+
+class HeldCommit(str, Enum):
+    """A client commit's early-closed unit: ``none``, or ``held`` back for
+    :data:`~duplexkit.session.config.COMMIT_MERGE_MS` in case ``response.create`` follows."""
+
+    NONE = "none"
+    HELD = "held"
+
+
+class HeldCommitEvent(str, Enum):
+    DEFER = "defer"  # a client commit held its unit back
+    CLOSE = "close"  # the unit went out (as a listen unit, or as a response's forced unit)
+
+
+HELD_COMMIT_TABLE = {
+    HeldCommit.NONE: {HeldCommitEvent.DEFER: HeldCommit.HELD},
+    HeldCommit.HELD: {HeldCommitEvent.DEFER: HeldCommit.HELD, HeldCommitEvent.CLOSE: HeldCommit.NONE},
+}
+"""The held commit's machine: state -> event -> next state."""
 
 
 class InputPipeline:
@@ -49,27 +98,23 @@ class InputPipeline:
         self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
         self._arrival = ArrivalRateMonitor(fmt.rate)
         self._framer = UnitFramer()
-        self._pad_debt = 0  # zero padding the model heard ahead of the input (early unit closes), samples
-        self._debt_hold: list = []  # real samples held while deciding what the padding stood in for
-        self._debt_hold_n = 0
-        self._debt_hold_start = 0  # real-sample index of the first held sample
-        self._debt_onset: Optional[int] = None  # real-sample index where speech (with pre-roll) starts
-        self._unit_hold: deque = deque()  # (Unit, end real-sample index, silence) held for a barge-in fence
-        self._unit_hold_samples = 0
+        self.debt = PadDebt()  # the padding account of early unit closes (its own machine)
+        self._unit_hold = UnitHold()  # units held for the barge-in fence (its own machine)
         self._last_real_ms = float(now_ms)
         self._vad = None
         self._vad_base_samples = 0
         self._real_samples = 0  # real 16 kHz input samples seen (the VAD timeline)
         self._since_commit = 0  # real 16 kHz samples pushed since the last commit/clear
-        self._vad_item: Optional[str] = None
-        self._vad_item_committed = False
+        self._vad_item: Optional[str] = None  # the item id of the speech the VAD hears
+        self._vad_state = Machine("VAD item", VAD_ITEM_TABLE, VadItem.NONE)
         self._units_appended = 0
         self.input_appends = 0  # accepted input_audio_buffer.append events (read-only counter)
         self._last_unit_ms = float(now_ms)
         self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
         self._inflight_samples = 0
         self._force_listen_left = 0
-        self._close_pending_ms: Optional[float] = None  # a client commit's early close, not yet sent
+        self._close_pending_ms: Optional[float] = None  # when a client commit's early close was held back
+        self._held_commit = Machine("held commit", HELD_COMMIT_TABLE, HeldCommit.NONE)
         self.make_vad()
 
     # -- what the other parts ask -----------------------------------------------------------------
@@ -123,7 +168,7 @@ class InputPipeline:
 
     def close_held_commit(self, now_ms: float, due_only: bool = False) -> None:
         """Send a client commit's held-back unit (``due_only``: once :data:`COMMIT_MERGE_MS` passed)."""
-        if self._close_pending_ms is None:
+        if self._held_commit.state is HeldCommit.NONE:
             return
         if due_only and now_ms - self._close_pending_ms < COMMIT_MERGE_MS:
             return
@@ -162,6 +207,7 @@ class InputPipeline:
         StreamingVAD, VadConfig = vad_cls
         self._vad = StreamingVAD(VadConfig(threshold=td["threshold"], prefix_padding_ms=td["prefix_padding_ms"],
                                            silence_duration_ms=td["silence_duration_ms"]))
+        self._vad_state.fire(VadItemEvent.RESET)
         self._vad_item = None
 
     def _check_arrival(self, frames: int, now_ms: float, event_id: Optional[str]) -> None:
@@ -214,7 +260,7 @@ class InputPipeline:
         """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
         ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
         input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
-        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
+        pending = self._framer.pending_samples + self._inflight_samples + self.debt.held_samples() + self._unit_hold.samples()
         limit = int(self._o.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
         if pending + incoming > limit:
             raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
@@ -268,17 +314,13 @@ class InputPipeline:
             self._last_real_ms = float(now_ms)
         for e in starts:
             onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
-            if self._debt_onset is None or onset < self._debt_onset:
-                self._debt_onset = onset
+            self.debt.note_onset(onset)
             self._on_speech_started(e)
             self.release_units(now_ms)
         if x16.size:
             self._since_commit += x16.size
-            if self._s.resp.active() is None and self._pad_debt > 0:
-                if self._debt_hold_n == 0:
-                    self._debt_hold_start = start_real
-                self._debt_hold.append(x16)
-                self._debt_hold_n += x16.size
+            if self._s.resp.active() is None and self.debt.owed() > 0:
+                self.debt.hold(x16, start_real)
                 self._settle_debt(now_ms)
             else:
                 self._settle_debt(now_ms, keep=True)
@@ -296,49 +338,12 @@ class InputPipeline:
             return (c.preroll_ms + c.start_confirm_ms + 2 * c.frame_ms) * INPUT_SAMPLE_RATE // 1000
         return (300 + 10) * INPUT_SAMPLE_RATE // 1000
 
-    def _energy_onset(self, held: np.ndarray) -> Optional[int]:
-        """Without a VAD: first 10 ms block of ``held`` at or above -50 dBFS RMS (the VAD's floor at
-        threshold 0.5), minus a 300 ms pre-roll, as a real-sample index; None when all is quieter."""
-        blk = INPUT_SAMPLE_RATE // 100
-        nb = held.size // blk
-        if nb == 0:
-            return None
-        e = np.sqrt(np.mean(np.square(held[: nb * blk].reshape(nb, blk), dtype=np.float64), axis=1))
-        hits = np.nonzero(e >= 10.0 ** (-50.0 / 20.0))[0]
-        if hits.size == 0:
-            return None
-        return self._debt_hold_start + int(hits[0]) * blk - 300 * INPUT_SAMPLE_RATE // 1000
-
     def _settle_debt(self, now_ms: float, keep: bool = False) -> None:
-        """Decide what the held samples after an early unit close become (docs/concepts.md
-        "Early unit close"): the first ``_pad_debt`` of them are dropped (the model already heard
-        zeros in their place) unless speech starts earlier, in which case only the samples before
-        the speech's pre-roll are dropped and the rest of the debt is forgiven. ``keep``: a
-        response is active, so nothing is dropped (the debt stays owed) and the hold is framed."""
-        if self._debt_hold_n == 0:
-            if keep:
-                self._debt_onset = None
-            return
-        held = np.concatenate(self._debt_hold) if len(self._debt_hold) > 1 else self._debt_hold[0]
-        h0 = self._debt_hold_start
-        drop = 0
-        if not keep:
-            onset = self._debt_onset
-            if self._vad is None:
-                onset = self._energy_onset(held)
-            elif onset is None and self._vad.speaking:
-                onset = h0  # speech already under way: nothing here is silence
-            if onset is None and self._debt_hold_n < self._pad_debt + self._debt_guard():
-                return  # not decided yet: keep holding (the next unit needs these samples anyway)
-            if onset is None:
-                drop = self._pad_debt
-                self._pad_debt = 0
-            else:
-                drop = min(self._pad_debt, max(0, onset - h0))
-                self._pad_debt = 0  # speech: the rest of the padding is forgiven (audio shifts)
-        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
-        rest = held[drop:]
-        if rest.size:
+        """Settle the padding account (:meth:`PadDebt.settle`) and frame what it gives back.
+        ``keep``: a response is active, so nothing is dropped (the debt stays owed)."""
+        vad_speaking = self._vad.speaking if self._vad is not None else None
+        rest = self.debt.settle(keep, vad_speaking, self._debt_guard())
+        if rest is not None:
             self._frame(self._framer.push(rest), now_ms, silence=False)
 
     def _holding_units(self) -> bool:
@@ -353,9 +358,8 @@ class InputPipeline:
         the unit is tagged with the new epoch (issue 10 item 6)."""
         end_real = self._real_samples
         for u in units:
-            if self._holding_units() or self._unit_hold:
-                self._unit_hold.append((u, end_real, silence))
-                self._unit_hold_samples += u.audio.shape[0]
+            if self._holding_units() or len(self._unit_hold):
+                self._unit_hold.hold(u, end_real, silence)
             else:
                 self._append_unit(u, now_ms, silence)
         self.release_units(now_ms)
@@ -365,18 +369,13 @@ class InputPipeline:
         the guard time (no more audio can carry an onset); else those the VAD has looked past.
         Also settles a held server-VAD answer (:meth:`Responses.check_turn_hold`; this runs on every tick)."""
         self._s.resp.check_turn_hold(now_ms)
-        if not self._unit_hold:
+        if not len(self._unit_hold):
             return
         guard = self._debt_guard()
         stalled = now_ms - self._last_real_ms >= guard * 1000 // INPUT_SAMPLE_RATE
         everything = force or not self._holding_units() or stalled
         vad_pos = self._vad_base_samples + self._vad.position_ms * INPUT_SAMPLE_RATE // 1000 if self._vad else 0
-        while self._unit_hold:
-            u, end_real, silence = self._unit_hold[0]
-            if not everything and vad_pos < end_real + guard:
-                break
-            self._unit_hold.popleft()
-            self._unit_hold_samples -= u.audio.shape[0]
+        for u, silence in self._unit_hold.release(lambda end_real: everything or vad_pos >= end_real + guard):
             self._append_unit(u, now_ms, silence)
 
     def _append_unit(self, u, now_ms: float, silence: bool, force_speak: bool = False) -> None:
@@ -407,7 +406,7 @@ class InputPipeline:
 
     def _feed_silence(self, now_ms: float) -> None:
         self._settle_debt(now_ms, keep=True)
-        if self._unit_hold:
+        if len(self._unit_hold):
             self.release_units(now_ms, force=True)
             return
         pending = self._framer.pending_samples
@@ -417,16 +416,18 @@ class InputPipeline:
 
     def close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
         """Early unit close: the partial unit (after anything held) goes out now, zero-padded to the
-        length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
+        length the model needs; the padding is owed to the silence that follows (:class:`PadDebt`).
         ``force_speak``: this is a requested response's forced unit, made even from zeros only.
         Returns the closed unit's index (None when nothing was pending and not forced)."""
-        self._close_pending_ms = None  # a commit's held-back unit, if any, is this one
+        if self._held_commit.state is HeldCommit.HELD:  # a commit's held-back unit is this one
+            self._held_commit.fire(HeldCommitEvent.CLOSE)
+            self._close_pending_ms = None
         self._settle_debt(now_ms, keep=True)
         self.release_units(now_ms, force=True)
         u = self._framer.flush(allow_empty=force_speak)
         if u is None:
             return None
-        self._pad_debt += u.padded_samples
+        self.debt.pad(u.padded_samples)
         self._append_unit(u, now_ms, silence=u.real_samples == 0, force_speak=force_speak)
         return u.index
 
@@ -446,6 +447,7 @@ class InputPipeline:
             self._since_commit += tail.size
             self._frame(self._framer.push(tail), now_ms, silence=False)
         if defer and self._framer.pending_samples > 0:
+            self._held_commit.fire(HeldCommitEvent.DEFER)
             self._close_pending_ms = float(now_ms)
         else:
             self.close_unit(now_ms)
@@ -454,16 +456,15 @@ class InputPipeline:
 
     def _close_committed(self, now_ms: float) -> None:
         """Send a client commit's held-back unit as an ordinary (listen/decide) unit."""
-        self._close_pending_ms = None
         self.close_unit(now_ms)
 
     def on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
         if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             raise ProtocolError(ErrorCode.INPUT_AUDIO_BUFFER_EMPTY,
                                 "less than 100 ms of audio since the last commit or clear", event_id=ev.event_id)
-        item_id = self._vad_item if self._vad_item is not None and not self._vad_item_committed else None
+        item_id = self._vad_item if self._vad_state.state is VadItem.OPEN else None
         if item_id is not None:
-            self._vad_item_committed = True
+            self._vad_state.fire(VadItemEvent.COMMIT)
         self._commit(now_ms, item_id, defer=True)
 
     def _resampler_pending(self) -> int:
@@ -489,7 +490,7 @@ class InputPipeline:
 
     def on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
         self._framer.clear()
-        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
+        self.debt.clear()
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
@@ -500,8 +501,8 @@ class InputPipeline:
         return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
 
     def _on_speech_started(self, e) -> None:
+        self._vad_state.fire(VadItemEvent.STARTED)
         self._vad_item = self._s.conv.new_item_id()
-        self._vad_item_committed = False
         self._o.emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
         td = self._s.settings.turn_detection or {}
         if self._s.resp.active() is not None and td.get("interrupt_response", True):
@@ -510,9 +511,9 @@ class InputPipeline:
 
     def _on_speech_stopped(self, e, now_ms: float) -> None:
         uid = self._vad_item or self._s.conv.new_item_id()
-        committed = self._vad_item_committed
+        committed = self._vad_state.state is VadItem.COMMITTED
+        self._vad_state.fire(VadItemEvent.STOPPED)
         self._vad_item = None
-        self._vad_item_committed = False
         self._o.emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
         if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
             return
