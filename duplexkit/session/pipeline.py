@@ -33,6 +33,23 @@ from duplexkit.session.holds import PadDebt, UnitHold
 from duplexkit.session.machine import Machine, PhaseEvent
 
 
+def _resampler_pending(r) -> int:
+    """Input samples a resampler holds that it has not put out yet, in 16 kHz samples."""
+    if r.identity:
+        return 0
+    return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
+
+
+def _rate_message(w, fmt) -> str:
+    """The ``input_rate_mismatch`` message of an arrival-rate warning ``w`` for declared format ``fmt``."""
+    guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
+             and w.likely_rate != w.declared_rate else "")
+    return (f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
+            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
+            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
+            f"at least in real time; the audio is still used (this warning is sent once)")
+
+
 class VadItem(str, Enum):
     """The item of the speech the server VAD hears: ``none``; ``open`` (speech_started gave it an
     id); ``committed`` (a client commit took the open item while the user still speaks, so its
@@ -221,16 +238,8 @@ class InputPipeline:
         w = self._arrival.observe(frames, now_ms)
         if w is None:
             return
-        fmt = self._s.settings.input_format
-        guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
-                 and w.likely_rate != w.declared_rate else "")
-        self._o.error(ProtocolError(
-            ErrorCode.INPUT_RATE_MISMATCH,
-            f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
-            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
-            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
-            f"at least in real time; the audio is still used (this warning is sent once)",
-            event_id=event_id))
+        self._o.error(ProtocolError(ErrorCode.INPUT_RATE_MISMATCH, _rate_message(w, self._s.settings.input_format),
+                                    event_id=event_id))
 
     def on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
         # bad base64, a zero-length append or non-finite floats: one bad_audio error, no state change
@@ -459,19 +468,13 @@ class InputPipeline:
         self.close_unit(now_ms)
 
     def on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
-        if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+        if self._since_commit + _resampler_pending(self._resampler) < MIN_COMMIT_SAMPLES:
             raise ProtocolError(ErrorCode.INPUT_AUDIO_BUFFER_EMPTY,
                                 "less than 100 ms of audio since the last commit or clear", event_id=ev.event_id)
         item_id = self._vad_item if self._vad_state.state is VadItem.OPEN else None
         if item_id is not None:
             self._vad_state.fire(VadItemEvent.COMMIT)
         self._commit(now_ms, item_id, defer=True)
-
-    def _resampler_pending(self) -> int:
-        r = self._resampler
-        if r.identity:
-            return 0
-        return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
                 flush: bool = True, defer: bool = False) -> str:
@@ -515,7 +518,7 @@ class InputPipeline:
         self._vad_state.fire(VadItemEvent.STOPPED)
         self._vad_item = None
         self._o.emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
-        if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+        if committed or self._since_commit + _resampler_pending(self._resampler) < MIN_COMMIT_SAMPLES:
             return
         td = self._s.settings.turn_detection or {}
         creates = bool(td.get("create_response")) and self._s.resp.active() is None

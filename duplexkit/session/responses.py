@@ -60,16 +60,9 @@ from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
 from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.trace import LatencyTrace, trace_log  # noqa: F401  (trace_log: the logger's home)
 
 from duplexkit.session.wire import response_model
-
-trace_log = logging.getLogger("duplexkit.latency")
-"""Latency trace (debug option, docs/benchmarks.md "Latency trace"): at DEBUG level the Session logs
-one JSON line per finished response with its request -> forced unit -> decision -> first audio
-stamps (Session clock, ms) and the forced unit's engine ``UnitTimings``. ``first_audio_ms`` is when
-the first audio delta went out to the client (for a server-VAD answer held by the turn confirmation,
-its release), ``engine_audio_ms`` when the engine's first audio of the response arrived."""
-
 
 @dataclass
 class _Response:
@@ -131,18 +124,18 @@ class Responses:
         self._o = s.out
         self._resp: Optional[_Response] = None
         self._audio_started = False  # audio output has started: the voice is fixed (docs/protocol.md §8)
-        self._trace_wait: Optional[_Response] = None  # finished, waiting for its forced unit's UnitTimings
+        self._trace = LatencyTrace(self._o.session_id)  # the latency trace (debug option; its own machine)
         self._turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (check_turn_hold)
 
     def on_output(self, out: EngineOutput, now_ms: float) -> None:
         """A non-fatal engine output of this stream: traced, dropped when of an older epoch, held
         with a server-VAD answer (:meth:`turn_held`), else applied."""
-        if self._trace_wait is not None and isinstance(out, UnitTimings):
-            self.trace_engine(self._trace_wait, out)
+        if isinstance(out, UnitTimings):
+            self._trace.unit_timings(out)
         if out.epoch != self._o.epoch:
             return
         if self._resp is not None and self._resp.trace is not None:
-            self.trace_output(self._resp, out, now_ms)
+            self._trace.output(self._resp, out, now_ms)
         apply = _APPLY.get(type(out))
         if apply is not None and not self.turn_held(out):
             apply(self, out)
@@ -174,32 +167,6 @@ class Responses:
         self._o.emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
         self._resp = None
         self._s.input.reset_force_listen()
-
-    # latency trace (debug option: the ``duplexkit.latency`` logger at DEBUG)
-    def trace_output(self, r: _Response, out: EngineOutput, now_ms: float) -> None:
-        t = r.trace
-        if isinstance(out, Decision) and r.forced_unit is not None and out.unit_index >= r.forced_unit:
-            t.setdefault("decision_ms", float(now_ms))
-            t.setdefault("decision_unit", out.unit_index)
-        elif isinstance(out, AudioChunk) and out.audio.size:
-            # when the engine's audio arrived; first_audio_ms is stamped when it goes out (_on_audio),
-            # later than this for an answer held by the turn confirmation (docs/concepts.md)
-            t.setdefault("engine_audio_ms", float(now_ms))
-            t.setdefault("first_audio_unit", out.unit_index)
-        elif isinstance(out, UnitTimings):
-            self.trace_engine(r, out)
-
-    def trace_engine(self, r: _Response, out: UnitTimings) -> None:
-        if out.unit_index == r.forced_unit and "engine" not in r.trace:
-            r.trace["engine"] = dict(out.timings)
-            if r is self._trace_wait:
-                self._trace_emit(r)
-
-    def _trace_emit(self, r: _Response) -> None:
-        if r is self._trace_wait:
-            self._trace_wait = None
-        rec = {"session": self._o.session_id, "response": r.id, "trigger": r.trigger, "forced_unit": r.forced_unit, **r.trace}
-        trace_log.debug("%s", json.dumps(rec))
 
     def on_response_create(self, ev: ResponseCreateEvent, now_ms: float) -> None:
         params = ev.response
@@ -239,7 +206,7 @@ class Responses:
                 metadata["ignored_fields"] = ",".join(params.ignored)
         self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=None)
         self._o.emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
-        if trace_log.isEnabledFor(logging.DEBUG):
+        if LatencyTrace.enabled():
             self._resp.trace = {"request_ms": float(now_ms), "units_ahead": self._s.input.units_ahead()}
         tools, choice = self._s.tools.for_response(params, event_id)
         if self._s.tools.plan_response(trigger, tools, choice, now_ms):
@@ -436,12 +403,7 @@ class Responses:
             output = [model]
         self._o.emit(ResponseDone(response=self._response_model(r, status, details, output)))
         if r.trace is not None:
-            r.trace["status"] = status
-            if self._trace_wait is not None:
-                self._trace_emit(self._trace_wait)
-            self._trace_wait = r
-            if "engine" in r.trace or r.forced_unit is None or status == "cancelled":
-                self._trace_emit(r)
+            self._trace.finished(r, status)
         self._resp = None
         self._s.input.reset_force_listen()
         self._s.tools.response_finished(r, self._o.now_ms)

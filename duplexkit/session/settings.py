@@ -112,6 +112,64 @@ _PLAIN_FIELDS = (
 """``session.update`` fields applied as they come (the pydantic model validated them), with the
 conversion each gets."""
 
+def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err) -> InputFormat:
+    """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
+
+    Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
+    ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
+    takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
+    a client may send the session object back unchanged. Channels: ``channels`` in the GA
+    object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
+    downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
+    without a channel count is mono, a channel count given alone keeps the current encoding
+    and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
+    """
+    flat_ch = p.input_channels if "input_channels" in p.given else None
+    if p.input_format is None and "input_sample_rate_hz" not in p.given:
+        # only a channel count: same encoding and rate
+        try:
+            return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
+        except AudioFormatError as e:
+            raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
+    f = p.input_format if p.input_format is not None else "pcm16"
+    explicit = p.input_sample_rate_hz
+    duplex_default = default_rate
+    bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
+    try:
+        if isinstance(f, str):
+            enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
+                   "audio/pcm": "pcm16"}.get(f)
+            if enc is None:
+                raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
+            if enc.startswith("g711"):
+                rate = 8000 if explicit is None else explicit
+            else:
+                rate = explicit if explicit is not None else duplex_default
+            return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
+        t = f.get("type")
+        enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
+        if enc is None:
+            raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
+        if enc == "pcm16" and f.get("encoding") is not None:
+            if f["encoding"] not in ("pcm16", "pcm_f32le"):
+                raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
+            enc = f["encoding"]
+        rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
+        for v in rates:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
+        if len(set(rates)) > 1:
+            raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
+        rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+        ch = f.get("channels")
+        if ch is not None and flat_ch is not None and ch != flat_ch:
+            raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
+        ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
+        return InputFormat(enc, rate, ch)
+    except AudioFormatError as e:
+        raise err(bad, str(e), "input_format") from None
+
+
 class Settings:
     """The settings part of :class:`~duplexkit.session.Session`: the ``session.update`` job and the
     engine stream's configuration.
@@ -311,7 +369,8 @@ class Settings:
             if self._s.input.units_appended() > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
-            s.input_format = self._parse_input_format(p, err)
+            default_rate = self._o.cfg.limits.input_default_rate if self._o.duplex else 24000
+            s.input_format = parse_input_format(p, self.current.input_format, default_rate, err)
         if "output_format" in given:
             of = p.output_format
             ok = of == "pcm16" or (
@@ -369,64 +428,6 @@ class Settings:
                 raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
                           "ref_audio" if "ref_audio" in given else "voice")
         return s
-
-    def _parse_input_format(self, p: SessionPatch, err) -> InputFormat:
-        """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
-
-        Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
-        ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
-        takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
-        a client may send the session object back unchanged. Channels: ``channels`` in the GA
-        object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
-        downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
-        without a channel count is mono, a channel count given alone keeps the current encoding
-        and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
-        """
-        cur = self.current.input_format
-        flat_ch = p.input_channels if "input_channels" in p.given else None
-        if p.input_format is None and "input_sample_rate_hz" not in p.given:
-            # only a channel count: same encoding and rate
-            try:
-                return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
-            except AudioFormatError as e:
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
-        f = p.input_format if p.input_format is not None else "pcm16"
-        explicit = p.input_sample_rate_hz
-        duplex_default = self._o.cfg.limits.input_default_rate if self._o.duplex else 24000
-        bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
-        try:
-            if isinstance(f, str):
-                enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
-                       "audio/pcm": "pcm16"}.get(f)
-                if enc is None:
-                    raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
-                if enc.startswith("g711"):
-                    rate = 8000 if explicit is None else explicit
-                else:
-                    rate = explicit if explicit is not None else duplex_default
-                return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
-            t = f.get("type")
-            enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
-            if enc is None:
-                raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
-            if enc == "pcm16" and f.get("encoding") is not None:
-                if f["encoding"] not in ("pcm16", "pcm_f32le"):
-                    raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
-                enc = f["encoding"]
-            rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
-            for v in rates:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
-            if len(set(rates)) > 1:
-                raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
-            rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
-            ch = f.get("channels")
-            if ch is not None and flat_ch is not None and ch != flat_ch:
-                raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
-            ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
-            return InputFormat(enc, rate, ch)
-        except AudioFormatError as e:
-            raise err(bad, str(e), "input_format") from None
 
     def _apply_vllm_omni_fields(self, p: SessionPatch, s: "_Settings", given: set, err, warn) -> None:
         """vLLM-Omni's session fields (docs/server.md, "Interop"): honoured where this server has

@@ -270,6 +270,63 @@ def parse_transcription(tr: Optional[dict], err, warn) -> Optional[dict]:
             "prompt": tr.get("prompt")}
 
 
+def decider_messages(instructions: Optional[str], items: list, truth_text, audio: Optional[np.ndarray]) -> list:
+    """The conversation for the decider: the instructions, the recent items as text (user
+    transcripts, what the assistant said as far as it was heard, calls and their outputs in the
+    model's ``<tool_call>`` / ``<tool_response>`` text form), and the current turn's audio.
+    ``items``: the conversation's items in order; ``truth_text(item)``: an assistant audio item's
+    text as far as it was heard."""
+    msgs = []
+    if instructions:
+        msgs.append(ChatMessage("system", [instructions]))
+    for it in items[-_HISTORY_ITEMS:]:
+        if it.kind == "function_call":
+            msgs.append(ChatMessage("assistant", [
+                "<tool_call>\n" + json.dumps({"name": it.name, "arguments": _loads(it.text)}) + "\n</tool_call>"]))
+        elif it.kind == "function_call_output":
+            msgs.append(ChatMessage("user", ["<tool_response>\n" + it.text + "\n</tool_response>"]))
+        elif it.role == "assistant":
+            text = truth_text(it) if it.kind == "output_audio" else it.text
+            if text:
+                msgs.append(ChatMessage("assistant", [text]))
+        elif it.role in ("user", "system") and it.text:
+            msgs.append(ChatMessage(it.role, [it.text]))
+    if audio is not None and audio.size:
+        # the turn being decided: its audio (the last user item has no transcript yet)
+        if msgs and msgs[-1].role == "user" and items and items[-1].text:
+            msgs.pop()
+        msgs.append(ChatMessage("user", [audio]))
+    return msgs
+
+
+def checked_calls(calls: tuple, tools: list, notice) -> list:
+    """The decider's calls whose tool exists and whose arguments are valid against its schema;
+    the others are dropped with ``session.warning{tool_call_invalid}`` (``notice(warning)``)."""
+    import jsonschema
+
+    by_name = {t["name"]: t for t in tools}
+    ok = []
+    for c in calls:
+        tool = by_name.get(c.name)
+        why = None
+        if tool is None:
+            why = f"unknown tool {c.name!r}"
+        else:
+            try:
+                args = json.loads(c.arguments or "{}")
+                jsonschema.validate(args, tool["parameters"])
+            except ValueError as e:
+                why = f"arguments are not JSON: {e}"
+            except jsonschema.ValidationError as e:
+                why = f"arguments do not match the schema: {e.message}"
+        if why is not None:
+            notice(SessionWarning(code="tool_call_invalid", param="tools",
+                                      message=f"the tool decider's call was dropped: {why}"))
+            continue
+        ok.append(c)
+    return ok
+
+
 @dataclass
 class _Decision:
     """A pending DecideTools request."""
@@ -389,37 +446,10 @@ class Tools:
         d = decision or _Decision(id=self._o.ids.decision(), kind=kind, started_ms=float(now_ms), tools=tools,
                                   response_id=response_id)
         self._decision = d
-        messages = self._decider_messages(audio)
+        messages = decider_messages(self._s.settings.instructions, self._s.conv.items(), self._s.conv.truth_text, audio)
         self._o.cmd(DecideTools(self._o.stream_id, self._o.epoch, request_id=d.id, messages=tuple(messages),
                               tools=tuple({k: v for k, v in t.items() if k != "filler"} for t in tools),
                               tool_choice=choice))
-
-    def _decider_messages(self, audio: Optional[np.ndarray]) -> list:
-        """The conversation for the decider: the instructions, the recent items as text (user
-        transcripts, what the assistant said as far as it was heard, calls and their outputs in the
-        model's ``<tool_call>`` / ``<tool_response>`` text form), and the current turn's audio."""
-        msgs = []
-        if self._s.settings.instructions:
-            msgs.append(ChatMessage("system", [self._s.settings.instructions]))
-        for it in list(self._s.conv.items())[-_HISTORY_ITEMS:]:
-            if it.kind == "function_call":
-                msgs.append(ChatMessage("assistant", [
-                    "<tool_call>\n" + json.dumps({"name": it.name, "arguments": _loads(it.text)}) + "\n</tool_call>"]))
-            elif it.kind == "function_call_output":
-                msgs.append(ChatMessage("user", ["<tool_response>\n" + it.text + "\n</tool_response>"]))
-            elif it.role == "assistant":
-                text = self._s.conv.truth_text(it) if it.kind == "output_audio" else it.text
-                if text:
-                    msgs.append(ChatMessage("assistant", [text]))
-            elif it.role in ("user", "system") and it.text:
-                msgs.append(ChatMessage(it.role, [it.text]))
-        if audio is not None and audio.size:
-            # the turn being decided: its audio (the last user item has no transcript yet)
-            items = self._s.conv.items()
-            if msgs and msgs[-1].role == "user" and items and items[-1].text:
-                msgs.pop()
-            msgs.append(ChatMessage("user", [audio]))
-        return msgs
 
     # -- gate, clock ----------------------------------------------------------------------------
     def gate(self) -> bool:
@@ -494,7 +524,7 @@ class Tools:
         if d.kind == "answer":
             self._answer_done(d, out, now_ms)
             return
-        calls = self._checked_calls(out.calls, d.tools)
+        calls = checked_calls(out.calls, d.tools, self._o.notice)
         if not calls:
             self._decision_without_call(d, now_ms)
             return
@@ -570,33 +600,6 @@ class Tools:
             return False
         a["spoken"] += 1
         return a["spoken"] < a["chunks"] or not a["final"]
-
-    def _checked_calls(self, calls: tuple, tools: list) -> list:
-        """The decider's calls whose tool exists and whose arguments are valid against its schema;
-        the others are dropped with ``session.warning{tool_call_invalid}``."""
-        import jsonschema
-
-        by_name = {t["name"]: t for t in tools}
-        ok = []
-        for c in calls:
-            tool = by_name.get(c.name)
-            why = None
-            if tool is None:
-                why = f"unknown tool {c.name!r}"
-            else:
-                try:
-                    args = json.loads(c.arguments or "{}")
-                    jsonschema.validate(args, tool["parameters"])
-                except ValueError as e:
-                    why = f"arguments are not JSON: {e}"
-                except jsonschema.ValidationError as e:
-                    why = f"arguments do not match the schema: {e.message}"
-            if why is not None:
-                self._o.notice(SessionWarning(code="tool_call_invalid", param="tools",
-                                          message=f"the tool decider's call was dropped: {why}"))
-                continue
-            ok.append(c)
-        return ok
 
     def _issue_calls(self, calls: list, tools: list) -> None:
         """The active response's output: one ``function_call`` item per call, then ``response.done``;

@@ -15,6 +15,7 @@ from duplexkit.errors import (
     wire_error_code,
 )
 from duplexkit.session import SessionConfig
+from duplexkit.session.tools import decider_messages
 
 from _driver import Driver, fixture_audio
 
@@ -160,7 +161,7 @@ def test_system_item_after_first_unit_is_reprefilled_and_user_text_goes_to_histo
     assert item["role"] == "assistant" and item["content"] == [{"type": "output_text", "text": "Hello Ada."}]
     assert [w["param"] for w in d.of("session.warning", new)] == ["item.assistant"]  # its own field
     # the tool decider's conversation (docs/tools.md): system, user and assistant text, in order
-    msgs = [(m.role, m.content[0]) for m in d.s.tools._decider_messages(None)]  # noqa: SLF001
+    msgs = [(m.role, m.content[0]) for m in decider_messages(d.s.settings.instructions, d.s.conv.items(), d.s.conv.truth_text, None)]  # noqa: SLF001
     assert msgs[0] == ("system", "Base.")
     assert msgs[-3:] == [("system", "Speak French."), ("user", "My name is Ada."), ("assistant", "Hello Ada.")]
     hist = d.s.history()
