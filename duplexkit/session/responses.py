@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional, Union
 
 from duplexkit.audio import b64encode_audio, float32_to_pcm16
@@ -59,7 +60,7 @@ from duplexkit.protocol.server_events import StatusError
 from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
-from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.machine import Machine, PhaseEvent
 from duplexkit.session.trace import LatencyTrace, trace_log  # noqa: F401  (trace_log: the logger's home)
 
 from duplexkit.session.wire import response_model
@@ -96,6 +97,28 @@ def reason_to_cancel(reason: str) -> str:
 TURN_HOLD_STALL_MS = 200
 
 
+class TurnHold(str, Enum):
+    """A server-VAD answer's outputs: ``none`` held, or ``holding`` until the VAD confirms the turn
+    ended (:meth:`Responses.check_turn_hold`)."""
+
+    NONE = "none"
+    HOLDING = "holding"
+
+
+class TurnHoldEvent(str, Enum):
+    HOLD = "hold"  # a server-VAD commit created the answer
+    DROP = "drop"  # the epoch moved on (resumed speech, a cancel): the held outputs go with it
+    RELEASE = "release"  # the turn is confirmed (or the answer ended): the held outputs are applied
+
+
+TURN_HOLD_TABLE = {
+    TurnHold.NONE: {TurnHoldEvent.HOLD: TurnHold.HOLDING},
+    TurnHold.HOLDING: {TurnHoldEvent.HOLD: TurnHold.HOLDING, TurnHoldEvent.DROP: TurnHold.NONE,
+                       TurnHoldEvent.RELEASE: TurnHold.NONE},
+}
+"""The turn hold's machine: state -> event -> next state (a missing pair is an internal error)."""
+
+
 class _TurnHold:
     """The outputs of a server-VAD answer held until the VAD confirms the turn ended (see
     :meth:`Responses.check_turn_hold`)."""
@@ -126,6 +149,7 @@ class Responses:
         self._audio_started = False  # audio output has started: the voice is fixed (docs/protocol.md §8)
         self._trace = LatencyTrace(self._o.session_id)  # the latency trace (debug option; its own machine)
         self._turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (check_turn_hold)
+        self._hold_state = Machine("turn hold", TURN_HOLD_TABLE, TurnHold.NONE)
 
     def on_output(self, out: EngineOutput, now_ms: float) -> None:
         """A non-fatal engine output of this stream: traced, dropped when of an older epoch, held
@@ -413,6 +437,7 @@ class Responses:
         """Hold the outputs of the active (server-VAD) answer until the VAD has classified input up to
         real-sample ``until`` (:meth:`check_turn_hold`)."""
         r = self._resp
+        self._hold_state.fire(TurnHoldEvent.HOLD)
         self._turn_hold = _TurnHold(r.id, self._o.epoch, until)
         self.check_turn_hold(now_ms)
 
@@ -433,10 +458,12 @@ class Responses:
         if h is None:
             return
         if self._o.epoch != h.epoch:
+            self._hold_state.fire(TurnHoldEvent.DROP)
             self._turn_hold = None  # cancelled (resumed speech, response.cancel): dropped with its epoch
             return
         r = self._resp
         if r is None or r.id != h.response_id:  # ended without a cancel (its tool calls): nothing to confirm
+            self._hold_state.fire(TurnHoldEvent.RELEASE)
             self._turn_hold = None
             self._dispatch_held(h.queued)
             return
@@ -444,6 +471,7 @@ class Responses:
         stalled = self._s.input.quiet_for(TURN_HOLD_STALL_MS, now_ms)
         if not (looked or stalled):
             return
+        self._hold_state.fire(TurnHoldEvent.RELEASE)
         self._turn_hold = None
         self._dispatch_held(h.queued)
 
