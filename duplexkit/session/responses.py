@@ -5,8 +5,6 @@ goes through the outbox's phase machine (:mod:`duplexkit.session.machine`)."""
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Union
@@ -14,7 +12,6 @@ from typing import Optional, Union
 from duplexkit.audio import b64encode_audio, float32_to_pcm16
 from duplexkit.engine.api import (
     AudioChunk,
-    CancelEpoch,
     CloseStream,
     Decision,
     EngineFailure,
@@ -57,11 +54,10 @@ from duplexkit.protocol import (
 )
 from duplexkit.errors import ERROR_TYPES
 from duplexkit.protocol.server_events import StatusError
-from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
 from duplexkit.session.machine import Machine, PhaseEvent
-from duplexkit.session.trace import LatencyTrace, trace_log  # noqa: F401  (trace_log: the logger's home)
+from duplexkit.session.trace import LatencyTrace
 
 from duplexkit.session.wire import response_model
 

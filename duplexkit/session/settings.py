@@ -9,7 +9,6 @@ from typing import Optional, Union
 
 from duplexkit.audio import AudioFormatError, InputFormat
 from duplexkit.engine.api import (
-    INPUT_SAMPLE_RATE,
     OUTPUT_SAMPLE_RATE,
     ReferenceVoice,
     StreamConfig,
@@ -22,7 +21,6 @@ from duplexkit.protocol import (
     SessionPatch,
     SessionUpdateEvent,
     SessionUpdated,
-    SessionWarning,
 )
 from duplexkit.session.conversation import REPREFILL_WARNING
 from duplexkit.session.machine import Phase

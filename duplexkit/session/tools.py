@@ -76,8 +76,6 @@ from duplexkit.protocol import (
     OutputItemAdded,
     OutputItemDone,
     ProtocolError,
-    ResponseCreated,
-    ResponseDone,
     SessionWarning,
 )
 from duplexkit.session.conversation import _ConvItem

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 from enum import Enum
-from typing import Optional
 
 from duplexkit.engine.api import AudioChunk, Decision, EngineOutput, UnitTimings
 from duplexkit.session.machine import Machine
