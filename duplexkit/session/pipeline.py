@@ -442,7 +442,7 @@ class InputPipeline:
 
     def _flush_input(self, now_ms: float, drop_carry: bool = True, defer: bool = False) -> None:
         """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
-        unit close, :meth:`_close_unit`).
+        unit close, :meth:`close_unit`).
 
         ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (docs/protocol.md §6.1: on a
         client commit or clear). A server-VAD commit passes False: it happens at a point of the

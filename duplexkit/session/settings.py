@@ -26,7 +26,7 @@ from duplexkit.session.conversation import REPREFILL_WARNING
 from duplexkit.session.machine import Phase
 from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools, \
     parse_transcription
-from duplexkit.session.voice import load_ref_audio
+from duplexkit.session.voice import apply_voice
 from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
@@ -362,7 +362,7 @@ class Settings:
                 raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
             s.output_modalities = list(dict.fromkeys(mods))
         if "instructions" in given and p.instructions != s.instructions:
-            # after the first unit the duplex model gets them at the next turn boundary (_sync_stream)
+            # after the first unit the duplex model gets them at the next turn boundary (sync_stream)
             s.instructions = p.instructions
             if self._s.input.units_appended() > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
@@ -408,23 +408,7 @@ class Settings:
                 tp = {"after_ms": after, "text": text}
             s.tool_progress = tp
         # voice and reference audio (docs/protocol.md §8)
-        voice_changed = False
-        if "voice" in given:
-            s.voice = p.voice
-            if not s.ref_from_client or "ref_audio" not in given:
-                s.ref_voice = self._o.cfg.voices.get(p.voice, self._o.cfg.default_voice)
-                s.ref_from_client = False
-            voice_changed = True
-        if "ref_audio" in given:
-            s.ref_voice = load_ref_audio(p.ref_audio, self._o.cfg.ref_audio_loader, self._o.cfg.limits.max_ref_audio_s, err)
-            s.ref_from_client = True
-            voice_changed = True
-        if voice_changed and self._s.resp.audio_started():
-            old_sha = self.current.ref_voice.sha256 if self.current.ref_voice is not None else None
-            new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
-            if old_sha != new_sha:
-                raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
-                          "ref_audio" if "ref_audio" in given else "voice")
+        apply_voice(s, p, given, self._o.cfg, self.current.ref_voice, self._s.resp.audio_started(), err)
         return s
 
     def _apply_vllm_omni_fields(self, p: SessionPatch, s: "_Settings", given: set, err, warn) -> None:

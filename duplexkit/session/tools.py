@@ -86,8 +86,8 @@ log = logging.getLogger("duplexkit.session")
 __all__ = [
     "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
     "TOOL_DECISION_TIMEOUT_MS", "TOOL_OUTPUT_WAIT_MS",
-    "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "ToolsMixin", "parse_tools", "parse_tool_choice",
-    "parse_transcription",
+    "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "Tools", "parse_tools", "parse_tool_choice",
+    "parse_transcription", "decider_messages", "checked_calls",
 ]
 
 MAX_TOOLS = 128
@@ -415,7 +415,7 @@ class Tools:
     def user_turn_ending(self, now_ms: float) -> None:
         """Before a commit closes the turn's last unit: with tools, the turn's decision is opened now
         so that this unit already goes out under the tool gate (the DecideTools follows in
-        :meth:`_user_turn_ended`, once the turn's audio is complete)."""
+        :meth:`user_turn_ended`, once the turn's audio is complete)."""
         if self._tools_active() and self._s.resp.active() is None and self._decision is None and self._turn_audio_n:
             self._decision = _Decision(id=self._o.ids.decision(), kind="turn", started_ms=float(now_ms),
                                        tools=self._s.settings.tools)
