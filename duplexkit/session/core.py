@@ -185,6 +185,7 @@ class Session:
     _decoder = property(lambda self: self.input._decoder)
     _since_commit = property(lambda self: self.input._since_commit)
     _units_appended = property(lambda self: self.input._units_appended)
+    _close_pending_ms = property(lambda self: self.input._close_pending_ms)
 
     def _session_object(self):
         return self.opts.session_object()
