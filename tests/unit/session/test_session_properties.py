@@ -157,6 +157,22 @@ class SessionMachine(RuleBasedStateMachine):
                 assert h["content"][0].get("transcript", "") == s.conv.truth_text(it)
 
     @invariant()
+    def small_machines_agree_with_their_data(self):
+        """Each small machine's state is what the data it names says (duplexkit/session/machine.py)."""
+        inp, resp = self.d.s.input, self.d.s.resp
+        assert (inp._vad_state.state.value == "none") == (inp._vad_item is None)
+        assert (inp._held_commit.state.value == "held") == (inp._close_pending_ms is not None)
+        debt = inp.debt
+        want = "holding" if debt.held_samples() else "owed" if debt.owed() else "clear"
+        assert debt.state.value == want
+        assert (inp._unit_hold.state.value == "holding") == (len(inp._unit_hold) > 0)
+        assert (resp._hold_state.state.value == "holding") == (resp._turn_hold is not None)
+        if resp.active() is None:
+            assert self.d.s.phase.value in ("idle", "closed")
+        else:
+            assert self.d.s.phase.value in ("requested", "speaking")
+
+    @invariant()
     def heartbeat_answered(self):
         new = self.d.send({"type": "session.heartbeat"})
         assert [e["type"] for e in new] == ["session.heartbeat_ack"]
