@@ -40,6 +40,30 @@ def _resampler_pending(r) -> int:
     return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
 
+def _vad_pieces(vad, x16: np.ndarray):
+    """Run the VAD over ``x16`` two frames at a time and yield ``(audio, starts, stops)`` in stream
+    order (lazily: each piece is classified after the previous one was applied). A speech_stopped
+    is yielded after the rest of the chunk, or, when a later piece starts speech again, before it;
+    two frames, so a stop and the next start (>= 3 voiced frames after it) never share a piece."""
+    step = 2 * vad.cfg.frame_samples
+    stop, tail = None, []  # a speech_stopped not applied yet, and the pieces after it
+    for i in range(0, x16.size, step):
+        piece = x16[i:i + step]
+        events = vad.process(piece)
+        if stop is not None and events:
+            yield (np.concatenate(tail) if tail else piece[:0]), [], [stop]
+            stop, tail = None, []
+        if stop is not None:
+            tail.append(piece)
+            continue
+        yield piece, [e for e in events if e.kind == "speech_started"], []
+        stops = [e for e in events if e.kind == "speech_stopped"]
+        if stops:
+            stop = stops[-1]
+    if stop is not None:
+        yield (np.concatenate(tail) if tail else x16[:0]), [], [stop]
+
+
 def _rate_message(w, fmt) -> str:
     """The ``input_rate_mismatch`` message of an arrival-rate warning ``w`` for declared format ``fmt``."""
     guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
@@ -294,25 +318,8 @@ class InputPipeline:
         if self._vad is None:
             self._feed_real(x16, [], [], now_ms)
             return
-        # two frames: a stop and the next start (>= 3 voiced frames after it) never share a piece
-        step = 2 * self._vad.cfg.frame_samples
-        stop, tail = None, []  # a speech_stopped not applied yet, and the pieces after it
-        for i in range(0, x16.size, step):
-            piece = x16[i:i + step]
-            events = self._vad.process(piece)
-            if stop is not None and events:
-                self._feed_real(np.concatenate(tail) if tail else piece[:0], [], [stop], now_ms)
-                stop, tail = None, []
-            starts = [e for e in events if e.kind == "speech_started"]
-            stops = [e for e in events if e.kind == "speech_stopped"]
-            if stop is not None:
-                tail.append(piece)
-                continue
-            self._feed_real(piece, starts, [], now_ms)
-            if stops:
-                stop = stops[-1]
-        if stop is not None:
-            self._feed_real(np.concatenate(tail) if tail else x16[:0], [], [stop], now_ms)
+        for piece, starts, stops in _vad_pieces(self._vad, x16):
+            self._feed_real(piece, starts, stops, now_ms)
 
     def _feed_real(self, x16: np.ndarray, starts: list, stops: list, now_ms: float) -> None:
         """Apply ``starts``, frame ``x16`` (may be empty), then apply ``stops`` (VAD events)."""
