@@ -325,6 +325,35 @@ def checked_calls(calls: tuple, tools: list, notice) -> list:
     return ok
 
 
+class TurnAudio:
+    """The current user turn's 16 kHz audio, float32, at most :data:`MAX_TURN_AUDIO_S` (older audio
+    of a longer turn is dropped)."""
+
+    def __init__(self) -> None:
+        self._chunks: list = []
+        self._n = 0
+
+    def samples(self) -> int:
+        return self._n
+
+    def add(self, x16: np.ndarray) -> None:
+        self._chunks.append(x16)
+        self._n += x16.size
+        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
+        while self._n - self._chunks[0].size >= cap:
+            self._n -= self._chunks.pop(0).size
+
+    def take(self) -> np.ndarray:
+        """The turn's audio (float32 [n] at 16 kHz, n <= 30 s); the capture starts over."""
+        a = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self.drop()
+        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
+        return np.ascontiguousarray(a[-cap:], dtype=np.float32)
+
+    def drop(self) -> None:
+        self._chunks, self._n = [], 0
+
+
 @dataclass
 class _Decision:
     """A pending DecideTools request."""
@@ -364,8 +393,7 @@ class Tools:
         self._decision: Optional[_Decision] = None
         self._calls: dict = {}
         self._turn_seq = 0
-        self._turn_audio: list = []
-        self._turn_audio_n = 0
+        self._turn_audio = TurnAudio()  # the current user turn's audio, while the decider or recogniser needs it
         self._queued_create = None  # (params, event_id) of a response.create waiting for a filler
         self._outputs_pending = False  # function_call_output items arrived since the last response
         self._last_audio: Optional[np.ndarray] = None
@@ -394,36 +422,25 @@ class Tools:
     def capture_turn_audio(self, x16: np.ndarray) -> None:
         """Keep the current user turn's 16 kHz audio (at most :data:`MAX_TURN_AUDIO_S`) while the
         recogniser or the decider needs it."""
-        if not self._capturing_turn_audio():
-            return
-        self._turn_audio.append(x16)
-        self._turn_audio_n += x16.size
-        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
-        while self._turn_audio_n - self._turn_audio[0].size >= cap:
-            self._turn_audio_n -= self._turn_audio.pop(0).size
-
-    def _take_turn_audio(self) -> np.ndarray:
-        a = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.float32)
-        self._turn_audio, self._turn_audio_n = [], 0
-        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
-        return np.ascontiguousarray(a[-cap:], dtype=np.float32)
+        if self._capturing_turn_audio():
+            self._turn_audio.add(x16)
 
     def drop_turn_audio(self) -> None:
-        self._turn_audio, self._turn_audio_n = [], 0
+        self._turn_audio.drop()
 
     # -- the end of a user turn -----------------------------------------------------------------
     def user_turn_ending(self, now_ms: float) -> None:
         """Before a commit closes the turn's last unit: with tools, the turn's decision is opened now
         so that this unit already goes out under the tool gate (the DecideTools follows in
         :meth:`user_turn_ended`, once the turn's audio is complete)."""
-        if self._tools_active() and self._s.resp.active() is None and self._decision is None and self._turn_audio_n:
+        if self._tools_active() and self._s.resp.active() is None and self._decision is None and self._turn_audio.samples():
             self._decision = _Decision(id=self._o.ids.decision(), kind="turn", started_ms=float(now_ms),
                                        tools=self._s.settings.tools)
 
     def user_turn_ended(self, item_id: str, now_ms: float, audio: Optional[np.ndarray] = None) -> None:
         """A user item was committed: transcribe it and, with tools, ask the decider."""
         if audio is None:
-            audio = self._take_turn_audio()
+            audio = self._turn_audio.take()
         self._turn_seq += 1
         self._last_audio = audio if audio.size and self._tools_active() else None
         tr = self._s.settings.transcription
