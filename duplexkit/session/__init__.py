@@ -1,18 +1,26 @@
 """The sans-I/O Session: all conversation logic of one realtime connection, without I/O.
 
-The package splits the Session by job (docs/architecture.md, "The sans-I/O Session"):
+The Session is a core that composes owned parts, each with its state declared in its own module
+and reached by the others only through its public methods (docs/architecture.md, "The sans-I/O
+Session"):
 
-* :mod:`~duplexkit.session.machine` — phases, phase events, the transition table and the only
-  function that assigns a phase;
-* :mod:`~duplexkit.session.core` — :class:`Session`: public API, output queue, dispatch;
+* :mod:`~duplexkit.session.core` — :class:`Session`: public API and dispatch (h11 ``Connection`` style);
+* :mod:`~duplexkit.session.outbox` — the output queue, the phase machine, the epoch, the clock;
+* :mod:`~duplexkit.session.machine` — phases, phase events, the transition table, the only
+  function that assigns a phase, the emissions each move declares, and the small-machine runner;
+* :mod:`~duplexkit.session.settings` — the ``session.update`` part (formats, turn detection,
+  the engine stream's configuration);
+* :mod:`~duplexkit.session.pipeline` — the input pipeline part (decoder to units, VAD, commits)
+  with its VAD-item and held-commit machines; :mod:`~duplexkit.session.holds` — the padding debt
+  and the barge-in unit hold, each with its machine;
+* :mod:`~duplexkit.session.responses` — the response part (envelope, deltas, end, turn hold);
+  :mod:`~duplexkit.session.trace` — the latency trace and its wait machine;
+* :mod:`~duplexkit.session.conversation` — the conversation part (items, playback truth);
+* :mod:`~duplexkit.session.tools` — the tools and transcription part;
+* :mod:`~duplexkit.session.wire` — wire objects (plain functions);
+  :mod:`~duplexkit.session.voice` — the reference voice of ``session.update`` (plain functions);
 * :mod:`~duplexkit.session.config` — :class:`SessionConfig`, :class:`SessionLimits`,
-  :class:`CloseConnection`;
-* :mod:`~duplexkit.session.settings` — ``session.update`` validation, formats, turn detection;
-* :mod:`~duplexkit.session.pipeline` — the input pipeline (decoder to units, VAD, barge-in fence);
-* :mod:`~duplexkit.session.responses` — responses, deltas, epochs, the latency trace;
-* :mod:`~duplexkit.session.conversation` — items, playback acks, truncation, history;
-* :mod:`~duplexkit.session.wire` — the session, response and item wire objects;
-* :mod:`~duplexkit.session.voice` — the reference voice of ``session.update``.
+  :class:`CloseConnection`.
 
 ``from duplexkit.session import Session, SessionConfig, ...`` is the public import path.
 """

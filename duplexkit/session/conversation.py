@@ -1,10 +1,12 @@
-"""The conversation of a Session and its playback truth (docs/protocol.md §7): items,
-``conversation.item.*`` events, ``output_audio_buffer.playback_ack``, truncation and the history
-at playback truth."""
+"""The conversation of a Session and its playback truth (docs/protocol.md §7): the
+:class:`Conversation` part owns the items, the ids issued, the response -> assistant item map;
+it answers ``conversation.item.*`` events and ``output_audio_buffer.playback_ack``, truncates, and
+gives the history at playback truth."""
 
 from __future__ import annotations
 
 import numpy as np
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +26,8 @@ from duplexkit.protocol import (
     PlaybackAckEvent,
     ProtocolError,
 )
+from duplexkit.protocol import Item
+from duplexkit.session.wire import item_model
 
 
 #: ``session.warning{code:"instructions_reprefill"}`` text (docs/protocol.md §4.1).
@@ -63,29 +67,54 @@ class _ConvItem:
     call_id: Optional[str] = None  # function_call / function_call_output
 
 
-class ConversationMixin:
-    """The conversation job of :class:`~duplexkit.session.Session` (state: ``_items``, ``_responses``,
-    ``_used_ids``)."""
+class Conversation:
+    """The conversation part of :class:`~duplexkit.session.Session`.
 
-    # playback truth helpers (for clients, tests and context rebuilds)
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+
+    State: the items in order, every item id used, the assistant item of each response that opened
+    one, every response id issued.
+    """
+
+    def __init__(self, s) -> None:
+        self._s = s
+        self._o = s.out
+        self._items: "OrderedDict[str, _ConvItem]" = OrderedDict()
+        self._used_ids: set = set()
+        self._responses: dict[str, _ConvItem] = {}  # response id -> assistant item (responses that opened one)
+        self._issued: set = set()  # every response id this session issued
+
+    # -- the store ------------------------------------------------------------------------------
     def item_playback(self, item_id: str) -> tuple[int, int, bool]:
         """``(sent_ms, committed_ms, final)`` of an assistant item. KeyError if unknown."""
-        it = self._find_item(item_id)
+        it = self.find(item_id)
         return it.sent_ms, it.committed_ms, it.final
 
     def history(self) -> list[dict]:
         """The conversation history at playback truth (docs/protocol.md §7.5): list of item dicts."""
-        return [self._item_model(it, truth=True).model_dump(mode="json", exclude_none=True) for it in self._items.values()]
+        return [self.model(it, truth=True).model_dump(mode="json", exclude_none=True) for it in self._items.values()]
 
-    def _new_item_id(self) -> str:
-        iid = self._ids.item()
+    def items(self) -> list:
+        """The items in conversation order."""
+        return list(self._items.values())
+
+    def get(self, item_id: str) -> Optional[_ConvItem]:
+        return self._items.get(item_id)
+
+    def is_used(self, item_id: str) -> bool:
+        """Whether ``item_id`` was ever issued or taken in this session."""
+        return item_id in self._used_ids
+
+    def new_item_id(self) -> str:
+        iid = self._o.ids.item()
         self._used_ids.add(iid)
         return iid
 
-    def _last_item_id(self) -> Optional[str]:
+    def last_id(self) -> Optional[str]:
         return next(reversed(self._items)) if self._items else None
 
-    def _previous_of(self, item_id: str) -> Optional[str]:
+    def previous_of(self, item_id: str) -> Optional[str]:
         prev = None
         for k in self._items:
             if k == item_id:
@@ -93,17 +122,50 @@ class ConversationMixin:
             prev = k
         return None
 
-    def _add_item(self, it: _ConvItem) -> None:
+    def add(self, it: _ConvItem) -> Optional[str]:
+        """Append ``it``; returns the id of the item before it."""
+        prev = self.last_id()
         self._used_ids.add(it.id)
         self._items[it.id] = it
+        return prev
 
-    def _find_item(self, item_id: str) -> _ConvItem:
+    def add_done(self, it: _ConvItem) -> Optional[str]:
+        """Append a finished item and emit ``conversation.item.added`` + ``.done``; returns the
+        previous item's id."""
+        prev = self.add(it)
+        self._o.emit(ConversationItemAdded(previous_item_id=prev, item=self.model(it)))
+        self._o.emit(ConversationItemDone(previous_item_id=prev, item=self.model(it)))
+        return prev
+
+    def find(self, item_id: str) -> _ConvItem:
         it = self._items.get(item_id)
         if it is None:
             raise KeyError(item_id)
         return it
 
-    def _truth_text(self, it: _ConvItem) -> str:
+    def model(self, it: _ConvItem, truth: bool = False) -> Item:
+        """The wire item (``truth``: an assistant audio item's transcript as far as it was heard)."""
+        return item_model(it, self.truth_text(it) if truth else None)
+
+    # -- responses ------------------------------------------------------------------------------
+    def issue_response(self, rid: str) -> None:
+        self._issued.add(rid)
+
+    def response_item(self, rid: str) -> Optional[_ConvItem]:
+        """The assistant item of response ``rid`` (None when it opened none)."""
+        return self._responses.get(rid)
+
+    def open_response_item(self, rid: str, it: _ConvItem) -> Optional[str]:
+        """Append the assistant item of response ``rid``; returns the previous item's id."""
+        prev = self.add(it)
+        self._responses[rid] = it
+        return prev
+
+    def committed_ms(self, rid: str) -> int:
+        it = self._responses.get(rid)
+        return it.committed_ms if it is not None else 0
+
+    def truth_text(self, it: _ConvItem) -> str:
         if it.kind != "output_audio":
             return it.text
         chars = 0
@@ -114,7 +176,7 @@ class ConversationMixin:
                 break
         return it.text[:chars]
 
-    def _on_item_create(self, ev: ConversationItemCreateEvent, now_ms: float) -> None:
+    def on_item_create(self, ev: ConversationItemCreateEvent, now_ms: float) -> None:
         item = ev.item
 
         def bad(msg: str, param: str = "item") -> ProtocolError:
@@ -124,10 +186,10 @@ class ConversationMixin:
             if ev.previous_item_id not in self._items:
                 raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.previous_item_id!r} not found",
                                     param="previous_item_id", event_id=ev.event_id)
-            if ev.previous_item_id != self._last_item_id():
+            if ev.previous_item_id != self.last_id():
                 raise bad("previous_item_id may only name the last item", "previous_item_id")
         if item.type == "function_call_output":
-            self._on_function_call_output(item, ev.event_id)
+            self._s.tools.on_function_call_output(item, ev.event_id)
             return
         if item.type != "message" or item.role not in ("user", "system", "assistant"):
             raise bad("only message items (user, system, assistant) and function_call_output items are accepted",
@@ -142,32 +204,28 @@ class ConversationMixin:
             return
         if kinds == {"input_text"}:
             text = "".join(c.text or "" for c in item.content)
-            it = _ConvItem(id=item.id or self._new_item_id(), role=item.role, kind="input_text", text=text)
-            started = self._units_appended > 0
+            it = _ConvItem(id=item.id or self.new_item_id(), role=item.role, kind="input_text", text=text)
+            started = self._s.input.units_appended() > 0
             warning = None
             if item.role == "system":
                 # part of the session prefix: after the first unit, re-prefilled at the next turn boundary
-                self._system_text.append(text)
+                self._s.opts.add_system_text(text)
                 if started:
                     warning = ("instructions_reprefill", REPREFILL_WARNING.format(what="A system message arrived"),
                                "item.system")
             elif not started:
-                self._seed_text.append(text)  # seeds the session prefix (docs/model.md §5.1)
-                self._seed_item_ids.add(it.id)
+                self._s.opts.add_seed_text(text, it.id)  # seeds the session prefix (docs/model.md §5.1)
             else:
                 warning = ("text_item_not_heard", TEXT_NOT_HEARD, "item.input_text")
-            prev = self._last_item_id()
-            self._add_item(it)
-            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-            self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+            self.add_done(it)
             if warning is not None:
-                self._warn(*warning)
-            self._sync_stream()
+                self._o.warn(*warning)
+            self._s.opts.sync_stream()
             return
         if kinds == {"input_audio"} and item.role == "user":
-            fmt = self.settings.input_format
+            fmt = self._s.settings.input_format
             b64_len = sum(len(c.audio or "") for c in item.content)  # counted before anything is decoded
-            self._check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
+            self._s.input.check_pending(b64_len * 3 // 4 // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate, ev.event_id)
             chunks = []
             dec = StreamDecoder(fmt)
             for i, c in enumerate(item.content):
@@ -178,17 +236,10 @@ class ConversationMixin:
             x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
             if x.size == 0:
                 raise bad("input_audio item has no audio", "item.content")
-            self._drop_turn_audio()
-            self._push_real(self._resampler.process(x), now_ms)
-            self._user_turn_ending(now_ms)
-            self._flush_input(now_ms)
-            self._since_commit = 0
-            it = _ConvItem(id=item.id or self._new_item_id(), role="user", kind="input_audio")
-            prev = self._last_item_id()
-            self._add_item(it)
-            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-            self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
-            self._user_turn_ended(it.id, now_ms)
+            self._s.input.item_audio(x, now_ms)
+            it = _ConvItem(id=item.id or self.new_item_id(), role="user", kind="input_audio")
+            self.add_done(it)
+            self._s.tools.user_turn_ended(it.id, now_ms)
             return
         raise bad(f"unsupported content {sorted(kinds)} (input_text, or user input_audio)", "item.content")
 
@@ -207,32 +258,29 @@ class ConversationMixin:
                 raise bad(f"assistant items take text (output_text parts, or audio parts with a transcript and no "
                           f"audio), got a {c.type!r} part" + (" with audio" if c.audio else ""),
                           f"item.content.{i}.type" if not c.audio else f"item.content.{i}.audio")
-        it = _ConvItem(id=item.id or self._new_item_id(), role="assistant", kind="output_text", text="".join(parts),
+        it = _ConvItem(id=item.id or self.new_item_id(), role="assistant", kind="output_text", text="".join(parts),
                        final=True)
-        prev = self._last_item_id()
-        self._add_item(it)
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
-        self._warn("text_item_not_heard", TEXT_NOT_HEARD, "item.assistant")
+        self.add_done(it)
+        self._o.warn("text_item_not_heard", TEXT_NOT_HEARD, "item.assistant")
 
-    def _on_item_retrieve(self, ev: ConversationItemRetrieveEvent, now_ms: float) -> None:
+    def on_item_retrieve(self, ev: ConversationItemRetrieveEvent, now_ms: float) -> None:
         it = self._items.get(ev.item_id)
         if it is None:
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
-        self._emit(ConversationItemRetrieved(item=self._item_model(it, truth=True)))
+        self._o.emit(ConversationItemRetrieved(item=self.model(it, truth=True)))
 
-    def _on_item_delete(self, ev: ConversationItemDeleteEvent, now_ms: float) -> None:
+    def on_item_delete(self, ev: ConversationItemDeleteEvent, now_ms: float) -> None:
         it = self._items.get(ev.item_id)
         if it is None:
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
-        if self._resp is not None and self._resp.item_id == ev.item_id:
+        if self._s.resp.active() is not None and self._s.resp.active().item_id == ev.item_id:
             raise ProtocolError(ErrorCode.BAD_EVENT, "the active response's item cannot be deleted", param="item_id", event_id=ev.event_id)
         del self._items[ev.item_id]
         if it.kind == "function_call":
-            self._cancel_call_of(it.id)
-        self._emit(ConversationItemDeleted(item_id=ev.item_id))
+            self._s.tools.cancel_call_of(it.id)
+        self._o.emit(ConversationItemDeleted(item_id=ev.item_id))
 
-    def _on_item_truncate(self, ev: ConversationItemTruncateEvent, now_ms: float) -> None:
+    def on_item_truncate(self, ev: ConversationItemTruncateEvent, now_ms: float) -> None:
         it = self._items.get(ev.item_id)
         if it is None:
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"item {ev.item_id!r} not found", param="item_id", event_id=ev.event_id)
@@ -249,13 +297,13 @@ class ConversationMixin:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise invalid(f"audio_end_ms must be an integer >= 0, got {v!r}", "audio_end_ms")
         if it.sent_ms == 0:
-            self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=0))
+            self._o.emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=0))
             return
         it.committed_ms = min(v, it.sent_ms)
         it.final = True
-        self._emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
+        self._o.emit(ConversationItemTruncated(item_id=it.id, content_index=0, audio_end_ms=it.committed_ms))
 
-    def _on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
+    def on_playback_ack(self, ev: PlaybackAckEvent, now_ms: float) -> None:
         """``playback.ack`` (docs/protocol.md §7.5). ``heard = min(played_ms, sent_ms)`` (ms):
 
         * plain ack: ``committed_ms = max(committed_ms, heard)`` (never lowers);
@@ -276,9 +324,9 @@ class ConversationMixin:
             ev = ev.model_copy(update={"response_id": rid})
         it = self._responses.get(ev.response_id)
         if it is None:
-            if self._resp is not None and self._resp.id == ev.response_id:
+            if self._s.active_response_id == ev.response_id:
                 return  # issued, no audio yet
-            if ev.response_id in self._issued_response_ids():
+            if ev.response_id in self._issued:
                 return
             raise ProtocolError(ErrorCode.ITEM_NOT_FOUND, f"response {ev.response_id!r} was never issued by this session",
                                 param="response_id", event_id=ev.event_id)
@@ -298,6 +346,3 @@ class ConversationMixin:
             it.final = True
         else:
             it.committed_ms = max(it.committed_ms, heard)
-
-    def _issued_response_ids(self) -> set:
-        return self._issued

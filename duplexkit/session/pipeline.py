@@ -1,16 +1,19 @@
 """The input pipeline of a Session: decode (``StreamDecoder``), arrival-rate check, resample to
 16 kHz, server VAD, unit framing, early unit close, the barge-in fence, silence feeding,
-commit/clear, input backpressure and the turn-confirmation hold of server-VAD answers
-(docs/concepts.md "Early unit close", "Barge-in", "Turn confirmation")."""
+commit/clear and input backpressure (docs/concepts.md "Early unit close", "Barge-in"): the
+:class:`InputPipeline` part, and its small machines (the VAD item, the held commit, the barge-in
+unit hold, the padding debt; :class:`~duplexkit.session.machine.Machine` tables)."""
 
 from __future__ import annotations
 
 import numpy as np
+from collections import deque
+from enum import Enum
 from typing import Optional
 
-from duplexkit.audio import AudioFormatError, b64decode_audio
-from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, EngineFailure, EngineOutput, INPUT_SAMPLE_RATE, \
-    TextDelta, TurnEnd
+from duplexkit.audio import AudioFormatError, StreamDecoder, StreamResampler, UnitFramer, b64decode_audio
+from duplexkit.audio.arrival import ArrivalRateMonitor
+from duplexkit.engine.api import AppendUnit, INPUT_SAMPLE_RATE
 from duplexkit.protocol import (
     ConversationItemAdded,
     ConversationItemDone,
@@ -24,45 +27,228 @@ from duplexkit.protocol import (
     SpeechStarted,
     SpeechStopped,
 )
-from duplexkit.session.config import MIN_COMMIT_SAMPLES
+from duplexkit.session.config import COMMIT_MERGE_MS, MIN_COMMIT_SAMPLES, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
-from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.holds import PadDebt, UnitHold
+from duplexkit.session.machine import Machine, PhaseEvent
 
 
-#: Input silence (no append), ms, after which a held server-VAD answer is released although the
-#: VAD has not yet looked past the confirmation window: a client that stopped streaming cannot
-#: resume the turn before the answer plays (twice the default ``start_confirm_ms``).
-TURN_HOLD_STALL_MS = 200
+def _resampler_pending(r) -> int:
+    """Input samples a resampler holds that it has not put out yet, in 16 kHz samples."""
+    if r.identity:
+        return 0
+    return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
 
-class _TurnHold:
-    """The outputs of a server-VAD answer held until the VAD confirms the turn ended (see
-    :meth:`InputPipelineMixin._check_turn_hold`)."""
+def _vad_pieces(vad, x16: np.ndarray):
+    """Run the VAD over ``x16`` two frames at a time and yield ``(audio, starts, stops)`` in stream
+    order (lazily: each piece is classified after the previous one was applied). A speech_stopped
+    is yielded after the rest of the chunk, or, when a later piece starts speech again, before it;
+    two frames, so a stop and the next start (>= 3 voiced frames after it) never share a piece."""
+    step = 2 * vad.cfg.frame_samples
+    stop, tail = None, []  # a speech_stopped not applied yet, and the pieces after it
+    for i in range(0, x16.size, step):
+        piece = x16[i:i + step]
+        events = vad.process(piece)
+        if stop is not None and events:
+            yield (np.concatenate(tail) if tail else piece[:0]), [], [stop]
+            stop, tail = None, []
+        if stop is not None:
+            tail.append(piece)
+            continue
+        yield piece, [e for e in events if e.kind == "speech_started"], []
+        stops = [e for e in events if e.kind == "speech_stopped"]
+        if stops:
+            stop = stops[-1]
+    if stop is not None:
+        yield (np.concatenate(tail) if tail else x16[:0]), [], [stop]
 
-    __slots__ = ("response_id", "epoch", "until", "queued")
 
-    def __init__(self, response_id: str, epoch: int, until: int) -> None:
-        self.response_id = response_id
-        self.epoch = epoch
-        self.until = until  # real-sample index the VAD must have classified (commit + confirmation window)
-        self.queued: list = []  # engine outputs of the response's epoch, in arrival order
+def _rate_message(w, fmt) -> str:
+    """The ``input_rate_mismatch`` message of an arrival-rate warning ``w`` for declared format ``fmt``."""
+    guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
+             and w.likely_rate != w.declared_rate else "")
+    return (f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
+            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
+            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
+            f"at least in real time; the audio is still used (this warning is sent once)")
 
 
-class InputPipelineMixin:
-    """The input-audio job of :class:`~duplexkit.session.Session`: client audio in, ``AppendUnit``
-    commands and VAD events out."""
+class VadItem(str, Enum):
+    """The item of the speech the server VAD hears: ``none``; ``open`` (speech_started gave it an
+    id); ``committed`` (a client commit took the open item while the user still speaks, so its
+    speech_stopped commits nothing more)."""
 
-    _turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (_check_turn_hold)
+    NONE = "none"
+    OPEN = "open"
+    COMMITTED = "committed"
 
-    def _make_vad(self) -> None:
-        td = self.settings.turn_detection
+
+class VadItemEvent(str, Enum):
+    STARTED = "started"
+    COMMIT = "commit"
+    STOPPED = "stopped"
+    RESET = "reset"  # a new VAD (turn_detection changed)
+
+
+VAD_ITEM_TABLE = {
+    VadItem.NONE: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.STOPPED: VadItem.NONE,
+                   VadItemEvent.RESET: VadItem.NONE},
+    VadItem.OPEN: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.COMMIT: VadItem.COMMITTED,
+                   VadItemEvent.STOPPED: VadItem.NONE, VadItemEvent.RESET: VadItem.NONE},
+    VadItem.COMMITTED: {VadItemEvent.STARTED: VadItem.OPEN, VadItemEvent.STOPPED: VadItem.NONE,
+                        VadItemEvent.RESET: VadItem.NONE},
+}
+"""The VAD item's machine: state -> event -> next state (a missing pair is an internal error)."""
+
+
+class HeldCommit(str, Enum):
+    """A client commit's early-closed unit: ``none``, or ``held`` back for
+    :data:`~duplexkit.session.config.COMMIT_MERGE_MS` in case ``response.create`` follows."""
+
+    NONE = "none"
+    HELD = "held"
+
+
+class HeldCommitEvent(str, Enum):
+    DEFER = "defer"  # a client commit held its unit back
+    CLOSE = "close"  # the unit went out (as a listen unit, or as a response's forced unit)
+
+
+HELD_COMMIT_TABLE = {
+    HeldCommit.NONE: {HeldCommitEvent.DEFER: HeldCommit.HELD},
+    HeldCommit.HELD: {HeldCommitEvent.DEFER: HeldCommit.HELD, HeldCommitEvent.CLOSE: HeldCommit.NONE},
+}
+"""The held commit's machine: state -> event -> next state."""
+
+
+class InputPipeline:
+    """The input pipeline part of :class:`~duplexkit.session.Session`: client audio in,
+    ``AppendUnit`` commands and VAD events out.
+
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+        now_ms: the clock at creation (ms).
+    """
+
+    def __init__(self, s, now_ms: float) -> None:
+        self._s = s
+        self._o = s.out
+        fmt = s.settings.input_format
+        self._decoder = StreamDecoder(fmt)
+        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(fmt.rate)
+        self._framer = UnitFramer()
+        self.debt = PadDebt()  # the padding account of early unit closes (its own machine)
+        self._unit_hold = UnitHold()  # units held for the barge-in fence (its own machine)
+        self._last_real_ms = float(now_ms)
+        self._vad = None
+        self._vad_base_samples = 0
+        self._real_samples = 0  # real 16 kHz input samples seen (the VAD timeline)
+        self._since_commit = 0  # real 16 kHz samples pushed since the last commit/clear
+        self._vad_item: Optional[str] = None  # the item id of the speech the VAD hears
+        self._vad_state = Machine("VAD item", VAD_ITEM_TABLE, VadItem.NONE)
+        self._units_appended = 0
+        self.input_appends = 0  # accepted input_audio_buffer.append events (read-only counter)
+        self._last_unit_ms = float(now_ms)
+        self._inflight: deque = deque()  # (unit_index, samples) appended, not yet decided
+        self._inflight_samples = 0
+        self._force_listen_left = 0
+        self._close_pending_ms: Optional[float] = None  # when a client commit's early close was held back
+        self._held_commit = Machine("held commit", HELD_COMMIT_TABLE, HeldCommit.NONE)
+        self.make_vad()
+
+    # -- what the other parts ask -----------------------------------------------------------------
+    def started(self, now_ms: float) -> None:
+        """The session started: the input schedule and ``force_listen_count`` begin now."""
+        self._last_unit_ms = float(now_ms)
+        self.reset_force_listen()
+
+    def reset_force_listen(self) -> None:
+        """A response ended: the next ``force_listen_count`` units are forced to listen again."""
+        self._force_listen_left = self._s.settings.force_listen_count
+
+    def set_format(self, fmt) -> None:
+        """A new input format declaration: new decoder and resampler, the arrival check re-armed."""
+        self._decoder = StreamDecoder(fmt)
+        self._resampler = StreamResampler(fmt.rate, INPUT_SAMPLE_RATE)
+        self._arrival = ArrivalRateMonitor(fmt.rate)
+
+    def units_appended(self) -> int:
+        return self._units_appended
+
+    def units_in_flight(self) -> set:
+        """Indices of the appended units still awaiting their decision."""
+        return {u for u, _ in self._inflight}
+
+    def units_ahead(self) -> int:
+        """Units appended or held that the engine has not decided yet."""
+        return len(self._inflight) + len(self._unit_hold)
+
+    def user_speaking(self) -> bool:
+        """The server VAD hears speech (an open VAD item)."""
+        return self._vad_item is not None
+
+    def input_ms(self) -> int:
+        """Real input audio so far, ms of 16 kHz audio."""
+        return self._real_samples * 1000 // INPUT_SAMPLE_RATE
+
+    def vad_looked_past(self, until: int) -> bool:
+        """The VAD has classified input up to real-sample ``until`` and has no start pending."""
+        vad = self._vad
+        return vad is None or (self._vad_base_samples + vad.position_samples >= until and not vad.start_pending)
+
+    def quiet_for(self, ms: float, now_ms: float) -> bool:
+        """No real input for ``ms`` (a client that stopped streaming)."""
+        return now_ms - self._last_real_ms >= ms
+
+    def flush_held(self, now_ms: float) -> None:
+        """Send what is held (padding account, barge-in fence) before a ``SpeakText``."""
+        self._settle_debt(now_ms, keep=True)
+        self.release_units(now_ms, force=True)
+
+    def close_held_commit(self, now_ms: float, due_only: bool = False) -> None:
+        """Send a client commit's held-back unit (``due_only``: once :data:`COMMIT_MERGE_MS` passed)."""
+        if self._held_commit.state is HeldCommit.NONE:
+            return
+        if due_only and now_ms - self._close_pending_ms < COMMIT_MERGE_MS:
+            return
+        self._close_committed(now_ms)
+
+    def tick(self, now_ms: float) -> None:
+        """Release held units; while a response is active and input runs dry, feed a silence unit
+        once a unit's deadline (1 period + ``silence_slack_ms``) has passed (core module docstring)."""
+        self.release_units(now_ms)
+        slack = self._o.cfg.silence_slack_ms
+        if self._s.resp.active() is not None and now_ms - self._last_unit_ms >= UNIT_PERIOD_MS + slack:
+            due = self._last_unit_ms + UNIT_PERIOD_MS  # where this unit ends on the input schedule
+            self._feed_silence(now_ms)
+            # the next silence unit is due one unit period after this one's place on the schedule, not after
+            # the tick that fed it: the slack and the tick's lag are paid once per dry spell, not once per unit,
+            # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
+            # period behind (a stalled loop), the schedule restarts from now instead of bursting
+            self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
+
+    def item_audio(self, x: np.ndarray, now_ms: float) -> None:
+        """A user ``input_audio`` item's decoded audio: a whole user turn of its own, pushed and
+        closed (the turn's earlier audio is dropped from the tools' capture)."""
+        self._s.tools.drop_turn_audio()
+        self._push_real(self._resampler.process(x), now_ms)
+        self._s.tools.user_turn_ending(now_ms)
+        self._flush_input(now_ms)
+        self._since_commit = 0
+
+    def make_vad(self) -> None:
+        td = self._s.settings.turn_detection
         self._vad_base_samples = self._real_samples
-        if td is None or self._vad_cls is None:
+        vad_cls = self._s.opts.vad_classes()
+        if td is None or vad_cls is None:
             self._vad = None
             return
-        StreamingVAD, VadConfig = self._vad_cls
+        StreamingVAD, VadConfig = vad_cls
         self._vad = StreamingVAD(VadConfig(threshold=td["threshold"], prefix_padding_ms=td["prefix_padding_ms"],
                                            silence_duration_ms=td["silence_duration_ms"]))
+        self._vad_state.fire(VadItemEvent.RESET)
         self._vad_item = None
 
     def _check_arrival(self, frames: int, now_ms: float, event_id: Optional[str]) -> None:
@@ -76,26 +262,18 @@ class InputPipelineMixin:
         w = self._arrival.observe(frames, now_ms)
         if w is None:
             return
-        fmt = self.settings.input_format
-        guess = (f"; it looks like {w.likely_rate} Hz audio" if w.likely_rate is not None
-                 and w.likely_rate != w.declared_rate else "")
-        self._error(ProtocolError(
-            ErrorCode.INPUT_RATE_MISMATCH,
-            f"input audio arrives at {w.ratio:.2f}x its declared rate: {w.apparent_rate:.0f} frames per second "
-            f"over the last {w.window_ms / 1000:.1f} s of continuous appends, declared {fmt.describe()}{guess}. "
-            f"Declare the rate the audio was captured at (audio.input.format.rate or sample_rate_hz) and send it "
-            f"at least in real time; the audio is still used (this warning is sent once)",
-            event_id=event_id))
+        self._o.error(ProtocolError(ErrorCode.INPUT_RATE_MISMATCH, _rate_message(w, self._s.settings.input_format),
+                                    event_id=event_id))
 
-    def _on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
+    def on_append(self, ev: InputAudioBufferAppendEvent, now_ms: float) -> None:
         # bad base64, a zero-length append or non-finite floats: one bad_audio error, no state change
-        fmt = self.settings.input_format
+        fmt = self._s.settings.input_format
         try:
             data = b64decode_audio(ev.audio, allow_empty=False, what=fmt.describe())
         except AudioFormatError as e:
             raise ProtocolError(ErrorCode.BAD_AUDIO, str(e), param="audio", event_id=ev.event_id) from None
         incoming = (len(data) + self._decoder.carried_bytes) // fmt.frame_bytes * INPUT_SAMPLE_RATE // fmt.rate
-        self._check_pending(incoming, ev.event_id)
+        self.check_pending(incoming, ev.event_id)
         try:
             x = self._decoder.decode(data, allow_empty=False)
         except AudioFormatError as e:
@@ -104,22 +282,22 @@ class InputPipelineMixin:
         self.input_appends += 1
         self._check_arrival(x.size, now_ms, ev.event_id)
         if ev.video_frames:
-            self._warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
+            self._o.warn("video_frames_ignored", "this server takes audio only: video_frames of appends are ignored "
                        "(this warning is sent once)", "video_frames", ev.event_id)
         if ev.sample_rate_hz is not None and ev.sample_rate_hz != fmt.rate:
-            self._warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
+            self._o.warn("append_rate_ignored", f"append sample_rate_hz {ev.sample_rate_hz} differs from the session's "
                        f"input rate {fmt.rate} Hz; the audio is read at {fmt.rate} Hz (declare the rate with "
                        "session.update; this warning is sent once)", "sample_rate_hz", ev.event_id)
 
-    def _check_pending(self, incoming: int, event_id: Optional[str]) -> None:
+    def check_pending(self, incoming: int, event_id: Optional[str]) -> None:
         """``input_backpressure`` when ``incoming`` more 16 kHz samples would exceed
         ``max_pending_input_s`` of unconsumed input (docs/protocol.md §6.1). Every path that queues
         input audio (appends, ``conversation.item.create`` audio) calls this before decoding."""
-        pending = self._framer.pending_samples + self._inflight_samples + self._debt_hold_n + self._unit_hold_samples
-        limit = int(self.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
+        pending = self._framer.pending_samples + self._inflight_samples + self.debt.held_samples() + self._unit_hold.samples()
+        limit = int(self._o.cfg.limits.max_pending_input_s * INPUT_SAMPLE_RATE)
         if pending + incoming > limit:
             raise ProtocolError(ErrorCode.INPUT_BACKPRESSURE,
-                                f"more than {self.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
+                                f"more than {self._o.cfg.limits.max_pending_input_s:g} s of input not yet consumed; "
                                 "audio dropped", event_id=event_id)
 
     def _push_real(self, x16: np.ndarray, now_ms: float) -> None:
@@ -140,51 +318,30 @@ class InputPipelineMixin:
         if self._vad is None:
             self._feed_real(x16, [], [], now_ms)
             return
-        # two frames: a stop and the next start (>= 3 voiced frames after it) never share a piece
-        step = 2 * self._vad.cfg.frame_samples
-        stop, tail = None, []  # a speech_stopped not applied yet, and the pieces after it
-        for i in range(0, x16.size, step):
-            piece = x16[i:i + step]
-            events = self._vad.process(piece)
-            if stop is not None and events:
-                self._feed_real(np.concatenate(tail) if tail else piece[:0], [], [stop], now_ms)
-                stop, tail = None, []
-            starts = [e for e in events if e.kind == "speech_started"]
-            stops = [e for e in events if e.kind == "speech_stopped"]
-            if stop is not None:
-                tail.append(piece)
-                continue
-            self._feed_real(piece, starts, [], now_ms)
-            if stops:
-                stop = stops[-1]
-        if stop is not None:
-            self._feed_real(np.concatenate(tail) if tail else x16[:0], [], [stop], now_ms)
+        for piece, starts, stops in _vad_pieces(self._vad, x16):
+            self._feed_real(piece, starts, stops, now_ms)
 
     def _feed_real(self, x16: np.ndarray, starts: list, stops: list, now_ms: float) -> None:
         """Apply ``starts``, frame ``x16`` (may be empty), then apply ``stops`` (VAD events)."""
         start_real = self._real_samples
         if x16.size:
             self._real_samples += x16.size
-            self._capture_turn_audio(x16)
+            self._s.tools.capture_turn_audio(x16)
             self._last_real_ms = float(now_ms)
         for e in starts:
             onset = self._vad_base_samples + e.audio_start_ms * INPUT_SAMPLE_RATE // 1000
-            if self._debt_onset is None or onset < self._debt_onset:
-                self._debt_onset = onset
+            self.debt.note_onset(onset)
             self._on_speech_started(e)
-            self._release_units(now_ms)
+            self.release_units(now_ms)
         if x16.size:
             self._since_commit += x16.size
-            if self._resp is None and self._pad_debt > 0:
-                if self._debt_hold_n == 0:
-                    self._debt_hold_start = start_real
-                self._debt_hold.append(x16)
-                self._debt_hold_n += x16.size
+            if self._s.resp.active() is None and self.debt.owed() > 0:
+                self.debt.hold(x16, start_real)
                 self._settle_debt(now_ms)
             else:
                 self._settle_debt(now_ms, keep=True)
                 self._frame(self._framer.push(x16), now_ms, silence=False)
-        self._release_units(now_ms)
+        self.release_units(now_ms)
         for e in stops:
             self._on_speech_stopped(e, now_ms)
 
@@ -197,55 +354,18 @@ class InputPipelineMixin:
             return (c.preroll_ms + c.start_confirm_ms + 2 * c.frame_ms) * INPUT_SAMPLE_RATE // 1000
         return (300 + 10) * INPUT_SAMPLE_RATE // 1000
 
-    def _energy_onset(self, held: np.ndarray) -> Optional[int]:
-        """Without a VAD: first 10 ms block of ``held`` at or above -50 dBFS RMS (the VAD's floor at
-        threshold 0.5), minus a 300 ms pre-roll, as a real-sample index; None when all is quieter."""
-        blk = INPUT_SAMPLE_RATE // 100
-        nb = held.size // blk
-        if nb == 0:
-            return None
-        e = np.sqrt(np.mean(np.square(held[: nb * blk].reshape(nb, blk), dtype=np.float64), axis=1))
-        hits = np.nonzero(e >= 10.0 ** (-50.0 / 20.0))[0]
-        if hits.size == 0:
-            return None
-        return self._debt_hold_start + int(hits[0]) * blk - 300 * INPUT_SAMPLE_RATE // 1000
-
     def _settle_debt(self, now_ms: float, keep: bool = False) -> None:
-        """Decide what the held samples after an early unit close become (docs/concepts.md
-        "Early unit close"): the first ``_pad_debt`` of them are dropped (the model already heard
-        zeros in their place) unless speech starts earlier, in which case only the samples before
-        the speech's pre-roll are dropped and the rest of the debt is forgiven. ``keep``: a
-        response is active, so nothing is dropped (the debt stays owed) and the hold is framed."""
-        if self._debt_hold_n == 0:
-            if keep:
-                self._debt_onset = None
-            return
-        held = np.concatenate(self._debt_hold) if len(self._debt_hold) > 1 else self._debt_hold[0]
-        h0 = self._debt_hold_start
-        drop = 0
-        if not keep:
-            onset = self._debt_onset
-            if self._vad is None:
-                onset = self._energy_onset(held)
-            elif onset is None and self._vad.speaking:
-                onset = h0  # speech already under way: nothing here is silence
-            if onset is None and self._debt_hold_n < self._pad_debt + self._debt_guard():
-                return  # not decided yet: keep holding (the next unit needs these samples anyway)
-            if onset is None:
-                drop = self._pad_debt
-                self._pad_debt = 0
-            else:
-                drop = min(self._pad_debt, max(0, onset - h0))
-                self._pad_debt = 0  # speech: the rest of the padding is forgiven (audio shifts)
-        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
-        rest = held[drop:]
-        if rest.size:
+        """Settle the padding account (:meth:`PadDebt.settle`) and frame what it gives back.
+        ``keep``: a response is active, so nothing is dropped (the debt stays owed)."""
+        vad_speaking = self._vad.speaking if self._vad is not None else None
+        rest = self.debt.settle(keep, vad_speaking, self._debt_guard())
+        if rest is not None:
             self._frame(self._framer.push(rest), now_ms, silence=False)
 
     def _holding_units(self) -> bool:
         """Units complete during a response wait for the VAD to look past them (barge-in fence)."""
-        td = self.settings.turn_detection or {}
-        return self._resp is not None and self._vad is not None and td.get("interrupt_response", True)
+        td = self._s.settings.turn_detection or {}
+        return self._s.resp.active() is not None and self._vad is not None and td.get("interrupt_response", True)
 
     def _frame(self, units: list, now_ms: float, silence: bool) -> None:
         """Append units in order. While a response can be interrupted by the server VAD a unit is
@@ -254,30 +374,24 @@ class InputPipelineMixin:
         the unit is tagged with the new epoch (issue 10 item 6)."""
         end_real = self._real_samples
         for u in units:
-            if self._holding_units() or self._unit_hold:
-                self._unit_hold.append((u, end_real, silence))
-                self._unit_hold_samples += u.audio.shape[0]
+            if self._holding_units() or len(self._unit_hold):
+                self._unit_hold.hold(u, end_real, silence)
             else:
                 self._append_unit(u, now_ms, silence)
-        self._release_units(now_ms)
+        self.release_units(now_ms)
 
-    def _release_units(self, now_ms: float, force: bool = False) -> None:
+    def release_units(self, now_ms: float, force: bool = False) -> None:
         """Append held units: all when ``force``, no response is active, or input stalled for
         the guard time (no more audio can carry an onset); else those the VAD has looked past.
-        Also settles a held server-VAD answer (:meth:`_check_turn_hold`; this runs on every tick)."""
-        self._check_turn_hold(now_ms)
-        if not self._unit_hold:
+        Also settles a held server-VAD answer (:meth:`Responses.check_turn_hold`; this runs on every tick)."""
+        self._s.resp.check_turn_hold(now_ms)
+        if not len(self._unit_hold):
             return
         guard = self._debt_guard()
         stalled = now_ms - self._last_real_ms >= guard * 1000 // INPUT_SAMPLE_RATE
         everything = force or not self._holding_units() or stalled
         vad_pos = self._vad_base_samples + self._vad.position_ms * INPUT_SAMPLE_RATE // 1000 if self._vad else 0
-        while self._unit_hold:
-            u, end_real, silence = self._unit_hold[0]
-            if not everything and vad_pos < end_real + guard:
-                break
-            self._unit_hold.popleft()
-            self._unit_hold_samples -= u.audio.shape[0]
+        for u, silence in self._unit_hold.release(lambda end_real: everything or vad_pos >= end_real + guard):
             self._append_unit(u, now_ms, silence)
 
     def _append_unit(self, u, now_ms: float, silence: bool, force_speak: bool = False) -> None:
@@ -285,53 +399,57 @@ class InputPipelineMixin:
         self._last_unit_ms = float(now_ms)
         self._inflight.append((u.index, u.audio.shape[0]))
         self._inflight_samples += u.audio.shape[0]
-        self._cmd(AppendUnit(self.stream_id, self.epoch, unit_index=u.index, audio=u.audio,
-                             force_listen=False if force_speak else self._force_listen_now(), is_silence=silence,
-                             force_speak=force_speak))
+        listen = False if force_speak else self._force_listen_now()
+        if not listen:  # a unit the model may start a turn in
+            self._s.opts.note_free_unit(u.index, self.units_in_flight())
+        self._o.cmd(AppendUnit(self._o.stream_id, self._o.epoch, unit_index=u.index, audio=u.audio,
+                               force_listen=listen, is_silence=silence, force_speak=force_speak))
 
     def _force_listen_now(self) -> bool:
-        if self._tool_gate():  # the tool decider or a call's output is awaited (docs/tools.md)
+        if self._s.tools.gate():  # the tool decider or a call's output is awaited (docs/tools.md)
             return True
         if self._force_listen_left > 0:
             self._force_listen_left -= 1
             return True
-        if self.settings.answer_policy == "on_request":
-            r = self._resp
+        if self._s.settings.answer_policy == "on_request":
+            r = self._s.resp.active()
             return not (r is not None and r.trigger in ("client", "server_vad"))
         return False
 
-    def _consumed(self, unit_index: int) -> None:
+    def consumed(self, unit_index: int) -> None:
         while self._inflight and self._inflight[0][0] <= unit_index:
             self._inflight_samples -= self._inflight.popleft()[1]
 
     def _feed_silence(self, now_ms: float) -> None:
         self._settle_debt(now_ms, keep=True)
-        if self._unit_hold:
-            self._release_units(now_ms, force=True)
+        if len(self._unit_hold):
+            self.release_units(now_ms, force=True)
             return
         pending = self._framer.pending_samples
         need = self._framer.needed_samples - pending
         units = self._framer.push(np.zeros(need, np.float32))
         self._frame(units, now_ms, silence=pending == 0)
 
-    def _close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
+    def close_unit(self, now_ms: float, force_speak: bool = False) -> Optional[int]:
         """Early unit close: the partial unit (after anything held) goes out now, zero-padded to the
-        length the model needs; the padding is owed to the silence that follows (``_pad_debt``).
+        length the model needs; the padding is owed to the silence that follows (:class:`PadDebt`).
         ``force_speak``: this is a requested response's forced unit, made even from zeros only.
         Returns the closed unit's index (None when nothing was pending and not forced)."""
-        self._close_pending_ms = None  # a commit's held-back unit, if any, is this one
+        if self._held_commit.state is HeldCommit.HELD:  # a commit's held-back unit is this one
+            self._held_commit.fire(HeldCommitEvent.CLOSE)
+            self._close_pending_ms = None
         self._settle_debt(now_ms, keep=True)
-        self._release_units(now_ms, force=True)
+        self.release_units(now_ms, force=True)
         u = self._framer.flush(allow_empty=force_speak)
         if u is None:
             return None
-        self._pad_debt += u.padded_samples
+        self.debt.pad(u.padded_samples)
         self._append_unit(u, now_ms, silence=u.real_samples == 0, force_speak=force_speak)
         return u.index
 
     def _flush_input(self, now_ms: float, drop_carry: bool = True, defer: bool = False) -> None:
         """End the user turn's audio: resampler tail and the zero-padded partial unit (an early
-        unit close, :meth:`_close_unit`).
+        unit close, :meth:`close_unit`).
 
         ``drop_carry``: drop the 1-3 carried bytes of an incomplete sample (docs/protocol.md §6.1: on a
         client commit or clear). A server-VAD commit passes False: it happens at a point of the
@@ -345,167 +463,78 @@ class InputPipelineMixin:
             self._since_commit += tail.size
             self._frame(self._framer.push(tail), now_ms, silence=False)
         if defer and self._framer.pending_samples > 0:
+            self._held_commit.fire(HeldCommitEvent.DEFER)
             self._close_pending_ms = float(now_ms)
         else:
-            self._close_unit(now_ms)
+            self.close_unit(now_ms)
         if drop_carry:
             self._decoder.reset()
 
     def _close_committed(self, now_ms: float) -> None:
         """Send a client commit's held-back unit as an ordinary (listen/decide) unit."""
-        self._close_pending_ms = None
-        self._close_unit(now_ms)
+        self.close_unit(now_ms)
 
-    def _on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
-        if self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+    def on_commit(self, ev: InputAudioBufferCommitEvent, now_ms: float) -> None:
+        if self._since_commit + _resampler_pending(self._resampler) < MIN_COMMIT_SAMPLES:
             raise ProtocolError(ErrorCode.INPUT_AUDIO_BUFFER_EMPTY,
                                 "less than 100 ms of audio since the last commit or clear", event_id=ev.event_id)
-        item_id = self._vad_item if self._vad_item is not None and not self._vad_item_committed else None
+        item_id = self._vad_item if self._vad_state.state is VadItem.OPEN else None
         if item_id is not None:
-            self._vad_item_committed = True
+            self._vad_state.fire(VadItemEvent.COMMIT)
         self._commit(now_ms, item_id, defer=True)
-
-    def _resampler_pending(self) -> int:
-        r = self._resampler
-        if r.identity:
-            return 0
-        return max(0, r.samples_in * INPUT_SAMPLE_RATE // r.in_rate - r.samples_out)
 
     def _commit(self, now_ms: float, item_id: Optional[str] = None, drop_carry: bool = True,
                 flush: bool = True, defer: bool = False) -> str:
-        self._user_turn_ending(now_ms)
+        self._s.tools.user_turn_ending(now_ms)
         if flush:
             self._flush_input(now_ms, drop_carry, defer=defer)
         self._since_commit = 0
-        uid = item_id or self._new_item_id()
-        prev = self._last_item_id()
+        uid = item_id or self._s.conv.new_item_id()
         it = _ConvItem(id=uid, role="user", kind="input_audio")
-        self._add_item(it)
-        self._emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
-        self._user_turn_ended(uid, now_ms)
+        prev = self._s.conv.add(it)
+        self._o.emit(InputAudioBufferCommitted(item_id=uid, previous_item_id=prev))
+        self._o.emit(ConversationItemAdded(previous_item_id=prev, item=self._s.conv.model(it)))
+        self._o.emit(ConversationItemDone(previous_item_id=prev, item=self._s.conv.model(it)))
+        self._s.tools.user_turn_ended(uid, now_ms)
         return uid
 
-    def _on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
+    def on_clear(self, ev: InputAudioBufferClearEvent, now_ms: float) -> None:
         self._framer.clear()
-        self._debt_hold, self._debt_hold_n, self._debt_onset = [], 0, None
+        self.debt.clear()
         self._decoder.reset()
         self._resampler.reset()
         self._since_commit = 0
-        self._drop_turn_audio()
-        self._emit(InputAudioBufferCleared())
+        self._s.tools.drop_turn_audio()
+        self._o.emit(InputAudioBufferCleared())
 
     def _vad_ms(self, ms: int) -> int:
         return self._vad_base_samples * 1000 // INPUT_SAMPLE_RATE + int(ms)
 
     def _on_speech_started(self, e) -> None:
-        self._vad_item = self._new_item_id()
-        self._vad_item_committed = False
-        self._emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
-        td = self.settings.turn_detection or {}
-        if self._resp is not None and td.get("interrupt_response", True):
-            self._fire(PhaseEvent.BARGE_IN)
-            self._cancel_active("turn_detected")
+        self._vad_state.fire(VadItemEvent.STARTED)
+        self._vad_item = self._s.conv.new_item_id()
+        self._o.emit(SpeechStarted(audio_start_ms=self._vad_ms(e.audio_start_ms), item_id=self._vad_item))
+        td = self._s.settings.turn_detection or {}
+        if self._s.resp.active() is not None and td.get("interrupt_response", True):
+            self._o.fire(PhaseEvent.BARGE_IN)
+            self._s.resp.cancel_active("turn_detected")
 
     def _on_speech_stopped(self, e, now_ms: float) -> None:
-        uid = self._vad_item or self._new_item_id()
-        committed = self._vad_item_committed
+        uid = self._vad_item or self._s.conv.new_item_id()
+        committed = self._vad_state.state is VadItem.COMMITTED
+        self._vad_state.fire(VadItemEvent.STOPPED)
         self._vad_item = None
-        self._vad_item_committed = False
-        self._emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
-        if committed or self._since_commit + self._resampler_pending() < MIN_COMMIT_SAMPLES:
+        self._o.emit(SpeechStopped(audio_end_ms=self._vad_ms(e.audio_ms), item_id=uid))
+        if committed or self._since_commit + _resampler_pending(self._resampler) < MIN_COMMIT_SAMPLES:
             return
-        td = self.settings.turn_detection or {}
-        creates = bool(td.get("create_response")) and self._resp is None
+        td = self._s.settings.turn_detection or {}
+        creates = bool(td.get("create_response")) and self._s.resp.active() is None
         # early unit close (docs/concepts.md): the creating commit closes the unit as the forced
         # one; otherwise extra_body.early_unit_close decides whether the partial unit goes now
-        self._commit(now_ms, uid, drop_carry=False, flush=self.settings.early_unit_close and not creates)
+        self._commit(now_ms, uid, drop_carry=False, flush=self._s.settings.early_unit_close and not creates)
         if creates:
-            self._create_response(None, "server_vad", None, now_ms)
-            r = self._resp
+            self._s.resp.create(None, "server_vad", None, now_ms)
+            r = self._s.resp.active()
             if r is not None and r.trigger == "server_vad" and self._vad is not None and td.get("interrupt_response", True):
                 window = self._vad.cfg.start_confirm_ms * INPUT_SAMPLE_RATE // 1000
-                self._turn_hold = _TurnHold(r.id, self.epoch, self._vad_base_samples + e.decided_sample + window)
-                self._check_turn_hold(now_ms)
-
-    # -- turn confirmation: a server-VAD answer is heard only once the turn surely ended ----------
-    def _check_turn_hold(self, now_ms: float) -> None:
-        """Release or drop the held outputs of a server-VAD answer (docs/concepts.md "Turn confirmation").
-
-        The commit of a server-VAD turn creates the response at once, so the engine computes the
-        answer while the VAD goes on listening; its outputs (decisions, text, audio, turn end,
-        failures of its epoch) are held until the VAD has classified ``start_confirm_ms`` (100 ms
-        at the defaults) of input past the point where it decided the turn ended, with no speech
-        frame left in its confirmation window. Speech that resumes in that window is confirmed
-        as a new ``speech_started`` (a barge-in: the response is cancelled with ``turn_detected``)
-        before anything of the answer was sent, so a false end of turn is never heard. The hold
-        also ends when the input has been silent for :data:`TURN_HOLD_STALL_MS` (a client that
-        stopped streaming). Nothing is added when the engine is slower than the window.
-        """
-        h = self._turn_hold
-        if h is None:
-            return
-        if self.epoch != h.epoch:
-            self._turn_hold = None  # cancelled (resumed speech, response.cancel): dropped with its epoch
-            return
-        r = self._resp
-        if r is None or r.id != h.response_id:  # ended without a cancel (its tool calls): nothing to confirm
-            self._turn_hold = None
-            self._dispatch_held(h.queued)
-            return
-        vad = self._vad
-        looked = vad is None or (self._vad_base_samples + vad.position_samples >= h.until and not vad.start_pending)
-        stalled = now_ms - self._last_real_ms >= TURN_HOLD_STALL_MS
-        if not (looked or stalled):
-            return
-        self._turn_hold = None
-        self._dispatch_held(h.queued)
-
-    def _dispatch_held(self, queued: list) -> None:
-        for out in queued:
-            if out.epoch != self.epoch:
-                continue  # a held output ended the response and advanced the epoch (token cap)
-            if isinstance(out, Decision):
-                super()._on_decision(out)
-            elif isinstance(out, TextDelta):
-                super()._on_text(out)
-            elif isinstance(out, AudioChunk):
-                super()._on_audio(out)
-            elif isinstance(out, TurnEnd):
-                super()._on_turn_end(out)
-            elif isinstance(out, EngineFailure):
-                super()._engine_failed(out)
-
-    def _turn_held(self, out: EngineOutput) -> bool:
-        """Whether ``out`` (an engine output of the current epoch) joins a held server-VAD answer."""
-        if self._turn_hold is None:
-            return False
-        self._check_turn_hold(self._now_ms)
-        h = self._turn_hold
-        if h is None or out.epoch != h.epoch:
-            return False
-        h.queued.append(out)
-        return True
-
-    # the Session dispatches engine outputs to these (ResponsesMixin comes after this mixin in
-    # the Session's bases): while a server-VAD answer is held they wait here, in order
-    def _on_decision(self, d: Decision) -> None:
-        if not self._turn_held(d):
-            super()._on_decision(d)
-
-    def _on_text(self, t: TextDelta) -> None:
-        if not self._turn_held(t):
-            super()._on_text(t)
-
-    def _on_audio(self, c: AudioChunk) -> None:
-        if not self._turn_held(c):
-            super()._on_audio(c)
-
-    def _on_turn_end(self, t: TurnEnd) -> None:
-        if not self._turn_held(t):
-            super()._on_turn_end(t)
-
-    def _engine_failed(self, e: EngineFailure) -> None:
-        if not self._turn_held(e):
-            super()._engine_failed(e)
+                self._s.resp.hold_answer(self._vad_base_samples + e.decided_sample + window, now_ms)

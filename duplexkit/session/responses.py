@@ -1,19 +1,17 @@
 """The response job of a Session: ``response.create``/``cancel``, the envelope (item, output item,
 content part, ``response.speak``/``listen``), text and audio deltas, the token cap, engine
 failures, epochs (``CancelEpoch``), ``response.done`` and the latency trace. Every phase change
-goes through ``self._fire`` (:mod:`duplexkit.session.machine`)."""
+goes through the outbox's phase machine (:mod:`duplexkit.session.machine`)."""
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional, Union
 
 from duplexkit.audio import b64encode_audio, float32_to_pcm16
 from duplexkit.engine.api import (
     AudioChunk,
-    CancelEpoch,
     CloseStream,
     Decision,
     EngineFailure,
@@ -54,19 +52,14 @@ from duplexkit.protocol import (
     TextMark,
     TransitionError,
 )
+from duplexkit.errors import ERROR_TYPES
 from duplexkit.protocol.server_events import StatusError
-from duplexkit.session.config import CloseConnection
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.settings import _NO_VOCODER
-from duplexkit.session.machine import PhaseEvent
+from duplexkit.session.machine import Machine, PhaseEvent
+from duplexkit.session.trace import LatencyTrace
 
-trace_log = logging.getLogger("duplexkit.latency")
-"""Latency trace (debug option, docs/benchmarks.md "Latency trace"): at DEBUG level the Session logs
-one JSON line per finished response with its request -> forced unit -> decision -> first audio
-stamps (Session clock, ms) and the forced unit's engine ``UnitTimings``. ``first_audio_ms`` is when
-the first audio delta went out to the client (for a server-VAD answer held by the turn confirmation,
-its release), ``engine_audio_ms`` when the engine's first audio of the response arrived."""
-
+from duplexkit.session.wire import response_model
 
 @dataclass
 class _Response:
@@ -94,37 +87,108 @@ def reason_to_cancel(reason: str) -> str:
     return "client_cancelled"
 
 
-class ResponsesMixin:
-    """The response job of :class:`~duplexkit.session.Session` (state: ``_resp``, ``epoch``,
-    ``_trace_wait``)."""
+#: Input silence (no append), ms, after which a held server-VAD answer is released although the
+#: VAD has not yet looked past the confirmation window: a client that stopped streaming cannot
+#: resume the turn before the answer plays (twice the default ``start_confirm_ms``).
+TURN_HOLD_STALL_MS = 200
 
-    # latency trace (debug option: the ``duplexkit.latency`` logger at DEBUG)
-    def _trace_output(self, r: _Response, out: EngineOutput, now_ms: float) -> None:
-        t = r.trace
-        if isinstance(out, Decision) and r.forced_unit is not None and out.unit_index >= r.forced_unit:
-            t.setdefault("decision_ms", float(now_ms))
-            t.setdefault("decision_unit", out.unit_index)
-        elif isinstance(out, AudioChunk) and out.audio.size:
-            # when the engine's audio arrived; first_audio_ms is stamped when it goes out (_on_audio),
-            # later than this for an answer held by the turn confirmation (docs/concepts.md)
-            t.setdefault("engine_audio_ms", float(now_ms))
-            t.setdefault("first_audio_unit", out.unit_index)
-        elif isinstance(out, UnitTimings):
-            self._trace_engine(r, out)
 
-    def _trace_engine(self, r: _Response, out: UnitTimings) -> None:
-        if out.unit_index == r.forced_unit and "engine" not in r.trace:
-            r.trace["engine"] = dict(out.timings)
-            if r is self._trace_wait:
-                self._trace_emit(r)
+class TurnHold(str, Enum):
+    """A server-VAD answer's outputs: ``none`` held, or ``holding`` until the VAD confirms the turn
+    ended (:meth:`Responses.check_turn_hold`)."""
 
-    def _trace_emit(self, r: _Response) -> None:
-        if r is self._trace_wait:
-            self._trace_wait = None
-        rec = {"session": self.session_id, "response": r.id, "trigger": r.trigger, "forced_unit": r.forced_unit, **r.trace}
-        trace_log.debug("%s", json.dumps(rec))
+    NONE = "none"
+    HOLDING = "holding"
 
-    def _on_response_create(self, ev: ResponseCreateEvent, now_ms: float) -> None:
+
+class TurnHoldEvent(str, Enum):
+    HOLD = "hold"  # a server-VAD commit created the answer
+    DROP = "drop"  # the epoch moved on (resumed speech, a cancel): the held outputs go with it
+    RELEASE = "release"  # the turn is confirmed (or the answer ended): the held outputs are applied
+
+
+TURN_HOLD_TABLE = {
+    TurnHold.NONE: {TurnHoldEvent.HOLD: TurnHold.HOLDING},
+    TurnHold.HOLDING: {TurnHoldEvent.HOLD: TurnHold.HOLDING, TurnHoldEvent.DROP: TurnHold.NONE,
+                       TurnHoldEvent.RELEASE: TurnHold.NONE},
+}
+"""The turn hold's machine: state -> event -> next state (a missing pair is an internal error)."""
+
+
+class _TurnHold:
+    """The outputs of a server-VAD answer held until the VAD confirms the turn ended (see
+    :meth:`Responses.check_turn_hold`)."""
+
+    __slots__ = ("response_id", "epoch", "until", "queued")
+
+    def __init__(self, response_id: str, epoch: int, until: int) -> None:
+        self.response_id = response_id
+        self.epoch = epoch
+        self.until = until  # real-sample index the VAD must have classified (commit + confirmation window)
+        self.queued: list = []  # engine outputs of the response's epoch, in arrival order
+
+
+class Responses:
+    """The response part of :class:`~duplexkit.session.Session`: the active response and its
+    envelope, deltas, the end of a response, the turn confirmation hold and the latency trace.
+    Every phase change goes through the outbox's phase machine (``self._o.fire``), and every event
+    emitted is checked against the move it took (:meth:`PhaseMachine.check_emit`).
+
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+    """
+
+    def __init__(self, s) -> None:
+        self._s = s
+        self._o = s.out
+        self._resp: Optional[_Response] = None
+        self._audio_started = False  # audio output has started: the voice is fixed (docs/protocol.md §8)
+        self._trace = LatencyTrace(self._o.session_id)  # the latency trace (debug option; its own machine)
+        self._turn_hold: Optional[_TurnHold] = None  # a server-VAD answer's outputs, held (check_turn_hold)
+        self._hold_state = Machine("turn hold", TURN_HOLD_TABLE, TurnHold.NONE)
+
+    def on_output(self, out: EngineOutput, now_ms: float) -> None:
+        """A non-fatal engine output of this stream: traced, dropped when of an older epoch, held
+        with a server-VAD answer (:meth:`turn_held`), else applied."""
+        if isinstance(out, UnitTimings):
+            self._trace.unit_timings(out)
+        if out.epoch != self._o.epoch:
+            return
+        if self._resp is not None and self._resp.trace is not None:
+            self._trace.output(self._resp, out, now_ms)
+        apply = _APPLY.get(type(out))
+        if apply is not None and not self.turn_held(out):
+            apply(self, out)
+
+    # -- what the other parts ask -----------------------------------------------------------------
+    def active(self) -> Optional[_Response]:
+        """The active response (None when idle); its record is read-only to the other parts."""
+        return self._resp
+
+    def audio_started(self) -> bool:
+        return self._audio_started
+
+    def set_forced_unit(self, unit: Optional[int]) -> None:
+        """The active response's forced unit (``AppendUnit.force_speak``) went out."""
+        self._resp.forced_unit = unit
+
+    def start(self, trigger: str, cap) -> _Response:
+        """A response the Session starts itself (a tool call's, a filler's): ``create`` ->
+        requested, ``response.created``."""
+        self._o.fire(PhaseEvent.CREATE)
+        self._resp = self._new_response(trigger, list(self._s.settings.output_modalities), None, cap, forced_unit=None)
+        self._o.emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+        return self._resp
+
+    def done_with_calls(self, outputs: list) -> None:
+        """The active response's output is function calls (``tool_call`` fired before the items
+        went out): ``response.done`` listing them."""
+        r = self._resp
+        self._o.emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
+        self._resp = None
+        self._s.input.reset_force_listen()
+
+    def on_response_create(self, ev: ResponseCreateEvent, now_ms: float) -> None:
         params = ev.response
         if params is not None:
             if params.conversation is not None and params.conversation != "auto":
@@ -135,23 +199,21 @@ class ResponsesMixin:
             ):
                 raise ProtocolError(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']",
                                     param="response.output_modalities", event_id=ev.event_id)
-            if params.output_modalities and "audio" in params.output_modalities and not self.cfg.audio_output_available:
+            if params.output_modalities and "audio" in params.output_modalities and not self._o.cfg.audio_output_available:
                 raise ProtocolError(ErrorCode.BAD_EVENT, _NO_VOCODER, param="response.output_modalities",
                                     event_id=ev.event_id)
-            self._tools_for_response(params, ev.event_id)  # invalid_tools before anything changes
-        if self._resp is not None and self._resp.trigger in ("filler", "progress") and self._queued_create is None:
-            # a filler speaks: this response starts when it ends (docs/tools.md)
-            self._queued_create = (params, ev.event_id)
-            return
-        self._create_response(params, "client", ev.event_id, now_ms)
+            self._s.tools.for_response(params, ev.event_id)  # invalid_tools before anything changes
+        if self._resp is not None and self._resp.trigger in ("filler", "progress") and self._s.tools.queue_create(params, ev.event_id):
+            return  # a filler speaks: this response starts when it ends (docs/tools.md)
+        self.create(params, "client", ev.event_id, now_ms)
 
-    def _create_response(self, params, trigger: str, event_id: Optional[str], now_ms: float = 0) -> None:
+    def create(self, params, trigger: str, event_id: Optional[str], now_ms: float = 0) -> None:
         """Pre-create a response and run its forced unit at once on the audio already buffered
         (an early unit close with ``force_speak``; docs/concepts.md "Early unit close")."""
-        self._fire(PhaseEvent.CREATE, event_id)  # response_already_active unless idle
-        mods = list(self.settings.output_modalities)
+        self._o.fire(PhaseEvent.CREATE, event_id)  # response_already_active unless idle
+        mods = list(self._s.settings.output_modalities)
         metadata = None
-        cap: Union[int, str] = self.settings.max_output_tokens
+        cap: Union[int, str] = self._s.settings.max_output_tokens
         if params is not None:
             if params.output_modalities:
                 mods = list(dict.fromkeys(params.output_modalities))
@@ -163,98 +225,95 @@ class ResponsesMixin:
                 metadata = dict(metadata or {})
                 metadata["ignored_fields"] = ",".join(params.ignored)
         self._resp = self._new_response(trigger, mods, metadata, cap, forced_unit=None)
-        self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
-        if trace_log.isEnabledFor(logging.DEBUG):
-            self._resp.trace = {"request_ms": float(now_ms), "units_ahead": len(self._inflight) + len(self._unit_hold)}
-        tools, choice = self._tools_for_response(params, event_id)
-        if self._plan_response(trigger, tools, choice, now_ms):
+        self._o.emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+        if LatencyTrace.enabled():
+            self._resp.trace = {"request_ms": float(now_ms), "units_ahead": self._s.input.units_ahead()}
+        tools, choice = self._s.tools.for_response(params, event_id)
+        if self._s.tools.plan_response(trigger, tools, choice, now_ms):
             return  # the tool decider answers first (docs/tools.md); the forced unit waits for it
-        self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
+        self._resp.forced_unit = self._s.input.close_unit(now_ms, force_speak=True)
 
     def _new_response(self, trigger, mods, metadata, cap, forced_unit) -> _Response:
-        stream_audio = "audio" in self.settings.output_modalities
+        stream_audio = "audio" in self._s.settings.output_modalities
         audio = "audio" in mods and stream_audio
         if not audio:
             mods = ["text"]
-        rid = self._ids.response()
-        self._issued.add(rid)
+        rid = self._o.ids.response()
+        self._s.conv.issue_response(rid)
         return _Response(
-            id=rid, item_id=self._new_item_id(), epoch=self.epoch, trigger=trigger, audio=audio,
+            id=rid, item_id=self._s.conv.new_item_id(), epoch=self._o.epoch, trigger=trigger, audio=audio,
             modalities=mods, metadata=metadata, max_tokens=None if cap == "inf" else int(cap), forced_unit=forced_unit,
         )
 
-    def _on_response_cancel(self, ev: ResponseCancelEvent, now_ms: float) -> None:
+    def on_response_cancel(self, ev: ResponseCancelEvent, now_ms: float) -> None:
         if ev.response_id is not None and self._resp is not None and ev.response_id != self._resp.id:
-            raise TransitionError(ErrorCode.RESPONSE_NOT_ACTIVE, self.phase.value, PhaseEvent.CANCEL.value,
+            raise TransitionError(ErrorCode.RESPONSE_NOT_ACTIVE, self._o.phase.value, PhaseEvent.CANCEL.value,
                                   message=f"response {ev.response_id!r} is not active", event_id=ev.event_id)
-        self._fire(PhaseEvent.CANCEL, ev.event_id)
-        self._cancel_active("client_cancelled")
+        self._o.fire(PhaseEvent.CANCEL, ev.event_id)
+        self.cancel_active("client_cancelled")
 
-    def _on_output_clear(self, ev: OutputAudioBufferClearEvent, now_ms: float) -> None:
+    def on_output_clear(self, ev: OutputAudioBufferClearEvent, now_ms: float) -> None:
         if self._resp is None:
-            self._emit(OutputAudioBufferCleared())
+            self._o.emit(OutputAudioBufferCleared())
             return
-        self._fire(PhaseEvent.CANCEL, ev.event_id)
-        self._emit(OutputAudioBufferCleared(response_id=self._resp.id))
-        self._cancel_active("client_cancelled")
+        self._o.fire(PhaseEvent.CANCEL, ev.event_id)
+        self._o.emit(OutputAudioBufferCleared(response_id=self._resp.id))
+        self.cancel_active("client_cancelled")
 
-    def _advance_epoch(self) -> None:
-        self.epoch += 1
-        self._cmd(CancelEpoch(self.stream_id, self.epoch))
+    def _response_model(self, r: _Response, status: str, details=None, output=None):
+        return response_model(r, status, details, output, self._s.conv.committed_ms(r.id))
 
-    def _cancel_active(self, reason: str) -> None:
+    def cancel_active(self, reason: str) -> None:
         """Epoch +1, CancelEpoch, close the active response as cancelled (``reason``)."""
-        self._advance_epoch()
-        self._finish("cancelled", StatusDetails(type="cancelled", reason=reason))
+        self._o.advance_epoch()
+        self.finish("cancelled", StatusDetails(type="cancelled", reason=reason))
 
     def _open_envelope(self, r: _Response) -> None:
         r.opened = True
-        prev = self._last_item_id()
         it = _ConvItem(id=r.item_id, role="assistant", kind="output_audio" if r.audio else "output_text",
-                   status="in_progress", response_id=r.id)
-        self._add_item(it)
-        self._responses[r.id] = it
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(OutputItemAdded(response_id=r.id, item=self._item_model(it)))
+                       status="in_progress", response_id=r.id)
+        prev = self._s.conv.open_response_item(r.id, it)
+        self._o.emit(ConversationItemAdded(previous_item_id=prev, item=self._s.conv.model(it)))
+        self._o.emit(OutputItemAdded(response_id=r.id, item=self._s.conv.model(it)))
         part = Part(type="audio", transcript="") if r.audio else Part(type="text", text="")
-        self._emit(ContentPartAdded(response_id=r.id, item_id=r.item_id, part=part))
-        if self._duplex:
-            self._emit(ResponseSpeak(response_id=r.id, item_id=r.item_id, metadata=DeltaMetadata(epoch=self.epoch)))
+        self._o.emit(ContentPartAdded(response_id=r.id, item_id=r.item_id, part=part))
+        if self._o.duplex:
+            self._o.emit(ResponseSpeak(response_id=r.id, item_id=r.item_id, metadata=DeltaMetadata(epoch=self._o.epoch)))
 
     def _ensure_open(self) -> _Response:
         """SPEAK: open a model response (idle) or the pre-created one's envelope (requested)."""
-        self._fire(PhaseEvent.SPEAK)
+        self._o.fire(PhaseEvent.SPEAK)
         if self._resp is None:
-            self._resp = self._new_response("model", list(self.settings.output_modalities), None,
-                                            self.settings.max_output_tokens, forced_unit=None)
-            self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+            self._resp = self._new_response("model", list(self._s.settings.output_modalities), None,
+                                            self._s.settings.max_output_tokens, forced_unit=None)
+            self._o.emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
         r = self._resp
         if not r.opened:
             self._open_envelope(r)
         return r
 
-    def _on_decision(self, d: Decision) -> None:
+    def on_decision(self, d: Decision) -> None:
         if d.decision == "speak":
             self._ensure_open()
             return
         r = self._resp
         if r is None:
-            self._fire(PhaseEvent.LISTEN)  # a beat: stays idle
-            if self._duplex:
-                self._emit(ResponseListen(epoch=self.epoch, response=ResponseObject(
+            self._o.fire(PhaseEvent.LISTEN)  # a beat: stays idle
+            if self._o.duplex:
+                self._o.emit(ResponseListen(epoch=self._o.epoch, response=ResponseObject(
                     status="listening", metadata={"reason": "model_listen"})))
             return
         if r.opened or r.forced_unit is None or d.unit_index < r.forced_unit:
-            self._fire(PhaseEvent.LISTEN)  # speaking, or a unit before the forced one: no change
+            self._o.fire(PhaseEvent.LISTEN)  # speaking, or a unit before the forced one: no change
             return
-        self._fire(PhaseEvent.FORCED_LISTEN)
-        if self._duplex:
-            self._emit(ResponseListen(epoch=self.epoch, response_id=r.id, response=ResponseObject(
-                id=r.id, status="listening", metadata={"reason": "model_listen"}, epoch=self.epoch)))
+        self._o.fire(PhaseEvent.FORCED_LISTEN)
+        if self._o.duplex:
+            self._o.emit(ResponseListen(epoch=self._o.epoch, response_id=r.id, response=ResponseObject(
+                id=r.id, status="listening", metadata={"reason": "model_listen"}, epoch=self._o.epoch)))
         r.metadata = {**(r.metadata or {}), "decision": "listen"}
-        self._finish("completed", None)
+        self.finish("completed", None)
 
-    def _on_text(self, t: TextDelta) -> None:
+    def on_text(self, t: TextDelta) -> None:
         r = self._resp
         if r is None and not t.text:
             return
@@ -262,18 +321,18 @@ class ResponsesMixin:
             r = self._ensure_open()
         r.tokens += int(t.n_tokens)
         if not r.audio and t.text:
-            it = self._responses[r.id]
+            it = self._s.conv.response_item(r.id)
             it.text += t.text
             r.parts.append(t.text)
             r.chars += len(t.text)
-            self._emit(OutputTextDelta(response_id=r.id, item_id=r.item_id, delta=t.text,
-                                       metadata=DeltaMetadata(epoch=self.epoch)))
+            self._o.emit(OutputTextDelta(response_id=r.id, item_id=r.item_id, delta=t.text,
+                                       metadata=DeltaMetadata(epoch=self._o.epoch)))
         if r.max_tokens is not None and r.tokens >= r.max_tokens:
-            self._fire(PhaseEvent.TOKEN_CAP)
-            self._advance_epoch()
-            self._finish("incomplete", StatusDetails(type="incomplete", reason="max_output_tokens"))
+            self._o.fire(PhaseEvent.TOKEN_CAP)
+            self._o.advance_epoch()
+            self.finish("incomplete", StatusDetails(type="incomplete", reason="max_output_tokens"))
 
-    def _on_audio(self, c: AudioChunk) -> None:
+    def on_audio(self, c: AudioChunk) -> None:
         r = self._resp
         if r is not None and not r.audio:
             return  # text-only response: audio is not requested
@@ -292,7 +351,7 @@ class ResponsesMixin:
             return
         r.pending_pcm, r.pending_text = b"", ""
         r.samples += len(pcm) // 2
-        it = self._responses[r.id]
+        it = self._s.conv.response_item(r.id)
         it.text += text
         r.parts.append(text)
         r.chars += len(text)
@@ -300,76 +359,136 @@ class ResponsesMixin:
         it.sent_ms = ms
         self._audio_started = True
         if r.trace is not None:
-            r.trace.setdefault("first_audio_ms", self._now_ms)  # sent now (a held answer: its release)
-        meta = DeltaMetadata(epoch=self.epoch, audio_duration_ms=ms,
+            r.trace.setdefault("first_audio_ms", self._o.now_ms)  # sent now (a held answer: its release)
+        meta = DeltaMetadata(epoch=self._o.epoch, audio_duration_ms=ms,
                              audio_text_marks=[TextMark(text_chars=r.chars, audio_end_ms=ms)], end_of_turn=bool(c.final))
-        self._emit(OutputAudioDelta(response_id=r.id, item_id=r.item_id, delta=b64encode_audio(pcm), format="pcm16",
+        self._o.emit(OutputAudioDelta(response_id=r.id, item_id=r.item_id, delta=b64encode_audio(pcm), format="pcm16",
                                     sample_rate_hz=OUTPUT_SAMPLE_RATE, metadata=meta))
-        self._emit(OutputAudioTranscriptDelta(response_id=r.id, item_id=r.item_id, delta=text,
-                                              metadata=DeltaMetadata(epoch=self.epoch)))
+        self._o.emit(OutputAudioTranscriptDelta(response_id=r.id, item_id=r.item_id, delta=text,
+                                              metadata=DeltaMetadata(epoch=self._o.epoch)))
 
-    def _on_turn_end(self, t: TurnEnd) -> None:
+    def on_turn_end(self, t: TurnEnd) -> None:
         if self._resp is None:
             return
-        if self._answer_holds(t.reason):  # an answer spoken piece by piece goes on (docs/tools.md)
+        if self._s.tools.answer_holds(t.reason):  # an answer spoken piece by piece goes on (docs/tools.md)
             return
-        self._fire(PhaseEvent.TURN_END)
+        self._o.fire(PhaseEvent.TURN_END)
         if t.reason == "cancelled":
-            self._finish("cancelled", StatusDetails(type="cancelled", reason="client_cancelled"))
+            self.finish("cancelled", StatusDetails(type="cancelled", reason="client_cancelled"))
         else:
-            self._finish("completed", None)
+            self.finish("completed", None)
 
-    def _engine_failed(self, e: EngineFailure) -> None:
+    def engine_failed(self, e: EngineFailure) -> None:
         if self._resp is None:
-            self._error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "engine error"))
+            self._o.error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "engine error"))
             return
-        self._fire(PhaseEvent.FAIL)
-        self._advance_epoch()
-        self._finish("failed", StatusDetails(type="failed", error=StatusError(
-            type="server_error", code=e.code or "server_error", message=e.message or "engine error")))
+        self._o.fire(PhaseEvent.FAIL)
+        self._o.advance_epoch()
+        self.finish("failed", StatusDetails(type="failed", error=StatusError(
+            type=ERROR_TYPES[ErrorCode.SERVER_ERROR], code=e.code or ErrorCode.SERVER_ERROR.value, message=e.message or "engine error")))
 
-    def _engine_fatal(self, e: EngineFailure) -> None:
+    def engine_fatal(self, e: EngineFailure) -> None:
+        self._o.fire(PhaseEvent.CLOSE)  # the move to closed ends the active response (response.done)
         if self._resp is not None:
-            self._advance_epoch()
-            self._finish("failed", StatusDetails(type="failed", error=StatusError(
-                type="server_error", code="server_error", message=e.message or "engine failure")))
-        self._error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "the engine failed and cannot continue"))
-        self._fire(PhaseEvent.CLOSE)
-        self._emit(SessionClosed(session_id=self.session_id, epoch=self.epoch, reason="server_error"))
-        self._cmd(CloseStream(self.stream_id, self.epoch))
-        self._out.append(CloseConnection(1011, "server_error"))
+            self._o.advance_epoch()
+            self.finish("failed", StatusDetails(type="failed", error=StatusError(
+                type=ERROR_TYPES[ErrorCode.SERVER_ERROR], code=ErrorCode.SERVER_ERROR.value, message=e.message or "engine failure")))
+        self._o.error(ProtocolError(ErrorCode.SERVER_ERROR, e.message or "the engine failed and cannot continue"))
+        self._o.emit(SessionClosed(session_id=self._o.session_id, epoch=self._o.epoch, reason=ErrorCode.SERVER_ERROR.value))
+        self._o.cmd(CloseStream(self._o.stream_id, self._o.epoch))
+        self._o.close_connection(1011, ErrorCode.SERVER_ERROR.value)
 
-    def _finish(self, status: str, details: Optional[StatusDetails]) -> None:
+    def finish(self, status: str, details: Optional[StatusDetails]) -> None:
         """Close the parts the active response opened (§5.3 steps 7–12) and emit response.done."""
         r = self._resp
         assert r is not None
         output = []
         if r.opened:
-            it = self._responses[r.id]
+            it = self._s.conv.response_item(r.id)
             it.status = "completed" if status == "completed" else "incomplete"
             text = "".join(r.parts)
             if r.audio:
-                self._emit(OutputAudioDone(response_id=r.id, item_id=r.item_id))
-                self._emit(OutputAudioTranscriptDone(response_id=r.id, item_id=r.item_id, transcript=text))
+                self._o.emit(OutputAudioDone(response_id=r.id, item_id=r.item_id))
+                self._o.emit(OutputAudioTranscriptDone(response_id=r.id, item_id=r.item_id, transcript=text))
                 part = Part(type="audio", transcript=text)
             else:
-                self._emit(OutputTextDone(response_id=r.id, item_id=r.item_id, text=text))
+                self._o.emit(OutputTextDone(response_id=r.id, item_id=r.item_id, text=text))
                 part = Part(type="text", text=text)
-            self._emit(ContentPartDone(response_id=r.id, item_id=r.item_id, part=part))
-            model = self._item_model(it)
-            self._emit(OutputItemDone(response_id=r.id, item=model))
-            self._emit(ConversationItemDone(previous_item_id=self._previous_of(it.id), item=model))
-            if self.settings.playback_commit_policy == "commit_on_done" and not it.final:
+            self._o.emit(ContentPartDone(response_id=r.id, item_id=r.item_id, part=part))
+            model = self._s.conv.model(it)
+            self._o.emit(OutputItemDone(response_id=r.id, item=model))
+            self._o.emit(ConversationItemDone(previous_item_id=self._s.conv.previous_of(it.id), item=model))
+            if self._s.settings.playback_commit_policy == "commit_on_done" and not it.final:
                 it.committed_ms = max(it.committed_ms, it.sent_ms)
             output = [model]
-        self._emit(ResponseDone(response=self._response_model(r, status, details, output)))
+        self._o.emit(ResponseDone(response=self._response_model(r, status, details, output)))
         if r.trace is not None:
-            r.trace["status"] = status
-            if self._trace_wait is not None:
-                self._trace_emit(self._trace_wait)
-            self._trace_wait = r
-            if "engine" in r.trace or r.forced_unit is None or status == "cancelled":
-                self._trace_emit(r)
+            self._trace.finished(r, status)
         self._resp = None
-        self._force_listen_left = self.settings.force_listen_count
-        self._tools_response_finished(r, self._now_ms)
+        self._s.input.reset_force_listen()
+        self._s.tools.response_finished(r, self._o.now_ms)
+
+    # -- turn confirmation: a server-VAD answer is heard only once the turn surely ended ----------
+    def hold_answer(self, until: int, now_ms: float) -> None:
+        """Hold the outputs of the active (server-VAD) answer until the VAD has classified input up to
+        real-sample ``until`` (:meth:`check_turn_hold`)."""
+        r = self._resp
+        self._hold_state.fire(TurnHoldEvent.HOLD)
+        self._turn_hold = _TurnHold(r.id, self._o.epoch, until)
+        self.check_turn_hold(now_ms)
+
+    def check_turn_hold(self, now_ms: float) -> None:
+        """Release or drop the held outputs of a server-VAD answer (docs/concepts.md "Turn confirmation").
+
+        The commit of a server-VAD turn creates the response at once, so the engine computes the
+        answer while the VAD goes on listening; its outputs (decisions, text, audio, turn end,
+        failures of its epoch) are held until the VAD has classified ``start_confirm_ms`` (100 ms
+        at the defaults) of input past the point where it decided the turn ended, with no speech
+        frame left in its confirmation window. Speech that resumes in that window is confirmed
+        as a new ``speech_started`` (a barge-in: the response is cancelled with ``turn_detected``)
+        before anything of the answer was sent, so a false end of turn is never heard. The hold
+        also ends when the input has been silent for :data:`TURN_HOLD_STALL_MS` (a client that
+        stopped streaming). Nothing is added when the engine is slower than the window.
+        """
+        h = self._turn_hold
+        if h is None:
+            return
+        if self._o.epoch != h.epoch:
+            self._hold_state.fire(TurnHoldEvent.DROP)
+            self._turn_hold = None  # cancelled (resumed speech, response.cancel): dropped with its epoch
+            return
+        r = self._resp
+        if r is None or r.id != h.response_id:  # ended without a cancel (its tool calls): nothing to confirm
+            self._hold_state.fire(TurnHoldEvent.RELEASE)
+            self._turn_hold = None
+            self._dispatch_held(h.queued)
+            return
+        looked = self._s.input.vad_looked_past(h.until)
+        stalled = self._s.input.quiet_for(TURN_HOLD_STALL_MS, now_ms)
+        if not (looked or stalled):
+            return
+        self._hold_state.fire(TurnHoldEvent.RELEASE)
+        self._turn_hold = None
+        self._dispatch_held(h.queued)
+
+    def _dispatch_held(self, queued: list) -> None:
+        for out in queued:
+            if out.epoch != self._o.epoch:
+                continue  # a held output ended the response and advanced the epoch (token cap)
+            _APPLY[type(out)](self, out)
+
+    def turn_held(self, out: EngineOutput) -> bool:
+        """Whether ``out`` (an engine output of the current epoch) joins a held server-VAD answer."""
+        if self._turn_hold is None:
+            return False
+        self.check_turn_hold(self._o.now_ms)
+        h = self._turn_hold
+        if h is None or out.epoch != h.epoch:
+            return False
+        h.queued.append(out)
+        return True
+
+
+_APPLY = {Decision: Responses.on_decision, TextDelta: Responses.on_text, AudioChunk: Responses.on_audio,
+          TurnEnd: Responses.on_turn_end, EngineFailure: Responses.engine_failed}
+"""Engine outputs that drive the active response, and the method each goes to."""

@@ -7,10 +7,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from duplexkit.audio import AudioFormatError, InputFormat, StreamDecoder, StreamResampler
-from duplexkit.audio.arrival import ArrivalRateMonitor
+from duplexkit.audio import AudioFormatError, InputFormat
 from duplexkit.engine.api import (
-    INPUT_SAMPLE_RATE,
     OUTPUT_SAMPLE_RATE,
     ReferenceVoice,
     StreamConfig,
@@ -23,12 +21,13 @@ from duplexkit.protocol import (
     SessionPatch,
     SessionUpdateEvent,
     SessionUpdated,
-    SessionWarning,
 )
 from duplexkit.session.conversation import REPREFILL_WARNING
 from duplexkit.session.machine import Phase
-from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools
-from duplexkit.session.voice import load_ref_audio
+from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools, \
+    parse_transcription
+from duplexkit.session.voice import apply_voice
+from duplexkit.session.wire import session_object
 
 log = logging.getLogger("duplexkit.session")
 
@@ -111,47 +110,179 @@ _PLAIN_FIELDS = (
 """``session.update`` fields applied as they come (the pydantic model validated them), with the
 conversion each gets."""
 
-class SettingsMixin:
-    """The ``session.update`` job of :class:`~duplexkit.session.Session` (state: ``settings``,
-    ``_seed_text``, ``_system_text``, the VAD/decoder objects it rebuilds)."""
+def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err) -> InputFormat:
+    """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
 
-    def _on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
+    Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
+    ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
+    takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
+    a client may send the session object back unchanged. Channels: ``channels`` in the GA
+    object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
+    downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
+    without a channel count is mono, a channel count given alone keeps the current encoding
+    and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
+    """
+    flat_ch = p.input_channels if "input_channels" in p.given else None
+    if p.input_format is None and "input_sample_rate_hz" not in p.given:
+        # only a channel count: same encoding and rate
+        try:
+            return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
+        except AudioFormatError as e:
+            raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
+    f = p.input_format if p.input_format is not None else "pcm16"
+    explicit = p.input_sample_rate_hz
+    duplex_default = default_rate
+    bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
+    try:
+        if isinstance(f, str):
+            enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
+                   "audio/pcm": "pcm16"}.get(f)
+            if enc is None:
+                raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
+            if enc.startswith("g711"):
+                rate = 8000 if explicit is None else explicit
+            else:
+                rate = explicit if explicit is not None else duplex_default
+            return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
+        t = f.get("type")
+        enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
+        if enc is None:
+            raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
+        if enc == "pcm16" and f.get("encoding") is not None:
+            if f["encoding"] not in ("pcm16", "pcm_f32le"):
+                raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
+            enc = f["encoding"]
+        rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
+        for v in rates:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
+        if len(set(rates)) > 1:
+            raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
+        rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+        ch = f.get("channels")
+        if ch is not None and flat_ch is not None and ch != flat_ch:
+            raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
+        ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
+        return InputFormat(enc, rate, ch)
+    except AudioFormatError as e:
+        raise err(bad, str(e), "input_format") from None
+
+
+class Settings:
+    """The settings part of :class:`~duplexkit.session.Session`: the ``session.update`` job and the
+    engine stream's configuration.
+
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+
+    State: the current settings (:attr:`current`, what ``Session.settings`` returns), the session
+    prefix's text parts (system text items, seed text), and what the engine stream was last given.
+    """
+
+    def __init__(self, s) -> None:
+        self._s = s
+        self._o = s.out
+        cfg = self._o.cfg
+        duplex = self._o.duplex
+        self._vad_cls = _vad_classes() if cfg.vad_available else None
+        td = None
+        if self._vad_cls is not None:
+            td = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                  "interrupt_response": True, "create_response": not duplex}
+        self.current = _Settings(
+            output_modalities=["audio", "text"] if cfg.audio_output_available else ["text"],
+            instructions=cfg.default_instructions,
+            voice="default",
+            ref_voice=cfg.default_voice,
+            ref_from_client=False,
+            input_format=InputFormat("pcm16", cfg.limits.input_default_rate if duplex else 24000),
+            turn_detection=td,
+            temperature=float(cfg.temperature),
+            max_output_tokens=cfg.max_output_tokens,
+            force_listen_count=0,
+            answer_policy=cfg.answer_policy or ("model" if duplex else "on_request"),
+            playback_commit_policy="ack_only" if duplex else "commit_on_done",
+            seed=cfg.seed,
+            early_unit_close=duplex,
+        )
+        self._seed_text: list[str] = []
+        self._system_text: list[str] = []
+        self._seed_item_ids: set = set()  # user text items that went into the seed text (before the first unit)
+        self._engine_config: Optional[StreamConfig] = None  # the config the engine stream has (last sent)
+        self._engine_prefix: tuple = (None, None)  # (instructions, seed text) the engine was last given
+        self._prefix_pending = False  # a new session prefix waits for a turn boundary (sync_stream)
+        self._free_units: set = set()  # appended units not forced to listen (pruned to those in flight)
+        self._update_warnings: list = []
+
+    # -- what the other parts ask -----------------------------------------------------------------
+    def vad_classes(self):
+        """``(StreamingVAD, VadConfig)``, or None when the server VAD cannot run."""
+        return self._vad_cls
+
+    def session_object(self):
+        return session_object(self.current, self._o.session_id, self._o.cfg, self._o.epoch, self._o.duplex)
+
+    def open_stream(self) -> StreamConfig:
+        """The config of the engine stream being opened (``OpenStream``)."""
+        self._engine_config = self._stream_config()
+        self._engine_prefix = (self._engine_config.instructions, self._engine_config.seed_text)
+        return self._engine_config
+
+    def prefix_pending(self) -> bool:
+        """A new session prefix waits for a turn boundary (:meth:`sync_stream`)."""
+        return self._prefix_pending
+
+    def note_free_unit(self, unit_index: int, in_flight: set) -> None:
+        """An appended unit the model may start a turn in (not forced to listen); the set is kept
+        bounded to the units still ``in_flight``."""
+        self._free_units.add(unit_index)
+        if len(self._free_units) > 64:
+            self._free_units &= in_flight | {unit_index}
+
+    def add_system_text(self, text: str) -> None:
+        """A system message item: part of the session prefix."""
+        self._system_text.append(text)
+
+    def add_seed_text(self, text: str, item_id: str) -> None:
+        """A user text item before the first unit: seeds the session prefix (docs/model.md §5.1)."""
+        self._seed_text.append(text)
+        self._seed_item_ids.add(item_id)
+
+    def on_session_update(self, ev: SessionUpdateEvent, now_ms: float, first: bool = False) -> None:
         self._update_warnings = []
         new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
         for path in ev.session.ignored:  # accepted, not honoured (docs/protocol.md §4.1)
             self._update_warnings.append(("field_ignored", f"session.{path} is accepted but not honoured: "
                                           + UNHONOURED_SESSION_FIELDS[path][1], "session." + path))
         warnings, self._update_warnings = self._update_warnings, []
-        old = self.settings
-        self.settings = new
+        old = self.current
+        self.current = new
         if new.input_format != old.input_format:
-            self._decoder = StreamDecoder(new.input_format)
-            self._resampler = StreamResampler(new.input_format.rate, INPUT_SAMPLE_RATE)
-            self._arrival = ArrivalRateMonitor(new.input_format.rate)  # a new declaration: re-armed
+            self._s.input.set_format(new.input_format)
         if new.turn_detection != old.turn_detection:
-            self._make_vad()
-        if first and not self.started:
-            self.start(now_ms)
+            self._s.input.make_vad()
+        if first and not self._s.started:
+            self._s.start(now_ms)
             for w in warnings:
-                self._warn(*w)
+                self._o.warn(*w)
             return
-        self._emit(SessionUpdated(session=self._session_object()))
+        self._o.emit(SessionUpdated(session=self.session_object()))
         for w in warnings:
-            self._warn(*w)
-        self._sync_stream()
+            self._o.warn(*w)
+        self.sync_stream()
 
     def _at_turn_boundary(self) -> bool:
         """True when the duplex model is between turns and cannot open one before a command sent
         now: no response is active (none requested, none speaking), the phase is idle, and every
         appended unit still awaiting its decision was forced to listen (answer policy ``on_request``,
         the tool gate, ``force_listen_count``), so none of them can start a turn ahead of it."""
-        if self._resp is not None or self.phase is not Phase.IDLE:
+        if self._o.phase is not Phase.IDLE or self._s.active_response_id is not None:
             return False
-        waiting = {u for u, _ in self._inflight}
+        waiting = self._s.input.units_in_flight()
         self._free_units &= waiting
         return not self._free_units
 
-    def _sync_stream(self) -> None:
+    def sync_stream(self) -> None:
         """Bring the engine stream's configuration up to the settings (one ``UpdateStream``).
 
         A new session prefix (instructions, system text items, seed text: docs/model.md §5.1) makes
@@ -163,18 +294,18 @@ class SettingsMixin:
         temperature, ...) are sent at once with the prefix the engine already has (docs/protocol.md
         §4.1, "Instructions after the first unit").
         """
-        if not self._stream_open:
+        if self._engine_config is None:  # the stream is not open yet
             return
         want = self._stream_config()
         have = self._engine_config
         key = _prefix_key(want)
         self._prefix_pending = False
         if have is not None and key != self._engine_prefix:
-            if self._units_appended > 0 and not self._at_turn_boundary():
+            if self._s.input.units_appended() > 0 and not self._at_turn_boundary():
                 self._prefix_pending = True
                 want = want.replace(instructions=have.instructions, seed_text=have.seed_text)
             else:
-                if self._units_appended > 0:
+                if self._s.input.units_appended() > 0:
                     history = self._history_text()
                     if history:
                         want = want.replace(instructions="\n\n".join(x for x in (want.instructions, history) if x))
@@ -184,7 +315,7 @@ class SettingsMixin:
         if have is not None and _config_key(want) == _config_key(have):
             return
         self._engine_config = want
-        self._cmd(UpdateStream(self.stream_id, self.epoch, config=want))
+        self._o.cmd(UpdateStream(self._o.stream_id, self._o.epoch, config=want))
 
     def _history_text(self) -> str:
         """What was said so far as text, for a re-prefill after the first unit: a header line, then
@@ -193,13 +324,13 @@ class SettingsMixin:
         assistant responses as far as they were heard, docs/protocol.md §7.5), the last
         :data:`HISTORY_MAX_CHARS` characters of whole lines. Empty when nothing was said."""
         lines = []
-        for it in self._items.values():
+        for it in self._s.conv.items():
             if it.role == "user" and it.kind == "input_audio":
                 lines.append("User: " + (it.text or USER_SPOKE))
             elif it.role == "user" and it.kind == "input_text" and it.id not in self._seed_item_ids and it.text:
                 lines.append("User: " + it.text)
             elif it.role == "assistant" and it.kind in ("output_audio", "output_text"):
-                text = self._truth_text(it) if it.kind == "output_audio" else it.text
+                text = self._s.conv.truth_text(it) if it.kind == "output_audio" else it.text
                 if text.strip():
                     lines.append("Assistant: " + text.strip())
         kept, size = [], 0
@@ -213,7 +344,7 @@ class SettingsMixin:
         return "\n".join([HISTORY_HEADER, *reversed(kept)]) if kept else ""
 
     def _validated_settings(self, p: SessionPatch, event_id: Optional[str]) -> _Settings:
-        s = self.settings.copy()
+        s = self.current.copy()
         given = set(p.given)
 
         def err(code: ErrorCode, msg: str, concept: str, field: Optional[str] = None) -> ProtocolError:
@@ -227,16 +358,17 @@ class SettingsMixin:
             mods = p.output_modalities or []
             if not mods or any(m not in ("audio", "text") for m in mods):
                 raise err(ErrorCode.BAD_EVENT, "output_modalities must be a non-empty subset of ['audio', 'text']", "output_modalities")
-            if "audio" in mods and not self.cfg.audio_output_available:
+            if "audio" in mods and not self._o.cfg.audio_output_available:
                 raise err(ErrorCode.BAD_EVENT, _NO_VOCODER, "output_modalities")
             s.output_modalities = list(dict.fromkeys(mods))
         if "instructions" in given and p.instructions != s.instructions:
-            # after the first unit the duplex model gets them at the next turn boundary (_sync_stream)
+            # after the first unit the duplex model gets them at the next turn boundary (sync_stream)
             s.instructions = p.instructions
-            if self._units_appended > 0:
+            if self._s.input.units_appended() > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
-            s.input_format = self._parse_input_format(p, err)
+            default_rate = self._o.cfg.limits.input_default_rate if self._o.duplex else 24000
+            s.input_format = parse_input_format(p, self.current.input_format, default_rate, err)
         if "output_format" in given:
             of = p.output_format
             ok = of == "pcm16" or (
@@ -260,7 +392,7 @@ class SettingsMixin:
             s.tool_choice = parse_tool_choice(choice, s.tools, "session." + p.sources.get("tool_choice", "tool_choice"),
                                               event_id)
         if "transcription" in given:
-            s.transcription = self._parse_transcription(p.transcription, err, warn)
+            s.transcription = parse_transcription(p.transcription, err, warn)
         if "tool_filler" in given:
             s.tool_filler = p.tool_filler
         if "tool_progress" in given:
@@ -276,82 +408,8 @@ class SettingsMixin:
                 tp = {"after_ms": after, "text": text}
             s.tool_progress = tp
         # voice and reference audio (docs/protocol.md §8)
-        voice_changed = False
-        if "voice" in given:
-            s.voice = p.voice
-            if not s.ref_from_client or "ref_audio" not in given:
-                s.ref_voice = self.cfg.voices.get(p.voice, self.cfg.default_voice)
-                s.ref_from_client = False
-            voice_changed = True
-        if "ref_audio" in given:
-            s.ref_voice = load_ref_audio(p.ref_audio, self.cfg.ref_audio_loader, self.cfg.limits.max_ref_audio_s, err)
-            s.ref_from_client = True
-            voice_changed = True
-        if voice_changed and self._audio_started:
-            old_sha = self.settings.ref_voice.sha256 if self.settings.ref_voice is not None else None
-            new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
-            if old_sha != new_sha:
-                raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
-                          "ref_audio" if "ref_audio" in given else "voice")
+        apply_voice(s, p, given, self._o.cfg, self.current.ref_voice, self._s.resp.audio_started(), err)
         return s
-
-    def _parse_input_format(self, p: SessionPatch, err) -> InputFormat:
-        """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
-
-        Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
-        ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also
-        takes the keys the server itself echoes (``sample_rate_hz``, ``encoding: "pcm_f32le"``), so
-        a client may send the session object back unchanged. Channels: ``channels`` in the GA
-        object or flat (``channels`` / ``input_audio_channels``), 1..8 interleaved channels
-        downmixed to mono by their mean (:class:`~duplexkit.audio.InputFormat`); a format given
-        without a channel count is mono, a channel count given alone keeps the current encoding
-        and rate. Anything else is ``unsupported_audio_format`` (never read as mono).
-        """
-        cur = self.settings.input_format
-        flat_ch = p.input_channels if "input_channels" in p.given else None
-        if p.input_format is None and "input_sample_rate_hz" not in p.given:
-            # only a channel count: same encoding and rate
-            try:
-                return InputFormat(cur.encoding, cur.rate, flat_ch if flat_ch is not None else cur.channels)
-            except AudioFormatError as e:
-                raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
-        f = p.input_format if p.input_format is not None else "pcm16"
-        explicit = p.input_sample_rate_hz
-        duplex_default = self.cfg.limits.input_default_rate if self._duplex else 24000
-        bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
-        try:
-            if isinstance(f, str):
-                enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
-                       "audio/pcm": "pcm16"}.get(f)
-                if enc is None:
-                    raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
-                if enc.startswith("g711"):
-                    rate = 8000 if explicit is None else explicit
-                else:
-                    rate = explicit if explicit is not None else duplex_default
-                return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
-            t = f.get("type")
-            enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
-            if enc is None:
-                raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
-            if enc == "pcm16" and f.get("encoding") is not None:
-                if f["encoding"] not in ("pcm16", "pcm_f32le"):
-                    raise err(bad, f"expected encoding pcm16 or pcm_f32le with type audio/pcm, got {f['encoding']!r}", "input_format")
-                enc = f["encoding"]
-            rates = [v for v in (f.get("rate"), f.get("sample_rate_hz"), explicit) if v is not None]
-            for v in rates:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
-            if len(set(rates)) > 1:
-                raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
-            rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
-            ch = f.get("channels")
-            if ch is not None and flat_ch is not None and ch != flat_ch:
-                raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
-            ch = ch if ch is not None else (1 if flat_ch is None else flat_ch)
-            return InputFormat(enc, rate, ch)
-        except AudioFormatError as e:
-            raise err(bad, str(e), "input_format") from None
 
     def _apply_vllm_omni_fields(self, p: SessionPatch, s: "_Settings", given: set, err, warn) -> None:
         """vLLM-Omni's session fields (docs/server.md, "Interop"): honoured where this server has
@@ -385,22 +443,6 @@ class SettingsMixin:
             raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
                       f"output is fixed at {OUTPUT_SAMPLE_RATE} Hz, got {p.output_sample_rate_hz}", "output_sample_rate_hz")
 
-    def _warn(self, code: str, message: str, param: str, event_id: Optional[str] = None) -> None:
-        """Emit ``session.warning`` once per ``param`` per session.
-
-        ``session.warning`` is an extension event: only the duplex profile sends it (as it sends
-        ``response.speak`` and ``response.listen``). The compat profile serves unmodified OpenAI
-        clients, which reject event types they do not know (the Agents SDK turns one into an error
-        event, Pipecat ends its receive loop), so there the warning is logged by the server only
-        (docs/protocol.md §4.1)."""
-        if param in self._warned:
-            return
-        self._warned.add(param)
-        if not self._duplex:
-            log.info("session %s: %s (%s): %s", self.session_id, code, param, message)
-            return
-        self._emit(SessionWarning(code=code, message=message, param=param))
-
     def _parse_turn_detection(self, td: Optional[dict], err) -> Optional[dict]:
         if td is None:
             return None
@@ -427,7 +469,7 @@ class SettingsMixin:
             "prefix_padding_ms": 300,
             "silence_duration_ms": 500,
             "interrupt_response": True,
-            "create_response": not self._duplex,
+            "create_response": not self._o.duplex,
         }
         num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         for k, lo, hi, integer in (("threshold", 0.0, 1.0, False), ("prefix_padding_ms", 0, 2000, True),
@@ -445,7 +487,7 @@ class SettingsMixin:
         return out
 
     def _stream_config(self) -> StreamConfig:
-        s = self.settings
+        s = self.current
         instr = s.instructions
         if self._system_text:
             instr = "\n".join([x for x in [instr, *self._system_text] if x])

@@ -76,8 +76,6 @@ from duplexkit.protocol import (
     OutputItemAdded,
     OutputItemDone,
     ProtocolError,
-    ResponseCreated,
-    ResponseDone,
     SessionWarning,
 )
 from duplexkit.session.conversation import _ConvItem
@@ -88,7 +86,8 @@ log = logging.getLogger("duplexkit.session")
 __all__ = [
     "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_TOOL_OUTPUT_CHARS", "DEFAULT_TOOL_FILLER", "DEFAULT_TOOL_PROGRESS",
     "TOOL_DECISION_TIMEOUT_MS", "TOOL_OUTPUT_WAIT_MS",
-    "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "ToolsMixin", "parse_tools", "parse_tool_choice",
+    "MAX_TURN_AUDIO_S", "DEFAULT_TRANSCRIPTION_MODEL", "Tools", "parse_tools", "parse_tool_choice",
+    "parse_transcription", "decider_messages", "checked_calls",
 ]
 
 MAX_TOOLS = 128
@@ -245,6 +244,116 @@ def parse_tool_choice(choice: Any, tools: list, param: str = "tool_choice", even
     raise _err(code, "tool_choice must be 'auto', 'none', 'required' or {type: 'function', name}", param, event_id)
 
 
+def parse_transcription(tr: Optional[dict], err, warn) -> Optional[dict]:
+    """``audio.input.transcription``: ``{model?, language?, prompt?}`` or null (off)."""
+    if tr is None:
+        return None
+    model = tr.get("model") or DEFAULT_TRANSCRIPTION_MODEL
+    if not isinstance(model, str):
+        raise err(ErrorCode.BAD_EVENT, "transcription.model must be a string", "audio.input.transcription", "model")
+    for k in ("language", "prompt"):
+        if tr.get(k) is not None and not isinstance(tr[k], str):
+            raise err(ErrorCode.BAD_EVENT, f"transcription.{k} must be a string", "audio.input.transcription", k)
+    effective = model
+    if not _OWN_TRANSCRIPTION_MODELS.match(model):
+        effective = DEFAULT_TRANSCRIPTION_MODEL
+    if effective != model and not model.startswith(("whisper", "gpt-4o")):
+        # OpenAI's own names (whisper-1, gpt-4o-*-transcribe: what unmodified clients such as the Agents
+        # SDK send by default) are served by the default silently: those clients reject unknown events
+        warn("transcription_model_substituted",
+             f"transcription model {model!r} is not served here: the user's speech is transcribed by "
+             f"{DEFAULT_TRANSCRIPTION_MODEL!r} (the thinker's own ASR; 'faster-whisper' is the other choice)",
+             "audio.input.transcription.model")
+    return {"model": model, "effective_model": effective, "language": tr.get("language"),
+            "prompt": tr.get("prompt")}
+
+
+def decider_messages(instructions: Optional[str], items: list, truth_text, audio: Optional[np.ndarray]) -> list:
+    """The conversation for the decider: the instructions, the recent items as text (user
+    transcripts, what the assistant said as far as it was heard, calls and their outputs in the
+    model's ``<tool_call>`` / ``<tool_response>`` text form), and the current turn's audio.
+    ``items``: the conversation's items in order; ``truth_text(item)``: an assistant audio item's
+    text as far as it was heard."""
+    msgs = []
+    if instructions:
+        msgs.append(ChatMessage("system", [instructions]))
+    for it in items[-_HISTORY_ITEMS:]:
+        if it.kind == "function_call":
+            msgs.append(ChatMessage("assistant", [
+                "<tool_call>\n" + json.dumps({"name": it.name, "arguments": _loads(it.text)}) + "\n</tool_call>"]))
+        elif it.kind == "function_call_output":
+            msgs.append(ChatMessage("user", ["<tool_response>\n" + it.text + "\n</tool_response>"]))
+        elif it.role == "assistant":
+            text = truth_text(it) if it.kind == "output_audio" else it.text
+            if text:
+                msgs.append(ChatMessage("assistant", [text]))
+        elif it.role in ("user", "system") and it.text:
+            msgs.append(ChatMessage(it.role, [it.text]))
+    if audio is not None and audio.size:
+        # the turn being decided: its audio (the last user item has no transcript yet)
+        if msgs and msgs[-1].role == "user" and items and items[-1].text:
+            msgs.pop()
+        msgs.append(ChatMessage("user", [audio]))
+    return msgs
+
+
+def checked_calls(calls: tuple, tools: list, notice) -> list:
+    """The decider's calls whose tool exists and whose arguments are valid against its schema;
+    the others are dropped with ``session.warning{tool_call_invalid}`` (``notice(warning)``)."""
+    import jsonschema
+
+    by_name = {t["name"]: t for t in tools}
+    ok = []
+    for c in calls:
+        tool = by_name.get(c.name)
+        why = None
+        if tool is None:
+            why = f"unknown tool {c.name!r}"
+        else:
+            try:
+                args = json.loads(c.arguments or "{}")
+                jsonschema.validate(args, tool["parameters"])
+            except ValueError as e:
+                why = f"arguments are not JSON: {e}"
+            except jsonschema.ValidationError as e:
+                why = f"arguments do not match the schema: {e.message}"
+        if why is not None:
+            notice(SessionWarning(code="tool_call_invalid", param="tools",
+                                      message=f"the tool decider's call was dropped: {why}"))
+            continue
+        ok.append(c)
+    return ok
+
+
+class TurnAudio:
+    """The current user turn's 16 kHz audio, float32, at most :data:`MAX_TURN_AUDIO_S` (older audio
+    of a longer turn is dropped)."""
+
+    def __init__(self) -> None:
+        self._chunks: list = []
+        self._n = 0
+
+    def samples(self) -> int:
+        return self._n
+
+    def add(self, x16: np.ndarray) -> None:
+        self._chunks.append(x16)
+        self._n += x16.size
+        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
+        while self._n - self._chunks[0].size >= cap:
+            self._n -= self._chunks.pop(0).size
+
+    def take(self) -> np.ndarray:
+        """The turn's audio (float32 [n] at 16 kHz, n <= 30 s); the capture starts over."""
+        a = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self.drop()
+        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
+        return np.ascontiguousarray(a[-cap:], dtype=np.float32)
+
+    def drop(self) -> None:
+        self._chunks, self._n = [], 0
+
+
 @dataclass
 class _Decision:
     """A pending DecideTools request."""
@@ -269,16 +378,22 @@ class _Call:
     overdue: bool = False  # waited TOOL_OUTPUT_WAIT_MS: no longer holds the model
 
 
-class ToolsMixin:
-    """The tools and transcription job of :class:`~duplexkit.session.Session` (state: ``_decision``,
-    ``_calls``, ``_turn_audio``, ``_turn_seq``, ``_queued_create``, ``_outputs_pending``)."""
+class Tools:
+    """The tools and transcription part of :class:`~duplexkit.session.Session` (see the module
+    docstring): the tool decider's requests, the calls issued, the tool gate, the current user
+    turn's audio, transcriptions, fillers and answers spoken piece by piece.
 
-    def _init_tools(self) -> None:
+    Args:
+        s: the Session (its ``out`` outbox and the other parts' methods).
+    """
+
+    def __init__(self, s) -> None:
+        self._s = s
+        self._o = s.out
         self._decision: Optional[_Decision] = None
         self._calls: dict = {}
         self._turn_seq = 0
-        self._turn_audio: list = []
-        self._turn_audio_n = 0
+        self._turn_audio = TurnAudio()  # the current user turn's audio, while the decider or recogniser needs it
         self._queued_create = None  # (params, event_id) of a response.create waiting for a filler
         self._outputs_pending = False  # function_call_output items arrived since the last response
         self._last_audio: Optional[np.ndarray] = None
@@ -286,92 +401,56 @@ class ToolsMixin:
         self._transcribing: dict = {}  # user item id -> its audio's duration (s), until the transcript comes
         self._answer: Optional[dict] = None  # the answer being spoken piece by piece (_answer_piece)
 
-    def _tool_warning(self, warning: SessionWarning) -> None:
-        """A tool-flow warning (``tool_output_timeout``, ``tool_decision_timeout``,
-        ``tool_decision_failed``, ``tool_call_dropped``, ``tool_call_invalid``; ``param: "tools"``):
-        ``session.warning`` in the duplex profile; logged only in the compat profile, whose
-        unmodified OpenAI clients reject event types they do not know (docs/protocol.md §4.1)."""
-        if self._duplex:
-            self._emit(warning)
-        else:
-            log.info("session %s: %s (%s): %s", self.session_id, warning.code, warning.param, warning.message)
+    def queue_create(self, params, event_id: Optional[str]) -> bool:
+        """A ``response.create`` while a filler speaks: queued (True) unless one already is."""
+        if self._queued_create is not None:
+            return False
+        self._queued_create = (params, event_id)
+        return True
+
 
     # -- settings -------------------------------------------------------------------------------
     def _tools_active(self, tools: Optional[list] = None, choice: Any = None) -> bool:
-        tools = self.settings.tools if tools is None else tools
-        choice = self.settings.tool_choice if choice is None else choice
+        tools = self._s.settings.tools if tools is None else tools
+        choice = self._s.settings.tool_choice if choice is None else choice
         return bool(tools) and choice != "none"
 
     def _capturing_turn_audio(self) -> bool:
-        return self.settings.transcription is not None or self._tools_active()
-
-    def _parse_transcription(self, tr: Optional[dict], err, warn) -> Optional[dict]:
-        """``audio.input.transcription``: ``{model?, language?, prompt?}`` or null (off)."""
-        if tr is None:
-            return None
-        model = tr.get("model") or DEFAULT_TRANSCRIPTION_MODEL
-        if not isinstance(model, str):
-            raise err(ErrorCode.BAD_EVENT, "transcription.model must be a string", "audio.input.transcription", "model")
-        for k in ("language", "prompt"):
-            if tr.get(k) is not None and not isinstance(tr[k], str):
-                raise err(ErrorCode.BAD_EVENT, f"transcription.{k} must be a string", "audio.input.transcription", k)
-        effective = model
-        if not _OWN_TRANSCRIPTION_MODELS.match(model):
-            effective = DEFAULT_TRANSCRIPTION_MODEL
-        if effective != model and not model.startswith(("whisper", "gpt-4o")):
-            # OpenAI's own names (whisper-1, gpt-4o-*-transcribe: what unmodified clients such as the Agents
-            # SDK send by default) are served by the default silently: those clients reject unknown events
-            warn("transcription_model_substituted",
-                 f"transcription model {model!r} is not served here: the user's speech is transcribed by "
-                 f"{DEFAULT_TRANSCRIPTION_MODEL!r} (the thinker's own ASR; 'faster-whisper' is the other choice)",
-                 "audio.input.transcription.model")
-        return {"model": model, "effective_model": effective, "language": tr.get("language"),
-                "prompt": tr.get("prompt")}
+        return self._s.settings.transcription is not None or self._tools_active()
 
     # -- turn audio -----------------------------------------------------------------------------
-    def _capture_turn_audio(self, x16: np.ndarray) -> None:
+    def capture_turn_audio(self, x16: np.ndarray) -> None:
         """Keep the current user turn's 16 kHz audio (at most :data:`MAX_TURN_AUDIO_S`) while the
         recogniser or the decider needs it."""
-        if not self._capturing_turn_audio():
-            return
-        self._turn_audio.append(x16)
-        self._turn_audio_n += x16.size
-        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
-        while self._turn_audio_n - self._turn_audio[0].size >= cap:
-            self._turn_audio_n -= self._turn_audio.pop(0).size
+        if self._capturing_turn_audio():
+            self._turn_audio.add(x16)
 
-    def _take_turn_audio(self) -> np.ndarray:
-        a = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.float32)
-        self._turn_audio, self._turn_audio_n = [], 0
-        cap = MAX_TURN_AUDIO_S * INPUT_SAMPLE_RATE
-        return np.ascontiguousarray(a[-cap:], dtype=np.float32)
-
-    def _drop_turn_audio(self) -> None:
-        self._turn_audio, self._turn_audio_n = [], 0
+    def drop_turn_audio(self) -> None:
+        self._turn_audio.drop()
 
     # -- the end of a user turn -----------------------------------------------------------------
-    def _user_turn_ending(self, now_ms: float) -> None:
+    def user_turn_ending(self, now_ms: float) -> None:
         """Before a commit closes the turn's last unit: with tools, the turn's decision is opened now
         so that this unit already goes out under the tool gate (the DecideTools follows in
-        :meth:`_user_turn_ended`, once the turn's audio is complete)."""
-        if self._tools_active() and self._resp is None and self._decision is None and self._turn_audio_n:
-            self._decision = _Decision(id=self._ids.decision(), kind="turn", started_ms=float(now_ms),
-                                       tools=self.settings.tools)
+        :meth:`user_turn_ended`, once the turn's audio is complete)."""
+        if self._tools_active() and self._s.resp.active() is None and self._decision is None and self._turn_audio.samples():
+            self._decision = _Decision(id=self._o.ids.decision(), kind="turn", started_ms=float(now_ms),
+                                       tools=self._s.settings.tools)
 
-    def _user_turn_ended(self, item_id: str, now_ms: float, audio: Optional[np.ndarray] = None) -> None:
+    def user_turn_ended(self, item_id: str, now_ms: float, audio: Optional[np.ndarray] = None) -> None:
         """A user item was committed: transcribe it and, with tools, ask the decider."""
         if audio is None:
-            audio = self._take_turn_audio()
+            audio = self._turn_audio.take()
         self._turn_seq += 1
         self._last_audio = audio if audio.size and self._tools_active() else None
-        tr = self.settings.transcription
+        tr = self._s.settings.transcription
         if tr is not None and audio.size:
             self._transcribing[item_id] = audio.size / INPUT_SAMPLE_RATE
-            self._cmd(TranscribeAudio(self.stream_id, self.epoch, item_id=item_id, audio=audio,
+            self._o.cmd(TranscribeAudio(self._o.stream_id, self._o.epoch, item_id=item_id, audio=audio,
                                       model=tr["effective_model"], language=tr["language"], prompt=tr["prompt"]))
         opened = self._decision if self._decision is not None and self._decision.kind == "turn" else None
-        if self._tools_active() and audio.size and (self._resp is None or self._resp.trigger == "model"):
-            self._start_decision("turn", now_ms, self.settings.tools, self.settings.tool_choice, audio=audio,
+        if self._tools_active() and audio.size and (self._s.resp.active() is None or self._s.resp.active().trigger == "model"):
+            self._start_decision("turn", now_ms, self._s.settings.tools, self._s.settings.tool_choice, audio=audio,
                                  decision=opened)
         elif opened is not None:
             self._decision = None
@@ -379,51 +458,25 @@ class ToolsMixin:
     def _start_decision(self, kind: str, now_ms: float, tools: list, choice: Any,
                         audio: Optional[np.ndarray] = None, response_id: Optional[str] = None,
                         decision: Optional[_Decision] = None) -> None:
-        d = decision or _Decision(id=self._ids.decision(), kind=kind, started_ms=float(now_ms), tools=tools,
+        d = decision or _Decision(id=self._o.ids.decision(), kind=kind, started_ms=float(now_ms), tools=tools,
                                   response_id=response_id)
         self._decision = d
-        messages = self._decider_messages(audio)
-        self._cmd(DecideTools(self.stream_id, self.epoch, request_id=d.id, messages=tuple(messages),
+        messages = decider_messages(self._s.settings.instructions, self._s.conv.items(), self._s.conv.truth_text, audio)
+        self._o.cmd(DecideTools(self._o.stream_id, self._o.epoch, request_id=d.id, messages=tuple(messages),
                               tools=tuple({k: v for k, v in t.items() if k != "filler"} for t in tools),
                               tool_choice=choice))
 
-    def _decider_messages(self, audio: Optional[np.ndarray]) -> list:
-        """The conversation for the decider: the instructions, the recent items as text (user
-        transcripts, what the assistant said as far as it was heard, calls and their outputs in the
-        model's ``<tool_call>`` / ``<tool_response>`` text form), and the current turn's audio."""
-        msgs = []
-        if self.settings.instructions:
-            msgs.append(ChatMessage("system", [self.settings.instructions]))
-        for it in list(self._items.values())[-_HISTORY_ITEMS:]:
-            if it.kind == "function_call":
-                msgs.append(ChatMessage("assistant", [
-                    "<tool_call>\n" + json.dumps({"name": it.name, "arguments": _loads(it.text)}) + "\n</tool_call>"]))
-            elif it.kind == "function_call_output":
-                msgs.append(ChatMessage("user", ["<tool_response>\n" + it.text + "\n</tool_response>"]))
-            elif it.role == "assistant":
-                text = self._truth_text(it) if it.kind == "output_audio" else it.text
-                if text:
-                    msgs.append(ChatMessage("assistant", [text]))
-            elif it.role in ("user", "system") and it.text:
-                msgs.append(ChatMessage(it.role, [it.text]))
-        if audio is not None and audio.size:
-            # the turn being decided: its audio (the last user item has no transcript yet)
-            if msgs and msgs[-1].role == "user" and self._items and next(reversed(self._items.values())).text:
-                msgs.pop()
-            msgs.append(ChatMessage("user", [audio]))
-        return msgs
-
     # -- gate, clock ----------------------------------------------------------------------------
-    def _tool_gate(self) -> bool:
+    def gate(self) -> bool:
         """True while the duplex model must listen: a decision is pending; or the session has tools,
         no response is active and the user is speaking (server VAD) — the turn's decision comes at its
         end and no answer may start before it; or calls of the current user turn wait for their
         outputs and no response is active."""
         if self._decision is not None:
             return True
-        if self._resp is not None:
+        if self._s.resp.active() is not None:
             return False
-        if self._vad_item is not None and self._tools_active():
+        if self._s.input.user_speaking() and self._tools_active():
             return True
         return bool(self._waiting_calls())
 
@@ -431,12 +484,12 @@ class ToolsMixin:
         """Calls of the current user turn still waiting for their output (and not yet overdue)."""
         return [c for c in self._calls.values() if c.status == "pending" and c.turn == self._turn_seq and not c.overdue]
 
-    def _tools_tick(self, now_ms: float) -> None:
+    def tick(self, now_ms: float) -> None:
         late = [c for c in self._waiting_calls() if now_ms - c.issued_ms >= TOOL_OUTPUT_WAIT_MS]
         for c in late:
             c.overdue = True
         if late:
-            self._tool_warning(SessionWarning(code="tool_output_timeout", param="tools", message=(
+            self._o.notice(SessionWarning(code="tool_output_timeout", param="tools", message=(
                 f"no function_call_output for {', '.join(c.call_id for c in late)} after {TOOL_OUTPUT_WAIT_MS // 1000} s: "
                 "the model is no longer held for it (a later output is still accepted)")))
         self._progress_tick(now_ms)
@@ -444,7 +497,7 @@ class ToolsMixin:
         if d is None or now_ms - d.started_ms < TOOL_DECISION_TIMEOUT_MS:
             return
         self._decision = None
-        self._tool_warning(SessionWarning(code="tool_decision_timeout", param="tools", message=(
+        self._o.notice(SessionWarning(code="tool_decision_timeout", param="tools", message=(
             f"the tool decider gave no answer in {TOOL_DECISION_TIMEOUT_MS} ms: the model answers without tools "
             "this turn (a late decision is dropped)")))
         self._decision_without_call(d, now_ms)
@@ -453,8 +506,8 @@ class ToolsMixin:
         """Speak the progress line (``extra_body.tool_progress``) when a call of the current turn has
         waited ``after_ms`` for its output since it was issued or since the last progress line, and
         nothing else is speaking or being decided."""
-        tp = self.settings.tool_progress
-        if tp is None or self._resp is not None or self._decision is not None or self._vad_item is not None:
+        tp = self._s.settings.tool_progress
+        if tp is None or self._s.resp.active() is not None or self._decision is not None or self._s.input.user_speaking():
             return
         waiting = self._waiting_calls()
         if not waiting:
@@ -466,12 +519,12 @@ class ToolsMixin:
 
     def _decision_without_call(self, d: _Decision, now_ms: float) -> None:
         """Open the gate; a response waiting for the decision gets its forced unit now."""
-        r = self._resp
+        r = self._s.resp.active()
         if d.response_id is not None and r is not None and r.id == d.response_id and r.forced_unit is None:
-            r.forced_unit = self._close_unit(now_ms, force_speak=True)
+            self._s.resp.set_forced_unit(self._s.input.close_unit(now_ms, force_speak=True))
 
     # -- decider and recogniser outputs ---------------------------------------------------------
-    def _on_tool_decision(self, out: ToolDecision, now_ms: float) -> None:
+    def on_tool_decision(self, out: ToolDecision, now_ms: float) -> None:
         d = self._decision
         if d is None or out.request_id != d.id:
             return  # stale: timed out, cancelled or superseded
@@ -481,38 +534,35 @@ class ToolsMixin:
             return
         self._decision = None
         if out.error:
-            self._tool_warning(SessionWarning(code="tool_decision_failed", param="tools",
+            self._o.notice(SessionWarning(code="tool_decision_failed", param="tools",
                                       message=f"the tool decider failed ({out.error}); the model answers without tools"))
         if d.kind == "answer":
             self._answer_done(d, out, now_ms)
             return
-        calls = self._checked_calls(out.calls, d.tools)
+        calls = checked_calls(out.calls, d.tools, self._o.notice)
         if not calls:
             self._decision_without_call(d, now_ms)
             return
         if d.kind == "response":
-            r = self._resp
+            r = self._s.resp.active()
             if r is None or r.id != d.response_id:
                 return
             if r.opened:  # the model already answered in this response (a unit decided before the gate)
-                self._tool_warning(SessionWarning(code="tool_call_dropped", param="tools", message=(
+                self._o.notice(SessionWarning(code="tool_call_dropped", param="tools", message=(
                     "the tool decider's call came after the model had started answering; the call was dropped")))
                 return
         else:
-            if self._resp is not None:
+            if self._s.resp.active() is not None:
                 # the model began an answer of its own (a unit decided before the gate closed): the
                 # decider's call supersedes it
-                self._fire(PhaseEvent.CANCEL)
-                self._cancel_active("turn_detected")
-            self._fire(PhaseEvent.CREATE)
-            self._resp = self._new_response("tool", list(self.settings.output_modalities), None,
-                                            self.settings.max_output_tokens, forced_unit=None)
-            self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
+                self._o.fire(PhaseEvent.CANCEL)
+                self._s.resp.cancel_active("turn_detected")
+            self._s.resp.start("tool", self._s.settings.max_output_tokens)
         self._issue_calls(calls, d.tools)
 
     # -- answers, spoken as the decider writes them ---------------------------------------------
     def _answer_state(self, d: _Decision) -> Optional[dict]:
-        r = self._resp
+        r = self._s.resp.active()
         if r is None or r.id != d.response_id:
             return None
         if self._answer is None or self._answer["response_id"] != r.id:
@@ -537,7 +587,7 @@ class ToolsMixin:
             text = text.lstrip()
             self._speak_now(text, now_ms)  # the first one rides an early-closed unit at once
         else:
-            self._cmd(SpeakText(self.stream_id, self.epoch, text=text))  # queued behind the previous
+            self._o.cmd(SpeakText(self._o.stream_id, self._o.epoch, text=text))  # queued behind the previous
         a["chunks"] += 1
 
     def _answer_done(self, d: _Decision, out: ToolDecision, now_ms: float) -> None:
@@ -554,87 +604,55 @@ class ToolsMixin:
             self._answer = None
             self._decision_without_call(d, now_ms)
         elif a["spoken"] >= a["chunks"]:
-            self._fire(PhaseEvent.TURN_END)
-            self._finish("completed", None)
+            self._o.fire(PhaseEvent.TURN_END)
+            self._s.resp.finish("completed", None)
 
-    def _answer_holds(self, reason: str) -> bool:
+    def answer_holds(self, reason: str) -> bool:
         """A model turn of the answer ended (one ``SpeakText`` spoken): True while more of the answer
         is still to come, so the response stays open across its pieces."""
-        a, r = self._answer, self._resp
+        a, r = self._answer, self._s.resp.active()
         if a is None or r is None or r.id != a["response_id"] or reason != "turn_eos":
             return False
         a["spoken"] += 1
         return a["spoken"] < a["chunks"] or not a["final"]
 
-    def _checked_calls(self, calls: tuple, tools: list) -> list:
-        """The decider's calls whose tool exists and whose arguments are valid against its schema;
-        the others are dropped with ``session.warning{tool_call_invalid}``."""
-        import jsonschema
-
-        by_name = {t["name"]: t for t in tools}
-        ok = []
-        for c in calls:
-            tool = by_name.get(c.name)
-            why = None
-            if tool is None:
-                why = f"unknown tool {c.name!r}"
-            else:
-                try:
-                    args = json.loads(c.arguments or "{}")
-                    jsonschema.validate(args, tool["parameters"])
-                except ValueError as e:
-                    why = f"arguments are not JSON: {e}"
-                except jsonschema.ValidationError as e:
-                    why = f"arguments do not match the schema: {e.message}"
-            if why is not None:
-                self._tool_warning(SessionWarning(code="tool_call_invalid", param="tools",
-                                          message=f"the tool decider's call was dropped: {why}"))
-                continue
-            ok.append(c)
-        return ok
-
     def _issue_calls(self, calls: list, tools: list) -> None:
         """The active response's output: one ``function_call`` item per call, then ``response.done``;
         then the filler."""
-        r = self._resp
+        r = self._s.resp.active()
+        self._o.fire(PhaseEvent.TOOL_CALL)  # requested -> idle: the calls are the response's output
         outputs = []
         for i, c in enumerate(calls):
-            call_id = c.call_id or self._ids.call()
-            it = _ConvItem(id=self._new_item_id(), role=None, kind="function_call", status="in_progress",
+            call_id = c.call_id or self._o.ids.call()
+            it = _ConvItem(id=self._s.conv.new_item_id(), role=None, kind="function_call", status="in_progress",
                            text=c.arguments or "{}", response_id=r.id, name=c.name, call_id=call_id)
-            prev = self._last_item_id()
-            self._add_item(it)
-            self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it).model_copy(
+            prev = self._s.conv.add(it)
+            self._o.emit(ConversationItemAdded(previous_item_id=prev, item=self._s.conv.model(it).model_copy(
                 update={"arguments": ""})))
-            self._emit(OutputItemAdded(response_id=r.id, output_index=i, item=self._item_model(it).model_copy(
+            self._o.emit(OutputItemAdded(response_id=r.id, output_index=i, item=self._s.conv.model(it).model_copy(
                 update={"arguments": ""})))
-            self._emit(FunctionCallArgumentsDelta(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
+            self._o.emit(FunctionCallArgumentsDelta(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
                                                   delta=it.text))
-            self._emit(FunctionCallArgumentsDone(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
+            self._o.emit(FunctionCallArgumentsDone(response_id=r.id, item_id=it.id, output_index=i, call_id=call_id,
                                                  name=c.name, arguments=it.text))
             it.status = "completed"
-            model = self._item_model(it)
-            self._emit(OutputItemDone(response_id=r.id, output_index=i, item=model))
-            self._emit(ConversationItemDone(previous_item_id=prev, item=model))
+            model = self._s.conv.model(it)
+            self._o.emit(OutputItemDone(response_id=r.id, output_index=i, item=model))
+            self._o.emit(ConversationItemDone(previous_item_id=prev, item=model))
             self._calls[call_id] = _Call(call_id=call_id, item_id=it.id, name=c.name, turn=self._turn_seq,
-                                         issued_ms=self._now_ms)
+                                         issued_ms=self._o.now_ms)
             outputs.append(model)
-        self._fire(PhaseEvent.TOOL_CALL)
-        self._emit(ResponseDone(response=self._response_model(r, "completed", None, outputs)))
-        self._resp = None
-        self._force_listen_left = self.settings.force_listen_count
+        self._s.resp.done_with_calls(outputs)
         by_name = {t["name"]: t for t in tools}
         fillers = [by_name[c.name].get("filler") for c in calls if c.name in by_name]
-        filler = next((f for f in fillers if f is not None), self.settings.tool_filler)
+        filler = next((f for f in fillers if f is not None), self._s.settings.tool_filler)
         if filler:
             self._speak_response(filler, "filler")
 
     def _speak_response(self, text: str, trigger: str) -> None:
         """A response the Session speaks itself (teacher-forced ``SpeakText``): a filler or a progress line."""
-        self._fire(PhaseEvent.CREATE)
-        self._resp = self._new_response(trigger, list(self.settings.output_modalities), None, "inf", forced_unit=None)
-        self._emit(ResponseCreated(response=self._response_model(self._resp, "in_progress")))
-        self._speak_now(text, self._now_ms)
+        self._s.resp.start(trigger, "inf")
+        self._speak_now(text, self._o.now_ms)
 
     def _speak_now(self, text: str, now_ms: float) -> None:
         """``SpeakText`` for the active response, then an early unit close (docs/concepts.md "Early
@@ -646,28 +664,27 @@ class ToolsMixin:
         order, so otherwise a held unit would say the text and end its turn, and the forced unit
         after it would open a turn of the model's own while the call still waits (seen with Pipecat
         and the OpenAI SDK appending a whole utterance at once)."""
-        self._settle_debt(now_ms, keep=True)
-        self._release_units(now_ms, force=True)
-        self._cmd(SpeakText(self.stream_id, self.epoch, text=text))
-        self._resp.forced_unit = self._close_unit(now_ms, force_speak=True)
+        self._s.input.flush_held(now_ms)
+        self._o.cmd(SpeakText(self._o.stream_id, self._o.epoch, text=text))
+        self._s.resp.set_forced_unit(self._s.input.close_unit(now_ms, force_speak=True))
 
-    def _on_transcription(self, out: Transcription) -> None:
+    def on_transcription(self, out: Transcription) -> None:
         seconds = self._transcribing.pop(out.item_id, None)
-        it = self._items.get(out.item_id)
+        it = self._s.conv.get(out.item_id)
         if it is None or seconds is None:
             return  # the item was deleted meanwhile
         if out.error:
-            self._emit(InputAudioTranscriptionFailed(item_id=it.id, content_index=0, error=ErrorInfo(
+            self._o.emit(InputAudioTranscriptionFailed(item_id=it.id, content_index=0, error=ErrorInfo(
                 type="transcription_error", code="transcription_failed", message=out.error)))
             return
         it.text = out.text
         if out.text:
-            self._emit(InputAudioTranscriptionDelta(item_id=it.id, content_index=0, delta=out.text))
-        self._emit(InputAudioTranscriptionCompleted(item_id=it.id, content_index=0, transcript=out.text,
+            self._o.emit(InputAudioTranscriptionDelta(item_id=it.id, content_index=0, delta=out.text))
+        self._o.emit(InputAudioTranscriptionCompleted(item_id=it.id, content_index=0, transcript=out.text,
                                                     usage={"type": "duration", "seconds": round(seconds, 3)}))
 
     # -- client events --------------------------------------------------------------------------
-    def _on_function_call_output(self, item, event_id: Optional[str]) -> None:
+    def on_function_call_output(self, item, event_id: Optional[str]) -> None:
         """``conversation.item.create{type: function_call_output, call_id, output}``."""
         if not isinstance(item.call_id, str) or not item.call_id:
             raise _err(ErrorCode.BAD_EVENT, "a function_call_output item needs call_id", "item.call_id", event_id)
@@ -686,36 +703,33 @@ class ToolsMixin:
         if c.status == "cancelled":
             raise _err(ErrorCode.CALL_CANCELLED, f"call {item.call_id!r} was cancelled (its function_call item "
                        "was deleted)", "item.call_id", event_id)
-        if item.id is not None and item.id in self._used_ids:
+        if item.id is not None and self._s.conv.is_used(item.id):
             raise _err(ErrorCode.BAD_EVENT, f"item id {item.id!r} is already used", "item.id", event_id)
         c.status = "answered"
-        it = _ConvItem(id=item.id or self._new_item_id(), role=None, kind="function_call_output",
+        it = _ConvItem(id=item.id or self._s.conv.new_item_id(), role=None, kind="function_call_output",
                        text=item.output, call_id=c.call_id)
-        prev = self._last_item_id()
-        self._add_item(it)
-        self._emit(ConversationItemAdded(previous_item_id=prev, item=self._item_model(it)))
-        self._emit(ConversationItemDone(previous_item_id=prev, item=self._item_model(it)))
+        self._s.conv.add_done(it)
         self._outputs_pending = True
 
-    def _cancel_call_of(self, item_id: str) -> None:
+    def cancel_call_of(self, item_id: str) -> None:
         """A deleted ``function_call`` item cancels its call when no output came yet."""
         for c in self._calls.values():
             if c.item_id == item_id and c.status == "pending":
                 c.status = "cancelled"
 
-    def _tools_for_response(self, params, event_id: Optional[str]) -> tuple:
+    def for_response(self, params, event_id: Optional[str]) -> tuple:
         """``response.create`` tools / tool_choice (validated), falling back to the session's."""
-        tools = self.settings.tools
+        tools = self._s.settings.tools
         if params is not None and params.tools is not None:
             tools = parse_tools(params.tools, "response.tools", event_id)
-        choice = self.settings.tool_choice
+        choice = self._s.settings.tool_choice
         if params is not None and params.tool_choice is not None:
             choice = parse_tool_choice(params.tool_choice, tools, "response.tool_choice", event_id)
         elif choice != "none" and not isinstance(choice, str) and choice["name"] not in {t["name"] for t in tools}:
             choice = "auto"
         return tools, choice
 
-    def _plan_response(self, trigger: str, tools: list, choice: Any, now_ms: float) -> bool:
+    def plan_response(self, trigger: str, tools: list, choice: Any, now_ms: float) -> bool:
         """Decide how a response just created starts. Returns True when its forced unit must wait
         (the decider answers first), False for the usual forced unit at once.
 
@@ -726,7 +740,7 @@ class ToolsMixin:
         * a client ``response.create`` with ``tool_choice`` ``required`` or a named tool: decide first;
         * otherwise (``auto``): the model answers as usual.
         """
-        r = self._resp
+        r = self._s.resp.active()
         if self._outputs_pending:
             self._outputs_pending = False
             self._start_decision("answer", now_ms, [], "none", response_id=r.id)
@@ -744,17 +758,17 @@ class ToolsMixin:
         """The last user turn's audio (kept for a client ``response.create`` that must decide)."""
         return self._last_audio
 
-    def _tools_response_finished(self, r, now_ms: float) -> None:
+    def response_finished(self, r, now_ms: float) -> None:
         """A response ended: a decision waiting for it is dropped; a queued ``response.create`` starts."""
         d = self._decision
         if d is not None and d.response_id == r.id:
             self._decision = None
         if self._answer is not None and self._answer["response_id"] == r.id:
             self._answer = None
-        if self._queued_create is not None and r.trigger in ("filler", "progress"):
+        if self._queued_create is not None and r.trigger in ("filler", "progress") and not self._s.closed:
             params, event_id = self._queued_create
             self._queued_create = None
-            self._create_response(params, "client", event_id, now_ms)
+            self._s.resp.create(params, "client", event_id, now_ms)
 
 
 _SENTENCE_END = re.compile(r"[.!?;:。！？；：\n]")

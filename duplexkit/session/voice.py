@@ -1,5 +1,7 @@
 """The reference voice of a ``session.update`` (docs/protocol.md §8): a data URL or an allowed path,
-decoded to 16 kHz mono float32, length-checked and trimmed to whole 100 ms."""
+decoded to 16 kHz mono float32, length-checked and trimmed to whole 100 ms (:func:`load_ref_audio`),
+and the voice fields applied to the new settings, fixed once audio output started
+(:func:`apply_voice`). Plain functions: the voice in force is part of the settings value."""
 
 from __future__ import annotations
 
@@ -77,3 +79,37 @@ def load_ref_audio(value: str, loader: Optional[Callable[[str], bytes]], max_s: 
     n = len(audio) // REF_TRIM_SAMPLES * REF_TRIM_SAMPLES
     clip = np.ascontiguousarray(audio[:n], dtype=np.float32)
     return ReferenceVoice(audio=clip, sha256=hashlib.sha256(clip.tobytes()).hexdigest())
+
+
+def apply_voice(s, p, given: set, cfg, current_ref: Optional[ReferenceVoice], audio_started: bool, err) -> None:
+    """Apply the voice fields of a ``session.update`` to the new settings ``s`` (docs/protocol.md §8).
+
+    Args:
+        s: the settings being built (``voice``, ``ref_voice``, ``ref_from_client`` are set here).
+        p: the update's ``SessionPatch``; ``given``: the fields it gave.
+        cfg: the ``SessionConfig`` (voice table, default voice, ref_audio loader and limit).
+        current_ref: the reference voice in force now.
+        audio_started: audio output has started in this session.
+        err: ``err(code, message, concept) -> ProtocolError`` of the update being validated.
+
+    Raises:
+        ProtocolError: ``ref_audio_invalid`` (see :func:`load_ref_audio`), or
+            ``ref_audio_update_unsupported`` when the voice would change after audio output started.
+    """
+    changed = False
+    if "voice" in given:
+        s.voice = p.voice
+        if not s.ref_from_client or "ref_audio" not in given:
+            s.ref_voice = cfg.voices.get(p.voice, cfg.default_voice)
+            s.ref_from_client = False
+        changed = True
+    if "ref_audio" in given:
+        s.ref_voice = load_ref_audio(p.ref_audio, cfg.ref_audio_loader, cfg.limits.max_ref_audio_s, err)
+        s.ref_from_client = True
+        changed = True
+    if changed and audio_started:
+        old_sha = current_ref.sha256 if current_ref is not None else None
+        new_sha = s.ref_voice.sha256 if s.ref_voice is not None else None
+        if old_sha != new_sha:
+            raise err(ErrorCode.REF_AUDIO_UPDATE_UNSUPPORTED, "the voice cannot change after audio output has started",
+                      "ref_audio" if "ref_audio" in given else "voice")

@@ -63,7 +63,7 @@ def test_response_create_runs_the_forced_unit_at_once_on_buffered_audio():
     assert f.audio.shape == (16000,)
     np.testing.assert_array_equal(f.audio[:4240], x[32560:])  # the buffered audio, nothing lost
     assert not f.audio[4240:].any()  # then zero padding to the unit length
-    assert d.s._pad_debt == 16000 - 4240
+    assert d.s.input.debt.owed() == 16000 - 4240
     # the engine speaks in that unit: audio follows without one more sample of input
     out = d.engine(Decision(d.sid, 0, 2, decision="speak", turn_start=True))
     out += d.engine(TextDelta(d.sid, 0, 2, text="Hi.", n_tokens=2))
@@ -78,7 +78,7 @@ def test_next_units_stay_aligned_padding_stands_in_for_the_silence_that_follows(
     d.send({"type": "session.update", "session": {"turn_detection": None}})
     append(d, speech[: SR + 560 + 8000])  # unit 0 + 8 000 buffered
     d.send({"type": "response.create"})
-    p = d.s._pad_debt
+    p = d.s.input.debt.owed()
     assert p == 8000
     d.speak(end=True)  # the answer ends: idle, the model listens
     n0 = len(units(d.cmds))
@@ -88,7 +88,7 @@ def test_next_units_stay_aligned_padding_stands_in_for_the_silence_that_follows(
     # silence[P:] + speech + ... : the real timeline is kept (no shift), no speech is lost
     np.testing.assert_array_equal(fed, rest[p: p + fed.size])
     assert fed.size >= rest.size - p - 16000
-    assert d.s._pad_debt == 0
+    assert d.s.input.debt.owed() == 0
 
 
 def test_speech_inside_the_padding_forgives_the_rest_no_speech_is_dropped():
@@ -103,12 +103,12 @@ def test_speech_inside_the_padding_forgives_the_rest_no_speech_is_dropped():
     rest = np.concatenate([np.zeros(1600, np.float32), speech, np.zeros(SR, np.float32)])
     append(d, rest)
     fed = np.concatenate([u.audio for u in units(d.cmds)[n0:]])
-    k = rest.size - fed.size - d.s._framer.pending_samples  # samples dropped
+    k = rest.size - fed.size - d.s.input._framer.pending_samples  # samples dropped
     assert 0 <= k
     # only silence before the speech's 300 ms pre-roll was dropped
     assert k <= max(0, 1600 + loud - 300 * 16)
     np.testing.assert_array_equal(fed, rest[k: k + fed.size])
-    assert d.s._pad_debt == 0
+    assert d.s.input.debt.owed() == 0
 
 
 def test_commit_then_create_is_one_forced_unit():
@@ -129,7 +129,7 @@ def test_commit_then_create_is_one_forced_unit():
     np.testing.assert_array_equal(f[0].audio[:3000], x[SR + 560:])
     assert not f[0].audio[3000:].any()
     assert len(units(d.cmds)) == n0 + 1
-    assert d.s._pad_debt == 13000
+    assert d.s.input.debt.owed() == 13000
     # nothing more goes out for that commit
     assert units(d.tick(100)) == []
 
@@ -144,7 +144,7 @@ def test_lone_commit_closes_its_unit_at_the_next_tick():
     u = units(d.tick(50))
     assert len(u) == 1 and not u[0].force_speak and u[0].unit_index == 1
     assert u[0].audio[:3000].any() and not u[0].audio[3000:].any()
-    assert d.s._pad_debt == 13000
+    assert d.s.input.debt.owed() == 13000
 
 
 def test_commit_then_append_closes_the_unit_before_the_new_audio():
@@ -203,7 +203,7 @@ def test_speech_stopped_closes_the_unit_early_when_on():
     later = stream[n_before:]
     assert later.size >= SR
     np.testing.assert_array_equal(later, x[end + pad: end + pad + later.size])
-    assert d.s._pad_debt == 0
+    assert d.s.input.debt.owed() == 0
 
 
 def test_speech_stopped_does_not_close_early_when_off():
@@ -236,7 +236,7 @@ def _barge_in(chunk_ms: int, lead_samples: int, fence: bool = True):
     # no early close at the utterance's end: the units then carry the input contiguously
     d.send({"type": "session.update", "session": {"extra_body": {"early_unit_close": False}}})
     if not fence:
-        d.s._holding_units = lambda: False  # type: ignore[method-assign]
+        d.s.input._holding_units = lambda: False  # type: ignore[method-assign]
     append(d, np.zeros(16560, np.float32))  # unit 0, then the model starts answering on its own
     d.speak(end=False)
     assert d.s.state == "speaking"
@@ -244,7 +244,7 @@ def _barge_in(chunk_ms: int, lead_samples: int, fence: bool = True):
     append(d, x, chunk_ms=chunk_ms)
     started = d.of("input_audio_buffer.speech_started")
     assert len(started) >= 1
-    assert d.s._pad_debt == 0  # no early close here: units after unit 0 carry x contiguously
+    assert d.s.input.debt.owed() == 0  # no early close here: units after unit 0 carry x contiguously
     return d, x, started[0]["audio_start_ms"] * SR // 1000 - 16560
 
 

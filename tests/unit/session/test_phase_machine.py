@@ -112,7 +112,7 @@ REACH: dict[Phase, Callable[[], Driver]] = {
 
 
 def _forced_unit(d: Driver) -> int:
-    r = d.s._resp
+    r = d.s.resp.active()
     return r.forced_unit if r is not None and r.forced_unit is not None else d.last_unit()
 
 
@@ -121,7 +121,7 @@ def _barge_in(d: Driver) -> None:
 
 
 def _token_cap(d: Driver) -> None:
-    r = d.s._resp
+    r = d.s.resp.active()
     if r is not None:
         r.max_tokens = 1  # as response.create{max_output_tokens: 1} would have set it
     d.engine(TextDelta(d.sid, d.s.epoch, d.last_unit(), text="Hi", n_tokens=1))
@@ -139,7 +139,7 @@ def _tool_call(d: Driver) -> None:
         d.send({"type": "session.update", "session": {"tools": [WEATHER]}})
         d.append(fixture_audio("question_16k.wav")[:8000])
         d.send({"type": "input_audio_buffer.commit"})
-    elif d.s.phase is Phase.REQUESTED and d.s._decision is None:
+    elif d.s.phase is Phase.REQUESTED and d.s.tools._decision is None:
         d.send({"type": "response.cancel"})
         d.send({"type": "session.update", "session": {"tools": [WEATHER]}})
         d.append(fixture_audio("question_16k.wav")[:8000])

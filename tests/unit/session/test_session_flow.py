@@ -137,7 +137,7 @@ def test_forced_unit_listen_terminates_precreated_response():
     d = Driver()
     d.append(second(1.1))
     d.send({"type": "response.create"})
-    forced = d.s._resp.forced_unit
+    forced = d.s.resp.active().forced_unit
     assert d.types(d.engine(Decision(d.sid, 0, forced - 1, decision="listen"))) == []  # before the forced unit
     new = d.engine(Decision(d.sid, 0, forced, decision="listen"))
     assert d.types(new) == ["response.listen", "response.done"]
@@ -206,7 +206,7 @@ def test_input_clear_keeps_epoch_and_response():
     d.speak(end=False)
     new = d.send({"type": "input_audio_buffer.clear"})
     assert d.types(new) == ["input_audio_buffer.cleared"] and d.s.epoch == 0 and d.s.active_response_id
-    assert d.s._framer.pending_samples == 0
+    assert d.s.input._framer.pending_samples == 0
 
 
 def test_output_audio_buffer_clear():
@@ -370,7 +370,7 @@ def test_server_vad_barge_in():
     d = _speaking_driver()
     rid = d.s.active_response_id
     x = fixture_audio("interrupt_16k.wav")
-    pos_ms = d.s._real_samples * 1000 // 16000
+    pos_ms = d.s.input._real_samples * 1000 // 16000
     new = d.append(x)
     st = d.of("input_audio_buffer.speech_started", new)[0]
     done = d.of("response.done", new)[0]
@@ -458,7 +458,7 @@ def test_truncate_without_audio_and_invalid():
     d = Driver()
     d.speak([], end=False)
     rid = d.s.active_response_id
-    iid = d.s._resp.item_id
+    iid = d.s.resp.active().item_id
     new = d.send({"type": "conversation.item.truncate", "item_id": iid, "content_index": 0, "audio_end_ms": 500})
     assert new[0]["type"] == "conversation.item.truncated" and new[0]["audio_end_ms"] == 0
     for bad in (1.5, -1, "x", None, True):
@@ -502,7 +502,7 @@ def test_items_create_retrieve_delete():
     assert d.events[-1]["type"] == "conversation.item.deleted"
     assert d.send({"type": "conversation.item.retrieve", "item_id": iid})[0]["error"]["code"] == "item_not_found"
     d.speak(end=False)
-    e = d.send({"type": "conversation.item.delete", "item_id": d.s._resp.item_id})
+    e = d.send({"type": "conversation.item.delete", "item_id": d.s.resp.active().item_id})
     assert e[0]["error"]["code"] == "bad_event"
 
 
@@ -618,7 +618,7 @@ def test_size_limit_and_parser_fuzz():
         new = d.send(raw)
         assert [e["error"]["code"] for e in new] == [code], raw
     assert d.send({"type": "session.heartbeat"})[0]["type"] == "session.heartbeat_ack"
-    assert d.s.epoch == 0 and not d.s._items
+    assert d.s.epoch == 0 and not d.s.conv.items()
 
 
 def test_heartbeat_close_and_timeout():

@@ -31,7 +31,7 @@ def test_item_audio_is_counted_before_it_is_decoded():
     assert _errors(d.pump()) == [] and "conversation.item.added" not in added[2]
     # the third was refused as backpressure, with no state change
     assert [e for e in d.events if e["type"] == "error"][-1]["error"]["code"] == "input_backpressure"
-    queued = d.s._framer.pending_samples + d.s._inflight_samples + d.s._debt_hold_n + d.s._unit_hold_samples
+    queued = d.s.input._framer.pending_samples + d.s.input._inflight_samples + d.s.input.debt.held_samples() + d.s.input._unit_hold.samples()
     assert queued <= limit_s * 16_000  # the cap holds
 
 

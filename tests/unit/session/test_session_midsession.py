@@ -15,6 +15,7 @@ from duplexkit.errors import (
     wire_error_code,
 )
 from duplexkit.session import SessionConfig
+from duplexkit.session.tools import decider_messages
 
 from _driver import Driver, fixture_audio
 
@@ -30,7 +31,7 @@ def _updates(new) -> list[UpdateStream]:
 def _decide_listen(d: Driver) -> list:
     """The engine decides ``listen`` for every appended unit not yet decided."""
     new = []
-    for u in [u for u, _ in list(d.s._inflight)]:  # noqa: SLF001 (the units the engine owes a decision)
+    for u in [u for u, _ in list(d.s.input._inflight)]:  # noqa: SLF001 (the units the engine owes a decision)
         new += d.engine(Decision(d.sid, d.s.epoch, u, decision="listen"))
     return new
 
@@ -106,12 +107,12 @@ def test_history_keeps_the_most_recent_lines():
     for i in range(200):
         d.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"line {i:03d} " + "x" * 30}]}})
-    text = d.s._history_text()  # noqa: SLF001
+    text = d.s.opts._history_text()  # noqa: SLF001
     assert len(text) <= 4000 + 200 and text.splitlines()[-1].startswith("User: line 199")
     assert "line 000" not in text
     d.send({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 9000 + "END"}]}})
-    last = d.s._history_text().splitlines()  # noqa: SLF001
+    last = d.s.opts._history_text().splitlines()  # noqa: SLF001
     assert len(last) == 2 and last[1].endswith("END") and len(last[1]) == 4000
 
 
@@ -119,7 +120,7 @@ def test_instructions_wait_for_decisions_in_flight():
     d = Driver()
     d.send({"type": "session.update", "session": {"turn_detection": None}})
     d.append(_speech(1.1))
-    assert d.s._inflight  # noqa: SLF001: unit 0 awaits its decision
+    assert d.s.input._inflight  # noqa: SLF001: unit 0 awaits its decision
     new = d.send({"type": "session.update", "session": {"instructions": "B"}})
     assert not _updates(new)
     got = _decide_listen(d)
@@ -134,7 +135,7 @@ def test_units_forced_to_listen_do_not_hold_instructions_back():
     d.send({"type": "session.update", "session": {"turn_detection": None, "input_audio_format": "pcm16",
                                                   "sample_rate_hz": 16000}})
     d.append(_speech(1.1))
-    assert d.s._inflight and all(c.force_listen for c in d.cmds if isinstance(c, AppendUnit))  # noqa: SLF001
+    assert d.s.input._inflight and all(c.force_listen for c in d.cmds if isinstance(c, AppendUnit))  # noqa: SLF001
     (up,) = _updates(d.send({"type": "session.update", "session": {"instructions": "B"}}))
     assert up.config.instructions == "B"
 
@@ -160,7 +161,7 @@ def test_system_item_after_first_unit_is_reprefilled_and_user_text_goes_to_histo
     assert item["role"] == "assistant" and item["content"] == [{"type": "output_text", "text": "Hello Ada."}]
     assert [w["param"] for w in d.of("session.warning", new)] == ["item.assistant"]  # its own field
     # the tool decider's conversation (docs/tools.md): system, user and assistant text, in order
-    msgs = [(m.role, m.content[0]) for m in d.s._decider_messages(None)]  # noqa: SLF001
+    msgs = [(m.role, m.content[0]) for m in decider_messages(d.s.settings.instructions, d.s.conv.items(), d.s.conv.truth_text, None)]  # noqa: SLF001
     assert msgs[0] == ("system", "Base.")
     assert msgs[-3:] == [("system", "Speak French."), ("user", "My name is Ada."), ("assistant", "Hello Ada.")]
     hist = d.s.history()
@@ -181,7 +182,7 @@ def test_compat_profile_sends_no_session_warning_but_applies():
     d = Driver(SessionConfig(profile="compat"))
     d.send({"type": "session.update", "session": {"input_audio_format": "pcm16", "sample_rate_hz": 16000}})
     d.append(_speech(1.1))
-    assert d.s._units_appended > 0  # noqa: SLF001: after the first unit
+    assert d.s.input._units_appended > 0  # noqa: SLF001: after the first unit
     new = d.send({"type": "session.update", "session": {"instructions": "B",
                                                         "audio": {"input": {"noise_reduction": {"type": "near_field"}}}}})
     assert d.types(new) == ["session.updated"] and new[0]["session"]["instructions"] == "B"

@@ -54,7 +54,7 @@ def playback_is(committed: int, final: bool, transcript: str) -> Callable[[Drive
         assert d.s.item_playback(iid) == (SENT_MS, committed, final)
         h = [it for it in d.s.history() if it["id"] == iid][0]
         assert h["content"][0]["transcript"] == transcript
-        got = d.s._items[iid]
+        got = d.s.conv.find(iid)
         assert "".join(WORDS).startswith(transcript)  # a prefix of what was sent
         # the cut is at the last mark <= committed_ms (one word per 1000 ms here)
         assert transcript == "".join(WORDS[: committed // 1000]), (transcript, committed)

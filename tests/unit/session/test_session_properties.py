@@ -75,7 +75,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     @rule(end=st.one_of(st.integers(0, 6000), st.floats(0, 10), st.just("x")), pick=st.integers(0, 9), op=st.sampled_from(["truncate", "retrieve", "delete"]))
     def item_op(self, end, pick, op):
-        items = list(self.d.s._items) or ["item_none"]
+        items = [it.id for it in self.d.s.conv.items()] or ["item_none"]
         iid = items[pick % len(items)]
         if op == "truncate":
             self.d.send({"type": "conversation.item.truncate", "item_id": iid, "content_index": 0, "audio_end_ms": end})
@@ -143,18 +143,34 @@ class SessionMachine(RuleBasedStateMachine):
     @invariant()
     def history_within_committed(self):
         s = self.d.s
-        for it in s._items.values():
+        for it in s.conv.items():
             if it.kind != "output_audio":
                 continue
             assert 0 <= it.committed_ms <= it.sent_ms
-            truth = s._truth_text(it)
+            truth = s.conv.truth_text(it)
             assert it.text.startswith(truth)
             allowed = max([c for c, ms in it.marks if ms <= it.committed_ms], default=0)
             assert len(truth) <= allowed
         for h in s.history():
-            it = s._items[h["id"]]
+            it = s.conv.find(h["id"])
             if it.kind == "output_audio":
-                assert h["content"][0].get("transcript", "") == s._truth_text(it)
+                assert h["content"][0].get("transcript", "") == s.conv.truth_text(it)
+
+    @invariant()
+    def small_machines_agree_with_their_data(self):
+        """Each small machine's state is what the data it names says (duplexkit/session/machine.py)."""
+        inp, resp = self.d.s.input, self.d.s.resp
+        assert (inp._vad_state.state.value == "none") == (inp._vad_item is None)
+        assert (inp._held_commit.state.value == "held") == (inp._close_pending_ms is not None)
+        debt = inp.debt
+        want = "holding" if debt.held_samples() else "owed" if debt.owed() else "clear"
+        assert debt.state.value == want
+        assert (inp._unit_hold.state.value == "holding") == (len(inp._unit_hold) > 0)
+        assert (resp._hold_state.state.value == "holding") == (resp._turn_hold is not None)
+        if resp.active() is None:
+            assert self.d.s.phase.value in ("idle", "closed")
+        else:
+            assert self.d.s.phase.value in ("requested", "speaking")
 
     @invariant()
     def heartbeat_answered(self):

@@ -100,7 +100,7 @@ def raw_appends(chunks: Callable[[], list[bytes]], out=(), cmds=(), check=None) 
     """Raw byte chunks, each base64-encoded as its own ``input_audio_buffer.append``. The samples
     the Session's decoder returns are recorded in ``driver._decoded``."""
     def do(d: Driver) -> list:
-        dec = d.s._decoder
+        dec = d.s.input._decoder
         d._decoded = []
 
         def recording(data, **kw):
@@ -309,7 +309,7 @@ def _odd_bytes_carried(d: Driver, new: list) -> None:
     from duplexkit.audio.codecs import pcm16_to_float32
 
     np.testing.assert_array_equal(np.concatenate(d._decoded), pcm16_to_float32(_question_pcm() * 2))
-    assert d.s._decoder.carried_bytes == 0
+    assert d.s.input._decoder.carried_bytes == 0
     assert len(d.of("input_audio_buffer.committed")) == 2
 
 

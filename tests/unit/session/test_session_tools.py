@@ -347,10 +347,10 @@ def test_a_call_never_answered_stops_holding_the_model():
     d.append(np.zeros(16000, np.float32))
     new = _decide(d, ToolCall("get_weather", '{"city": "Paris"}'))
     call_id = d.of("response.done", new)[0]["response"]["output"][0]["call_id"]
-    assert d.s._tool_gate()
+    assert d.s.tools.gate()
     new = d.tick(TOOL_OUTPUT_WAIT_MS + 100)
     assert [w["code"] for w in d.of("session.warning", new)] == ["tool_output_timeout"]
-    assert not d.s._tool_gate()
+    assert not d.s.tools.gate()
     units = d.cmds_of(AppendUnit, d.append(np.zeros(16000, np.float32)))
     assert units and not units[-1].force_listen
     new = d.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,

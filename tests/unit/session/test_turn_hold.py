@@ -19,7 +19,7 @@ import pytest
 
 from duplexkit.audio import StreamingVAD, VadConfig
 from duplexkit.engine.api import AppendUnit, AudioChunk, Decision, TextDelta, TurnEnd, UnitTimings
-from duplexkit.session.pipeline import TURN_HOLD_STALL_MS
+from duplexkit.session.responses import TURN_HOLD_STALL_MS
 
 from _driver import Driver, fixture_audio, pcm16_b64
 
