@@ -24,7 +24,7 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 STAGES = ["thinker.prefill", "thinker.decode", "talker", "code2wav"]
 
 
-def test_tiny_engine_session_has_stage_spans():
+def test_tiny_engine_session_has_stage_spans(tmp_path):
     from duplexkit.engine import DuplexEngine
 
     exp = InMemorySpanExporter()
@@ -37,12 +37,15 @@ def test_tiny_engine_session_has_stage_spans():
         try:
             async with InlineDuplexClient(engine, answer_policy="on_request", max_output_tokens=24,
                                           session={"turn_detection": None, "tracing": {"workflow_name": "tiny"}},
-                                          request_timeout_s=300, tracer_provider=provider) as c:
+                                          request_timeout_s=300, tracer_provider=provider,
+                                          record=tmp_path) as c:
                 for i in range(0, len(speech), 3200):
                     await c.send_audio(speech[i:i + 3200])
                 h = await c.create_response()
                 await h.wait(300)
-                return h
+                rec = c.recording
+            assert rec.recorder.flush(60)
+            return h
         finally:
             await engine.aclose()
 
@@ -76,3 +79,14 @@ def test_tiny_engine_session_has_stage_spans():
     listen = [s for s in spans if s.name == "duplexkit.unit" and s.parent.span_id == root.context.span_id]
     assert listen and {s.name for s in spans if s.parent is not None
                        and s.parent.span_id in {u.context.span_id for u in listen}} <= set(STAGES[:2])
+
+    # the replay page's engine-stages lane shows the same stages, from the recorded UnitTimings
+    from duplexkit.replay import find_recordings, load_recording, render_html, timeline
+
+    (folder,) = find_recordings(tmp_path)
+    tl = timeline(load_recording(folder))
+    lane = [x for x in tl["spans"] if x["lane"] == "engine stages"]
+    assert {x["kind"] for x in lane} == set(STAGES)
+    assert {x["row"] for x in lane} == {0, 1, 2}
+    assert all(x["start"] <= x["end"] for x in lane)
+    assert 'data-lane="engine stages"' in render_html(folder).read_text()
