@@ -361,7 +361,9 @@ class SessionTracer:
 
     def __init__(self, tracer: Any, session: Any = None) -> None:
         from opentelemetry import context as otel_context
+        from opentelemetry import trace
 
+        self._in_context = trace.set_span_in_context  # imported here, at the session's start, not in a hook
         self.tracer = tracer
         self.session = session
         self._parent_ctx = otel_context.get_current()  # an app's span around an inline client nests it
@@ -382,9 +384,7 @@ class SessionTracer:
 
     # -- span helpers ---------------------------------------------------------------------------
     def _ctx(self, parent: Any) -> Any:
-        from opentelemetry import trace
-
-        return trace.set_span_in_context(parent, self._parent_ctx)
+        return self._in_context(parent, self._parent_ctx)
 
     def _start(self, name: str, parent: Any, start: int, attrs: dict) -> Any:
         ctx = self._ctx(parent) if parent is not None else self._parent_ctx
