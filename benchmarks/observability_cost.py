@@ -270,7 +270,8 @@ def main(argv=None) -> int:
                     t = time.perf_counter()
                     r = asyncio.run(run_level(url, n, a.rounds, a.timeout))
                     wait_idle(url)
-                    if mode == "on":
+                    if mode == "on":  # a session's slot is free a moment before its driver and recording close
+                        time.sleep(1.5)
                         provider.force_flush()
                         if getattr(state, "recorder", None) is not None:
                             state.recorder.flush(60)
