@@ -14,11 +14,12 @@ Per level and mode it prints p50 / p90 of:
 * ``unit_ms``: engine time per unit (``UnitTimings.total_ms``: submit to the unit's last output);
 * ``create``: ``response.create`` sent -> first audio delta at the client (what the user feels);
 * ``vad_eos``: end of the user's speech -> first audio delta (server VAD);
-* ``hook CPU``: CPU time the event loop's thread spent in the recording and tracing observers, in
-  microseconds per unit (0 when off: there are none), also apart (``rec``, ``trace``); ``wall``: the
-  same hooks' wall time, which also counts waits for the GIL while the recording's writer thread or
-  the span exporter's thread holds it (Python hands the GIL over every 5 ms,
-  ``sys.getswitchinterval()``);
+* ``hooks``: time the event loop's thread spent in the recording and tracing observers, in
+  microseconds per unit (0 when off: there are none), also apart (``rec``, ``trace``). Wall time
+  (``time.perf_counter``; a per-thread CPU clock costs a system call per reading here, more than the
+  hooks): it includes waits for the GIL while the recording's writer thread or the span exporter's
+  thread holds it (Python hands the GIL over every 5 ms, ``sys.getswitchinterval()``), which delay
+  the loop all the same;
 * the units measured, the spans exported and the recording bytes written.
 
 Examples::
@@ -57,8 +58,7 @@ class Meter:
 
     def reset(self) -> None:
         self.unit_ms: list = []
-        self.hook_s = 0.0  # CPU time of the loop's thread in the hooks
-        self.hook_wall_s = 0.0  # wall time in the hooks (also waits for the GIL)
+        self.hook_s = 0.0  # wall time of the event loop's thread in the hooks (waits for the GIL included)
         self.hook_calls = 0
         self.by_kind: dict = {}  # "recording" / "tracing" -> seconds
 
@@ -83,16 +83,15 @@ def install(server, meter: Meter) -> None:
         for obs in self.observers:
             fn = getattr(obs, hook, None)
             if fn is not None:
-                t, c = time.perf_counter(), time.thread_time()
+                t = time.perf_counter()
                 try:
                     fn(arg)
                 except Exception:  # noqa: BLE001
                     logger.exception("session observer %s failed", hook)
-                dc = time.thread_time() - c
+                dt = time.perf_counter() - t
                 kind = "tracing" if type(obs).__name__ == "SessionTracer" else "recording"
-                meter.by_kind[kind] = meter.by_kind.get(kind, 0.0) + dc
-                meter.hook_s += dc
-                meter.hook_wall_s += time.perf_counter() - t
+                meter.by_kind[kind] = meter.by_kind.get(kind, 0.0) + dt
+                meter.hook_s += dt
         meter.hook_calls += 1
 
     SessionDriver._observe = _observe
@@ -188,7 +187,6 @@ def summarize(r: dict, meter: Meter, spans: int, rec_bytes: int) -> dict:
             "create_p50": pct(r["create"], 50), "create_p90": pct(r["create"], 90),
             "vad_p50": pct(r["vad_eos"], 50), "vad_p90": pct(r["vad_eos"], 90),
             "hook_us_per_unit": meter.hook_s * 1e6 / n if n else 0.0,
-            "hook_wall_us_per_unit": meter.hook_wall_s * 1e6 / n if n else 0.0,
             "rec_us_per_unit": meter.by_kind.get("recording", 0.0) * 1e6 / n if n else 0.0,
             "trace_us_per_unit": meter.by_kind.get("tracing", 0.0) * 1e6 / n if n else 0.0, "spans": spans, "rec_bytes": rec_bytes,
             "errors": len(r["errors"])}
@@ -206,14 +204,13 @@ def merge(runs: list) -> dict:
 def print_table(rows: list, header: str) -> None:
     print("\n" + header)
     hdr = (f"{'sessions':>8} {'mode':>4} | {'units':>6} {'unit_ms p50':>11} {'p90':>7} | {'create p50':>10} {'p90':>7} | "
-           f"{'vad_eos p50':>11} {'p90':>7} | {'hook CPU us/unit':>16} {'rec':>6} {'trace':>6} {'wall':>7} | {'spans':>6} {'rec MB':>7} | {'errors':>6}")
+           f"{'vad_eos p50':>11} {'p90':>7} | {'hooks us/unit':>13} {'rec':>7} {'trace':>7} | {'spans':>6} {'rec MB':>7} | {'errors':>6}")
     print(hdr)
     print("-" * len(hdr))
     for n, mode, s in rows:
         print(f"{n:>8} {mode:>4} | {s['units']:>6} {s['unit_p50']:>11.1f} {s['unit_p90']:>7.1f} | "
               f"{s['create_p50']:>10.0f} {s['create_p90']:>7.0f} | {s['vad_p50']:>11.0f} {s['vad_p90']:>7.0f} | "
-              f"{s['hook_us_per_unit']:>16.1f} {s['rec_us_per_unit']:>6.1f} {s['trace_us_per_unit']:>6.1f} "
-              f"{s['hook_wall_us_per_unit']:>7.0f} | {s['spans']:>6} {s['rec_bytes'] / 2**20:>7.2f} | {s['errors']:>6}")
+              f"{s['hook_us_per_unit']:>13.0f} {s['rec_us_per_unit']:>7.0f} {s['trace_us_per_unit']:>7.0f} | {s['spans']:>6} {s['rec_bytes'] / 2**20:>7.2f} | {s['errors']:>6}")
     sys.stdout.flush()
 
 
@@ -278,7 +275,6 @@ def main(argv=None) -> int:
                     runs[mode].append(r)
                     stats[mode].unit_ms += meter.unit_ms
                     stats[mode].hook_s += meter.hook_s
-                    stats[mode].hook_wall_s += meter.hook_wall_s
                     for k, v in meter.by_kind.items():
                         stats[mode].by_kind[k] = stats[mode].by_kind.get(k, 0.0) + v
                     spans[mode] += exporter.spans - s0
