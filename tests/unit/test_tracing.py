@@ -263,3 +263,82 @@ print("SDK_MODULES", sorted(m for m in sys.modules if m.startswith(("opentelemet
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OTEL_MODULES []" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "SDK_MODULES []" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_tracing_null_mid_session_stops_and_a_new_workflow_renames():
+    provider, exp = _provider()
+    speech = read_wav(FIX / "question_16k.wav", 16_000)[0]
+
+    async def answer(c):
+        for i in range(0, len(speech), 1600):
+            await c.send_audio(speech[i:i + 1600])
+            await asyncio.sleep(0.005)
+        await c.commit()
+        h = await c.create_response()
+        await h.wait(30)
+        return h
+
+    async def run():
+        async with InlineDuplexClient(ScriptedEngine(units_per_turn=1, random_weights=True),
+                                      session={"turn_detection": TD}, request_timeout_s=30,
+                                      tracer_provider=provider) as c:
+            await c.update(tracing={"workflow_name": "first"})
+            h1 = await answer(c)
+            await asyncio.sleep(0.3)  # the response's last unit timings come in
+            await c.update(tracing=None)
+            h2 = await answer(c)
+            return h1, h2
+
+    h1, h2 = asyncio.run(run())
+    spans = exp.get_finished_spans()
+    k = check_tree(spans, session_name="first")
+    assert [r.attributes["duplexkit.response.id"] for r in k["response"]] == [h1.id]
+    assert h2.id not in {s.attributes.get("duplexkit.response.id") for s in spans}
+
+
+def test_a_tool_call_and_its_answer_stay_in_one_turn():
+    from duplexkit.agent import tool
+
+    notes = []
+
+    @tool(filler="Writing it down.")
+    async def add_note(text: str) -> dict:
+        """Add a note.
+
+        Args:
+            text: the note.
+        """
+        notes.append(text)
+        return {"id": len(notes)}
+
+    provider, exp = _provider()
+    speech = read_wav(FIX / "question_16k.wav", 16_000)[0]
+
+    async def run():
+        eng = ScriptedEngine(units_per_turn=2, tool_script=[("add_note", {"text": "buy milk"})])
+        async with InlineDuplexClient(eng, tools=[add_note], answer_policy="on_request", request_timeout_s=30,
+                                      session={"turn_detection": None}, tracer_provider=provider) as c:
+            for i in range(0, len(speech), 1600):
+                await c.send_audio(speech[i:i + 1600])
+            await c.commit()
+            seen = []
+            async with asyncio.timeout(30):
+                while True:
+                    ev = await c.events().get()
+                    seen.append(ev)
+                    if getattr(ev, "type", None) == "response.done" and ev.response.trigger == "client":
+                        break
+            await asyncio.sleep(0.3)
+            return [e.response for e in seen if getattr(e, "type", None) == "response.done"]
+
+    done = asyncio.run(run())
+    assert notes == ["buy milk"] and len(done) >= 2
+    spans = exp.get_finished_spans()
+    k = check_tree(spans)
+    assert len(k["turn"]) == 1
+    resp = sorted(k["response"], key=lambda s: s.start_time)
+    assert [r.attributes["duplexkit.response.id"] for r in resp] == [d.id for d in done]
+    assert any(r.attributes["duplexkit.response.tool_call"] for r in resp)
+    assert resp[-1].attributes["duplexkit.response.trigger"] == "client"
+    decide = [s for s in k["other"] if s.name == "duplexkit.decide_tools"]
+    assert decide and all(s.attributes["duplexkit.elapsed_ms"] >= 0 for s in decide)
