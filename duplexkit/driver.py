@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 import dataclasses
 
+from duplexkit import tracing
 from duplexkit.engine.api import (
     DecideTools,
     Engine,
@@ -59,6 +60,9 @@ class SessionDriver:
         on_event: called with each server event dict, in order (sync or async).
         on_close: called with the Session's ``CloseConnection`` (sync or async); dispatch ends after it.
         tick_interval_s: clock period in seconds (default 50 ms: well under one 1-s unit).
+        tracer_provider: an OpenTelemetry ``TracerProvider`` to trace this session into (None: the
+            process's, :mod:`duplexkit.tracing`; tracing is off unless one is configured or the
+            ``OTEL_EXPORTER_OTLP_*ENDPOINT`` environment is set).
 
     Time is milliseconds since the driver was created (monotonic clock), passed to every Session call.
 
@@ -77,7 +81,8 @@ class SessionDriver:
     ``engine_command(cmd)``, ``engine_output(out)`` and ``server_event(event_dict)``, called for each
     command forwarded to the stream, each output pumped from it and each event sent, and optionally
     ``client_event(raw)``, called with each client event (the JSON text or dict as given to
-    :meth:`client_event`) before the Session applies it. More observers (a recording,
+    :meth:`client_event`) before the Session applies it, and ``driver_closed(None)``, called once by
+    :meth:`aclose`. More observers (a recording,
     :mod:`duplexkit.recording`) go in with :meth:`add_observer`; each is called after ``observer``, in
     the order added, and a hook an observer lacks is skipped. An exception raised by an observer is
     logged and otherwise ignored.
@@ -85,7 +90,7 @@ class SessionDriver:
 
     def __init__(self, session, engine: Engine, *, on_event: EventSink,
                  on_close: Callable[[Any], Union[None, Awaitable[None]]], tick_interval_s: float = 0.05,
-                 decider: Any = None, transcriber: Any = None) -> None:
+                 decider: Any = None, transcriber: Any = None, tracer_provider: Any = None) -> None:
         self.session = session
         self.engine = engine
         self.stream: Optional[EngineStream] = None
@@ -104,6 +109,11 @@ class SessionDriver:
         self.transcriber = transcriber
         self._transcribers: dict = {}  # model name -> transcriber (when none was given)
         self._shell_tasks: set[asyncio.Task] = set()
+        # OpenTelemetry spans (duplexkit.tracing): None, and nothing imported, while tracing is off
+        self.tracer = tracing.session_tracer(session, tracer_provider)
+        if self.tracer is not None:
+            session.tracing_honoured = True  # the ``tracing`` field then gets no field_ignored warning
+            self.add_observer(self.tracer)
 
     def add_observer(self, observer: Any) -> None:
         """Add an observer (see the class docstring) called after ``observer``."""
@@ -164,6 +174,7 @@ class SessionDriver:
                 await asyncio.wait_for(stream.aclose(), timeout=30)
             except Exception:  # engine trouble must not leak the caller's resources
                 logger.exception("closing the engine stream failed")
+        self._observe("driver_closed", None)
 
     # -- tasks ----------------------------------------------------------------------------------
     async def _tick(self) -> None:

@@ -4,7 +4,9 @@ self-contained HTML page with a timeline picture, and optionally a PNG (docs/deb
 Lanes, on the session clock (ms): user speech (server VAD ``speech_started`` -> ``speech_stopped``),
 the model's per-unit decisions (``engine.decision`` placed on its unit's audio span; on the remote
 client side ``response.speak`` / ``response.listen`` ticks), assistant audio generated and heard
-(per response: first audio delta + ``generated_ms`` / ``heard_ms``), events (barge-ins, client
+(per response: first audio delta + ``generated_ms`` / ``heard_ms``), the engine's stage times per
+unit (from ``engine.unit_timings``: thinker prefill and decode, talker, Code2Wav, each where it ran
+after the unit was submitted; one bar of ``total_ms`` where the engine reports no stages), events (barge-ins, client
 cancels, cancelled responses, tool calls, errors) and latency marks (end of user speech or commit ->
 the next response's first audio). Both audio tracks (``user.wav``, ``assistant_heard.wav``; also the
 generated one) are embedded as base64 WAV and play together under a moving cursor; a click on the
@@ -23,8 +25,12 @@ from duplexkit.recording import RecordingError
 
 __all__ = ["load_recording", "timeline", "render_html", "render_png", "find_recordings"]
 
-LANES = ("user speech", "model decisions", "assistant generated", "assistant heard", "events", "latency")
-_COLORS = {"user speech": "#3b82f6", "listen": "#cbd5e1", "speak": "#22c55e", "assistant generated": "#f59e0b",
+LANES = ("user speech", "model decisions", "engine stages", "assistant generated", "assistant heard", "events",
+         "latency")
+_STAGE_ROWS = {"thinker.prefill": 0, "thinker.decode": 0, "thinker": 0, "talker": 1, "code2wav": 2, "engine": 0}
+"""Row of each stage in the ``engine stages`` lane (thinker on top, then talker, then Code2Wav)."""
+_COLORS = {"thinker.prefill": "#1d4ed8", "thinker.decode": "#60a5fa", "thinker": "#3b82f6", "talker": "#d97706",
+           "code2wav": "#a855f7", "engine": "#64748b", "user speech": "#3b82f6", "listen": "#cbd5e1", "speak": "#22c55e", "assistant generated": "#f59e0b",
            "assistant heard": "#16a34a", "barge_in": "#dc2626", "cancel": "#b91c1c", "tool": "#7c3aed",
            "error": "#000000", "latency": "#0891b2"}
 
@@ -92,6 +98,8 @@ def timeline(rec: dict) -> dict:
             user_end = t
         elif typ == "engine.append_unit" and "audio_start_ms" in x:
             units[x.get("unit_index")] = (x["audio_start_ms"], x["audio_start_ms"] + x.get("audio_ms", 1000))
+        elif typ == "engine.unit_timings":
+            spans += _stage_spans(t, x)
         elif typ == "engine.decision":
             s, f = units.get(x.get("unit_index"), (t - 1000, t))
             spans.append({"lane": "model decisions", "start": s, "end": f, "kind": x.get("decision", "listen"),
@@ -149,6 +157,28 @@ def timeline(rec: dict) -> dict:
     return {"duration_ms": int(end), "spans": spans, "marks": marks}
 
 
+def _stage_spans(t: int, x: dict) -> list:
+    """The ``engine stages`` lane of one ``engine.unit_timings`` event seen at ``t``: the unit was
+    submitted ``total_ms`` earlier; each stage sits where :func:`duplexkit.tracing.stage_windows`
+    places it (the same placement as the trace spans). Timings without stage keys (the scripted
+    engine) give one ``engine`` bar of ``total_ms``."""
+    from duplexkit.tracing import stage_windows
+
+    tm = x.get("timings") or {}
+    total = tm.get("total_ms")
+    if not isinstance(total, (int, float)):
+        return []
+    submit = t - float(total)
+    k = x.get("unit_index")
+    wins = stage_windows(tm) or [("engine", 0.0, float(total), {})]
+    out = []
+    for name, s_ms, e_ms, _a in wins:
+        ms = e_ms - s_ms
+        out.append({"lane": "engine stages", "start": round(submit + s_ms), "end": round(submit + e_ms), "kind": name,
+                    "row": _STAGE_ROWS.get(name, 0), "label": f"unit {k}: {name} {ms:.1f} ms"})
+    return out
+
+
 def _svg(tl: dict, width: int = 1200) -> str:
     left, lane_h, top = 150, 34, 20
     dur = max(tl["duration_ms"], 1)
@@ -165,7 +195,8 @@ def _svg(tl: dict, width: int = 1200) -> str:
             if s["lane"] != lane:
                 continue
             w = max(1.0, x(s["end"]) - x(s["start"]))
-            out.append(f'<rect class="span" x="{x(s["start"]):.1f}" y="{y + 3}" width="{w:.1f}" height="{lane_h - 12}" '
+            sy, sh = (y + 2 + 9 * s["row"], 8) if "row" in s else (y + 3, lane_h - 12)
+            out.append(f'<rect class="span" x="{x(s["start"]):.1f}" y="{sy}" width="{w:.1f}" height="{sh}" '
                        f'fill="{_COLORS.get(s["kind"], "#94a3b8")}"><title>{html.escape(s["label"])} '
                        f'({s["start"]}-{s["end"]} ms)</title></rect>')
         for m in tl["marks"]:
@@ -260,7 +291,8 @@ audio{{width:480px;vertical-align:middle}} label{{display:inline-block;width:80p
 {_svg(tl)}
 <p><button id="playboth">play user + heard</button> <button id="pauseall">pause</button>
 <span style="font-size:12px"> click the timeline to seek; colors: listen grey, speak green, generated orange,
-heard green, barge-in red, tool violet, latency cyan</span></p>
+heard green, barge-in red, tool violet, latency cyan; engine stages: thinker blue, talker amber,
+Code2Wav purple (one row each; grey: the unit's total where no stages are reported)</span></p>
 {''.join(audio)}
 <h2>Transcript</h2><table><tr><th>t</th><th>role</th><th>text</th><th>heard ms</th></tr>{rows}</table>
 <h2>Session</h2><pre>{html.escape(json.dumps(facts, indent=1, default=str))}</pre>
@@ -294,7 +326,8 @@ def render_png(folder: Union[str, Path], out: Optional[Union[str, Path]] = None)
     for i, lane in enumerate(LANES):
         y = n - 1 - i
         for s in (s for s in tl["spans"] if s["lane"] == lane):
-            ax.broken_barh([(s["start"] / 1000, max(0.01, (s["end"] - s["start"]) / 1000))], (y + 0.15, 0.7),
+            band = (y + 0.7 - 0.27 * s["row"], 0.24) if "row" in s else (y + 0.15, 0.7)
+            ax.broken_barh([(s["start"] / 1000, max(0.01, (s["end"] - s["start"]) / 1000))], band,
                            facecolors=_COLORS.get(s["kind"], "#94a3b8"))
         for m in (m for m in tl["marks"] if m["lane"] == lane):
             c = _COLORS.get(m["kind"], "#000")

@@ -231,6 +231,12 @@ def cmd_serve(args) -> int:
             f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold
             else "glibc mmap threshold not set",
             numpy_handler)
+    from duplexkit import tracing
+
+    try:  # OpenTelemetry traces when OTEL_EXPORTER_OTLP_*ENDPOINT is set: a bad setting fails here
+        tracing.check_env()
+    except tracing.TracingError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
     defaults = _session_defaults(args, args.model)
     settings = ServerSettings(
         model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),

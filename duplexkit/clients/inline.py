@@ -40,13 +40,17 @@ class InlineDuplexClient(BaseDuplexClient):
             (:func:`duplexkit.agent.make_transcriber`).
         record: a directory (or a :class:`duplexkit.recording.Recorder`) to record this session into,
             ``DIR/<session_id>/`` (docs/debugging.md); None (default) records nothing.
+        tracer_provider: an OpenTelemetry ``TracerProvider`` this session's spans go to
+            (docs/debugging.md, "Traces"); None (default): the process's (:func:`duplexkit.tracing.configure`,
+            or the ``OTEL_EXPORTER_OTLP_*`` environment), and no tracing when neither is set.
         **options: the client options of :class:`~duplexkit.clients.base.BaseDuplexClient`
             (``session``, ``ref_audio``, ``input_rate``, ``player``, ``auto_ack``, ``barge_in``,
             ``request_timeout_s``, ``tools``, ``tool_choice``).
     """
 
     def __init__(self, engine, *, profile: str = "duplex", config=None, tick_interval_s: float = 0.05,
-                 decider: Any = None, transcriber: Any = None, record: Any = None, **options: Any) -> None:
+                 decider: Any = None, transcriber: Any = None, record: Any = None, tracer_provider: Any = None,
+                 **options: Any) -> None:
         from duplexkit.session import SessionConfig
 
         cfg_fields = {f.name for f in dataclasses.fields(SessionConfig)}
@@ -67,6 +71,7 @@ class InlineDuplexClient(BaseDuplexClient):
         self._driver = None
         self.record = record
         self.recording = None  # duplexkit.recording.SessionRecording while recording
+        self.tracer_provider = tracer_provider
 
     @property
     def session_machine(self):
@@ -88,7 +93,8 @@ class InlineDuplexClient(BaseDuplexClient):
 
         self._driver = SessionDriver(Session(self.config, now_ms=0), self.engine, on_event=self._on_server_event,
                                      on_close=self._on_close, tick_interval_s=self.tick_interval_s,
-                                     decider=self.decider, transcriber=self.transcriber)
+                                     decider=self.decider, transcriber=self.transcriber,
+                                     tracer_provider=self.tracer_provider)
         if self.record is not None:
             from duplexkit.recording import recorder_for
 

@@ -92,7 +92,8 @@ UNHONOURED_SESSION_FIELDS: Dict[str, tuple] = {
     "turn_detection.idle_timeout_ms": ((None,), "the server VAD has no idle timeout"),
     "audio.output.speed": ((None, 1, 1.0), "the speaking rate is the model's own"),
     "speed": ((None, 1, 1.0), "the speaking rate is the model's own"),
-    "tracing": ((None,), "this server keeps no OpenAI traces"),
+    "tracing": ((None,), "this server exports no traces (OpenTelemetry tracing is off: "
+                "docs/debugging.md, \"Traces\")"),
     "truncation": ((None, "auto"), "the model's context is slid or reset at a unit boundary when it runs out "
                    "(docs/model.md); other truncation settings are not available"),
     "include": ((None,), "no extra properties are added to server events"),
@@ -255,6 +256,11 @@ class SessionPatch(_In):
         for k in ("force_listen_count", "input_sample_rate_hz", "input_channels", "seed"):
             if isinstance(out.get(k), bool):
                 raise ValueError(f"{k} must be an integer")
+        trc = data.get("tracing")
+        if trc is not None and trc != "auto" and not (
+                isinstance(trc, dict) and all(isinstance(trc.get(k), (str, type(None))) for k in ("workflow_name", "group_id"))
+                and isinstance(trc.get("metadata"), (dict, type(None)))):
+            raise ValueError('tracing must be null, "auto" or {workflow_name, group_id, metadata}')
         out["given"] = list(src)
         out["sources"] = src
         out["ignored"] = _unhonoured(data)

@@ -111,7 +111,12 @@ class Session:
 
     Every ``receive_*``/``tick`` method appends to an output queue taken by :meth:`drain`; none
     raises on client input (bad input becomes one ``error`` event and changes no state).
+
+    ``tracing_honoured`` (default False) is set by a shell that traces this session
+    (:mod:`duplexkit.tracing`): the ``tracing`` field then gets no ``field_ignored`` warning.
     """
+
+    tracing_honoured = False
 
     def __init__(self, cfg: Optional[SessionConfig] = None, session_id: Optional[str] = None, now_ms: float = 0) -> None:
         self.cfg = cfg or SessionConfig()

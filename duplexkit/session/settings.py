@@ -252,6 +252,8 @@ class Settings:
         self._update_warnings = []
         new = self._validated_settings(ev.session, ev.event_id)  # a first update's error precedes session.created
         for path in ev.session.ignored:  # accepted, not honoured (docs/protocol.md §4.1)
+            if path == "tracing" and self.tracing_honoured:
+                continue
             self._update_warnings.append(("field_ignored", f"session.{path} is accepted but not honoured: "
                                           + UNHONOURED_SESSION_FIELDS[path][1], "session." + path))
         warnings, self._update_warnings = self._update_warnings, []
