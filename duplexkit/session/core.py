@@ -116,8 +116,6 @@ class Session:
     (:mod:`duplexkit.tracing`): the ``tracing`` field then gets no ``field_ignored`` warning.
     """
 
-    tracing_honoured = False
-
     def __init__(self, cfg: Optional[SessionConfig] = None, session_id: Optional[str] = None, now_ms: float = 0) -> None:
         self.cfg = cfg or SessionConfig()
         self.session_id = session_id or new_session_id()
@@ -132,6 +130,15 @@ class Session:
         self.input = InputPipeline(self, now_ms)
 
     # -- state (read-only) ------------------------------------------------------------------------
+
+    @property
+    def tracing_honoured(self) -> bool:
+        """Whether a shell traces this session (the ``tracing`` field then gets no warning)."""
+        return self.opts.tracing_honoured
+
+    @tracing_honoured.setter
+    def tracing_honoured(self, value: bool) -> None:
+        self.opts.tracing_honoured = bool(value)
     @property
     def settings(self):
         """The current settings (``session.update`` applied; read-only for callers)."""

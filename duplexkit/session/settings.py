@@ -182,6 +182,7 @@ class Settings:
     def __init__(self, s) -> None:
         self._s = s
         self._o = s.out
+        self.tracing_honoured = False  # set by a shell that traces the session (duplexkit.tracing)
         cfg = self._o.cfg
         duplex = self._o.duplex
         self._vad_cls = _vad_classes() if cfg.vad_available else None
