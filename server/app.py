@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Union
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from duplexkit.engine.api import SILENCE_SLACK_MS
+
 logger = logging.getLogger("duplexkit.server")
 
 __all__ = ["ServerSettings", "ServerState", "SlotPool", "create_app", "serve", "openai_error"]
@@ -136,7 +138,7 @@ class ServerSettings:
     idle_timeout_s: float = 300.0
     ping_interval_s: float = 20.0
     max_pending_input_s: float = 10.0
-    silence_slack_ms: int = 250
+    silence_slack_ms: int = SILENCE_SLACK_MS
     max_ref_audio_s: float = 30.0
     max_input_audio_s: float = 60.0
     ref_audio_dir: Optional[Path] = None

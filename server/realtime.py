@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from duplexkit.engine.api import SILENCE_SLACK_MS
 from duplexkit.errors import wire_error_code
 
 from .dialect import dialect_of_first_update, pick_dialect, translate
@@ -325,7 +326,7 @@ def session_config(state, profile: str):
                                   answer_policy=s.answer_policy,
                                   ref_audio_loader=state.load_ref_audio_path if s.ref_audio_dir else None,
                                   audio_output_available=bool(getattr(state.engine, "supports_audio", True)),
-                                  silence_slack_ms=getattr(s, "silence_slack_ms", 250), limits=limits,
+                                  silence_slack_ms=getattr(s, "silence_slack_ms", SILENCE_SLACK_MS), limits=limits,
                                   supports_session_resume=getattr(state, "resumes", None) is not None)
     if s.max_output_tokens is not None:
         kwargs["max_output_tokens"] = s.max_output_tokens

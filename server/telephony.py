@@ -54,6 +54,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from duplexkit.audio.codecs import float32_to_alaw, float32_to_ulaw, pcm16_to_float32
 from duplexkit.audio.resample import StreamResampler
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DuplexkitError
 
 logger = logging.getLogger("duplexkit.server.telephony")
@@ -64,7 +65,7 @@ __all__ = ["ProviderAdapter", "TwilioAdapter", "TelnyxAdapter", "ADAPTERS", "Cal
 #: The phone network's sample rate (G.711, ITU-T G.711), Hz.
 TELEPHONY_RATE = 8000
 #: The session's output rate (docs/protocol.md §6.2), Hz.
-OUTPUT_RATE = 24000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 #: Longest outbound ``media`` piece before a ``mark``, ms: the granularity of the playback truth.
 DEFAULT_MARK_EVERY_MS = 200
 #: Marks sent and not yet echoed that are remembered (an hour of answer audio at 200 ms a mark).

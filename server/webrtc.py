@@ -53,6 +53,7 @@ from fastapi import Request
 from duplexkit.audio.codecs import (float32_to_alaw, float32_to_f32le, float32_to_pcm16, float32_to_ulaw,
                                     pcm16_to_float32)
 from duplexkit.audio.resample import StreamResampler
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DuplexkitError
 
 logger = logging.getLogger("duplexkit.server.webrtc")
@@ -66,7 +67,7 @@ RTC_RATE = 48_000
 #: Samples of one outbound 20 ms frame at :data:`RTC_RATE`.
 FRAME_SAMPLES = 960
 #: The session's output rate (docs/protocol.md §6.2), Hz.
-OUTPUT_RATE = 24_000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 #: Input audio per ``input_audio_buffer.append``, ms (docs/protocol.md §6.1: 100-200 ms).
 APPEND_MS = 100
 #: How often the played position of the track is reported with ``playback.ack``, ms of audio.

@@ -130,6 +130,8 @@ def _timing_table(rows: list[tuple[str, str]]) -> str:
 async def _demo_async(args) -> int:
     import numpy as np
 
+    from duplexkit.audio.playback import OUTPUT_RATE
+
     from duplexkit.audio import read_wav, write_wav
     from duplexkit.clients import DuplexClient, InlineDuplexClient
     from duplexkit.errors import DuplexError
@@ -178,13 +180,13 @@ async def _demo_async(args) -> int:
     h = r["handle"]
     out = h.audio_array()
     if args.output:
-        write_wav(args.output, out if out.size else np.zeros(0, np.float32), 24_000)
+        write_wav(args.output, out if out.size else np.zeros(0, np.float32), OUTPUT_RATE)
     print(f"response:   {h.id} status={h.status} trigger={h.trigger} epoch={h.epoch}")
     print(f"transcript: {h.transcript or h.text!r}")
     if args.output:
-        print(f"audio:      {args.output} ({len(out) / 24000:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
+        print(f"audio:      {args.output} ({len(out) / OUTPUT_RATE:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
     print("timings (wall clock on this machine):")
-    print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / 24_000)))
+    print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / OUTPUT_RATE)))
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
     return 0 if h.status in ("completed", "incomplete") else 1

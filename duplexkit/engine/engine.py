@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import numpy as np
 
-from .api import (AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
+from .api import (CODES_PER_CHUNK, AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
                   TurnEnd)
 from .layout import Layout, LayoutError, LayoutNotSupportedError, check_supported, load_layout
 from .runtime import FIRST_UNIT_SAMPLES, RuntimeStream, StageRuntime
@@ -32,7 +32,6 @@ from .stages import StageModel, VocoderWork
 __all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_code_budget",
            "CHAT_CODES_BASE", "CHAT_CODES_PER_TEXT_TOKEN"]
 
-_CHUNK = 25  # new codes per vocoder call (docs/model.md §7.1)
 
 CHAT_CODES_BASE = 50
 """Codec tokens every turn-based audio reply may use whatever its length: 2 s (25 codes = 1 s,
@@ -480,7 +479,7 @@ class DuplexEngine:
             codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed, budget))
             handle = await self._job("code2wav", lambda: st.code2wav_open(request.ref_voice))
             try:
-                blocks = [codes[i:i + _CHUNK] for i in range(0, len(codes), _CHUNK)] or [codes]
+                blocks = [codes[i:i + CODES_PER_CHUNK] for i in range(0, len(codes), CODES_PER_CHUNK)] or [codes]
                 for k, block in enumerate(blocks):
                     last = k == len(blocks) - 1
                     (res,) = await self._job("code2wav", lambda b=block, l=last: st.code2wav_step(

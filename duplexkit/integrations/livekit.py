@@ -62,6 +62,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DuplexError, DuplexkitError, OptionalDependencyError
 
 try:  # the extra: pip install 'duplexkit[livekit]'
@@ -90,8 +91,8 @@ logger = logging.getLogger("duplexkit.integrations.livekit")
 
 __all__ = ["RealtimeModel", "RealtimeSession", "DuplexRealtimeError", "OUTPUT_SAMPLE_RATE", "DEFAULT_TURN_DETECTION"]
 
-OUTPUT_SAMPLE_RATE = 24_000
-"""Rate in Hz of the audio frames this plugin hands to LiveKit (mono pcm16; docs/protocol.md §6.2)."""
+# OUTPUT_SAMPLE_RATE (duplexkit.engine.api): rate in Hz of the audio frames this plugin hands to LiveKit
+# (mono pcm16; docs/protocol.md §6.2)
 
 DEFAULT_TURN_DETECTION: dict = {"type": "server_vad", "create_response": False, "interrupt_response": True}
 """The session's turn detection unless the model is given another: duplexkit's server VAD finds the

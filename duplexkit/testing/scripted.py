@@ -77,6 +77,8 @@ import numpy as np
 
 from duplexkit.testing.faults import FAULT_STAGES
 from duplexkit.engine.api import (
+    CODES_PER_CHUNK,
+    SAMPLES_PER_CODE,
     OUTPUT_SAMPLE_RATE,
     AppendUnit,
     AudioChunk,
@@ -107,7 +109,7 @@ __all__ = ["ScriptedEngine", "ScriptedStream", "ScriptConfig", "FIRST_CHUNK_SAMP
 
 FIRST_CHUNK_SAMPLES = 20_160
 """First vocoder chunk of a turn: 840 ms at 24 kHz, 3 840 samples of cross-fade held back (docs/model.md §7.3)."""
-CHUNK_SAMPLES = 24_000
+CHUNK_SAMPLES = CODES_PER_CHUNK * SAMPLES_PER_CODE
 """Every later full 25-code chunk: 1 s at 24 kHz (docs/model.md §7.3)."""
 TAIL_SAMPLES = CHUNK_SAMPLES - FIRST_CHUNK_SAMPLES
 """The held-back tail flushed by the final chunk of a turn (3 840 samples, 160 ms)."""
