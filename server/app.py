@@ -294,19 +294,16 @@ def load_reference_voice(path, max_s: float = 30.0):
 
     Raises ``FileNotFoundError``; ``ValueError`` for a clip out of range or undecodable.
     """
-    import hashlib
-
-    import numpy as np
-
     from duplexkit.audio import read_wav
-    from duplexkit.engine.api import ReferenceVoice
+    from duplexkit.engine.api import INPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, reference_voice
+    from duplexkit.errors import RefAudioLengthError
 
-    audio, _ = read_wav(Path(path), 16_000)
-    n = (len(audio) // 1600) * 1600
-    if n < 8000 or len(audio) > max_s * 16_000:
-        raise ValueError(f"reference voice {path} must last 0.5-{max_s:g} s, got {len(audio) / 16000:.2f} s")
-    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
-    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+    audio, _ = read_wav(Path(path), INPUT_SAMPLE_RATE)
+    try:
+        return reference_voice(audio, max_s)
+    except RefAudioLengthError as exc:
+        raise ValueError(f"reference voice {path} must last {REF_AUDIO_MIN_S:g}-{max_s:g} s, "
+                         f"got {exc.duration_s:.2f} s") from None
 
 
 class ServerState:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import io
 import json
 import logging
@@ -41,8 +40,9 @@ from starlette.requests import ClientDisconnect
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
-from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode
-from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
+from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode, RefAudioLengthError
+from duplexkit.engine.api import (INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, ChatMessage, ChatRequest,
+                                  ReferenceVoice, reference_voice)
 
 from .app import openai_error
 from .dialect import pick_chat_dialect
@@ -51,8 +51,7 @@ logger = logging.getLogger("duplexkit.server.chat")
 
 __all__ = ["handle", "parse_chat_request", "validate_chat_body", "ChatBody", "ChatRequestError"]
 
-INPUT_RATE = 16_000
-MIN_REF_AUDIO_S = 0.5  # docs/protocol.md §8.2
+INPUT_RATE = INPUT_SAMPLE_RATE
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded before the vision encoder resizes it; bigger: a decompression bomb
 
 
@@ -64,7 +63,7 @@ class ChatRequestError(DuplexkitError, ValueError):
     """
 
     def __init__(self, message: str, param: Optional[str] = None, code: str = "bad_request") -> None:
-        super().__init__(message, code=code)
+        super().__init__(message, code=code.value if isinstance(code, ErrorCode) else code)
         self.param = param
 
 
@@ -139,11 +138,11 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
 
 
 def _ref_voice(audio: np.ndarray, max_s: float, param: str) -> ReferenceVoice:
-    n = (len(audio) // 1600) * 1600  # whole 100 ms (docs/protocol.md §8.3)
-    if n < MIN_REF_AUDIO_S * INPUT_RATE or len(audio) > max_s * INPUT_RATE:
-        raise ChatRequestError(f"reference voice must last {MIN_REF_AUDIO_S}-{max_s:g} s", param, "ref_audio_invalid")
-    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
-    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+    try:
+        return reference_voice(audio, max_s)  # the one trim (whole 100 ms) and bound check
+    except RefAudioLengthError:
+        raise ChatRequestError(f"reference voice must last {REF_AUDIO_MIN_S}-{max_s:g} s", param,
+                               ErrorCode.REF_AUDIO_INVALID) from None
 
 
 # -- the request body (pydantic, like the realtime wire: duplexkit.protocol.client_events) -----------

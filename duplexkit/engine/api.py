@@ -40,6 +40,9 @@ __all__ = [
     "FIRST_UNIT_CONSUME",
     "UNIT_SAMPLES",
     "ReferenceVoice",
+    "REF_AUDIO_MIN_S",
+    "REF_TRIM_SAMPLES",
+    "reference_voice",
     "StreamConfig",
     "EngineCommand",
     "OpenStream",
@@ -127,6 +130,43 @@ class ReferenceVoice:
     @property
     def duration_ms(self) -> int:
         return int(len(self.audio) * 1000 // INPUT_SAMPLE_RATE)
+
+
+REF_AUDIO_MIN_S = 0.5
+"""Shortest reference voice clip, seconds (docs/protocol.md §8.2)."""
+
+REF_TRIM_SAMPLES = INPUT_SAMPLE_RATE // 10
+"""A reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (docs/protocol.md §8.3)."""
+
+
+def reference_voice(audio: np.ndarray, max_s: float) -> ReferenceVoice:
+    """The one reference-voice trim: a decoded clip -> :class:`ReferenceVoice` (docs/protocol.md §8.2-8.3).
+
+    The bound check reads the clip as given: it must last :data:`REF_AUDIO_MIN_S` to ``max_s`` s
+    (both inclusive). The clip is then cut to whole 100 ms (a multiple of :data:`REF_TRIM_SAMPLES`;
+    0.5 s is whole, so an accepted clip keeps at least 0.5 s) and hashed.
+
+    Args:
+        audio: float32 [N] mono at :data:`INPUT_SAMPLE_RATE` (16 kHz), already decoded.
+        max_s: the longest clip accepted, s.
+
+    Returns:
+        :class:`ReferenceVoice` with float32 [n] audio, n = N // 1600 * 1600, and its sha256.
+
+    Raises:
+        RefAudioLengthError: (code ``ref_audio_invalid``, a ``ValueError``) shorter than
+            :data:`REF_AUDIO_MIN_S` or longer than ``max_s``.
+    """
+    import hashlib
+
+    from duplexkit.errors import RefAudioLengthError
+
+    dur = len(audio) / INPUT_SAMPLE_RATE
+    if dur < REF_AUDIO_MIN_S or dur > max_s:
+        raise RefAudioLengthError(dur, REF_AUDIO_MIN_S, max_s)
+    n = len(audio) // REF_TRIM_SAMPLES * REF_TRIM_SAMPLES
+    clip = np.ascontiguousarray(audio[:n], dtype=np.float32)
+    return ReferenceVoice(audio=clip, sha256=hashlib.sha256(clip.tobytes()).hexdigest())
 
 
 @dataclass(frozen=True)
