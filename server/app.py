@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from duplexkit.engine.api import SILENCE_SLACK_MS
+from duplexkit.errors import ERROR_TYPES, ErrorCode
 
 logger = logging.getLogger("duplexkit.server")
 
@@ -282,8 +283,8 @@ def openai_error(status: int, message: str, code: str, *, type_: Optional[str] =
                  param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
     """An OpenAI error body ``{error{message, type, param, code}}`` (docs/protocol.md §10.1)."""
     if type_ is None:
-        type_ = {401: "invalid_request_error", 503: "rate_limit_error", 500: "server_error"}.get(
-            status, "invalid_request_error")
+        type_ = {401: ERROR_TYPES[ErrorCode.UNAUTHORIZED], 503: ERROR_TYPES[ErrorCode.SESSION_CAPACITY_EXHAUSTED],
+                 500: ERROR_TYPES[ErrorCode.SERVER_ERROR]}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
@@ -609,7 +610,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     def http_auth(request: Request) -> Optional[JSONResponse]:
         if state.check_key(state.bearer(request.headers.get("authorization"))):
             return None
-        return openai_error(401, "missing or invalid API key", "unauthorized")
+        return openai_error(401, "missing or invalid API key", ErrorCode.UNAUTHORIZED.value)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -647,7 +648,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         if model_id and state.resolve_model(model_id) is not None:
             return {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
         return openai_error(404, f"The model '{model_id[:200]}' does not exist; served ids: "
-                                 f"{', '.join(state.model_ids)}", "model_not_found", param="model")
+                                 f"{', '.join(state.model_ids)}", ErrorCode.MODEL_NOT_FOUND.value, param="model")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

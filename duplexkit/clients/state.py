@@ -62,6 +62,7 @@ from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnect
                       ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
 from .records import OUTPUT_RATE, ResponseRecord  # re-exported (ResponseRecord lives in records.py)
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
+from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, default_rate
 
 __all__ = [
     "ClientState", "ResponseRecord", "Action", "Send", "Resolve", "Reject", "ResponseStarted", "ResponseAudio",
@@ -540,8 +541,7 @@ def _epoch_of(ev) -> Optional[int]:
     return None
 
 
-_ENCODING_OF_TYPE = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw",
-                     "audio/pcma": "g711_alaw"}
+_ENCODING_OF_TYPE = FORMAT_TYPE_ENCODINGS
 
 
 def _session_dict(ev) -> dict:
@@ -569,10 +569,10 @@ def _input_format_of(session: Optional[dict]):
     enc = fmt.get("encoding") or _ENCODING_OF_TYPE.get(str(fmt.get("type")))
     if enc is None:
         flat = session.get("input_audio_format")
-        enc = flat if flat in ("pcm16", "pcm_f32le", "g711_ulaw", "g711_alaw") else "pcm16"
+        enc = flat if flat in ENCODINGS else "pcm16"
     rate = fmt.get("sample_rate_hz") or fmt.get("rate") or session.get("sample_rate_hz")
     if not isinstance(rate, int) or isinstance(rate, bool):
-        rate = 8000 if enc.startswith("g711") else 24000
+        rate = default_rate(enc)
     channels = fmt.get("channels", 1)
     try:
         return InputFormat(enc, rate, channels if isinstance(channels, int) else 1)

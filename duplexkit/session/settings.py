@@ -16,6 +16,7 @@ from duplexkit.engine.api import (
     StreamConfig,
     UpdateStream,
 )
+from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, default_rate
 from duplexkit.protocol import (
     UNHONOURED_SESSION_FIELDS,
     ErrorCode,
@@ -321,8 +322,7 @@ class SettingsMixin:
         bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
         try:
             if isinstance(f, str):
-                enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
-                       "audio/pcm": "pcm16"}.get(f)
+                enc = f if f in ENCODINGS else (FORMAT_TYPE_ENCODINGS[f] if f == "audio/pcm" else None)
                 if enc is None:
                     raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
                 if enc.startswith("g711"):
@@ -331,7 +331,7 @@ class SettingsMixin:
                     rate = explicit if explicit is not None else duplex_default
                 return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
             t = f.get("type")
-            enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
+            enc = FORMAT_TYPE_ENCODINGS.get(t)
             if enc is None:
                 raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
             if enc == "pcm16" and f.get("encoding") is not None:
@@ -344,7 +344,7 @@ class SettingsMixin:
                     raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
             if len(set(rates)) > 1:
                 raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
-            rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+            rate = rates[0] if rates else default_rate(enc)
             ch = f.get("channels")
             if ch is not None and flat_ch is not None and ch != flat_ch:
                 raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
