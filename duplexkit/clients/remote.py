@@ -23,7 +23,7 @@ from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
-from duplexkit.errors import canonical_error_code
+from duplexkit.errors import ErrorCode, canonical_error_code
 from .continuation import ContinuationSeed, ConversationLog
 from .handles import ref_audio_data_url
 from .state import new_event_id
@@ -36,7 +36,7 @@ OUTBOX_FRAMES = 1024
 """Client frames kept for re-sending after a resume (docs/protocol.md §1.6); older ones are lost
 with a dropped connection if the server had not processed them."""
 
-_HANDSHAKE_CODES = {"unauthorized", "session_capacity_exhausted", "model_not_found"}
+_HANDSHAKE_CODES = {c.value for c in (ErrorCode.UNAUTHORIZED, ErrorCode.SESSION_CAPACITY_EXHAUSTED, ErrorCode.MODEL_NOT_FOUND)}
 
 
 def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None, autostart: bool = False) -> str:
@@ -63,7 +63,7 @@ def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None,
     return urlunsplit((scheme, parts.netloc, path, urlencode(q), ""))
 
 
-_REFUSAL_CODES = {401: "unauthorized", 503: "session_capacity_exhausted"}
+_REFUSAL_CODES = {401: ErrorCode.UNAUTHORIZED.value, 503: ErrorCode.SESSION_CAPACITY_EXHAUSTED.value}
 """Handshake HTTP statuses with their own code; any other status (403, 404, ...) is
 ``connection_failed`` and its message says what the status means."""
 
@@ -382,7 +382,7 @@ class DuplexClient(BaseDuplexClient):
         if t == "error" and not self._got_created:
             err = data.get("error") or {}
             code = canonical_error_code(str(err.get("code")))  # the compat profile's OpenAI names too
-            if code in _HANDSHAKE_CODES or (code in ("bad_event", "invalid_value")
+            if code in _HANDSHAKE_CODES or (code in (ErrorCode.BAD_EVENT.value, "invalid_value")
                                             and err.get("param") in ("model", "dialect", "record")
                                             and not err.get("event_id")):
                 self._handshake_error = data

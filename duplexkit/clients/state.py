@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from duplexkit.errors import DuplexConnectionError, DuplexError, canonical_error_code
+from duplexkit.errors import DuplexConnectionError, DuplexError, ErrorCode, canonical_error_code
 
 from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnecting, Reject, Resolve,
                       ResponseAudio, ResponseEnded, ResponseStarted, Resumed, SessionEnded, Send)
@@ -84,7 +84,7 @@ REPLY_TYPES: dict[str, tuple[str, ...]] = {
 }
 """Client event type -> the server event types that answer it (first match resolves)."""
 
-QUIET_ERRORS = frozenset({"response_not_active"})
+QUIET_ERRORS = frozenset({ErrorCode.RESPONSE_NOT_ACTIVE.value})
 """Error codes (duplexkit's names) swallowed for this client's own ``response.cancel``
 (docs/protocol.md §7.3 races). Wire codes are compared through
 :func:`duplexkit.errors.canonical_error_code`, so the compat profile's OpenAI code

@@ -29,6 +29,8 @@ from typing import AsyncIterator, Literal, Optional, Protocol, Union, runtime_ch
 
 import numpy as np
 
+from duplexkit.errors import ErrorCode
+
 __all__ = [
     "INPUT_SAMPLE_RATE",
     "OUTPUT_SAMPLE_RATE",
@@ -432,7 +434,7 @@ class EngineFailure(EngineOutput):
         fatal: True when the stream cannot continue (the Session then closes with 1011).
     """
 
-    code: str = "server_error"
+    code: str = ErrorCode.SERVER_ERROR.value
     message: str = ""
     fatal: bool = False
 
