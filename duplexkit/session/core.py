@@ -91,6 +91,7 @@ from duplexkit.protocol import (
     parse_client_event,
 )
 from duplexkit.errors import BINARY_FRAME
+from duplexkit.protocol.vocabulary import PCM_RATE
 from duplexkit.session.config import COMMIT_MERGE_MS, CloseConnection, SessionConfig, UNIT_PERIOD_MS
 from duplexkit.session.conversation import _ConvItem
 from duplexkit.session.responses import _Response, reason_to_cancel
@@ -148,7 +149,7 @@ class Session(SettingsMixin, InputPipelineMixin, ResponsesMixin, ConversationMix
             voice="default",
             ref_voice=self.cfg.default_voice,
             ref_from_client=False,
-            input_format=InputFormat("pcm16", self.cfg.limits.input_default_rate if duplex else 24000),
+            input_format=InputFormat("pcm16", self.cfg.limits.input_default_rate if duplex else PCM_RATE),
             turn_detection=td,
             temperature=float(self.cfg.temperature),
             max_output_tokens=self.cfg.max_output_tokens,

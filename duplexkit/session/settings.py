@@ -16,7 +16,7 @@ from duplexkit.engine.api import (
     StreamConfig,
     UpdateStream,
 )
-from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, default_rate
+from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, PCM_RATE, default_rate
 from duplexkit.protocol import (
     UNHONOURED_SESSION_FIELDS,
     ErrorCode,
@@ -318,7 +318,7 @@ class SettingsMixin:
                 raise err(ErrorCode.UNSUPPORTED_AUDIO_FORMAT, str(e), "input_channels") from None
         f = p.input_format if p.input_format is not None else "pcm16"
         explicit = p.input_sample_rate_hz
-        duplex_default = self.cfg.limits.input_default_rate if self._duplex else 24000
+        duplex_default = self.cfg.limits.input_default_rate if self._duplex else PCM_RATE
         bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
         try:
             if isinstance(f, str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.protocol.vocabulary import PCM_RATE
 from duplexkit.protocol import (
     AudioConfig,
     AudioFormatObject,
@@ -77,7 +78,7 @@ class WireObjectsMixin:
         s = self.settings
         fmt = s.input_format
         if fmt.encoding == "pcm16":
-            fobj = AudioFormatObject(type="audio/pcm", rate=24000) if fmt.rate == 24000 else AudioFormatObject(
+            fobj = AudioFormatObject(type="audio/pcm", rate=PCM_RATE) if fmt.rate == PCM_RATE else AudioFormatObject(
                 type="audio/pcm", sample_rate_hz=fmt.rate)
             beta = "pcm16"
         elif fmt.encoding == "pcm_f32le":
