@@ -33,12 +33,12 @@ __all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_c
            "CHAT_CODES_BASE", "CHAT_CODES_PER_TEXT_TOKEN"]
 
 
-CHAT_CODES_BASE = 50
+CHAT_CODES_BASE = 2 * CODES_PER_CHUNK
 """Codec tokens every turn-based audio reply may use whatever its length: 2 s (25 codes = 1 s,
 docs/model.md §7.1). See :func:`chat_code_budget`."""
 
-CHAT_CODES_PER_TEXT_TOKEN = 25
-"""Codec tokens allowed per reply text token: 1 s of speech per token. Real speech runs at about
+CHAT_CODES_PER_TEXT_TOKEN = CODES_PER_CHUNK
+"""Codec tokens allowed per reply text token: 1 s of speech per token (one chunk of 25 codes). Real speech runs at about
 2.5-4 text tokens per second, so this is more than 2x any real speech rate and never cuts a real
 model's answer. It is 2.5x more generous than vLLM-Omni's ``text_len * 10`` cap, which docs/model.md §11
 reports truncating speech. It exists because a talker that never samples EOS (random weights:
