@@ -25,15 +25,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from duplexkit.settings import ServerSettings
 from duplexkit.errors import ERROR_TYPES, ErrorCode
+from duplexkit.settings import ServerSettings  # re-exported: duplexkit_server.ServerSettings
 
 logger = logging.getLogger("duplexkit.server")
 
