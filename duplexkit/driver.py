@@ -42,6 +42,7 @@ from duplexkit.engine.api import (
     Transcription,
     apply_command,
 )
+from duplexkit.errors import ErrorCode
 
 logger = logging.getLogger("duplexkit.driver")
 
@@ -197,7 +198,8 @@ class SessionDriver:
 
     def _engine_failed(self, stream_id: str, epoch: int, message: str) -> None:
         self.session.receive_engine_output(
-            EngineFailure(stream_id, epoch, -1, code="server_error", message=message, fatal=True), self.now_ms())
+            EngineFailure(stream_id, epoch, -1, code=ErrorCode.SERVER_ERROR.value, message=message, fatal=True),
+            self.now_ms())
         self.flush()
 
     async def _open_stream(self, cmd: OpenStream) -> None:

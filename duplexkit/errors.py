@@ -76,6 +76,7 @@ __all__ = [
     "ToolTimeoutError",
     "ToolOutputError",
     "OptionalDependencyError",
+    "RefAudioLengthError",
     "detach_traceback",
 ]
 
@@ -541,6 +542,22 @@ class ToolOutputError(ToolError, TypeError):
     """A tool returned a value that cannot be encoded as JSON (code ``tool_output_invalid``)."""
 
     default_code = "tool_output_invalid"
+
+
+class RefAudioLengthError(DuplexkitError, ValueError):
+    """A reference voice clip shorter or longer than allowed (code ``ref_audio_invalid``,
+    docs/protocol.md §8.2), raised by :func:`duplexkit.engine.api.reference_voice`.
+
+    Attributes:
+        duration_s: the clip's length in s (before the trim to whole 100 ms).
+        min_s / max_s: the allowed range in s.
+    """
+
+    default_code = ErrorCode.REF_AUDIO_INVALID.value
+
+    def __init__(self, duration_s: float, min_s: float, max_s: float) -> None:
+        self.duration_s, self.min_s, self.max_s = float(duration_s), float(min_s), float(max_s)
+        super().__init__(f"reference voice must last {self.min_s:g}..{self.max_s:g} s, got {self.duration_s:.2f} s")
 
 
 class OptionalDependencyError(DuplexkitError, ImportError):

@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from duplexkit.audio.playback import OUTPUT_RATE
 from duplexkit.errors import DuplexkitError
 
 logger = logging.getLogger("duplexkit.recording")
@@ -74,8 +75,8 @@ __all__ = ["Recorder", "SessionRecording", "RecordingError", "parse_keep", "reco
 FORMAT_VERSION = 1
 USER_RATE = 16_000
 """Hz of ``user.wav``."""
-ASSISTANT_RATE = 24_000
-"""Hz of ``assistant_generated.wav`` and ``assistant_heard.wav``."""
+ASSISTANT_RATE = OUTPUT_RATE
+"""Hz (the model's output rate) of ``assistant_generated.wav`` and ``assistant_heard.wav``."""
 
 _PAYLOAD_KEYS = frozenset({"audio", "delta", "data", "ref_audio", "url", "image_url", "frame", "image"})
 _B64 = re.compile(r"[A-Za-z0-9+/=_-]+")

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from duplexkit.errors import DuplexkitError
+from duplexkit.errors import DuplexkitError, ErrorCode
 
 logger = logging.getLogger("duplexkit.tracing")
 
@@ -62,7 +62,7 @@ class TracingError(DuplexkitError, ValueError):
     ``otel`` extra not installed (``pip install 'duplexkit[otel]'``); or a ``tracing`` session
     field of the wrong shape. Code ``bad_event``."""
 
-    default_code = "bad_event"
+    default_code = ErrorCode.BAD_EVENT.value
 
 
 # -- switching on ---------------------------------------------------------------------------------

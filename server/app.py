@@ -25,12 +25,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
+
+from duplexkit.errors import ERROR_TYPES, ErrorCode
+from duplexkit.settings import ServerSettings  # re-exported: duplexkit_server.ServerSettings
 
 logger = logging.getLogger("duplexkit.server")
 
@@ -43,147 +45,6 @@ HF_REPO_ID = "openbmb/MiniCPM-o-4_5"
 OPENAI_MODEL_PREFIXES = ("gpt-realtime", "gpt-4o")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-
-
-@dataclass
-class ServerSettings:
-    """Server options (each maps to a ``duplexkit serve`` flag).
-
-    Attributes:
-        model_id: the served id (default: the engine's ``model_id``).
-        aliases: other accepted ids, each listed by ``/v1/models`` (docs/protocol.md §10.2).
-        openai_model_ids: what a request naming an OpenAI model (``gpt-realtime*``, ``gpt-4o*``)
-            gets: ``"map"`` (default) serves it with this model and logs the mapping once per id;
-            ``"refuse"`` answers ``model_not_found`` listing the served ids (docs/server.md, "Model ids").
-        api_keys: accepted keys; empty = auth off (docs/protocol.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
-        max_sessions: slot pool size shared by realtime sessions and chat requests.
-        max_event_bytes: largest client event accepted (docs/protocol.md §1.3, default 16 MiB); the
-            transport limit (uvicorn ``ws_max_size``) is set to twice this.
-        idle_timeout_s: close a session with no client event for this long (docs/protocol.md §1.5).
-        ping_interval_s: WebSocket ping period in seconds (uvicorn ``ws_ping_interval``).
-        max_pending_input_s: input backpressure threshold in seconds (docs/protocol.md §6.1).
-        silence_slack_ms: grace after a unit deadline before silence is fed to an active response, ms.
-        max_ref_audio_s: longest reference voice accepted in seconds (docs/protocol.md §8).
-        max_input_audio_s: longest chat-completions input audio in seconds (docs/protocol.md §10.1).
-        ref_audio_dir: allow-listed directory for reference-voice paths (None: paths refused).
-        max_output_tokens: the default per-response token cap, 1..8192 or ``"inf"`` (docs/protocol.md §4.1).
-        answer_policy: default ``extra_body.answer_policy`` (None: the profile default);
-            ``duplexkit serve tiny`` sets ``on_request`` because random weights never listen.
-        default_input_rate: the duplex profile's bare-``pcm16`` rate in Hz.
-        default_instructions: the default system prompt (None: the model default).
-        default_voice: a WAV used as the default reference voice (None: the engine's own).
-        voices: voice name -> WAV path, selectable with ``session.voice`` (docs/protocol.md §8.5).
-        tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
-        retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
-        shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
-        drain_s: on SIGTERM, how long live sessions may go on (new ones refused) before they are
-            closed with ``session.closed{reason:"shutdown"}`` (``--drain-s``, default 300 s;
-            docs/deployment.md, "Runbook").
-        metrics: ``GET /metrics``: ``"auth"`` (default; the API key is required when keys are set),
-            ``"public"`` (no key) or ``"off"`` (no route). See :mod:`duplexkit_server.metrics`.
-        allow_origins: browser origins allowed besides the server's own (``--allow-origin``;
-            ``"*"`` = any). See :mod:`duplexkit_server.security`.
-        bind_host: the listening address, set by :func:`serve` (None: loopback, as in-process).
-        bind_port: the listening port, set by :func:`serve` (None: any loopback port is "own").
-        max_body_bytes: largest HTTP request body (default 16 MiB); larger -> 413 before it is read.
-        max_sessions_per_client: slots one client may hold (keyed by API key when auth is on, else by
-            address); None = half of ``max_sessions`` (at least 1), 0 = no limit.
-        header_timeout_s: a connection whose HTTP request head is incomplete after this long is closed.
-        max_header_bytes: largest HTTP request head (request line and headers, WebSocket handshakes
-            included), bytes; a larger one is answered 431 before more of it is parsed (default 64 KiB).
-        body_timeout_s: a chat-completions body not fully received this long after its slot was
-            taken is answered 408 ``request_timeout`` (slow bodies), seconds.
-        slot_wait_s: how long a new session or chat request that finds every slot (or its client's
-            share) taken waits for one being given back before it is refused, seconds.
-        max_outbound_bytes / outbound_stall_s: bounds of each WebSocket's outbound queue (server
-            events not yet written to a peer that reads slowly or not at all): over ``max_outbound_bytes``
-            queued, or an event unsent for ``outbound_stall_s``, the session is closed with 1008
-            ``peer not reading`` (docs/server.md, "Limits").
-        session_resume: offer session resume (``capabilities.supports_session_resume``; docs/protocol.md §1.6).
-        resume_window_s: how long a session whose connection dropped waits for a ``session.resume``, s.
-        resume_journal_events / resume_journal_bytes: bounds of each session's replay journal (events,
-            bytes of the events' string fields + 256 per event; :mod:`duplexkit_server.resume`).
-        resume_keep_sent_s: while connected, events written to the socket are kept in the journal for
-            this long (what a dropped connection may have lost in flight); ``session.event_ack`` trims
-            sooner.
-        tool_model_url: base URL of an OpenAI-compatible chat endpoint (``.../v1``) that decides tool
-            calls and writes answers instead of the thinker in text mode (``--tool-model``;
-            docs/tools.md, "Delegation"); None = the engine's own decider.
-        tool_model_key: its API key (``--tool-model-key``; ``DUPLEXKIT_TOOL_MODEL_KEY`` when unset).
-        tool_model_name: the ``model`` sent to it (``--tool-model-name``; None = the endpoint's default).
-        replica_id: this replica's identity when it is one of many (set by
-            :mod:`duplexkit_server.ray_serve` from Ray Serve's replica context); reported as
-            ``replica`` by ``/health`` and ``/ready`` and in the ``x-duplexkit-replica`` response and
-            WebSocket-handshake header. None: not reported.
-        telephony_webhook: URL POSTed each phone call's start metadata; its JSON answer is applied as
-            session settings (``--telephony-webhook``; docs/telephony.md, "Webhook"). None: off.
-        telephony_webhook_timeout_s: how long a call waits for that answer before it goes on with the
-            defaults, seconds.
-        record_dir: record realtime sessions into ``DIR/<session_id>/`` (``--record``;
-            :mod:`duplexkit.recording`, docs/debugging.md). None: off.
-        record_policy: ``"all"`` (every session; ``?record=0`` opts out), ``"opt-in"`` (only sessions
-            connecting with ``?record=1``) or ``"always"`` (every session; ``?record=0`` is refused).
-        record_max_mb: per-session recording cap in MiB (events + audio).
-        record_keep: retention, ``"N"`` newest recordings or ``"Nd"`` days (None: keep all).
-    """
-
-    model_id: Optional[str] = None
-    aliases: list[str] = field(default_factory=list)
-    openai_model_ids: str = "map"
-    api_keys: list[str] = field(default_factory=list)
-    max_sessions: int = 8
-    max_event_bytes: int = 16 * 1024 * 1024
-    idle_timeout_s: float = 300.0
-    ping_interval_s: float = 20.0
-    max_pending_input_s: float = 10.0
-    silence_slack_ms: int = 250
-    max_ref_audio_s: float = 30.0
-    max_input_audio_s: float = 60.0
-    ref_audio_dir: Optional[Path] = None
-    max_output_tokens: Union[int, str, None] = 1024
-    answer_policy: Optional[str] = None
-    default_input_rate: int = 16_000
-    default_instructions: Optional[str] = None
-    default_voice: Optional[Path] = None
-    voices: dict = field(default_factory=dict)
-    tick_interval_s: float = 0.1
-    retry_after_s: int = 1
-    shutdown_grace_s: float = 5.0
-    drain_s: float = 300.0
-    metrics: str = "auth"
-    allow_origins: list[str] = field(default_factory=list)
-    bind_host: Optional[str] = None
-    bind_port: Optional[int] = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_sessions_per_client: Optional[int] = None
-    header_timeout_s: float = 10.0
-    session_resume: bool = True
-    resume_window_s: float = 30.0
-    resume_journal_events: int = 4096
-    resume_journal_bytes: int = 4 * 1024 * 1024
-    replica_id: Optional[str] = None
-    tool_model_url: Optional[str] = None
-    tool_model_key: Optional[str] = None
-    tool_model_name: Optional[str] = None
-    slot_wait_s: float = 1.0
-    body_timeout_s: float = 30.0
-    max_header_bytes: int = 64 * 1024
-    max_outbound_bytes: int = 8 * 1024 * 1024
-    outbound_stall_s: float = 30.0
-    resume_keep_sent_s: float = 10.0
-    telephony_webhook: Optional[str] = None
-    telephony_webhook_timeout_s: float = 3.0
-    record_dir: Optional[Path] = None
-    record_policy: str = "all"
-    record_max_mb: float = 100.0
-    record_keep: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        env_key = os.environ.get("DUPLEXKIT_API_KEY")
-        if env_key and env_key not in self.api_keys:
-            self.api_keys = [*self.api_keys, env_key]
-        if self.ref_audio_dir is not None:
-            self.ref_audio_dir = Path(self.ref_audio_dir).resolve()
 
 
 class SlotPool:
@@ -280,8 +141,8 @@ def openai_error(status: int, message: str, code: str, *, type_: Optional[str] =
                  param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
     """An OpenAI error body ``{error{message, type, param, code}}`` (docs/protocol.md §10.1)."""
     if type_ is None:
-        type_ = {401: "invalid_request_error", 503: "rate_limit_error", 500: "server_error"}.get(
-            status, "invalid_request_error")
+        type_ = {401: ERROR_TYPES[ErrorCode.UNAUTHORIZED], 503: ERROR_TYPES[ErrorCode.SESSION_CAPACITY_EXHAUSTED],
+                 500: ERROR_TYPES[ErrorCode.SERVER_ERROR]}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
@@ -292,19 +153,16 @@ def load_reference_voice(path, max_s: float = 30.0):
 
     Raises ``FileNotFoundError``; ``ValueError`` for a clip out of range or undecodable.
     """
-    import hashlib
-
-    import numpy as np
-
     from duplexkit.audio import read_wav
-    from duplexkit.engine.api import ReferenceVoice
+    from duplexkit.engine.api import INPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, reference_voice
+    from duplexkit.errors import RefAudioLengthError
 
-    audio, _ = read_wav(Path(path), 16_000)
-    n = (len(audio) // 1600) * 1600
-    if n < 8000 or len(audio) > max_s * 16_000:
-        raise ValueError(f"reference voice {path} must last 0.5-{max_s:g} s, got {len(audio) / 16000:.2f} s")
-    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
-    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+    audio, _ = read_wav(Path(path), INPUT_SAMPLE_RATE)
+    try:
+        return reference_voice(audio, max_s)
+    except RefAudioLengthError as exc:
+        raise ValueError(f"reference voice {path} must last {REF_AUDIO_MIN_S:g}-{max_s:g} s, "
+                         f"got {exc.duration_s:.2f} s") from None
 
 
 class ServerState:
@@ -610,7 +468,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
     def http_auth(request: Request) -> Optional[JSONResponse]:
         if state.check_key(state.bearer(request.headers.get("authorization"))):
             return None
-        return openai_error(401, "missing or invalid API key", "unauthorized")
+        return openai_error(401, "missing or invalid API key", ErrorCode.UNAUTHORIZED.value)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -648,7 +506,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         if model_id and state.resolve_model(model_id) is not None:
             return {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
         return openai_error(404, f"The model '{model_id[:200]}' does not exist; served ids: "
-                                 f"{', '.join(state.model_ids)}", "model_not_found", param="model")
+                                 f"{', '.join(state.model_ids)}", ErrorCode.MODEL_NOT_FOUND.value, param="model")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

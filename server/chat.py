@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import io
 import json
 import logging
@@ -41,8 +40,10 @@ from starlette.requests import ClientDisconnect
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
-from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode
-from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
+from duplexkit.errors import (ERROR_TYPES, AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode,
+                              RefAudioLengthError)
+from duplexkit.engine.api import (INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, ChatMessage, ChatRequest,
+                                  ReferenceVoice, reference_voice)
 
 from .app import openai_error
 from .dialect import pick_chat_dialect
@@ -51,8 +52,7 @@ logger = logging.getLogger("duplexkit.server.chat")
 
 __all__ = ["handle", "parse_chat_request", "validate_chat_body", "ChatBody", "ChatRequestError"]
 
-INPUT_RATE = 16_000
-MIN_REF_AUDIO_S = 0.5  # docs/protocol.md §8.2
+INPUT_RATE = INPUT_SAMPLE_RATE
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded before the vision encoder resizes it; bigger: a decompression bomb
 
 
@@ -64,7 +64,7 @@ class ChatRequestError(DuplexkitError, ValueError):
     """
 
     def __init__(self, message: str, param: Optional[str] = None, code: str = "bad_request") -> None:
-        super().__init__(message, code=code)
+        super().__init__(message, code=code.value if isinstance(code, ErrorCode) else code)
         self.param = param
 
 
@@ -83,7 +83,7 @@ def _decode_data_url(url: str, param: str) -> bytes:
         raise ChatRequestError(f"undecodable data URL: {exc}", param) from exc
 
 
-def _decode_audio(raw: bytes, param: str, max_s: float, code: str = "bad_audio") -> np.ndarray:
+def _decode_audio(raw: bytes, param: str, max_s: float, code: str = ErrorCode.BAD_AUDIO.value) -> np.ndarray:
     """Bytes of an audio file -> float32 [n] at 16 kHz; the length is checked from the container
     header before decoding, and decoding stops after ``max_s`` (:func:`duplexkit.audio.read_wav`)."""
     from duplexkit.audio import read_wav
@@ -95,7 +95,7 @@ def _decode_audio(raw: bytes, param: str, max_s: float, code: str = "bad_audio")
     except Exception as exc:
         raise ChatRequestError(f"undecodable audio: {exc}", param, code) from None
     if len(audio) == 0:
-        raise ChatRequestError("empty audio", param, "bad_audio")
+        raise ChatRequestError("empty audio", param, ErrorCode.BAD_AUDIO.value)
     if len(audio) > max_s * INPUT_RATE:
         raise ChatRequestError(str(AudioTooLongError(len(audio) / INPUT_RATE, max_s)), param, code)
     return audio
@@ -139,11 +139,11 @@ def _decode_image(url: str, param: str, state) -> np.ndarray:
 
 
 def _ref_voice(audio: np.ndarray, max_s: float, param: str) -> ReferenceVoice:
-    n = (len(audio) // 1600) * 1600  # whole 100 ms (docs/protocol.md §8.3)
-    if n < MIN_REF_AUDIO_S * INPUT_RATE or len(audio) > max_s * INPUT_RATE:
-        raise ChatRequestError(f"reference voice must last {MIN_REF_AUDIO_S}-{max_s:g} s", param, "ref_audio_invalid")
-    a = np.ascontiguousarray(audio[:n], dtype=np.float32)
-    return ReferenceVoice(audio=a, sha256=hashlib.sha256(a.tobytes()).hexdigest())
+    try:
+        return reference_voice(audio, max_s)  # the one trim (whole 100 ms) and bound check
+    except RefAudioLengthError:
+        raise ChatRequestError(f"reference voice must last {REF_AUDIO_MIN_S}-{max_s:g} s", param,
+                               ErrorCode.REF_AUDIO_INVALID) from None
 
 
 # -- the request body (pydantic, like the realtime wire: duplexkit.protocol.client_events) -----------
@@ -287,7 +287,7 @@ def parse_chat_request(body: Any, state, dialect: str = "openai") -> tuple[ChatR
     b = body if isinstance(body, ChatBody) else validate_chat_body(body)
     model = b.model
     if model is not None and not state.accepts_model(model):
-        raise ChatRequestError(f"unknown model {model!r}", "model", "model_not_found")
+        raise ChatRequestError(f"unknown model {model!r}", "model", ErrorCode.MODEL_NOT_FOUND.value)
     if b.n not in (None, 1):
         raise ChatRequestError("n > 1 is not supported", "n")
     for unsupported in ("tools", "functions", "logprobs", "top_logprobs"):
@@ -345,11 +345,11 @@ def parse_chat_request(body: Any, state, dialect: str = "openai") -> tuple[ChatR
                         try:
                             raw = base64.b64decode(part.input_audio.data, validate=True)
                         except (binascii.Error, ValueError) as exc:
-                            raise ChatRequestError(f"input_audio.data is not base64: {exc}", pp, "bad_audio") from exc
+                            raise ChatRequestError(f"input_audio.data is not base64: {exc}", pp, ErrorCode.BAD_AUDIO.value) from exc
                     else:
                         raw = _decode_data_url(part.audio_url.url, pp)
                     if role == "system":
-                        ref_voice = _ref_voice(_decode_audio(raw, pp, s.max_ref_audio_s, "ref_audio_invalid"),
+                        ref_voice = _ref_voice(_decode_audio(raw, pp, s.max_ref_audio_s, ErrorCode.REF_AUDIO_INVALID.value),
                                                s.max_ref_audio_s, pp)
                     else:
                         any_audio_in = True
@@ -456,9 +456,9 @@ def _load_and_validate(raw: bytes) -> ChatBody:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ChatRequestError(f"malformed JSON: {exc}", code="invalid_json") from None
+        raise ChatRequestError(f"malformed JSON: {exc}", code=ErrorCode.INVALID_JSON.value) from None
     except RecursionError:
-        raise ChatRequestError("malformed JSON: nested too deeply", code="invalid_json") from None
+        raise ChatRequestError("malformed JSON: nested too deeply", code=ErrorCode.INVALID_JSON.value) from None
     return validate_chat_body(body)
 
 
@@ -478,7 +478,7 @@ async def handle(state, request: Request):
         msg = ("this replica is draining for shutdown; retry (another replica will take it)"
                if state.shutting_down else f"the engine failed: {failure}" if failure
                else "the model is loading; retry later")
-        return openai_error(503, msg, "session_capacity_exhausted",
+        return openai_error(503, msg, ErrorCode.SESSION_CAPACITY_EXHAUSTED.value,
                             headers={"Retry-After": str(state.settings.retry_after_s)})
     s = state.settings
     limit = s.max_body_bytes
@@ -492,7 +492,7 @@ async def handle(state, request: Request):
     # the slot first: a refused request never has its body read or parsed (docs/server.md, "Limits")
     client = state.client_id(state.bearer(request.headers.get("authorization")), request.scope)
     if not await state.slots.acquire(client, getattr(s, "slot_wait_s", 0.0)):
-        return openai_error(503, state.capacity_message(client), "session_capacity_exhausted",
+        return openai_error(503, state.capacity_message(client), ErrorCode.SESSION_CAPACITY_EXHAUSTED.value,
                             headers={"Retry-After": str(s.retry_after_s), "Connection": "close"})
     released = False
 
@@ -548,7 +548,7 @@ async def handle(state, request: Request):
             result = await state.engine.generate(req)
         except Exception as exc:
             _log_generation_failure("chat generation failed", exc)
-            return openai_error(500, f"generation failed: {exc}", "server_error")
+            return openai_error(500, f"generation failed: {exc}", ErrorCode.SERVER_ERROR.value)
         finally:
             release_slot()
         has_audio = req.output_audio and result.audio is not None
@@ -626,8 +626,8 @@ async def handle(state, request: Request):
             yield "data: [DONE]\n\n"
         except Exception as exc:
             _log_generation_failure("chat stream failed", exc)
-            err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",
-                             "param": None, "code": "server_error"}}
+            err = {"error": {"message": f"generation failed: {exc}", "type": ERROR_TYPES[ErrorCode.SERVER_ERROR],
+                             "param": None, "code": ErrorCode.SERVER_ERROR.value}}
             yield "data: " + json.dumps(err) + "\n\n"
         finally:
             release_slot()

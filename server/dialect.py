@@ -43,6 +43,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from duplexkit.protocol.vocabulary import BETA_MIRRORED_EVENTS, GA_TO_BETA_EVENTS
+
 __all__ = ["GA_TO_BETA", "DIALECTS", "CHAT_DIALECTS", "pick_dialect", "pick_chat_dialect",
            "dialect_of_first_update", "translate"]
 
@@ -51,16 +53,10 @@ CHAT_DIALECTS = ("openai", "vllm_omni")
 #: model ids that select the ``vllm_omni`` chat dialect: the Hugging Face repo id of MiniCPM-o 4.5
 VLLM_OMNI_MODEL_IDS = frozenset({"openbmb/MiniCPM-o-4_5"})
 
-#: GA event type -> OpenAI beta realtime event type (openai.types.beta.realtime).
-GA_TO_BETA = {
-    "response.output_audio.delta": "response.audio.delta",
-    "response.output_audio.done": "response.audio.done",
-    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
-    "response.output_audio_transcript.done": "response.audio_transcript.done",
-    "response.output_text.delta": "response.text.delta",
-    "response.output_text.done": "response.text.done",
-}
-_BETA_ONLY_RENAMES = {"conversation.item.added": "conversation.item.created"}
+#: GA event type -> OpenAI beta realtime event type (openai.types.beta.realtime) of the events the
+#: ``both`` dialect mirrors: the six ``response.*`` renames of the one table,
+#: :data:`duplexkit.protocol.vocabulary.GA_TO_BETA_EVENTS` (which the ``beta`` dialect applies whole).
+GA_TO_BETA = {g: GA_TO_BETA_EVENTS[g] for g in sorted(BETA_MIRRORED_EVENTS)}
 _BETA_DROPPED = frozenset({"conversation.item.done"})
 #: top-level session keys that mark a beta-shaped session.update (what beta clients and vLLM-Omni's
 #: send; a flat ``turn_detection`` alone does not count: GA-minded scripts use it as a shorthand)
@@ -166,7 +162,7 @@ def translate(event: dict, dialect: str, *, beta_model: Optional[str] = None) ->
         return []
     if t in ("session.created", "session.updated") and isinstance(event.get("session"), dict):
         return [{**event, "session": _beta_session(event["session"], beta_model)}]
-    out = {**event, "type": GA_TO_BETA.get(t) or _BETA_ONLY_RENAMES.get(t) or t}
+    out = {**event, "type": GA_TO_BETA_EVENTS.get(t) or t}
     for key in ("item", "part", "response"):
         if isinstance(out.get(key), dict):
             out[key] = _beta_parts(out[key])

@@ -32,7 +32,8 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from duplexkit.errors import canonical_error_code
+from duplexkit.errors import ErrorCode, canonical_error_code
+from duplexkit.protocol.vocabulary import CloseCode
 
 logger = logging.getLogger("duplexkit.server.metrics")
 
@@ -280,7 +281,7 @@ class MetricsMiddleware:
         kind = scope.get("type")
         if kind == "websocket":
             async def ws_send(message):
-                if message.get("type") == "websocket.close" and message.get("code") in (1008, 1013):
+                if message.get("type") == "websocket.close" and message.get("code") in (CloseCode.POLICY_VIOLATION, CloseCode.TRY_AGAIN_LATER):
                     self.metrics.error(message.get("reason") or "unknown", "handshake")
                 await send(message)
 
@@ -339,7 +340,7 @@ def install(app, state) -> Optional[ServerMetrics]:
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(request: Request):
         if mode == "auth" and not state.check_key(state.bearer(request.headers.get("authorization"))):
-            return openai_error(401, "missing or invalid API key (or run with --metrics public)", "unauthorized")
+            return openai_error(401, "missing or invalid API key (or run with --metrics public)", ErrorCode.UNAUTHORIZED.value)
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 

@@ -31,7 +31,10 @@ from typing import Any, Optional
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from duplexkit.errors import wire_error_code
+from duplexkit.engine.api import SILENCE_SLACK_MS
+from duplexkit.errors import ErrorCode
+from duplexkit.protocol import ErrorEvent
+from duplexkit.protocol.vocabulary import CloseCode, CloseReason
 
 from .dialect import dialect_of_first_update, pick_dialect, translate
 from .resume import (JournalOverflow, ResumeRefused, _event_bytes, check_resume_fields, new_token, parse_resume,
@@ -47,17 +50,19 @@ KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 #: frame (1006, or a failed send: None), no status (1005), the peer or a proxy going away or
 #: restarting (1001, 1011-1014). A normal close (1000) or a protocol violation (1002, 1003, 1007-1010)
 #: ends the session at once.
-PARK_CLOSE_CODES = frozenset({None, 1001, 1005, 1006, 1011, 1012, 1013, 1014})
+PARK_CLOSE_CODES = frozenset({None, CloseCode.GOING_AWAY, 1005, 1006, CloseCode.INTERNAL_ERROR, 1012,
+                              CloseCode.TRY_AGAIN_LATER, 1014})
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no", ""}
 
 
-def _handshake_error(code: str, message: str, param: Optional[str] = None) -> dict:
-    err: dict[str, Any] = {"type": "invalid_request_error" if code != "session_capacity_exhausted"
-                           else "rate_limit_error", "code": code, "message": message}
-    if param:
-        err["param"] = param
-    return {"type": "error", "event_id": "event_" + secrets.token_hex(12), "server_event_seq": 1, "error": err}
+def _handshake_error(code: ErrorCode, message: str, param: Optional[str] = None, *, naming: str = "duplexkit",
+                     seq: Optional[int] = 1, client_event_id: Optional[str] = None) -> dict:
+    """The ``error`` event of a refused handshake or resume (:meth:`ErrorEvent.of`): the code in the
+    profile's ``naming``, its OpenAI type from the §9 table; ``seq`` None for a resume refusal (an
+    event outside the session's sequence)."""
+    return ErrorEvent.of(code, message, param or None, naming=naming, event_id="event_" + secrets.token_hex(12),
+                         server_event_seq=seq, client_event_id=client_event_id).to_wire()
 
 
 async def _reject(ws: WebSocket, subprotocol: Optional[str], event: dict, close_code: int) -> None:
@@ -89,7 +94,7 @@ async def reject_unknown_path(ws: WebSocket) -> None:
             {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
             status_code=404))
     else:
-        await ws.close(code=1008, reason="no such endpoint")
+        await ws.close(code=CloseCode.POLICY_VIOLATION, reason="no such endpoint")
 
 
 def _pick_subprotocol(offered: list[str]) -> Optional[str]:
@@ -123,8 +128,8 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     naming = "duplexkit" if duplex else "openai"
 
     if not state.check_key(key):
-        await _reject(ws, subprotocol, _handshake_error(wire_error_code("unauthorized", naming),
-                                                        "missing or invalid API key"), 1008)
+        await _reject(ws, subprotocol, _handshake_error(ErrorCode.UNAUTHORIZED, "missing or invalid API key",
+                                                        naming=naming), CloseCode.POLICY_VIOLATION)
         return
     autostart_raw = (q.get("autostart") or "1").strip().lower()
     autostart = autostart_raw not in {"0", "false", "off", "no"}
@@ -138,27 +143,26 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
     if not state.ready and not resume_only:
         failure = getattr(state, "engine_failure", None)
         await _reject(ws, subprotocol, _handshake_error(
-            "session_capacity_exhausted", f"the engine failed: {failure}" if failure
-            else "the server is loading or shutting down; retry later"), 1013)
+            ErrorCode.SESSION_CAPACITY_EXHAUSTED, f"the engine failed: {failure}" if failure
+            else "the server is loading or shutting down; retry later", naming=naming), CloseCode.TRY_AGAIN_LATER)
         return
     try:
         dialect = pick_dialect(q.get("dialect"), ws.headers.get("openai-beta"))
     except ValueError as exc:
-        await _reject(ws, subprotocol, _handshake_error(wire_error_code("bad_event", naming), str(exc), "dialect"),
-                      1008)
+        await _reject(ws, subprotocol, _handshake_error(ErrorCode.BAD_EVENT, str(exc), "dialect", naming=naming),
+                      CloseCode.POLICY_VIOLATION)
         return
     model = q.get("model")
     if not state.accepts_model(model):
-        await _reject(ws, subprotocol, _handshake_error(wire_error_code("model_not_found", naming),
-                                                        state.unknown_model_message(model), "model"),
-                      1008)
+        await _reject(ws, subprotocol, _handshake_error(ErrorCode.MODEL_NOT_FOUND, state.unknown_model_message(model),
+                                                        "model", naming=naming), CloseCode.POLICY_VIOLATION)
         return
     from duplexkit.recording import session_record_choice
 
     recorded, refusal = session_record_choice(state.settings, q.get("record"))  # docs/server.md, "Recording"
     if refusal is not None:
-        await _reject(ws, subprotocol, _handshake_error(wire_error_code("bad_event", naming), refusal, "record"),
-                      1008)
+        await _reject(ws, subprotocol, _handshake_error(ErrorCode.BAD_EVENT, refusal, "record", naming=naming),
+                      CloseCode.POLICY_VIOLATION)
         return
     client = state.client_id(key, ws.scope)
     held = {"slot": False, "parked": False, "ending": False}
@@ -198,7 +202,8 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             held["slot"] = await _take_slot(state, client)
     if not held["slot"] and not resume_only and not maybe_resume:
         await _reject(ws, subprotocol, _handshake_error(
-            "session_capacity_exhausted", state.capacity_message(client)), 1013)
+            ErrorCode.SESSION_CAPACITY_EXHAUSTED, state.capacity_message(client), naming=naming),
+            CloseCode.TRY_AGAIN_LATER)
         return
     try:
         first: Optional[dict] = None
@@ -217,7 +222,8 @@ async def handle(state, ws: WebSocket, *, force_duplex: bool) -> None:
             if not held["slot"]:
                 msg = ("this replica is draining for shutdown: only session.resume is accepted" if resume_only
                        else state.capacity_message(client))
-                await _refuse(ws, _handshake_error("session_capacity_exhausted", msg), 1013)
+                await _refuse(ws, _handshake_error(ErrorCode.SESSION_CAPACITY_EXHAUSTED, msg, naming=naming),
+                              CloseCode.TRY_AGAIN_LATER)
                 return
         conn = RealtimeConnection(state, ws, profile="duplex" if duplex else "compat", autostart=autostart,
                                   dialect=dialect, principal=principal)
@@ -257,7 +263,7 @@ async def _close_stuck(ws: WebSocket, reason: str) -> None:
     takes it within 1 s; then the transport is aborted where the server exposes it
     (:func:`duplexkit_server.security.abortable_websocket_protocol`), so its buffers go at once."""
     try:
-        await asyncio.wait_for(ws.close(code=1008, reason=reason), 1.0)
+        await asyncio.wait_for(ws.close(code=CloseCode.POLICY_VIOLATION, reason=reason), 1.0)
     except Exception:
         pass
     abort = ((ws.scope.get("extensions") or {}).get("duplexkit.transport") or {}).get("abort")
@@ -298,15 +304,13 @@ async def _serve_resume(state, ws: WebSocket, data: dict, principal: Optional[st
     except ResumeRefused as r:
         reg.count_refusal(r.code)
         logger.info("session.resume of %s refused: %s", (sid or "?")[:64], r.code)
-        err = _handshake_error(r.code, r.message)
-        err["error"]["type"] = "server_error" if r.code == "resume_journal_overflow" else "invalid_request_error"
-        if isinstance(data.get("event_id"), str):
-            err["error"]["event_id"] = data["event_id"]
-        err.pop("server_event_seq", None)
+        err = _handshake_error(r.code, r.message, seq=None,
+                               client_event_id=data["event_id"] if isinstance(data.get("event_id"), str) else None)
         closed = None
-        if r.code in ("resume_expired", "resume_journal_overflow") and sid:
+        if r.code in (ErrorCode.RESUME_EXPIRED, ErrorCode.RESUME_JOURNAL_OVERFLOW) and sid:
+            reason = CloseReason.SERVER_ERROR if r.code == ErrorCode.RESUME_JOURNAL_OVERFLOW else CloseReason.TIMEOUT
             closed = {"type": "session.closed", "event_id": "event_" + secrets.token_hex(12), "session_id": sid,
-                      "reason": "server_error" if r.code == "resume_journal_overflow" else "timeout"}
+                      "reason": reason.value}
         await _refuse(ws, err, r.close_code, closed)
         return
     await released.wait()
@@ -325,7 +329,7 @@ def session_config(state, profile: str):
                                   answer_policy=s.answer_policy,
                                   ref_audio_loader=state.load_ref_audio_path if s.ref_audio_dir else None,
                                   audio_output_available=bool(getattr(state.engine, "supports_audio", True)),
-                                  silence_slack_ms=getattr(s, "silence_slack_ms", 250), limits=limits,
+                                  silence_slack_ms=getattr(s, "silence_slack_ms", SILENCE_SLACK_MS), limits=limits,
                                   supports_session_resume=getattr(state, "resumes", None) is not None)
     if s.max_output_tokens is not None:
         kwargs["max_output_tokens"] = s.max_output_tokens
@@ -453,7 +457,7 @@ class RealtimeConnection:
                     await asyncio.gather(reader, return_exceptions=True)
                     reader = None
                 if self._takeover is not None:  # a resume while this socket still looked alive
-                    await self._detach(close_code=1001)
+                    await self._detach(close_code=CloseCode.GOING_AWAY)
                     continue
                 if not self._parkable():
                     break
@@ -478,7 +482,7 @@ class RealtimeConnection:
             ws = self.ws
             if ws is not None and ws.application_state != WebSocketState.DISCONNECTED:
                 try:
-                    await asyncio.wait_for(ws.close(code=1000), self._stall_s)
+                    await asyncio.wait_for(ws.close(code=CloseCode.NORMAL), self._stall_s)
                 except Exception:
                     pass
             if self.registry is not None:
@@ -486,7 +490,7 @@ class RealtimeConnection:
                 if self._takeover is not None:
                     fut = self._takeover[3]
                     if not fut.done():
-                        fut.set_exception(ResumeRefused("resume_not_found", "the session has ended"))
+                        fut.set_exception(ResumeRefused(ErrorCode.RESUME_NOT_FOUND, "the session has ended"))
             for ev in self._released.values():
                 ev.set()
             if self.journal is not None:  # the session is over: its replay journal goes now
@@ -496,8 +500,8 @@ class RealtimeConnection:
         """Server shutdown: ``session.closed{reason}`` then close 1001 (docs/protocol.md §1.5)."""
         if self._closed.is_set():
             return
-        self._close_override = 1001
-        self.driver.close_session(reason, 1001)
+        self._close_override = CloseCode.GOING_AWAY
+        self.driver.close_session(reason, CloseCode.GOING_AWAY)
         await self._closed.wait()
 
     # -- resume -----------------------------------------------------------------------------------
@@ -550,10 +554,11 @@ class RealtimeConnection:
         """Close a parked session that can no longer be resumed (its slot is freed first)."""
         self.release_slot()
         if outcome == "expired":
-            code, reason, close = "resume_expired", "timeout", 1000
+            code, reason, close = ErrorCode.RESUME_EXPIRED.value, CloseReason.TIMEOUT.value, CloseCode.NORMAL
             msg = f"the session was not resumed within {self.registry.window_s:g} s and was closed"
         else:
-            code, reason, close = "resume_journal_overflow", "server_error", 1011
+            code, reason, close = (ErrorCode.RESUME_JOURNAL_OVERFLOW.value, CloseReason.SERVER_ERROR.value,
+                                   CloseCode.INTERNAL_ERROR)
             msg = (f"server events the client had not received were dropped from the resume journal "
                    f"({self.journal.max_events} events / {self.journal.max_bytes} bytes); the session was closed")
         logger.info("parked session %s closed: %s", self.session.session_id, code)
@@ -565,10 +570,10 @@ class RealtimeConnection:
         """Hand ``ws`` to this session (a checked ``session.resume``). Returns an event set when
         the session stops using ``ws``. Raises :class:`~duplexkit_server.resume.ResumeRefused`."""
         if self._closed.is_set():
-            raise ResumeRefused("resume_not_found", "the session has ended")
+            raise ResumeRefused(ErrorCode.RESUME_NOT_FOUND, "the session has ended")
         fut = asyncio.get_running_loop().create_future()
         if self._takeover is not None and not self._takeover[3].done():
-            self._takeover[3].set_exception(ResumeRefused("resume_unauthorized", "superseded by another resume"))
+            self._takeover[3].set_exception(ResumeRefused(ErrorCode.RESUME_UNAUTHORIZED, "superseded by another resume"))
         self._takeover = (ws, last_seq, token, fut)
         self._wake.set()
         return await fut
@@ -582,21 +587,18 @@ class RealtimeConnection:
         overflow = False
         async with self._send_lock:
             if not self.check_token(token):
-                fut.set_exception(ResumeRefused("resume_unauthorized",
+                fut.set_exception(ResumeRefused(ErrorCode.RESUME_UNAUTHORIZED,
                                                 "the resume token was rotated by another resume"))
                 return
             if last_seq > self.journal.last_seq:
-                fut.set_exception(ResumeRefused("bad_event", f"last_server_event_seq {last_seq} is beyond the last "
+                fut.set_exception(ResumeRefused(ErrorCode.BAD_EVENT, f"last_server_event_seq {last_seq} is beyond the last "
                                                              f"event of the session ({self.journal.last_seq})"))
                 return
             try:
                 replay = self.journal.since(last_seq)
             except JournalOverflow as exc:
                 overflow, replay = True, []
-                err = _handshake_error("resume_journal_overflow", str(exc))
-                err["error"]["type"] = "server_error"
-                err.pop("server_event_seq", None)
-                first_frame = err
+                first_frame = _handshake_error(ErrorCode.RESUME_JOURNAL_OVERFLOW, str(exc), seq=None)
             else:
                 self._token = new_token()
                 self._token_digest = token_digest(self._token)
@@ -623,8 +625,8 @@ class RealtimeConnection:
                 logger.info("session %s resumed after seq %d (%d events replayed)", self.session.session_id,
                             last_seq, len(replay))
         if overflow:
-            self.registry.count_refusal("resume_journal_overflow")
-            self.driver.close_session("server_error", 1011)
+            self.registry.count_refusal(ErrorCode.RESUME_JOURNAL_OVERFLOW.value)
+            self.driver.close_session(CloseReason.SERVER_ERROR.value, CloseCode.INTERNAL_ERROR)
 
     # -- the socket side ------------------------------------------------------------------------
     async def _send(self, event: dict) -> None:

@@ -34,7 +34,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
-from duplexkit.errors import DuplexkitError
+from duplexkit.errors import DuplexkitError, ErrorCode
+from duplexkit.protocol.vocabulary import CloseCode
 
 __all__ = ["ReplayJournal", "JournalOverflow", "ResumeRegistry", "ResumeRefused", "parse_resume",
            "principal_of", "new_token", "EVENT_OVERHEAD_BYTES"]
@@ -49,15 +50,15 @@ _TOMBSTONE_KEEP = 1024
 class JournalOverflow(DuplexkitError):
     """Events after the requested sequence number were already dropped from the journal."""
 
-    default_code = "resume_journal_overflow"
+    default_code = ErrorCode.RESUME_JOURNAL_OVERFLOW.value
 
 
 class ResumeRefused(DuplexkitError):
     """A ``session.resume`` that is refused: ``code`` (docs/protocol.md §9), ``message``, and
     ``close_code`` of the WebSocket close that follows."""
 
-    def __init__(self, code: str, message: str, close_code: int = 1008) -> None:
-        super().__init__(message, code=code)
+    def __init__(self, code: "ErrorCode | str", message: str, close_code: int = CloseCode.POLICY_VIOLATION) -> None:
+        super().__init__(message, code=ErrorCode(code).value)
         self.close_code = close_code
 
 
@@ -194,12 +195,12 @@ def check_resume_fields(ev: dict) -> tuple[str, str, int]:
     Raises ResumeRefused(``bad_event``) for missing or mistyped fields."""
     sid, token, seq = ev.get("session_id"), ev.get("resume_token"), ev.get("last_server_event_seq", 0)
     if not isinstance(sid, str) or not sid:
-        raise ResumeRefused("bad_event", "session.resume needs a string session_id")
+        raise ResumeRefused(ErrorCode.BAD_EVENT, "session.resume needs a string session_id")
     if not isinstance(token, str) or not token:
-        raise ResumeRefused("resume_unauthorized", "session.resume needs the resume_token of the session "
-                                                   "(sent with session.created and each session.resumed)")
+        raise ResumeRefused(ErrorCode.RESUME_UNAUTHORIZED, "session.resume needs the resume_token of the session "
+                                                           "(sent with session.created and each session.resumed)")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise ResumeRefused("bad_event", "last_server_event_seq must be an integer >= 0")
+        raise ResumeRefused(ErrorCode.BAD_EVENT, "last_server_event_seq must be an integer >= 0")
     return sid, token, seq
 
 
@@ -261,13 +262,14 @@ class ResumeRegistry:
             tomb = self._tombstones.get(session_id)
             if tomb is not None and tomb[2] >= time.monotonic() and tomb[1] == principal:
                 code, _, _, message = tomb
-                raise ResumeRefused(code, message, 1011 if code == "resume_journal_overflow" else 1008)
-            raise ResumeRefused("resume_not_found", f"no resumable session {session_id[:64]!r} on this server")
+                raise ResumeRefused(code, message, CloseCode.INTERNAL_ERROR if code == ErrorCode.RESUME_JOURNAL_OVERFLOW
+                                    else CloseCode.POLICY_VIOLATION)
+            raise ResumeRefused(ErrorCode.RESUME_NOT_FOUND, f"no resumable session {session_id[:64]!r} on this server")
         if conn.principal != principal:  # another API key: do not confirm that the session exists
-            raise ResumeRefused("resume_not_found", f"no resumable session {session_id[:64]!r} on this server")
+            raise ResumeRefused(ErrorCode.RESUME_NOT_FOUND, f"no resumable session {session_id[:64]!r} on this server")
         if not conn.check_token(token):
-            raise ResumeRefused("resume_unauthorized", "the resume token does not match (tokens are rotated "
-                                                       "by each session.resumed)")
+            raise ResumeRefused(ErrorCode.RESUME_UNAUTHORIZED, "the resume token does not match (tokens are rotated "
+                                                               "by each session.resumed)")
         return conn
 
     def count_refusal(self, code: str) -> None:

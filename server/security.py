@@ -32,6 +32,9 @@ import re
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
+from duplexkit.errors import ERROR_TYPES, ErrorCode
+from duplexkit.protocol.vocabulary import CloseCode
+
 logger = logging.getLogger("duplexkit.server.security")
 
 __all__ = ["OriginPolicy", "OriginPolicyMiddleware", "is_loopback_host", "page_headers", "style_hashes"]
@@ -143,8 +146,8 @@ class OriginPolicy:
 
 
 def _forbidden_body(message: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "unauthorized"}}).encode()
+    return json.dumps({"error": {"message": message, "type": ERROR_TYPES[ErrorCode.UNAUTHORIZED], "param": None,
+                                 "code": ErrorCode.UNAUTHORIZED.value}}).encode()
 
 
 class OriginPolicyMiddleware:
@@ -195,7 +198,7 @@ class OriginPolicyMiddleware:
             await send({"type": "websocket.http.response.start", "status": 403, "headers": resp_headers})
             await send({"type": "websocket.http.response.body", "body": body})
         else:
-            await send({"type": "websocket.close", "code": 1008, "reason": "origin not allowed"})
+            await send({"type": "websocket.close", "code": int(CloseCode.POLICY_VIOLATION), "reason": "origin not allowed"})
 
 
 def style_hashes(html: str) -> list[str]:

@@ -54,7 +54,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from duplexkit.audio.codecs import float32_to_alaw, float32_to_ulaw, pcm16_to_float32
 from duplexkit.audio.resample import StreamResampler
-from duplexkit.errors import DuplexkitError
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.errors import DuplexkitError, ErrorCode
+from duplexkit.protocol.vocabulary import CloseCode, CloseReason
 
 logger = logging.getLogger("duplexkit.server.telephony")
 
@@ -64,7 +66,7 @@ __all__ = ["ProviderAdapter", "TwilioAdapter", "TelnyxAdapter", "ADAPTERS", "Cal
 #: The phone network's sample rate (G.711, ITU-T G.711), Hz.
 TELEPHONY_RATE = 8000
 #: The session's output rate (docs/protocol.md §6.2), Hz.
-OUTPUT_RATE = 24000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 #: Longest outbound ``media`` piece before a ``mark``, ms: the granularity of the playback truth.
 DEFAULT_MARK_EVERY_MS = 200
 #: Marks sent and not yet echoed that are remembered (an hour of answer audio at 200 ms a mark).
@@ -113,7 +115,7 @@ class BadProviderMessage(DuplexkitError, ValueError):
     """A provider message the bridge cannot use (logged and skipped; the call goes on).
     Code ``bad_event`` (docs/protocol.md §9)."""
 
-    default_code = "bad_event"
+    default_code = ErrorCode.BAD_EVENT.value
 
 
 def _str(v: Any) -> Optional[str]:
@@ -530,7 +532,7 @@ class TelephonyConnection:
 
     async def _on_close(self, item) -> None:
         try:
-            await self.ws.close(code=getattr(item, "code", 1000) or 1000)
+            await self.ws.close(code=getattr(item, "code", CloseCode.NORMAL) or CloseCode.NORMAL)
         except Exception:
             pass
 
@@ -570,7 +572,7 @@ class TelephonyConnection:
             await asyncio.wait({reader, dispatched}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if self._started and not self.session.closed:
-                self.driver.close_session("client_close", 1000)
+                self.driver.close_session(CloseReason.CLIENT_CLOSE.value, CloseCode.NORMAL)
                 await asyncio.wait({dispatched}, timeout=5)
             for t in (reader, dispatched):
                 t.cancel()
@@ -581,7 +583,7 @@ class TelephonyConnection:
             self._closed.set()
             if self.ws.application_state != WebSocketState.DISCONNECTED:
                 try:
-                    await self.ws.close(code=1000)
+                    await self.ws.close(code=CloseCode.NORMAL)
                 except Exception:
                     pass
             call = self.bridge.call
@@ -627,9 +629,9 @@ class TelephonyConnection:
         if self._closed.is_set():
             return
         if self._started:
-            self.driver.close_session(reason, 1001)
+            self.driver.close_session(reason, CloseCode.GOING_AWAY)
         else:
-            await self._on_close(type("C", (), {"code": 1001})())
+            await self._on_close(type("C", (), {"code": CloseCode.GOING_AWAY})())
         await self._closed.wait()
 
 
@@ -666,15 +668,15 @@ async def handle(state, ws: WebSocket, provider: str) -> None:
     key = ws.query_params.get("token") or state.bearer(ws.headers.get("authorization"))
     if not state.check_key(key):
         logger.info("telephony %s stream refused: missing or invalid token", provider)
-        await ws.close(code=1008, reason="unauthorized")
+        await ws.close(code=CloseCode.POLICY_VIOLATION, reason=ErrorCode.UNAUTHORIZED.value)
         return
     if not state.ready:
-        await ws.close(code=1013, reason="server not ready")
+        await ws.close(code=CloseCode.TRY_AGAIN_LATER, reason="server not ready")
         return
     client = state.client_id(key, ws.scope)
     if not (state.slots.try_acquire(client) or await _take_slot(state, client)):
         logger.warning("telephony %s stream refused: %s", provider, state.capacity_message(client))
-        await ws.close(code=1013, reason="session_capacity_exhausted")
+        await ws.close(code=CloseCode.TRY_AGAIN_LATER, reason=ErrorCode.SESSION_CAPACITY_EXHAUSTED.value)
         return
     try:
         await ws.accept()

@@ -53,7 +53,9 @@ from fastapi import Request
 from duplexkit.audio.codecs import (float32_to_alaw, float32_to_f32le, float32_to_pcm16, float32_to_ulaw,
                                     pcm16_to_float32)
 from duplexkit.audio.resample import StreamResampler
-from duplexkit.errors import DuplexkitError
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.errors import ERROR_TYPES, DuplexkitError, ErrorCode
+from duplexkit.protocol.vocabulary import FORMAT_TYPE_ENCODINGS, PCM_RATE, CloseCode, CloseReason, default_rate
 
 logger = logging.getLogger("duplexkit.server.webrtc")
 
@@ -66,7 +68,7 @@ RTC_RATE = 48_000
 #: Samples of one outbound 20 ms frame at :data:`RTC_RATE`.
 FRAME_SAMPLES = 960
 #: The session's output rate (docs/protocol.md §6.2), Hz.
-OUTPUT_RATE = 24_000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 #: Input audio per ``input_audio_buffer.append``, ms (docs/protocol.md §6.1: 100-200 ms).
 APPEND_MS = 100
 #: How often the played position of the track is reported with ``playback.ack``, ms of audio.
@@ -188,13 +190,12 @@ def input_format(session: dict) -> tuple[str, int]:
     ``("g711_alaw", 8000)``."""
     fmt = ((session.get("audio") or {}).get("input") or {}).get("format") or {}
     t = fmt.get("type") if isinstance(fmt, dict) else None
-    if t == "audio/pcmu":
-        return "g711_ulaw", 8000
-    if t == "audio/pcma":
-        return "g711_alaw", 8000
+    enc = FORMAT_TYPE_ENCODINGS.get(t) if isinstance(t, str) else None
+    if enc is not None and enc.startswith("g711"):
+        return enc, default_rate(enc)
     rate = (fmt.get("rate") or fmt.get("sample_rate_hz")) if isinstance(fmt, dict) else None
     enc = "pcm_f32le" if isinstance(fmt, dict) and fmt.get("encoding") == "pcm_f32le" else "pcm16"
-    return enc, int(rate) if isinstance(rate, int) and rate > 0 else 24_000
+    return enc, int(rate) if isinstance(rate, int) and rate > 0 else PCM_RATE
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -207,7 +208,7 @@ class Capture:
     resampler; audio held for the old format is dropped).
     """
 
-    def __init__(self, encoding: str = "pcm16", rate: int = 24_000) -> None:
+    def __init__(self, encoding: str = "pcm16", rate: int = PCM_RATE) -> None:
         self.encoding, self.rate = encoding, rate
         self._rs: Optional[StreamResampler] = None
         self._rs_in: Optional[int] = None
@@ -717,7 +718,7 @@ class WebRTCCall:
             if dispatched.done() and not self._ended.is_set():
                 self.end_reason = "session closed"
             if self.session.started and not self.session.closed:
-                self.driver.close_session("client_close", 1000)
+                self.driver.close_session(CloseReason.CLIENT_CLOSE.value, CloseCode.NORMAL)
                 await asyncio.wait({dispatched}, timeout=5)
             await self._drain_channel()
             for t in (dispatched, ended, watchdog, *self._tasks):
@@ -762,7 +763,7 @@ class WebRTCCall:
         if self._closed.is_set():
             return
         if self.session.started and not self.session.closed:
-            self.driver.close_session(reason, 1001)
+            self.driver.close_session(reason, CloseCode.GOING_AWAY)
         self._end(reason)
         await self._closed.wait()
 
@@ -785,11 +786,11 @@ def install(app, state, http_auth: Callable) -> None:
         if (err := http_auth(request)) is not None:
             return err
         if not available():
-            return openai_error(501, INSTALL_HINT, "webrtc_unavailable", type_="server_error")
+            return openai_error(501, INSTALL_HINT, "webrtc_unavailable", type_=ERROR_TYPES[ErrorCode.SERVER_ERROR])
         q = request.query_params
         model = q.get("model")
         if not state.accepts_model(model):
-            return openai_error(400, state.unknown_model_message(model), "model_not_found", param="model")
+            return openai_error(400, state.unknown_model_message(model), ErrorCode.MODEL_NOT_FOUND.value, param="model")
         limit = state.settings.max_body_bytes
         body = await request.body()
         if len(body) > limit:
@@ -800,17 +801,17 @@ def install(app, state, http_auth: Callable) -> None:
         except BadOffer as exc:
             return openai_error(400, str(exc), exc.code, param=exc.param)
         if isinstance(session, dict) and session.get("model") is not None and not state.accepts_model(session.get("model")):
-            return openai_error(400, state.unknown_model_message(session.get("model")), "model_not_found",
+            return openai_error(400, state.unknown_model_message(session.get("model")), ErrorCode.MODEL_NOT_FOUND.value,
                                 param="session.model")
         if not state.ready:
-            return openai_error(503, "the server is loading or shutting down; retry later", "session_capacity_exhausted",
+            return openai_error(503, "the server is loading or shutting down; retry later", ErrorCode.SESSION_CAPACITY_EXHAUSTED.value,
                                 headers={"Retry-After": str(state.settings.retry_after_s)})
         from .realtime import _take_slot
 
         key = state.bearer(request.headers.get("authorization"))
         client = state.client_id(key, request.scope)
         if not (state.slots.try_acquire(client) or await _take_slot(state, client)):
-            return openai_error(503, state.capacity_message(client), "session_capacity_exhausted",
+            return openai_error(503, state.capacity_message(client), ErrorCode.SESSION_CAPACITY_EXHAUSTED.value,
                                 headers={"Retry-After": str(state.settings.retry_after_s)})
         duplex = (q.get("duplex") or "").strip().lower() in ("1", "true", "on", "yes")
         call_id = "rtc_" + secrets.token_hex(12)
@@ -826,7 +827,7 @@ def install(app, state, http_auth: Callable) -> None:
             state.slots.release(client)
             await _close_quietly(call)
             logger.exception("webrtc call setup failed")
-            return openai_error(500, f"the call could not be set up: {type(exc).__name__}", "server_error")
+            return openai_error(500, f"the call could not be set up: {type(exc).__name__}", ErrorCode.SERVER_ERROR.value)
         calls[call_id] = call
         state.connections.add(call)
 
@@ -853,7 +854,7 @@ def install(app, state, http_auth: Callable) -> None:
             return err
         call = calls.get(call_id)
         if call is None:
-            return openai_error(404, f"no call {call_id[:64]!r} (it ended, or never existed)", "call_not_found",
+            return openai_error(404, f"no call {call_id[:64]!r} (it ended, or never existed)", ErrorCode.CALL_NOT_FOUND.value,
                                 param="call_id")
         await call.hangup()
         return Response(status_code=200)

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from duplexkit.errors import AudioFormatError
+from duplexkit.errors import AudioFormatError, ErrorCode
 
 __all__ = [
     "AudioFormatError",
@@ -66,7 +66,7 @@ def _check_finite(a: np.ndarray, what: str) -> None:
         bad = ~np.isfinite(a)
         if bad.any():
             raise AudioFormatError(
-                "bad_audio",
+                ErrorCode.BAD_AUDIO,
                 f"expected finite {what} samples (out-of-range values are clipped to [-1, 1]), "
                 f"got {int(bad.sum())} NaN/inf of {a.size}",
             )
@@ -85,7 +85,7 @@ def pcm16_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
     mv = memoryview(data).cast("B")
     if len(mv) % 2:
         raise AudioFormatError(
-            "bad_audio", f"expected an even number of pcm16 bytes (2 per sample), got {len(mv)} bytes"
+            ErrorCode.BAD_AUDIO, f"expected an even number of pcm16 bytes (2 per sample), got {len(mv)} bytes"
         )
     return np.frombuffer(mv, dtype="<i2").astype(np.float32) * np.float32(1.0 / 32768.0)
 
@@ -116,7 +116,7 @@ def f32le_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
     mv = memoryview(data).cast("B")
     if len(mv) % 4:
         raise AudioFormatError(
-            "bad_audio", f"expected a multiple of 4 pcm_f32le bytes (4 per sample), got {len(mv)} bytes"
+            ErrorCode.BAD_AUDIO, f"expected a multiple of 4 pcm_f32le bytes (4 per sample), got {len(mv)} bytes"
         )
     a = np.frombuffer(mv, dtype="<f4")
     _check_finite(a, "pcm_f32le")
@@ -258,17 +258,17 @@ def b64decode_audio(s: str | bytes, *, allow_empty: bool = True, what: str = "au
         try:
             raw = s.strip().encode("ascii")
         except UnicodeEncodeError as exc:
-            raise AudioFormatError("bad_audio", f"expected base64 {what}, got non-ASCII characters") from exc
+            raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected base64 {what}, got non-ASCII characters") from exc
     elif isinstance(s, (bytes, bytearray, memoryview)):
         raw = bytes(s).strip()
     else:
-        raise AudioFormatError("bad_audio", f"expected base64 {what} as a string, got {type(s).__name__}")
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected base64 {what} as a string, got {type(s).__name__}")
     if not raw and not allow_empty:
-        raise AudioFormatError("bad_audio", f"expected base64 {what} of at least one byte, got an empty string")
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected base64 {what} of at least one byte, got an empty string")
     try:
         return base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise AudioFormatError("bad_audio", f"expected base64 {what}, got invalid base64 ({exc})") from exc
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected base64 {what}, got invalid base64 ({exc})") from exc
 
 
 # --------------------------------------------------------------------------- formats and streaming
@@ -293,28 +293,28 @@ class InputFormat:
     def __post_init__(self) -> None:
         if self.encoding not in BYTES_PER_SAMPLE:
             raise AudioFormatError(
-                "unsupported_audio_format",
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
                 f"unsupported audio encoding {self.encoding!r}; expected one of {list(ENCODINGS)}",
             )
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, np.integer)):
             raise AudioFormatError(
-                "unsupported_audio_format", f"expected an integer sample rate in Hz, got {self.rate!r}"
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an integer sample rate in Hz, got {self.rate!r}"
             )
         if self.encoding in ("g711_ulaw", "g711_alaw"):
             if self.rate != G711_RATE:
                 raise AudioFormatError(
-                    "unsupported_audio_format", f"expected {G711_RATE} Hz for {self.encoding}, got {self.rate} Hz"
+                    ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected {G711_RATE} Hz for {self.encoding}, got {self.rate} Hz"
                 )
         elif not (PCM_RATE_MIN <= self.rate <= PCM_RATE_MAX):
             raise AudioFormatError(
-                "unsupported_audio_format",
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT,
                 f"expected a {self.encoding} sample rate in {PCM_RATE_MIN}-{PCM_RATE_MAX} Hz, got {self.rate} Hz",
             )
         if isinstance(self.channels, bool) or not isinstance(self.channels, (int, np.integer)) or not (
             1 <= self.channels <= MAX_CHANNELS
         ):
             raise AudioFormatError(
-                "unsupported_audio_format", f"expected an integer channel count in 1..{MAX_CHANNELS}, got {self.channels!r}"
+                ErrorCode.UNSUPPORTED_AUDIO_FORMAT, f"expected an integer channel count in 1..{MAX_CHANNELS}, got {self.channels!r}"
             )
 
     def describe(self) -> str:
@@ -341,7 +341,7 @@ def decode_frames(data: bytes | bytearray | memoryview, fmt: InputFormat) -> np.
     mv = memoryview(data).cast("B")
     if len(mv) % fmt.frame_bytes:
         raise AudioFormatError(
-            "bad_audio", f"expected whole {fmt.frame_bytes}-byte frames of {fmt.describe()}, got {len(mv)} bytes"
+            ErrorCode.BAD_AUDIO, f"expected whole {fmt.frame_bytes}-byte frames of {fmt.describe()}, got {len(mv)} bytes"
         )
     enc = fmt.encoding
     if enc == "pcm16":
@@ -399,7 +399,7 @@ class StreamDecoder:
         mv = memoryview(data).cast("B")
         if not len(mv) and not allow_empty:
             raise AudioFormatError(
-                "bad_audio", f"expected at least one byte of {self.fmt.describe()} audio, got 0 bytes"
+                ErrorCode.BAD_AUDIO, f"expected at least one byte of {self.fmt.describe()} audio, got 0 bytes"
             )
         if self._carry:
             buf = self._carry + bytes(mv)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol, Union
 
 import numpy as np
 
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DeviceError
 
 __all__ = ["MicStream", "SpeakerStream", "AudioBlock", "list_devices", "find_device", "DeviceError"]
@@ -289,7 +290,7 @@ class SpeakerStream(_PortAudioStream):
     def __init__(
         self,
         source: _Source | None = None,
-        rate: int = 24000,
+        rate: int = OUTPUT_SAMPLE_RATE,
         block_ms: int = 20,
         device: Device = None,
         channels: int = 1,

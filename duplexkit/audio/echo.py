@@ -46,6 +46,7 @@ from typing import Literal, Optional, Protocol
 
 import numpy as np
 
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DuplexkitError
 
 from .resample import StreamResampler
@@ -234,7 +235,7 @@ class EchoControl:
         self,
         cfg: EchoConfig = EchoConfig(),
         capture_rate: int = 16000,
-        render_rate: int = 24000,
+        render_rate: int = OUTPUT_SAMPLE_RATE,
         aec: Optional[AecBackend] = None,
     ) -> None:
         if int(capture_rate) <= 0 or int(capture_rate) % 100 or int(render_rate) <= 0:

@@ -28,10 +28,12 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+
 __all__ = ["Player", "RenderingPlayer", "ForgettingPlayer", "PlaybackBuffer", "VirtualPlayer", "OUTPUT_RATE"]
 
-#: Output audio rate, Hz (docs/protocol.md §6.2: always 24 kHz mono).
-OUTPUT_RATE = 24000
+#: Output audio rate, Hz (docs/protocol.md §6.2: always 24 kHz mono; ``duplexkit.engine.api.OUTPUT_SAMPLE_RATE``).
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 
 
 @runtime_checkable

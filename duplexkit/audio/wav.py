@@ -9,7 +9,7 @@ from typing import BinaryIO, Union
 import numpy as np
 import soundfile as sf
 
-from duplexkit.errors import AudioTooLongError
+from duplexkit.errors import AudioTooLongError, ErrorCode
 
 from .codecs import AudioFormatError
 from .resample import resample
@@ -47,7 +47,7 @@ def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None
         if not p.exists():
             raise FileNotFoundError(f"audio file not found: {p}")
         if p.is_dir():
-            raise AudioFormatError("bad_audio", f"expected an audio file, got a directory: {p}")
+            raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected an audio file, got a directory: {p}")
         src = str(p)
     try:
         if max_s is None:
@@ -66,10 +66,10 @@ def read_wav(src: Source, rate: int | None = None, *, max_s: float | None = None
         # <_io.BytesIO object at 0x...>:" prefix for in-memory sources
         why = getattr(exc, "error_string", None) or str(exc)
         where = f"{src}: " if isinstance(src, str) else ""
-        raise AudioFormatError("bad_audio", f"expected an audio file libsndfile can read (WAV, FLAC, OGG, ...), "
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, f"expected an audio file libsndfile can read (WAV, FLAC, OGG, ...), "
                                             f"got: {where}{why}") from exc
     if data.size and not np.isfinite(data).all():
-        raise AudioFormatError("bad_audio", "expected finite samples in the audio file, got NaN or inf")
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, "expected finite samples in the audio file, got NaN or inf")
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
     mono = np.clip(np.ascontiguousarray(mono, dtype=np.float32), -1.0, 1.0)
     if rate is not None and int(rate) != sr:
@@ -85,7 +85,7 @@ def _check_audio(audio: np.ndarray, rate: int) -> np.ndarray:
     if int(rate) <= 0:
         raise ValueError(f"rate must be positive, got {rate}")
     if a.size and not np.isfinite(a).all():
-        raise AudioFormatError("bad_audio", "expected finite float samples, got NaN or inf")
+        raise AudioFormatError(ErrorCode.BAD_AUDIO, "expected finite float samples, got NaN or inf")
     return np.clip(a, -1.0, 1.0)
 
 

@@ -38,7 +38,8 @@ from .common import (
     _int_range,
     _stdout_gone,
 )
-from .serve import (_add_hardening_args, _add_ray_args, _add_record_args, _add_tool_args, cmd_serve)
+from .serve import (_add_hardening_args, _add_ray_args, _add_record_args, _add_settings_args, _add_tool_args,
+                    cmd_serve)
 from .demo import (cmd_demo)
 from .chat import (cmd_chat)
 from .mic import (cmd_mic)
@@ -147,36 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default=None)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_int_range(0, 65535), default=8000, help="TCP port, 0..65535 (default 8000)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted API key (repeatable; also $DUPLEXKIT_API_KEY); none = auth off")
-    p.add_argument("--max-sessions", type=_int_range(1), default=8,
-                   help="session slots shared by realtime sessions and chat requests (default 8)")
-    p.add_argument("--ref-audio-dir", default=None,
-                   help="directory whose files may be named as ref_audio paths (default: paths refused)")
-    p.add_argument("--max-ref-audio-s", type=_float_min(0.5), default=30.0, help="longest reference voice in s (default 30)")
-    p.add_argument("--max-input-audio-s", type=_float_min(0, strict=True), default=60.0,
-                   help="longest chat-completions input audio in s (default 60)")
-    p.add_argument("--max-event-bytes", type=_int_range(1024), default=16 * 2**20,
-                   help="largest client event in bytes (default 16 MiB; frames over twice this close with 1009)")
-    p.add_argument("--max-pending-input-s", type=_float_min(0, strict=True), default=10.0,
-                   help="unconsumed input before input_backpressure, in s (default 10)")
-    p.add_argument("--silence-slack-ms", type=_int_range(0, 3_600_000), default=250,
-                   help="grace after a unit deadline before silence is fed to an active response, ms (default 250)")
-    p.add_argument("--idle-timeout-s", type=_float_min(0, strict=True), default=300.0,
-                   help="close sessions without client events after this many s (default 300)")
-    p.add_argument("--ping-interval-s", type=_float_min(0, strict=True), default=20.0, help="WebSocket ping period in s (default 20)")
-    p.add_argument("--default-input-rate", type=_int_range(8000, 48000), default=16_000,
-                   help="rate of a bare 'pcm16' input format in the duplex profile, Hz (default 16000)")
-    p.add_argument("--instructions", default=None, help="default system prompt (default: the model's own)")
-    p.add_argument("--default-voice", default=None, metavar="WAV",
-                   help="default reference voice clip, 0.5-30 s (default: the checkpoint's bundled voice)")
-    p.add_argument("--voice", action="append", default=None, metavar="NAME=WAV",
-                   help="register a named voice selectable with session.voice (repeatable)")
-    p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the engine's)")
-    p.add_argument("--alias", action="append", default=None, help="another accepted model id (repeatable)")
-    p.add_argument("--openai-model-ids", default="map", choices=["map", "refuse"],
-                   help="gpt-realtime*/gpt-4o* model ids: serve them with this model, logged (map, default) "
-                        "or refuse them with model_not_found")
+    _add_settings_args(p, "server")  # the ServerSettings fields (duplexkit/settings.py)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="thinker and talker dtype override (default: the layout's; Code2Wav keeps the layout's)")
     p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",

@@ -55,13 +55,14 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
     import numpy as np
 
     from duplexkit.audio import read_wav, write_wav
+    from duplexkit.audio.playback import OUTPUT_RATE
 
     if not chunks or not path:
         return None
-    parts = [read_wav(io.BytesIO(c), 24_000)[0] for c in chunks]
+    parts = [read_wav(io.BytesIO(c), OUTPUT_RATE)[0] for c in chunks]
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    write_wav(path, audio, 24_000)
-    return len(audio) / 24_000
+    write_wav(path, audio, OUTPUT_RATE)
+    return len(audio) / OUTPUT_RATE
 
 
 def cmd_chat(args) -> int:
@@ -148,6 +149,7 @@ def _chat_http(url: str, body: dict, headers: dict, args) -> tuple[str, list[byt
 
 async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
     from duplexkit.audio import wav_bytes
+    from duplexkit.audio.playback import OUTPUT_RATE
     from duplexkit_server.app import ServerSettings, ServerState
     from duplexkit_server.chat import parse_chat_request
 
@@ -162,5 +164,5 @@ async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
         res = await engine.generate(req)
     finally:
         await engine.aclose()
-    wavs = [wav_bytes(res.audio, 24_000)] if res.audio is not None and len(res.audio) else []
+    wavs = [wav_bytes(res.audio, OUTPUT_RATE)] if res.audio is not None and len(res.audio) else []
     return res.text, wavs

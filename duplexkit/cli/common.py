@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from duplexkit.errors import DuplexkitError
+from duplexkit.errors import DuplexkitError, ErrorCode
 
 
 TINY_MAX_OUTPUT_TOKENS = 40
@@ -167,12 +167,12 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, DuplexTimeout):
         return f"timed out: {exc.message}", EXIT_FAILURE
     if isinstance(exc, DuplexConnectionError):
-        hints = {"unauthorized": "the server refused the API key (pass --api-key KEY)",
-                 "session_capacity_exhausted": "the server has no free session slot; retry later"}
+        hints = {ErrorCode.UNAUTHORIZED.value: "the server refused the API key (pass --api-key KEY)",
+                 ErrorCode.SESSION_CAPACITY_EXHAUSTED.value: "the server has no free session slot; retry later"}
         msg = hints.get(exc.code, exc.message or exc.code)
         return (f"{msg} ({exc.message})" if exc.code in hints and exc.message else msg), EXIT_CONNECTION
     if isinstance(exc, DuplexError):
-        if exc.code == "input_audio_buffer_empty":
+        if exc.code == ErrorCode.INPUT_AUDIO_BUFFER_EMPTY.value:
             return "input too short: need at least 100 ms of audio", EXIT_BAD_INPUT
         return f"the server rejected the request: {exc.code}: {exc.message}", EXIT_FAILURE
     if isinstance(exc, AudioFormatError):

@@ -18,6 +18,7 @@ from .common import (
     _session_defaults,
     load_engine,
 )
+from duplexkit.errors import ErrorCode
 
 
 BURST_S = 4.0
@@ -56,7 +57,7 @@ async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0,
 
     async def watch() -> None:  # the server answers a refused append with an error event only
         async for ev in client.events():
-            if getattr(ev, "type", None) == "error" and ev.error.code == "input_backpressure":
+            if getattr(ev, "type", None) == "error" and ev.error.code == ErrorCode.INPUT_BACKPRESSURE.value:
                 dropped.append(DuplexError.from_event(ev.model_dump(mode="json")))
                 return
 
@@ -86,8 +87,8 @@ async def run_wav_turn(client, audio, *, chunk_ms: int = 100, pace: float = 0.0,
             await asyncio.sleep(0.2)
         if dropped:
             err = dropped[0]
-            raise DuplexError("input_backpressure", f"the server dropped input after about {sent_s:.1f} s of "
-                              f"{total_s:.1f} s: it consumes audio more slowly than it was sent ({err.message})",
+            raise DuplexError(ErrorCode.INPUT_BACKPRESSURE.value, f"the server dropped input after about "
+                              f"{sent_s:.1f} s of {total_s:.1f} s: it consumes audio more slowly than it was sent ({err.message})",
                               event=err.event)
     finally:
         watcher.cancel()
@@ -130,6 +131,8 @@ def _timing_table(rows: list[tuple[str, str]]) -> str:
 async def _demo_async(args) -> int:
     import numpy as np
 
+    from duplexkit.audio.playback import OUTPUT_RATE
+
     from duplexkit.audio import read_wav, write_wav
     from duplexkit.clients import DuplexClient, InlineDuplexClient
     from duplexkit.errors import DuplexError
@@ -168,7 +171,7 @@ async def _demo_async(args) -> int:
                 r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout,
                                        progress=_print_progress if len(audio) > 2 * PROGRESS_EVERY_S * 16_000 else None)
             except DuplexError as exc:
-                if exc.code != "input_backpressure":
+                if exc.code != ErrorCode.INPUT_BACKPRESSURE.value:
                     raise
                 raise CliError(f"{exc.message}; send it more slowly (--pace 0.5), use a shorter input, or "
                                "start the server with a larger --max-pending-input-s", EXIT_FAILURE) from None
@@ -178,13 +181,13 @@ async def _demo_async(args) -> int:
     h = r["handle"]
     out = h.audio_array()
     if args.output:
-        write_wav(args.output, out if out.size else np.zeros(0, np.float32), 24_000)
+        write_wav(args.output, out if out.size else np.zeros(0, np.float32), OUTPUT_RATE)
     print(f"response:   {h.id} status={h.status} trigger={h.trigger} epoch={h.epoch}")
     print(f"transcript: {h.transcript or h.text!r}")
     if args.output:
-        print(f"audio:      {args.output} ({len(out) / 24000:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
+        print(f"audio:      {args.output} ({len(out) / OUTPUT_RATE:.2f} s at 24 kHz, chunks {h.chunk_sizes})")
     print("timings (wall clock on this machine):")
-    print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / 24_000)))
+    print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / OUTPUT_RATE)))
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
     print(_what_next(args))

@@ -93,6 +93,8 @@ async def _mic_async(args) -> int:
 
     import numpy as np
 
+    from duplexkit.audio.playback import OUTPUT_RATE
+
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before the device query and before loading the model
     _check_audio_devices(args.input_device, args.output_device)
@@ -100,7 +102,7 @@ async def _mic_async(args) -> int:
     from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream
     from duplexkit.clients import DuplexClient, InlineDuplexClient
 
-    player = PlaybackBuffer(24_000)
+    player = PlaybackBuffer(OUTPUT_RATE)
     session: dict[str, Any] = {}
     if args.instructions:
         session["instructions"] = args.instructions
@@ -136,7 +138,7 @@ async def _mic_async(args) -> int:
     def on_block(block):  # called from the audio thread: hand the samples to the event loop
         loop.call_soon_threadsafe(mic_q.put_nowait, block.audio)
 
-    speaker = SpeakerStream(player, rate=24_000, device=_device(args.output_device))
+    speaker = SpeakerStream(player, rate=OUTPUT_RATE, device=_device(args.output_device))
     mic = MicStream(rate=16_000, block_ms=args.block_ms, device=_device(args.input_device), on_block=on_block)
     try:
         async with client:
@@ -214,9 +216,11 @@ def _mic_outputs(args, out_audio: list, transcript_lines: list, client, heard: i
     """Write ``--save-output`` and ``--summary`` (also after Ctrl+C) and a closing line on stderr."""
     import numpy as np
 
+    from duplexkit.audio.playback import OUTPUT_RATE
+
     if args.save_output and out_audio:
         from duplexkit.audio import write_wav
-        write_wav(args.save_output, np.concatenate(out_audio), 24_000)
+        write_wav(args.save_output, np.concatenate(out_audio), OUTPUT_RATE)
     if args.summary:
         Path(args.summary).write_text(json.dumps({
             "responses": transcript_lines, "output_samples": int(sum(len(a) for a in out_audio)),

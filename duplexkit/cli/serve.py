@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from pathlib import Path
+from typing import Any, Union
+
 from .common import (
     CliError,
     EXIT_LOAD,
@@ -22,122 +25,132 @@ from .common import (
 )
 
 
+def _settings_option_type(typ: Any, opt):
+    """The argparse ``type`` of a settings option: its syntax's parser, or a bounded int / float."""
+    if opt.syntax == "duration":
+        return _duration
+    if opt.syntax == "http_url":
+        return _http_url
+    if opt.syntax == "retention":
+        return _retention
+    if typ is int:
+        if opt.ge is None and opt.gt is None:
+            return int
+        lo = int(opt.ge) if opt.ge is not None else int(opt.gt) + 1
+        return _int_range(lo, None if opt.le is None else int(opt.le))
+    if typ is float:
+        if opt.gt is not None:
+            return _float_min(opt.gt, strict=True)
+        return _float_min(opt.ge) if opt.ge is not None else float
+    return None
+
+
+def _unoptional(typ: Any) -> Any:
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    return args[0] if typing.get_origin(typ) is Union and len(args) == 1 else typ
+
+
+def _settings_dest(name: str, typ: Any, opt) -> str:
+    """The argparse ``dest`` of a settings option: the flag's name (``--api-key`` -> ``api_key``), the
+    field's for a ``--no-...`` switch."""
+    if typ is bool:
+        return name
+    return (opt.flag or "--" + name.replace("_", "-"))[2:].replace("-", "_")
+
+
+def _add_settings_args(p, group: str) -> None:
+    """The ``serve`` options of one group of :class:`duplexkit.settings.ServerSettings` fields,
+    generated from the fields: flag, type and bounds, default, choices and help."""
+    from dataclasses import MISSING, fields
+
+    from duplexkit.settings import ServerSettings, cli_options
+
+    defaults = {f.name: f.default for f in fields(ServerSettings)}
+    for name, typ, opt in cli_options(group):
+        flag = opt.flag or "--" + name.replace("_", "-")
+        base = _unoptional(typ)
+        kw: dict[str, Any] = {"help": opt.help}
+        if base is bool:
+            if flag.startswith("--no-"):
+                kw.update(dest=name, action="store_false")
+            else:
+                kw.update(action=argparse.BooleanOptionalAction, default=defaults[name])
+        elif typing.get_origin(base) is list or base is dict:
+            kw.update(action="append", default=None)  # repeatable; none given -> the field's empty default
+        else:
+            kw["default"] = None if defaults[name] is MISSING else defaults[name]
+            kind = _settings_option_type(base, opt)
+            if kind is not None:
+                kw["type"] = kind
+        if opt.choices:
+            kw["choices"] = list(opt.choices)
+        if opt.metavar:
+            kw["metavar"] = opt.metavar
+        p.add_argument(flag, **kw)
+
+
+def _settings_from_args(args) -> dict:
+    """``ServerSettings`` keyword arguments of every settings option in ``args`` (a missing
+    attribute keeps the field's default): repeated options become lists (``--voice NAME=WAV``
+    a dict), paths :class:`~pathlib.Path` (an empty one None)."""
+    from dataclasses import MISSING
+
+    from duplexkit.settings import cli_options
+
+    out: dict[str, Any] = {}
+    for name, typ, opt in cli_options():
+        v = getattr(args, _settings_dest(name, typ, opt), MISSING)
+        base = _unoptional(typ)
+        if v is MISSING:
+            continue
+        if opt.syntax == "name=path":
+            v = dict(_parse_voice(x) for x in v or [])
+        elif typing.get_origin(base) is list:
+            v = list(v or [])
+        elif base is Path:
+            v = Path(v) if v else None
+        out[name] = v
+    return out
+
+
+def _http_url(text: str) -> str:
+    """An argparse type: an ``http://`` or ``https://`` URL."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}")
+    return text
+
+
+def _retention(text: str) -> str:
+    """An argparse type: a recording retention, ``N`` or ``Nd`` (:func:`duplexkit.recording.parse_keep`)."""
+    from duplexkit.recording import RecordingError, parse_keep
+
+    try:
+        parse_keep(text)
+    except RecordingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_hardening_args(p) -> None:
-    """``serve`` options of the server's security and quota layer (docs/server.md, "Security")."""
-    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
-                   help="browser origin allowed to open sessions and POST, e.g. https://app.example.com "
-                        "(repeatable; '*' = any; default: the server's own origin only)")
-    p.add_argument("--max-body-bytes", type=_int_range(1024), default=16 * 2**20,
-                   help="largest HTTP request body in bytes (default 16 MiB; larger: HTTP 413)")
-    p.add_argument("--max-sessions-per-client", type=_int_range(0), default=None,
-                   help="slots one client (API key, or address when auth is off) may hold; 0 = no limit "
-                        "(default: half of --max-sessions, at least 1)")
-    p.add_argument("--header-timeout-s", type=_float_min(0, strict=True), default=10.0,
-                   help="close a connection whose request head is not complete after this many s (default 10)")
-    p.add_argument("--max-header-bytes", type=_int_range(1024), default=64 * 2**10,
-                   help="largest HTTP request head (request line + headers, WebSocket handshakes too) in bytes "
-                        "(default 64 KiB; larger: HTTP 431)")
-    p.add_argument("--body-timeout-s", type=_float_min(0, strict=True), default=30.0,
-                   help="a chat request body not complete this many s after its slot was taken gets HTTP 408 "
-                        "(default 30)")
-    p.add_argument("--slot-wait-s", type=_float_min(0), default=1.0,
-                   help="how long a new session or chat request waits for a slot that an ending session is "
-                        "giving back before it is refused, s (default 1)")
-    p.add_argument("--max-outbound-bytes", type=_int_range(64 * 2**10), default=8 * 2**20,
-                   help="server events queued for a WebSocket peer that does not read, in bytes, before the "
-                        "session is closed with 1008 (default 8 MiB)")
-    p.add_argument("--outbound-stall-s", type=_float_min(0, strict=True), default=30.0,
-                   help="close a session (1008) whose peer has not taken a queued event for this many s "
-                        "(default 30)")
-    p.add_argument("--no-session-resume", dest="session_resume", action="store_false",
-                   help="do not offer session resume (capabilities.supports_session_resume: false)")
-    p.add_argument("--resume-window-s", type=_float_min(0, strict=True), default=30.0,
-                   help="how long a session whose connection dropped waits for session.resume, s (default 30)")
-    p.add_argument("--resume-journal-events", type=_int_range(1), default=4096,
-                   help="server events kept per session for replay on resume (default 4096)")
-    p.add_argument("--resume-journal-bytes", type=_int_range(1024), default=4 * 2**20,
-                   help="bytes of server events kept per session for replay on resume (default 4 MiB)")
-    p.add_argument("--resume-keep-sent-s", type=_float_min(0), default=10.0,
-                   help="while connected, how long events already written to the socket stay in the resume "
-                        "journal, s (default 10; session.event_ack trims sooner)")
-
-
-    # operability (docs/deployment.md, "Probes", "Metrics", "Runbook")
-    p.add_argument("--drain-s", type=_duration, default=300.0, metavar="DURATION",
-                   help="on SIGTERM, let live sessions go on this long (new ones refused, /ready 503) before "
-                        "closing them with session.closed{shutdown}: seconds, or 10m / 1h (default 300; "
-                        "SIGINT or a second signal closes at once)")
-    p.add_argument("--metrics", default="auth", choices=["auth", "public", "off"],
-                   help="GET /metrics (Prometheus): auth = needs the API key when keys are set (default), "
-                        "public = no key (scrapers on a private network), off = no route")
+    """``serve`` options of the server's security and quota layer (docs/server.md, "Security") and of
+    operability (docs/deployment.md, "Probes", "Metrics", "Runbook")."""
+    _add_settings_args(p, "hardening")
 
 
 def _add_tool_args(p) -> None:
-    """``serve`` options of the tool decider (docs/tools.md, "Delegation")."""
-    p.add_argument("--tool-model", default=None, metavar="URL",
-                   help="an OpenAI-compatible chat endpoint (e.g. http://host:8001/v1) that decides tool calls and "
-                        "writes tool answers, instead of this model's thinker in text mode (default)")
-    p.add_argument("--tool-model-key", default=None, metavar="KEY",
-                   help="API key for --tool-model (default: $DUPLEXKIT_TOOL_MODEL_KEY)")
-    p.add_argument("--tool-model-name", default=None, metavar="NAME",
-                   help="the model name sent to --tool-model (default: the endpoint's own default)")
+    """``serve`` options of the tool decider (docs/tools.md, "Delegation") and the phone bridges."""
+    _add_settings_args(p, "tools")
     _add_telephony_args(p)
 
 
 def _add_telephony_args(p) -> None:
     """``serve`` options of the phone media-stream bridges (docs/telephony.md)."""
-    p.add_argument("--telephony-webhook", default=None, metavar="URL",
-                   help="POST each phone call's start metadata (provider, call id, from, to, custom parameters) "
-                        "to URL; its JSON answer ({\"session\": {...}}) sets that call's session (instructions, "
-                        "voice, tools...); a failure keeps the defaults")
-    p.add_argument("--telephony-webhook-timeout-s", type=float, default=3.0, metavar="S",
-                   help="how long a call waits for the webhook's answer (default 3 s)")
+    _add_settings_args(p, "telephony")
 
 
 def _add_record_args(p) -> None:
     """``serve`` options of session recordings (docs/debugging.md, docs/server.md "Recording")."""
-    p.add_argument("--record", default=None, metavar="DIR",
-                   help="record realtime sessions into DIR/<session_id>/ (audio, events, transcripts, meta; "
-                        "view with `duplexkit replay DIR`); default off")
-    p.add_argument("--record-policy", default="all", choices=["all", "opt-in", "always"],
-                   help="which sessions --record records: all (default; a client may opt out with ?record=0), "
-                        "opt-in (only ?record=1), always (?record=0 is refused)")
-    p.add_argument("--record-max-mb", type=_float_min(0, strict=True), default=100.0, metavar="MB",
-                   help="per-session recording cap in MiB, events + audio (default 100); over it recording stops")
-    p.add_argument("--record-keep", default=None, metavar="N|Nd",
-                   help="retention: keep the N newest recordings, or those of the last N days (e.g. 7d); "
-                        "default: keep all")
-
-
-def _record_settings(args) -> dict:
-    from duplexkit.recording import RecordingError, parse_keep
-
-    keep = getattr(args, "record_keep", None)
-    try:
-        parse_keep(keep)
-    except RecordingError as exc:
-        raise CliError(f"--record-keep: {exc}", EXIT_USAGE) from exc
-    rec = getattr(args, "record", None)
-    return {"record_dir": Path(rec) if rec else None, "record_policy": getattr(args, "record_policy", "all"),
-            "record_max_mb": getattr(args, "record_max_mb", 100.0), "record_keep": keep}
-
-
-def _telephony_settings(args) -> dict:
-    url = getattr(args, "telephony_webhook", None)
-    if url is not None and not url.startswith(("http://", "https://")):
-        raise CliError(f"--telephony-webhook must be an http:// or https:// URL, got {url!r}", EXIT_USAGE)
-    timeout = getattr(args, "telephony_webhook_timeout_s", 3.0)
-    if not timeout > 0:
-        raise CliError(f"--telephony-webhook-timeout-s must be > 0, got {timeout}", EXIT_USAGE)
-    return {"telephony_webhook": url, "telephony_webhook_timeout_s": timeout}
-
-
-def _tool_settings(args) -> dict:
-    url = getattr(args, "tool_model", None)
-    if url is not None and not url.startswith(("http://", "https://")):
-        raise CliError(f"--tool-model must be an http:// or https:// URL, got {url!r}", EXIT_USAGE)
-    return {"tool_model_url": url, "tool_model_key": getattr(args, "tool_model_key", None),
-            "tool_model_name": getattr(args, "tool_model_name", None)}
+    _add_settings_args(p, "record")
 
 
 def _add_ray_args(p) -> None:
@@ -175,17 +188,6 @@ def _duration(text: str) -> float:
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite duration >= 0, got {text}")
     return v
-
-
-def _hardening_settings(args) -> dict:
-    return {"allow_origins": list(args.allow_origin or []), "max_body_bytes": args.max_body_bytes,
-            "max_sessions_per_client": args.max_sessions_per_client, "header_timeout_s": args.header_timeout_s,
-            "session_resume": args.session_resume, "resume_window_s": args.resume_window_s,
-            "resume_journal_events": args.resume_journal_events, "resume_journal_bytes": args.resume_journal_bytes,
-            "resume_keep_sent_s": args.resume_keep_sent_s, "max_header_bytes": args.max_header_bytes,
-            "body_timeout_s": args.body_timeout_s, "slot_wait_s": args.slot_wait_s,
-            "max_outbound_bytes": args.max_outbound_bytes, "outbound_stall_s": args.outbound_stall_s,
-            "drain_s": args.drain_s, "metrics": args.metrics}
 
 
 def _engine_process(args, scripted: dict):
@@ -238,20 +240,8 @@ def cmd_serve(args) -> int:
     except tracing.TracingError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     defaults = _session_defaults(args, args.model)
-    settings = ServerSettings(
-        model_id=args.served_model_name, aliases=list(args.alias or []), api_keys=list(args.api_key or []),
-        openai_model_ids=args.openai_model_ids,
-        max_sessions=args.max_sessions, max_event_bytes=args.max_event_bytes, idle_timeout_s=args.idle_timeout_s,
-        ping_interval_s=args.ping_interval_s, max_pending_input_s=args.max_pending_input_s,
-        silence_slack_ms=args.silence_slack_ms,
-        max_ref_audio_s=args.max_ref_audio_s, max_input_audio_s=args.max_input_audio_s,
-        ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
-        max_output_tokens=defaults.get("max_output_tokens", 1024), answer_policy=defaults.get("answer_policy"),
-        default_input_rate=args.default_input_rate, default_instructions=args.instructions,
-        default_voice=Path(args.default_voice) if args.default_voice else None,
-        voices=dict(_parse_voice(v) for v in (args.voice or [])),
-        **_hardening_settings(args), **_tool_settings(args),
-        **_telephony_settings(args), **_record_settings(args))
+    settings = ServerSettings(**_settings_from_args(args), max_output_tokens=defaults.get("max_output_tokens", 1024),
+                              answer_policy=defaults.get("answer_policy"))
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:
         sock.close()  # the port was free; Serve's proxy binds it

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union,
 import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError, DuplexTimeout
+from duplexkit.protocol.vocabulary import CLOSE_CODE_OF_REASON
 
 from . import state as cs
 from . import tools as tl
@@ -61,7 +62,7 @@ __all__ = [
 OUTPUT_RATE = cs.OUTPUT_RATE
 """Server output rate in Hz (docs/protocol.md §6.2)."""
 
-CLOSE_CODES = {"client_close": 1000, "timeout": 1000, "shutdown": 1001, "server_error": 1011}
+CLOSE_CODES = CLOSE_CODE_OF_REASON
 """WebSocket close code that follows ``session.closed{reason}`` (docs/protocol.md §1.5)."""
 
 class BaseDuplexClient(abc.ABC):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+
 __all__ = ["ResponseRecord", "OUTPUT_RATE", "played_transcript"]
 
-OUTPUT_RATE = 24_000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 """Server output rate in Hz (docs/protocol.md §6.2: always 24 kHz mono pcm16)."""
 
 

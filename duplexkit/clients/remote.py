@@ -23,6 +23,8 @@ import time
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from duplexkit.errors import ErrorCode
+
 from .actions import Reconnect, ResumeAccepted
 from .base import BaseDuplexClient, DuplexConnectionError, wait_done
 from .continuation import ContinuationSeed, ConversationLog
@@ -58,7 +60,7 @@ def build_url(url: str, *, profile: str = "duplex", model: Optional[str] = None,
     return urlunsplit((scheme, parts.netloc, path, urlencode(q), ""))
 
 
-_REFUSAL_CODES = {401: "unauthorized", 503: "session_capacity_exhausted"}
+_REFUSAL_CODES = {401: ErrorCode.UNAUTHORIZED.value, 503: ErrorCode.SESSION_CAPACITY_EXHAUSTED.value}
 """Handshake HTTP statuses with their own code; any other status (403, 404, ...) is
 ``connection_failed`` and its message says what the status means."""
 

@@ -84,6 +84,7 @@ import numpy as np
 
 from duplexkit.errors import DuplexConnectionError, DuplexError, ErrorCode, canonical_error_code
 from duplexkit.protocol import UnknownServerEvent, parse_server_event
+from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, default_rate
 
 from .actions import (Action, Deliver, PlaybackFlushed, PlaybackHeard, Reconnect, Reconnecting, Reject, Resolve,
                       ResponseAudio, ResponseEnded, ResponseStarted, Resumed, ResumeAccepted, SessionEnded, Send)
@@ -113,7 +114,7 @@ REPLY_TYPES: dict[str, tuple[str, ...]] = {
 }
 """Client event type -> the server event types that answer it (first match resolves)."""
 
-QUIET_ERRORS = frozenset({ErrorCode.RESPONSE_NOT_ACTIVE})
+QUIET_ERRORS = frozenset({ErrorCode.RESPONSE_NOT_ACTIVE.value})
 """Error codes (duplexkit's names) swallowed for this client's own ``response.cancel``
 (docs/protocol.md §7.3 races). Wire codes are compared through
 :func:`duplexkit.errors.canonical_error_code`, so the compat profile's OpenAI code
@@ -778,8 +779,7 @@ def _epoch_of(ev) -> Optional[int]:
     return None
 
 
-_ENCODING_OF_TYPE = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw",
-                     "audio/pcma": "g711_alaw"}
+_ENCODING_OF_TYPE = FORMAT_TYPE_ENCODINGS
 
 
 def _top_level(ev: Any, key: str) -> Any:
@@ -815,10 +815,10 @@ def _input_format_of(session: Optional[dict]):
     enc = fmt.get("encoding") or _ENCODING_OF_TYPE.get(str(fmt.get("type")))
     if enc is None:
         flat = session.get("input_audio_format")
-        enc = flat if flat in ("pcm16", "pcm_f32le", "g711_ulaw", "g711_alaw") else "pcm16"
+        enc = flat if flat in ENCODINGS else "pcm16"
     rate = fmt.get("sample_rate_hz") or fmt.get("rate") or session.get("sample_rate_hz")
     if not isinstance(rate, int) or isinstance(rate, bool):
-        rate = 8000 if enc.startswith("g711") else 24000
+        rate = default_rate(enc)
     channels = fmt.get("channels", 1)
     try:
         return InputFormat(enc, rate, channels if isinstance(channels, int) else 1)

@@ -29,13 +29,22 @@ from typing import AsyncIterator, Literal, Optional, Protocol, Union, runtime_ch
 
 import numpy as np
 
+from duplexkit.errors import ErrorCode
+
 __all__ = [
     "INPUT_SAMPLE_RATE",
     "OUTPUT_SAMPLE_RATE",
+    "CODES_PER_CHUNK",
+    "SAMPLES_PER_CODE",
+    "SILENCE_CODE",
+    "SILENCE_SLACK_MS",
     "FIRST_UNIT_SAMPLES",
     "FIRST_UNIT_CONSUME",
     "UNIT_SAMPLES",
     "ReferenceVoice",
+    "REF_AUDIO_MIN_S",
+    "REF_TRIM_SAMPLES",
+    "reference_voice",
     "StreamConfig",
     "EngineCommand",
     "OpenStream",
@@ -75,6 +84,27 @@ INPUT_SAMPLE_RATE = 16_000
 OUTPUT_SAMPLE_RATE = 24_000
 """Model output rate in Hz (docs/model.md §7.2: HiFT, 960 samples per codec token at 25 Hz)."""
 
+# The model constants below have this one home: the model port (``duplexkit.models.minicpmo45``), the
+# engine runtime, the scripted engine, the audio room, the Session, the server and the clients import
+# them from here (docs/architecture.md: every room below ``cli`` but ``protocol`` may import the contract).
+
+CODES_PER_CHUNK = 25
+"""New codec tokens per Code2Wav call, and the codes one duplex unit yields: the talker's 26-step
+budget with its last sample dropped (docs/model.md §6 and §7.1). 25 codes are 1 s of speech."""
+
+SAMPLES_PER_CODE = 960
+"""Output samples per codec token at :data:`OUTPUT_SAMPLE_RATE`: 25 Hz codes -> 50 Hz mel (x2) ->
+HiFT 480 samples per frame (docs/model.md §7.2); ``CODES_PER_CHUNK * SAMPLES_PER_CODE`` = 24,000."""
+
+SILENCE_CODE = 4218
+"""The S3 codec's silence token: pads Code2Wav input and, as 3 x 4218, is the first carry of every
+turn (docs/model.md §2 and §7.1)."""
+
+SILENCE_SLACK_MS = 250
+"""Default grace (ms) after a unit deadline before the Session feeds silence to an active response
+(``SessionConfig.silence_slack_ms``, ``ServerSettings.silence_slack_ms``, ``duplexkit serve
+--silence-slack-ms``)."""
+
 FIRST_UNIT_SAMPLES = 16_560
 """Samples unit 0 reads at 16 kHz (1035 ms; docs/model.md §3.1, parity case f). The one home of this
 number: the framer, the processor and the runtime import it from here."""
@@ -102,6 +132,43 @@ class ReferenceVoice:
     @property
     def duration_ms(self) -> int:
         return int(len(self.audio) * 1000 // INPUT_SAMPLE_RATE)
+
+
+REF_AUDIO_MIN_S = 0.5
+"""Shortest reference voice clip, seconds (docs/protocol.md §8.2)."""
+
+REF_TRIM_SAMPLES = INPUT_SAMPLE_RATE // 10
+"""A reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (docs/protocol.md §8.3)."""
+
+
+def reference_voice(audio: np.ndarray, max_s: float) -> ReferenceVoice:
+    """The one reference-voice trim: a decoded clip -> :class:`ReferenceVoice` (docs/protocol.md §8.2-8.3).
+
+    The bound check reads the clip as given: it must last :data:`REF_AUDIO_MIN_S` to ``max_s`` s
+    (both inclusive). The clip is then cut to whole 100 ms (a multiple of :data:`REF_TRIM_SAMPLES`;
+    0.5 s is whole, so an accepted clip keeps at least 0.5 s) and hashed.
+
+    Args:
+        audio: float32 [N] mono at :data:`INPUT_SAMPLE_RATE` (16 kHz), already decoded.
+        max_s: the longest clip accepted, s.
+
+    Returns:
+        :class:`ReferenceVoice` with float32 [n] audio, n = N // 1600 * 1600, and its sha256.
+
+    Raises:
+        RefAudioLengthError: (code ``ref_audio_invalid``, a ``ValueError``) shorter than
+            :data:`REF_AUDIO_MIN_S` or longer than ``max_s``.
+    """
+    import hashlib
+
+    from duplexkit.errors import RefAudioLengthError
+
+    dur = len(audio) / INPUT_SAMPLE_RATE
+    if dur < REF_AUDIO_MIN_S or dur > max_s:
+        raise RefAudioLengthError(dur, REF_AUDIO_MIN_S, max_s)
+    n = len(audio) // REF_TRIM_SAMPLES * REF_TRIM_SAMPLES
+    clip = np.ascontiguousarray(audio[:n], dtype=np.float32)
+    return ReferenceVoice(audio=clip, sha256=hashlib.sha256(clip.tobytes()).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -367,7 +434,7 @@ class EngineFailure(EngineOutput):
         fatal: True when the stream cannot continue (the Session then closes with 1011).
     """
 
-    code: str = "server_error"
+    code: str = ErrorCode.SERVER_ERROR.value
     message: str = ""
     fatal: bool = False
 

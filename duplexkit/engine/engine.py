@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import numpy as np
 
-from .api import (AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
+from .api import (CODES_PER_CHUNK, AppendUnit, AudioChunk, ChatDelta, ChatRequest, ChatResult, EngineFailure, StreamConfig,
                   TurnEnd)
 from .layout import Layout, LayoutError, LayoutNotSupportedError, check_supported, load_layout
 from .runtime import FIRST_UNIT_SAMPLES, RuntimeStream, StageRuntime
@@ -32,14 +32,13 @@ from .stages import StageModel, VocoderWork
 __all__ = ["DuplexEngine", "tiny_checkpoint_dir", "default_layout_name", "chat_code_budget",
            "CHAT_CODES_BASE", "CHAT_CODES_PER_TEXT_TOKEN"]
 
-_CHUNK = 25  # new codes per vocoder call (docs/model.md §7.1)
 
-CHAT_CODES_BASE = 50
+CHAT_CODES_BASE = 2 * CODES_PER_CHUNK
 """Codec tokens every turn-based audio reply may use whatever its length: 2 s (25 codes = 1 s,
 docs/model.md §7.1). See :func:`chat_code_budget`."""
 
-CHAT_CODES_PER_TEXT_TOKEN = 25
-"""Codec tokens allowed per reply text token: 1 s of speech per token. Real speech runs at about
+CHAT_CODES_PER_TEXT_TOKEN = CODES_PER_CHUNK
+"""Codec tokens allowed per reply text token: 1 s of speech per token (one chunk of 25 codes). Real speech runs at about
 2.5-4 text tokens per second, so this is more than 2x any real speech rate and never cuts a real
 model's answer. It is 2.5x more generous than vLLM-Omni's ``text_len * 10`` cap, which docs/model.md §11
 reports truncating speech. It exists because a talker that never samples EOS (random weights:
@@ -480,7 +479,7 @@ class DuplexEngine:
             codes = await self._job("talker", lambda: st.chat_talker(thought.talker_input, request.seed, budget))
             handle = await self._job("code2wav", lambda: st.code2wav_open(request.ref_voice))
             try:
-                blocks = [codes[i:i + _CHUNK] for i in range(0, len(codes), _CHUNK)] or [codes]
+                blocks = [codes[i:i + CODES_PER_CHUNK] for i in range(0, len(codes), CODES_PER_CHUNK)] or [codes]
                 for k, block in enumerate(blocks):
                     last = k == len(blocks) - 1
                     (res,) = await self._job("code2wav", lambda b=block, l=last: st.code2wav_step(

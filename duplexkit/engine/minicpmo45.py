@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import detach_traceback
 from ..models.minicpmo45.capture_gate import CAPTURE_GATE
-from .api import ChatMessage, ChatRequest, ReferenceVoice, StreamConfig, ToolCall
+from .api import CODES_PER_CHUNK, ChatMessage, ChatRequest, ReferenceVoice, StreamConfig, ToolCall
 from .stages import TalkerOut, ThinkerOut, VocoderOut
 from .thinker_stream import ThinkerCudaStream, accept, thinker_stream_requested
 
@@ -43,8 +43,6 @@ __all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
 
 TALKER_TEMPERATURE = 0.8
 """Talker sampling temperature of the reference duplex path (docs/model.md §6 "Sampling")."""
-CODES_PER_CHUNK = 25
-"""New codes per vocoder chunk (docs/model.md §7.1)."""
 
 
 def _gpu_work(fn: Callable) -> Callable:

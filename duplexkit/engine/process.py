@@ -59,7 +59,7 @@ import threading
 import weakref
 from typing import Any, AsyncIterator, Optional
 
-from duplexkit.errors import EngineLoadError, EngineProcessError
+from duplexkit.errors import EngineLoadError, EngineProcessError, ErrorCode
 
 from .api import ChatDelta, ChatRequest, ChatResult, CloseStream, EngineCommand, EngineFailure, EngineOutput, \
     OpenStream, StreamConfig
@@ -443,7 +443,8 @@ class EngineProcess:
             self.failure = message
         for sid, proxy in list(self._streams.items()):
             if not self._closing:
-                proxy._deliver(EngineFailure(sid, proxy.epoch, -1, code="server_error", message=message, fatal=True))
+                proxy._deliver(EngineFailure(sid, proxy.epoch, -1, code=ErrorCode.SERVER_ERROR.value, message=message,
+                                             fatal=True))
             proxy._deliver(None)
         self._streams.clear()
         for fut in list(self._pending.values()):

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from duplexkit.errors import EngineLoadError, EngineProcessError
+from duplexkit.errors import EngineLoadError, EngineProcessError, ErrorCode
 from duplexkit.memory import cuda_memory as _cuda_memory
 
 from .api import ChatRequest, EngineCommand, EngineFailure, StreamConfig
@@ -202,7 +202,7 @@ class _ChildServer:
             self.streams[sid].submit(cmd)
         except Exception as exc:  # as the driver does in-process: this stream fails, fatally
             logger.exception("engine command failed")
-            self.post(("out", sid, EngineFailure(sid, cmd.epoch, -1, code="server_error",
+            self.post(("out", sid, EngineFailure(sid, cmd.epoch, -1, code=ErrorCode.SERVER_ERROR.value,
                                                  message=f"engine command failed: {exc}", fatal=True)))
 
     async def _reply(self, rid: int, coro) -> None:
@@ -237,7 +237,7 @@ class _ChildServer:
             raise
         except Exception as exc:  # as the driver's pump does in-process: a fatal failure of this stream
             logger.exception("engine stream failed")
-            self.post(("out", sid, EngineFailure(sid, self.epochs.get(sid, 0), -1, code="server_error",
+            self.post(("out", sid, EngineFailure(sid, self.epochs.get(sid, 0), -1, code=ErrorCode.SERVER_ERROR.value,
                                                  message=f"engine stream failed: {exc}", fatal=True)))
         finally:
             self.post(("end", sid))

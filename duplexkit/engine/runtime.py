@@ -87,7 +87,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from duplexkit.errors import EngineInputError
+from duplexkit.errors import EngineInputError, ErrorCode
 
 from .api import (
     AppendUnit,
@@ -320,7 +320,7 @@ class StageRuntime(StageSteps):
         log.error("stream %s failed in %s: %s", st.id, stage, "".join(traceback.format_exception(exc)).rstrip())
         st.failed = True
         st.slots.clear()
-        self._deliver(st, EngineFailure(st.id, st.epoch, unit_index, code="server_error",
+        self._deliver(st, EngineFailure(st.id, st.epoch, unit_index, code=ErrorCode.SERVER_ERROR.value,
                                       message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=True))
         if not st.closing:
             self._begin_close(st)
@@ -343,7 +343,7 @@ class StageRuntime(StageSteps):
         except Exception as reset_exc:  # noqa: BLE001 - the stream's state is unknown now
             self._fail(st, stage, reset_exc, slot.unit_index)
             return
-        self._emit(st, slot, EngineFailure(st.id, slot.epoch, slot.unit_index, code="server_error",
+        self._emit(st, slot, EngineFailure(st.id, slot.epoch, slot.unit_index, code=ErrorCode.SERVER_ERROR.value,
                                          message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=False))
         self._finish_slot(st, slot)
         self._flush(st)

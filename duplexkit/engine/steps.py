@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from duplexkit.errors import detach_traceback
+from duplexkit.errors import ErrorCode, detach_traceback
 
 from .api import AudioChunk, Decision, EngineFailure, StreamConfig, TextDelta, TurnEnd
 from .stages import InjectedFault, TalkerWork, ThinkerWork, VocoderWork
@@ -105,7 +105,8 @@ class StageSteps:
             slot = it.slot
             if err is not None and slot.epoch == st.epoch and not (st.failed or st.closing):
                 log.warning("stream %s: %s", st.id, err)
-                self._emit(st, slot, EngineFailure(st.id, slot.epoch, -1, code="server_error", message=err, fatal=False))
+                self._emit(st, slot, EngineFailure(st.id, slot.epoch, -1, code=ErrorCode.SERVER_ERROR.value, message=err,
+                                                   fatal=False))
             self._finish_slot(st, slot, timings=False)
             self._flush(st)
 

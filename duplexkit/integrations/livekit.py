@@ -62,7 +62,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from duplexkit.errors import DuplexError, DuplexkitError, OptionalDependencyError
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.errors import DuplexError, DuplexkitError, ErrorCode, OptionalDependencyError, canonical_error_code
 
 try:  # the extra: pip install 'duplexkit[livekit]'
     from livekit import rtc
@@ -90,8 +91,8 @@ logger = logging.getLogger("duplexkit.integrations.livekit")
 
 __all__ = ["RealtimeModel", "RealtimeSession", "DuplexRealtimeError", "OUTPUT_SAMPLE_RATE", "DEFAULT_TURN_DETECTION"]
 
-OUTPUT_SAMPLE_RATE = 24_000
-"""Rate in Hz of the audio frames this plugin hands to LiveKit (mono pcm16; docs/protocol.md §6.2)."""
+# OUTPUT_SAMPLE_RATE (duplexkit.engine.api): rate in Hz of the audio frames this plugin hands to LiveKit
+# (mono pcm16; docs/protocol.md §6.2)
 
 DEFAULT_TURN_DETECTION: dict = {"type": "server_vad", "create_response": False, "interrupt_response": True}
 """The session's turn detection unless the model is given another: duplexkit's server VAD finds the
@@ -113,7 +114,7 @@ class DuplexRealtimeError(DuplexkitError, _RealtimeErrorBase):
         message: what was refused.
     """
 
-    def __init__(self, message: str, *, code: str = "server_error") -> None:
+    def __init__(self, message: str, *, code: str = ErrorCode.SERVER_ERROR.value) -> None:
         Exception.__init__(self, message)
         self.code = code
         self.message = message
@@ -388,7 +389,7 @@ class RealtimeSession(_SessionBase):
             failed = [f.exception() for f in done if f.exception() is not None]
             if failed:
                 raise DuplexRealtimeError(f"update_chat_ctx: the session refused an item: {failed[0]}",
-                                          code=getattr(failed[0], "code", "bad_event"))
+                                          code=getattr(failed[0], "code", ErrorCode.BAD_EVENT.value))
 
     def push_audio(self, frame: Any) -> None:
         pcm = np.frombuffer(bytes(frame.data), dtype=np.int16)
@@ -699,17 +700,17 @@ class RealtimeSession(_SessionBase):
         if resp.get("status") == "failed":
             err = (resp.get("status_details") or {}).get("error") or {}
             self._emit_error(DuplexRealtimeError(f"response failed: {err.get('code') or 'unknown'}",
-                                                 code=str(err.get("code") or "server_error")), recoverable=True)
+                                                 code=str(err.get("code") or ErrorCode.SERVER_ERROR.value)),
+                             recoverable=True)
 
     def _ev_error(self, ev: dict) -> None:
         err = ev.get("error") or {}
-        code = str(err.get("code") or "server_error")
+        code = str(err.get("code") or ErrorCode.SERVER_ERROR.value)
         exc = DuplexRealtimeError(str(err.get("message") or code), code=code)
         eid = err.get("event_id")
         for fut in (self._replies.pop(eid, None), self._item_futs.pop(eid, None)) if eid else ():
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
-        if code in ("response_not_active", "response_cancel_not_active", "input_audio_buffer_empty",
-                    "input_audio_buffer_commit_empty"):
+        if canonical_error_code(code) in (ErrorCode.RESPONSE_NOT_ACTIVE.value, ErrorCode.INPUT_AUDIO_BUFFER_EMPTY.value):
             return  # benign races of interrupt() and commit_audio()
         self._emit_error(exc, recoverable=True)

@@ -76,6 +76,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from duplexkit.agent.tools import FunctionTool
+from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
 from duplexkit.errors import DuplexError, DuplexkitError, OptionalDependencyError, ToolArgumentsError, ToolError
 
 try:  # Pipecat is an optional extra: the module imports without it (the service needs it)
@@ -124,7 +125,7 @@ logger = logging.getLogger("duplexkit.integrations.pipecat")
 
 __all__ = ["DuplexkitLLMService", "PipecatPlugError", "OUTPUT_RATE"]
 
-OUTPUT_RATE = 24_000
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE
 """Rate in Hz of the audio frames the service pushes (the session's output, docs/protocol.md §6.2)."""
 
 

@@ -6,6 +6,8 @@
   outbound serialisation with ``.to_wire()`` (``model_dump(mode="json", exclude_none=True)``).
 * :func:`parse_server_event` — client-side parsing of GA and beta server events; unknown events
   surface as :class:`UnknownServerEvent`.
+* :mod:`.vocabulary` — the one home of the wire's names and numbers: extension events, GA <-> beta
+  event names, audio format types and rates, close codes and reasons.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from .errors import ERROR_TYPES, ErrorCode, ProtocolError, TransitionError
 from .ids import IdFactory, new_session_id
 from .server_events import *  # noqa: F401,F403
 from .server_events import __all__ as _server_all
+from .vocabulary import *  # noqa: F401,F403
+from .vocabulary import __all__ as _vocabulary_all
 
 __all__ = [
     "ErrorCode",
@@ -26,4 +30,5 @@ __all__ = [
     "new_session_id",
     *_client_all,
     *_server_all,
+    *(n for n in _vocabulary_all if n not in _server_all and n not in _client_all),
 ]

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from .errors import ErrorCode, ProtocolError
+from .vocabulary import CLIENT_EVENT_ALIASES
 
 __all__ = [
     "ClientEvent",
@@ -450,11 +451,6 @@ CLIENT_EVENT_MODELS: dict[str, type[_InEvent]] = {
     for m in ClientEvent.__args__  # type: ignore[attr-defined]
 }
 
-#: alias -> canonical type (docs/protocol.md §2.3)
-CLIENT_EVENT_ALIASES: dict[str, str] = {
-    "audio.playback_ack": "playback.ack",
-    "close": "session.close",
-}
 
 _EVENT_ID_RE = re.compile(rb'"event_id"\s*:\s*"((?:[^"\\]|\\.){0,128})"')
 

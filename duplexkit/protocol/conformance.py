@@ -31,6 +31,8 @@ from typing import Optional
 
 from duplexkit.errors import ConformanceError
 
+from .vocabulary import PCM_RATE
+
 __all__ = ["ConformanceError", "EventStreamChecker"]
 
 _DELTA_TYPES = {
@@ -241,7 +243,7 @@ class EventStreamChecker:
                 self.fail("audio delta is not whole pcm16 samples", ev)
             r.samples += len(raw) // 2
             ms = meta["audio_duration_ms"]
-            if ms != r.samples * 1000 // 24000:
+            if ms != r.samples * 1000 // PCM_RATE:
                 self.fail(f"audio_duration_ms {ms} != floor(samples*1000/24000)", ev)
             if ms <= r.last_ms:
                 self.fail("audio_duration_ms does not increase strictly", ev)

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_serializer
 
 from .errors import ErrorCode, ProtocolError
+from .vocabulary import BETA_TO_GA_EVENTS, EXTENSION_EVENT_TYPES
 
 __all__ = [
     "ServerEvent", "ErrorInfo", "ContentPart", "Item", "Part", "StatusDetails", "Usage", "ResponseObject",
@@ -343,8 +344,32 @@ class SessionWarning(ServerEvent):
 
 
 class ErrorEvent(ServerEvent):
+    """``error`` (docs/protocol.md §5.3, §9). Build one with :meth:`of` from an :class:`ErrorCode`:
+    the only way duplexkit writes an error event (the Session, the server's handshake refusals)."""
+
     type: Literal["error"] = "error"
     error: ErrorInfo
+
+    @classmethod
+    def of(cls, code: Union[ErrorCode, str], message: str, param: Optional[str] = None, *,
+           naming: str = "duplexkit", event_id: str = "", server_event_seq: Optional[int] = None,
+           client_event_id: Optional[str] = None) -> "ErrorEvent":
+        """The ``error`` event of ``code`` (its OpenAI ``type`` from :data:`~duplexkit.errors.ERROR_TYPES`,
+        its code string in ``naming``: :func:`~duplexkit.errors.wire_error_code`).
+
+        Args:
+            code: an :class:`ErrorCode` (or its value).
+            message: what was expected and what was got.
+            param: the offending field, or None.
+            naming: ``"duplexkit"`` or ``"openai"`` (:data:`~duplexkit.errors.ERROR_CODE_NAMINGS`).
+            event_id / server_event_seq: of the event itself.
+            client_event_id: the refused client event's ``event_id`` (``error.event_id``), or None.
+
+        Raises:
+            ValueError: ``code`` is not a docs/protocol.md §9 code, or ``naming`` is unknown.
+        """
+        err = ProtocolError(code, message, param, client_event_id)
+        return cls(event_id=event_id, server_event_seq=server_event_seq, error=ErrorInfo(**err.to_error_dict(naming)))
 
 
 class SpeechStarted(ServerEvent):
@@ -576,23 +601,8 @@ _ALL = [
 #: GA event type -> model
 SERVER_EVENT_MODELS: dict[str, type[ServerEvent]] = {m.model_fields["type"].default: m for m in _ALL}
 
-#: beta / vLLM-Omni name -> GA name (docs/protocol.md §2.1)
-BETA_EVENT_ALIASES: dict[str, str] = {
-    "response.audio.delta": "response.output_audio.delta",
-    "response.audio.done": "response.output_audio.done",
-    "response.audio_transcript.delta": "response.output_audio_transcript.delta",
-    "response.audio_transcript.done": "response.output_audio_transcript.done",
-    "response.text.delta": "response.output_text.delta",
-    "response.text.done": "response.output_text.done",
-    "conversation.item.created": "conversation.item.added",
-}
-
-#: duplexkit extension events (not in OpenAI Realtime); validated by their own models only. The one
-#: list of them: the duplex profile sends them and advertises them in
-#: ``session.capabilities.extension_events`` (``session.resumed`` only where resume is offered); the
-#: compat profile sends none (docs/protocol.md §1.2).
-EXTENSION_EVENT_TYPES = frozenset({"session.closed", "session.resumed", "session.heartbeat_ack", "session.warning",
-                                   "response.speak", "response.listen"})
+#: beta / vLLM-Omni name -> GA name (docs/protocol.md §2.1): :data:`.vocabulary.BETA_TO_GA_EVENTS`
+BETA_EVENT_ALIASES = BETA_TO_GA_EVENTS
 
 
 def parse_server_event(raw: Union[str, bytes, bytearray, dict]) -> Union[ServerEvent, UnknownServerEvent]:

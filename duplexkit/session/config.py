@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from duplexkit.engine.api import INPUT_SAMPLE_RATE, ReferenceVoice
+from duplexkit.engine.api import INPUT_SAMPLE_RATE, SILENCE_SLACK_MS, ReferenceVoice
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SessionConfig:
     ref_audio_loader: Optional[Callable[[str], bytes]] = None
     vad_available: bool = True
     temperature: float = 0.7
-    silence_slack_ms: int = 250
+    silence_slack_ms: int = SILENCE_SLACK_MS
     seed: Optional[int] = None
     audio_output_available: bool = True
     limits: SessionLimits = field(default_factory=SessionLimits)

@@ -22,6 +22,8 @@ from duplexkit.protocol import (
     SessionUpdateEvent,
     SessionUpdated,
 )
+from duplexkit.protocol.vocabulary import ENCODINGS, FORMAT_TYPE_ENCODINGS, PCM_RATE
+from duplexkit.protocol.vocabulary import default_rate as format_default_rate
 from duplexkit.session.conversation import REPREFILL_WARNING
 from duplexkit.session.machine import Phase
 from duplexkit.session.tools import DEFAULT_TOOL_FILLER, DEFAULT_TOOL_PROGRESS, parse_tool_choice, parse_tools, \
@@ -135,8 +137,7 @@ def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err
     bad = ErrorCode.UNSUPPORTED_AUDIO_FORMAT
     try:
         if isinstance(f, str):
-            enc = {"pcm16": "pcm16", "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
-                   "audio/pcm": "pcm16"}.get(f)
+            enc = f if f in ENCODINGS else (FORMAT_TYPE_ENCODINGS[f] if f == "audio/pcm" else None)
             if enc is None:
                 raise err(bad, f"expected an input format of pcm16, pcm_f32le, g711_ulaw, g711_alaw or audio/pcm, got {f!r}", "input_format")
             if enc.startswith("g711"):
@@ -145,7 +146,7 @@ def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err
                 rate = explicit if explicit is not None else duplex_default
             return InputFormat(enc, rate, 1 if flat_ch is None else flat_ch)
         t = f.get("type")
-        enc = {"audio/pcm": "pcm16", "audio/pcm_f32le": "pcm_f32le", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(t)
+        enc = FORMAT_TYPE_ENCODINGS.get(t)
         if enc is None:
             raise err(bad, f"expected an input format type of audio/pcm, audio/pcm_f32le, audio/pcmu or audio/pcma, got {t!r}", "input_format")
         if enc == "pcm16" and f.get("encoding") is not None:
@@ -158,7 +159,7 @@ def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err
                 raise err(bad, f"expected an integer input rate in Hz, got {v!r}", "input_format")
         if len(set(rates)) > 1:
             raise err(bad, f"conflicting input rates {sorted(set(rates))} Hz (rate, sample_rate_hz)", "input_format")
-        rate = rates[0] if rates else (8000 if enc.startswith("g711") else 24000)
+        rate = rates[0] if rates else format_default_rate(enc)
         ch = f.get("channels")
         if ch is not None and flat_ch is not None and ch != flat_ch:
             raise err(bad, f"conflicting channel counts {ch!r} (format.channels) and {flat_ch!r} (channels)", "input_format")
@@ -196,7 +197,7 @@ class Settings:
             voice="default",
             ref_voice=cfg.default_voice,
             ref_from_client=False,
-            input_format=InputFormat("pcm16", cfg.limits.input_default_rate if duplex else 24000),
+            input_format=InputFormat("pcm16", cfg.limits.input_default_rate if duplex else PCM_RATE),
             turn_detection=td,
             temperature=float(cfg.temperature),
             max_output_tokens=cfg.max_output_tokens,
@@ -370,7 +371,7 @@ class Settings:
             if self._s.input.units_appended() > 0:
                 warn("instructions_reprefill", REPREFILL_WARNING.format(what="The instructions changed"), "instructions")
         if "input_format" in given or "input_sample_rate_hz" in given or "input_channels" in given:
-            default_rate = self._o.cfg.limits.input_default_rate if self._o.duplex else 24000
+            default_rate = self._o.cfg.limits.input_default_rate if self._o.duplex else PCM_RATE
             s.input_format = parse_input_format(p, self.current.input_format, default_rate, err)
         if "output_format" in given:
             of = p.output_format

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import re
 from typing import Callable, Optional
 
-import numpy as np
-
 from duplexkit.audio import AudioFormatError, read_wav
-from duplexkit.engine.api import INPUT_SAMPLE_RATE, ReferenceVoice
-from duplexkit.errors import AudioTooLongError
+from duplexkit.engine.api import INPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, REF_TRIM_SAMPLES, ReferenceVoice, reference_voice
+from duplexkit.errors import AudioTooLongError, RefAudioLengthError
 from duplexkit.protocol import ErrorCode
 
 
-REF_AUDIO_MIN_S = 0.5
-"""Shortest reference voice clip, seconds (docs/protocol.md §8.2)."""
-
-
-REF_TRIM_SAMPLES = INPUT_SAMPLE_RATE // 10
-"""Reference voice is trimmed to whole 100 ms = 1600 samples at 16 kHz (docs/protocol.md §8.3)."""
-
+__all__ = ["REF_AUDIO_MIN_S", "REF_TRIM_SAMPLES", "load_ref_audio", "apply_voice"]  # the first two: duplexkit.engine.api
 
 _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
@@ -73,12 +64,10 @@ def load_ref_audio(value: str, loader: Optional[Callable[[str], bytes]], max_s: 
         raise err(code, f"ref_audio must last {REF_AUDIO_MIN_S}..{max_s} s, got {got}", "ref_audio") from None
     except (AudioFormatError, ValueError, RuntimeError) as exc:
         raise err(code, f"ref_audio is not decodable audio: {exc}", "ref_audio") from None
-    dur = len(audio) / INPUT_SAMPLE_RATE
-    if dur < REF_AUDIO_MIN_S or dur > max_s:
-        raise err(code, f"ref_audio must last {REF_AUDIO_MIN_S}..{max_s} s, got {dur:.2f} s", "ref_audio")
-    n = len(audio) // REF_TRIM_SAMPLES * REF_TRIM_SAMPLES
-    clip = np.ascontiguousarray(audio[:n], dtype=np.float32)
-    return ReferenceVoice(audio=clip, sha256=hashlib.sha256(clip.tobytes()).hexdigest())
+    try:
+        return reference_voice(audio, max_s)
+    except RefAudioLengthError as exc:
+        raise err(code, f"ref_audio must last {REF_AUDIO_MIN_S}..{max_s} s, got {exc.duration_s:.2f} s", "ref_audio") from None
 
 
 def apply_voice(s, p, given: set, cfg, current_ref: Optional[ReferenceVoice], audio_started: bool, err) -> None:

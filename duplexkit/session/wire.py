@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE
+from duplexkit.protocol.vocabulary import PCM_RATE
 from duplexkit.protocol import (
     AudioConfig,
     AudioFormatObject,
@@ -79,7 +80,7 @@ def session_object(s, session_id: str, cfg, epoch: int, duplex: bool) -> Session
     """The wire ``session`` of settings ``s`` (``_Settings``) under server config ``cfg``."""
     fmt = s.input_format
     if fmt.encoding == "pcm16":
-        fobj = AudioFormatObject(type="audio/pcm", rate=24000) if fmt.rate == 24000 else AudioFormatObject(
+        fobj = AudioFormatObject(type="audio/pcm", rate=PCM_RATE) if fmt.rate == PCM_RATE else AudioFormatObject(
             type="audio/pcm", sample_rate_hz=fmt.rate)
         beta = "pcm16"
     elif fmt.encoding == "pcm_f32le":

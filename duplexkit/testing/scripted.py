@@ -77,6 +77,8 @@ import numpy as np
 
 from duplexkit.testing.faults import FAULT_STAGES
 from duplexkit.engine.api import (
+    CODES_PER_CHUNK,
+    SAMPLES_PER_CODE,
     OUTPUT_SAMPLE_RATE,
     AppendUnit,
     AudioChunk,
@@ -99,6 +101,7 @@ from duplexkit.engine.api import (
     UnitTimings,
     UpdateStream,
 )
+from duplexkit.errors import ErrorCode
 
 __all__ = ["ScriptedEngine", "ScriptedStream", "ScriptConfig", "FIRST_CHUNK_SAMPLES",
            "CHUNK_SAMPLES", "TAIL_SAMPLES", "FAULT_STAGES", "tone", "example_arguments", "speech_pieces"]
@@ -107,7 +110,7 @@ __all__ = ["ScriptedEngine", "ScriptedStream", "ScriptConfig", "FIRST_CHUNK_SAMP
 
 FIRST_CHUNK_SAMPLES = 20_160
 """First vocoder chunk of a turn: 840 ms at 24 kHz, 3 840 samples of cross-fade held back (docs/model.md §7.3)."""
-CHUNK_SAMPLES = 24_000
+CHUNK_SAMPLES = CODES_PER_CHUNK * SAMPLES_PER_CODE
 """Every later full 25-code chunk: 1 s at 24 kHz (docs/model.md §7.3)."""
 TAIL_SAMPLES = CHUNK_SAMPLES - FIRST_CHUNK_SAMPLES
 """The held-back tail flushed by the final chunk of a turn (3 840 samples, 160 ms)."""
@@ -371,7 +374,7 @@ class ScriptedStream:
                     if self._failed:
                         break
         except Exception as exc:  # pragma: no cover - defensive: surface as a fatal stream error
-            self._emit(EngineFailure(self.stream_id, self._epoch, -1, code="server_error",
+            self._emit(EngineFailure(self.stream_id, self._epoch, -1, code=ErrorCode.SERVER_ERROR.value,
                                    message=f"scripted engine crashed: {exc!r}", fatal=True))
         finally:
             self._closed = True
@@ -387,7 +390,8 @@ class ScriptedStream:
 
     def _fail(self, ep: int, ui: int, message: str) -> None:
         """A fatal failure: the error, then the end of :meth:`outputs` (as the runtime)."""
-        self._emit(EngineFailure(self.stream_id, ep, ui, code="server_error", message=message, fatal=True))
+        self._emit(EngineFailure(self.stream_id, ep, ui, code=ErrorCode.SERVER_ERROR.value, message=message,
+                                 fatal=True))
         self._failed = True
         self._closed = True
 
@@ -408,7 +412,7 @@ class ScriptedStream:
             if s.fail_fatal:
                 self._fail(ep, ui, f"scripted failure at unit {ui}")
             else:
-                self._emit(EngineFailure(sid, ep, ui, code="server_error",
+                self._emit(EngineFailure(sid, ep, ui, code=ErrorCode.SERVER_ERROR.value,
                                        message=f"scripted failure at unit {ui}", fatal=False))
             return
         force_speak = self._force_speak_epoch is not None and self._force_speak_epoch == ep
@@ -451,7 +455,7 @@ class ScriptedStream:
         self._emit(TextDelta(sid, ep, ui, text=text, n_tokens=n_tokens))
         if self.config.output_audio and self._fault in ("talker", "code2wav"):
             stage, self._fault = self._fault, None
-            self._emit(EngineFailure(sid, ep, ui, code="server_error",
+            self._emit(EngineFailure(sid, ep, ui, code=ErrorCode.SERVER_ERROR.value,
                                    message=f"{stage} failed: InjectedFault: injected fault in {stage} for stream {sid}",
                                    fatal=False))
             self._turn_samples = 0  # the stage's turn state is dropped

@@ -27,7 +27,7 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The c
                 "parameters": WEATHER_PARAMETERS}
 FILLER = "One moment, I'll check."
 #: duplexkit's own events (the SDKs surface them untyped): validated by duplexkit.protocol's models
-EXTENSIONS = EXTENSION_EVENT_TYPES | {"session.warning"}
+EXTENSIONS = EXTENSION_EVENT_TYPES
 
 #: the events of a response whose output is one function call, in order (docs/protocol.md §5.4)
 CALL_RESPONSE_GA = ["response.created", "conversation.item.added", "response.output_item.added",

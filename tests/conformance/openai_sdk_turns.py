@@ -15,8 +15,9 @@ import numpy as np
 from pydantic import TypeAdapter
 
 from duplexkit.audio import float32_to_pcm16, read_wav
+from duplexkit.protocol import EXTENSION_EVENT_TYPES
 
-EXTENSION_EVENTS = {"session.closed", "session.heartbeat_ack", "session.warning", "response.speak", "response.listen"}
+EXTENSION_EVENTS = EXTENSION_EVENT_TYPES  # duplexkit.protocol.vocabulary
 
 
 def _adapter():

@@ -13,20 +13,17 @@ from typing import Union
 
 import numpy as np
 
+from duplexkit.engine.api import CODES_PER_CHUNK, OUTPUT_SAMPLE_RATE, SAMPLES_PER_CODE, SILENCE_CODE  # noqa: F401 (re-exported)
 from duplexkit.errors import DuplexkitError
 
-#: output sample rate (Hz)
-SAMPLE_RATE = 24_000
+#: output sample rate (Hz; ``duplexkit.engine.api.OUTPUT_SAMPLE_RATE``)
+SAMPLE_RATE = OUTPUT_SAMPLE_RATE
 #: prompt-audio sample rate of the S3 tokenizer / CAM++ branch (Hz)
 PROMPT_RATE = 16_000
-#: silence code: pad and first carry (docs/model.md §2)
-SILENCE_CODE = 4218
 #: valid S3 codes are 0..NUM_CODES-1; 6561 (EOS) and anything else is refused
 NUM_CODES = 6561
-#: 25 Hz codes -> 50 Hz mel (x2) -> HiFT 480 samples/frame: 960 samples per code (docs/model.md §7.2)
-SAMPLES_PER_CODE = 960
-#: new codes per non-final synthesis call (docs/model.md §7.1)
-CHUNK_CODES = 25
+#: new codes per non-final synthesis call (``duplexkit.engine.api.CODES_PER_CHUNK``; docs/model.md §7.1)
+CHUNK_CODES = CODES_PER_CHUNK
 #: pre-lookahead / carry codes (docs/model.md §7.1)
 LOOKAHEAD_CODES = 3
 #: HiFT cache: 8 mel frames -> 3840 source/speech samples withheld and cross-faded (docs/model.md §7.3)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from duplexkit.engine.api import SILENCE_CODE
+
 if TYPE_CHECKING:  # pragma: no cover
     from .fast_code2wav import BatchedCode2Wav
 
@@ -49,7 +51,7 @@ class EncoderGraph:
         flow = c2w.flow
         kw = dict(device=c2w.device, dtype=c2w.dtype)
         self.Bb = Bb
-        self.tok = torch.full((Bb, tok_shape[1]), 4218, dtype=torch.long, device=c2w.device)
+        self.tok = torch.full((Bb, tok_shape[1]), SILENCE_CODE, dtype=torch.long, device=c2w.device)
         self.cnn = torch.zeros(Bb, *cnn_shape[1:], **kw)
         self.att = torch.zeros(att_shape[0], Bb, *att_shape[2:], **kw)
 

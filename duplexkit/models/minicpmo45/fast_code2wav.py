@@ -56,7 +56,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from ...errors import detach_traceback
-from .code2wav import CHUNK_CODES, FLOW_CACHE_TAIL_FRAMES, Code2Wav, Code2WavStream, _check_codes
+from .code2wav import CHUNK_CODES, FLOW_CACHE_TAIL_FRAMES, SILENCE_CODE, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_graphs import ENCODER_BUCKETS, DiTGraph, EncoderGraph
 from .code2wav_hift import RowNoise, group_rows, hift_rows
 
@@ -361,7 +361,7 @@ class BatchedCode2Wav(Code2Wav):
             return self.stats.get("dit_graph_captures", 0) + self.stats.get("encoder_graph_captures", 0)
 
         n0 = captured()
-        codes = np.full(CHUNK_CODES, 4218, np.int64)
+        codes = np.full(CHUNK_CODES, SILENCE_CODE, np.int64)
         self._tuning = True
         try:
             self._warm_sizes(batch_sizes, chunks, ref_voice, codes)

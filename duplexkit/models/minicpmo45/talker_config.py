@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from duplexkit.engine.api import SILENCE_CODE  # the silence code pads / prefixes Code2Wav streams (docs/model.md §2)
 from duplexkit.errors import DuplexkitError
 
 from .config import TTSConfig
@@ -32,8 +33,6 @@ __all__ = [
 DUPLEX_BUDGET = 26
 #: Codec EOS id (6561 S3 codes 0..6560, then EOS; docs/model.md §2 "Codec ids").
 CODEC_EOS = 6561
-#: Silence code used to pad / prefix Code2Wav streams (docs/model.md §2).
-SILENCE_CODE = 4218
 #: L2 normalisation epsilon of the projected hidden state (parity README case e).
 _L2_EPS = 1e-12
 
