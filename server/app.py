@@ -486,7 +486,8 @@ class ServerState:
         if self.engine is not None or self.engine_loader is None:
             return
         try:
-            self.engine = await _in_daemon_thread(self.engine_loader, "duplexkit-engine-loader")
+            self.engine = await _in_daemon_thread(self.engine_loader, "duplexkit-engine-loader",
+                                                  cancel=getattr(self.engine_loader, "cancel", None))
             logger.info("engine ready: %s", getattr(self.engine, "model_id", "?"))
         except asyncio.CancelledError:  # the server is stopping (Ctrl+C, SIGTERM) while it loads
             logger.warning("engine loading interrupted: the server is shutting down")
@@ -534,7 +535,11 @@ class ServerState:
             except Exception:  # pragma: no cover
                 logger.exception("closing the tool decider failed")
         if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+            self._load_task.cancel()  # stops the loader (its cancel()) and waits for it, bounded
+            try:
+                await self._load_task
+            except asyncio.CancelledError:
+                pass
         if self.engine is not None:
             try:
                 await self.engine.aclose()
@@ -542,14 +547,25 @@ class ServerState:
                 logger.exception("engine close failed")
 
 
-async def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
+LOADER_STOP_S = 10.0
+"""How long a cancelled load waits for the loader thread to end after asking it to stop (its
+``cancel()``): an engine process is killed at once, an in-process load stops at its next Python
+step. A loader without ``cancel()`` is not waited for."""
+
+
+async def _in_daemon_thread(fn: Callable[[], Any], name: str, *, cancel: Optional[Callable[[], None]] = None) -> Any:
     """``await`` ``fn()`` run on a daemon thread: unlike ``asyncio.to_thread`` (whose executor thread
     the interpreter joins at exit), a server stopped while a model loads exits at once instead of
-    finishing the load first. Cancelling the await leaves the thread to finish on its own."""
+    finishing the load first. Cancelling the await calls ``cancel()`` (when given; from the loop's
+    thread), which must make ``fn`` return or raise soon, and waits up to :data:`LOADER_STOP_S` for
+    the thread to end, so that what it started (an engine process) is gone when the server exits;
+    without ``cancel`` the thread is left to finish on its own."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
+    ended = asyncio.Event()
 
     def settle(value: Any, exc: Optional[BaseException]) -> None:
+        ended.set()
         if not fut.done():
             fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
@@ -564,7 +580,18 @@ async def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
             pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return await fut
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if cancel is not None:
+            try:
+                cancel()
+                await asyncio.wait_for(ended.wait(), LOADER_STOP_S)
+            except asyncio.TimeoutError:
+                logger.warning("the engine loader did not stop within %g s of its cancel()", LOADER_STOP_S)
+            except Exception:  # pragma: no cover - a broken cancel hook must not break the shutdown
+                logger.exception("stopping the engine loader failed")
+        raise
 
 
 def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
