@@ -163,6 +163,17 @@ def test_serve_stopped_while_the_engine_process_loads(name):
     assert "model ready" not in out or "engine ready" in out, out
 
 
+def test_serve_stopped_while_the_model_loads_in_process():
+    """``--no-engine-process``: the load runs in a thread of the server, which interrupts it."""
+    port = free_port()
+    cmd = Cmd("serve", "tiny", "--port", str(port), "--no-engine-process")
+    try:
+        cmd.wait_line("loading the tiny random-weight model")
+        _stopped(cmd, signal.SIGINT, 0, bound_s=60)
+    finally:
+        cmd.close()
+
+
 @pytest.mark.parametrize("name", list(SIGS))
 def test_serve_stopped_while_idle(name):
     port = free_port()
