@@ -330,6 +330,7 @@ class ServerState:
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
         self.draining = False  # SIGTERM received: /ready 503 (duplexkit_server.lifecycle.drain)
+        self.closing = asyncio.Event()  # the open sessions are being closed (shutdown, after any drain)
         self.metrics = None  # duplexkit_server.metrics.ServerMetrics (None: --metrics off)
         self._mapped_models: set[str] = set()
         self.started_at = int(time.time())
@@ -504,13 +505,37 @@ class ServerState:
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown_sessions(self, reason: str = "shutdown") -> None:
-        """Send ``session.closed{reason}`` and close 1001 on every open session (docs/protocol.md §1.5)."""
+        """Send ``session.closed{reason}`` and close 1001 on every open session (docs/protocol.md §1.5);
+        chat generations in progress end too (:meth:`until_closing`)."""
         self.shutting_down = True
+        self.closing.set()
         conns = list(self.connections)
         if not conns:
             return
         await asyncio.wait([asyncio.ensure_future(c.shutdown(reason)) for c in conns],
                            timeout=self.settings.shutdown_grace_s)
+
+    async def until_closing(self, aw: Any) -> Any:
+        """``await aw`` (a chat generation), unless the server closes its sessions first (shutdown,
+        after any drain): then ``aw`` is cancelled and :class:`ServerClosing` raised, so that the
+        request ends with an answer instead of holding the shutdown until uvicorn cancels it."""
+        task = asyncio.ensure_future(aw)
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            closing.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled on purpose; its outcome no longer matters
+            pass
+        raise ServerClosing("the server is shutting down")
 
     @property
     def tool_decider(self) -> Any:
@@ -545,6 +570,10 @@ class ServerState:
                 await self.engine.aclose()
             except Exception:  # pragma: no cover
                 logger.exception("engine close failed")
+
+
+class ServerClosing(Exception):
+    """A request cut short because the server is shutting down (:meth:`ServerState.until_closing`)."""
 
 
 LOADER_STOP_S = 10.0

@@ -44,7 +44,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
-from .app import openai_error
+from .app import ServerClosing, openai_error
 from .dialect import pick_chat_dialect
 
 logger = logging.getLogger("duplexkit.server.chat")
@@ -545,7 +545,10 @@ async def handle(state, request: Request):
     cid = "chatcmpl-" + secrets.token_hex(12)
     if not opts["stream"]:
         try:
-            result = await state.engine.generate(req)
+            result = await state.until_closing(state.engine.generate(req))
+        except ServerClosing:
+            return openai_error(503, "the server is shutting down; retry (another replica will take it)",
+                                "session_capacity_exhausted", headers={"Retry-After": str(s.retry_after_s)})
         except Exception as exc:
             _log_generation_failure("chat generation failed", exc)
             return openai_error(500, f"generation failed: {exc}", "server_error")

@@ -350,6 +350,27 @@ def test_chat_stopped_while_it_answers(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(SIGS))
+def test_chat_against_a_server_stopped_while_it_waits_for_the_answer(name, tmp_path):
+    port = free_port()
+    # the answer never comes; SIGTERM: no drain (the request's slot would hold it for --drain-s)
+    srv = Cmd("serve", "scripted", "--port", str(port), "--scripted", "unit_delay_s=600", "--drain-s", "0")
+    try:
+        srv.wait_health(port)
+        cmd = Cmd("chat", "--url", f"http://127.0.0.1:{port}", "-t", "hello", "--output", str(tmp_path / "out.wav"))
+        try:
+            deadline = time.monotonic() + bound(60)  # the request holds a session slot while it runs
+            while httpx.get(f"http://127.0.0.1:{port}/health", timeout=bound(10)).json()["sessions_active"] < 1:
+                assert time.monotonic() < deadline and cmd.proc.poll() is None, cmd.text()
+                time.sleep(0.05)
+            _stopped(cmd, *SIGS[name])
+        finally:
+            cmd.close()
+        _stopped(srv, SIGS[name][0], 0)  # the server, a generation in progress, stops as cleanly
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("name", list(SIGS))
 def test_replay_stopped_while_it_reads(name, tmp_path):
     # a meta.json that is a FIFO nobody writes: the command blocks opening it until stopped
     rec = tmp_path / "rec"
