@@ -537,6 +537,26 @@ class ServerState:
             pass
         raise ServerClosing("the server is shutting down")
 
+    async def iter_until_closing(self, agen: Any) -> Any:
+        """The items of the async iterator ``agen`` (a streamed chat generation) until the server
+        closes its sessions (:meth:`until_closing`): then ``agen`` is closed and :class:`ServerClosing`
+        raised."""
+        it = agen.__aiter__()
+        try:
+            while True:
+                try:
+                    item = await self.until_closing(it.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            close = getattr(it, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # pragma: no cover - a generator broken by the cancel
+                    pass
+
     @property
     def tool_decider(self) -> Any:
         """The decider every realtime session uses: None = the engine's own (each session's driver

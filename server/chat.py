@@ -598,7 +598,7 @@ async def handle(state, request: Request):
                     "id": audio_id, "expires_at": created + 3600}}, "finish_reason": None}])
             else:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "text")
-            async for d in state.engine.generate_stream(req):
+            async for d in state.iter_until_closing(state.engine.generate_stream(req)):
                 if d.text:
                     n_text += 1
                     if openai_audio:
@@ -627,6 +627,10 @@ async def handle(state, request: Request):
                     usage = {"prompt_tokens": 0, "completion_tokens": n_text, "total_tokens": n_text}
                 yield chunk([], None, usage)
             yield "data: [DONE]\n\n"
+        except ServerClosing:
+            err = {"error": {"message": "the server is shutting down; retry (another replica will take it)",
+                             "type": "server_error", "param": None, "code": "session_capacity_exhausted"}}
+            yield "data: " + json.dumps(err) + "\n\n"
         except Exception as exc:
             _log_generation_failure("chat stream failed", exc)
             err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",

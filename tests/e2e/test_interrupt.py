@@ -370,6 +370,42 @@ def test_chat_against_a_server_stopped_while_it_waits_for_the_answer(name, tmp_p
         srv.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_serve_stopped_during_a_chat_generation_answers_it(stream):
+    """A chat request in progress when the server stops gets an answer (HTTP 503, or an error event
+    on the stream) instead of holding the shutdown until uvicorn cancels it with a traceback."""
+    import json
+
+    port = free_port()
+    srv = Cmd("serve", "scripted", "--port", str(port), "--scripted", "unit_delay_s=600")
+    try:
+        srv.wait_health(port)
+        box: dict = {}
+
+        def request() -> None:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                              timeout=bound(120)) as r:
+                box["status"] = r.status_code
+                box["text"] = r.read().decode()
+
+        t = threading.Thread(target=request, daemon=True)
+        t.start()
+        deadline = time.monotonic() + bound(60)
+        while httpx.get(f"http://127.0.0.1:{port}/health", timeout=bound(10)).json()["sessions_active"] < 1:
+            assert time.monotonic() < deadline, srv.text()
+            time.sleep(0.05)
+        _stopped(srv, signal.SIGINT, 0, bound_s=30)
+        t.join(bound(30))
+    finally:
+        srv.close()
+    if stream:
+        assert box["status"] == 200 and "the server is shutting down" in box["text"], box
+    else:
+        assert box["status"] == 503, box
+        assert "the server is shutting down" in json.loads(box["text"])["error"]["message"]
+
+
 @pytest.mark.parametrize("name", list(SIGS))
 def test_replay_stopped_while_it_reads(name, tmp_path):
     # a meta.json that is a FIFO nobody writes: the command blocks opening it until stopped
