@@ -117,7 +117,7 @@ async def _mic_async(args) -> int:
     if args.url:
         _remote_notice(args.url)
         client = DuplexClient(args.url, api_key=args.api_key, **common)
-    else:  # Ctrl+C while loading interrupts (status 130)
+    else:  # Ctrl+C or SIGTERM while loading interrupts the load (status 130 / 143)
         engine = await load_engine_async(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
         _random_weights_notice(engine)
         client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
