@@ -95,7 +95,8 @@ async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: Fa
         deadline = time.monotonic() + drain_s
         while state.slots.used and time.monotonic() < deadline and not force():
             await asyncio.sleep(poll_s)
-    left = len(state.connections)
+    # a session that gave its slot back has ended, even while its connection is still being torn down
+    left = len(state.connections) if state.slots.used else 0
     if left:
         logger.info("drain over: closing %d open session(s) with session.closed{reason:\"shutdown\"}", left)
     await state.shutdown_sessions("shutdown")
