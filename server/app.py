@@ -188,6 +188,7 @@ class ServerState:
         self._closed_counts = {"sessions_opened": 0, "input_appends": 0, "input_audio_ms": 0}
         self.shutting_down = False
         self.draining = False  # SIGTERM received: /ready 503 (duplexkit_server.lifecycle.drain)
+        self.closing = asyncio.Event()  # the open sessions are being closed (shutdown, after any drain)
         self.metrics = None  # duplexkit_server.metrics.ServerMetrics (None: --metrics off)
         self._mapped_models: set[str] = set()
         self.started_at = int(time.time())
@@ -344,7 +345,8 @@ class ServerState:
         if self.engine is not None or self.engine_loader is None:
             return
         try:
-            self.engine = await _in_daemon_thread(self.engine_loader, "duplexkit-engine-loader")
+            self.engine = await _in_daemon_thread(self.engine_loader, "duplexkit-engine-loader",
+                                                  cancel=getattr(self.engine_loader, "cancel", None))
             logger.info("engine ready: %s", getattr(self.engine, "model_id", "?"))
         except asyncio.CancelledError:  # the server is stopping (Ctrl+C, SIGTERM) while it loads
             logger.warning("engine loading interrupted: the server is shutting down")
@@ -361,13 +363,57 @@ class ServerState:
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown_sessions(self, reason: str = "shutdown") -> None:
-        """Send ``session.closed{reason}`` and close 1001 on every open session (docs/protocol.md §1.5)."""
+        """Send ``session.closed{reason}`` and close 1001 on every open session (docs/protocol.md §1.5);
+        chat generations in progress end too (:meth:`until_closing`)."""
         self.shutting_down = True
+        self.closing.set()
         conns = list(self.connections)
         if not conns:
             return
         await asyncio.wait([asyncio.ensure_future(c.shutdown(reason)) for c in conns],
                            timeout=self.settings.shutdown_grace_s)
+
+    async def until_closing(self, aw: Any) -> Any:
+        """``await aw`` (a chat generation), unless the server closes its sessions first (shutdown,
+        after any drain): then ``aw`` is cancelled and :class:`ServerClosing` raised, so that the
+        request ends with an answer instead of holding the shutdown until uvicorn cancels it."""
+        task = asyncio.ensure_future(aw)
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            closing.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled on purpose; its outcome no longer matters
+            pass
+        raise ServerClosing("the server is shutting down")
+
+    async def iter_until_closing(self, agen: Any) -> Any:
+        """The items of the async iterator ``agen`` (a streamed chat generation) until the server
+        closes its sessions (:meth:`until_closing`): then ``agen`` is closed and :class:`ServerClosing`
+        raised."""
+        it = agen.__aiter__()
+        try:
+            while True:
+                try:
+                    item = await self.until_closing(it.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            close = getattr(it, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # pragma: no cover - a generator broken by the cancel
+                    pass
 
     @property
     def tool_decider(self) -> Any:
@@ -392,7 +438,11 @@ class ServerState:
             except Exception:  # pragma: no cover
                 logger.exception("closing the tool decider failed")
         if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+            self._load_task.cancel()  # stops the loader (its cancel()) and waits for it, bounded
+            try:
+                await self._load_task
+            except asyncio.CancelledError:
+                pass
         if self.engine is not None:
             try:
                 await self.engine.aclose()
@@ -400,14 +450,29 @@ class ServerState:
                 logger.exception("engine close failed")
 
 
-async def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
+class ServerClosing(Exception):
+    """A request cut short because the server is shutting down (:meth:`ServerState.until_closing`)."""
+
+
+LOADER_STOP_S = 10.0
+"""How long a cancelled load waits for the loader thread to end after asking it to stop (its
+``cancel()``): an engine process is killed at once, an in-process load stops at its next Python
+step. A loader without ``cancel()`` is not waited for."""
+
+
+async def _in_daemon_thread(fn: Callable[[], Any], name: str, *, cancel: Optional[Callable[[], None]] = None) -> Any:
     """``await`` ``fn()`` run on a daemon thread: unlike ``asyncio.to_thread`` (whose executor thread
     the interpreter joins at exit), a server stopped while a model loads exits at once instead of
-    finishing the load first. Cancelling the await leaves the thread to finish on its own."""
+    finishing the load first. Cancelling the await calls ``cancel()`` (when given; from the loop's
+    thread), which must make ``fn`` return or raise soon, and waits up to :data:`LOADER_STOP_S` for
+    the thread to end, so that what it started (an engine process) is gone when the server exits;
+    without ``cancel`` the thread is left to finish on its own."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
+    ended = asyncio.Event()
 
     def settle(value: Any, exc: Optional[BaseException]) -> None:
+        ended.set()
         if not fut.done():
             fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
@@ -422,7 +487,18 @@ async def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
             pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return await fut
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if cancel is not None:
+            try:
+                cancel()
+                await asyncio.wait_for(ended.wait(), LOADER_STOP_S)
+            except asyncio.TimeoutError:
+                logger.warning("the engine loader did not stop within %g s of its cancel()", LOADER_STOP_S)
+            except Exception:  # pragma: no cover - a broken cancel hook must not break the shutdown
+                logger.exception("stopping the engine loader failed")
+        raise
 
 
 def create_app(engine=None, settings: Optional[ServerSettings] = None, *,

@@ -45,7 +45,7 @@ from duplexkit.errors import (ERROR_TYPES, AudioTooLongError, DuplexkitError, En
 from duplexkit.engine.api import (INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, ChatMessage, ChatRequest,
                                   ReferenceVoice, reference_voice)
 
-from .app import openai_error
+from .app import ServerClosing, openai_error
 from .dialect import pick_chat_dialect
 
 logger = logging.getLogger("duplexkit.server.chat")
@@ -545,7 +545,10 @@ async def handle(state, request: Request):
     cid = "chatcmpl-" + secrets.token_hex(12)
     if not opts["stream"]:
         try:
-            result = await state.engine.generate(req)
+            result = await state.until_closing(state.engine.generate(req))
+        except ServerClosing:
+            return openai_error(503, "the server is shutting down; retry (another replica will take it)",
+                                "session_capacity_exhausted", headers={"Retry-After": str(s.retry_after_s)})
         except Exception as exc:
             _log_generation_failure("chat generation failed", exc)
             return openai_error(500, f"generation failed: {exc}", ErrorCode.SERVER_ERROR.value)
@@ -595,7 +598,7 @@ async def handle(state, request: Request):
                     "id": audio_id, "expires_at": created + 3600}}, "finish_reason": None}])
             else:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "text")
-            async for d in state.engine.generate_stream(req):
+            async for d in state.iter_until_closing(state.engine.generate_stream(req)):
                 if d.text:
                     n_text += 1
                     if openai_audio:
@@ -624,6 +627,10 @@ async def handle(state, request: Request):
                     usage = {"prompt_tokens": 0, "completion_tokens": n_text, "total_tokens": n_text}
                 yield chunk([], None, usage)
             yield "data: [DONE]\n\n"
+        except ServerClosing:
+            err = {"error": {"message": "the server is shutting down; retry (another replica will take it)",
+                             "type": "server_error", "param": None, "code": "session_capacity_exhausted"}}
+            yield "data: " + json.dumps(err) + "\n\n"
         except Exception as exc:
             _log_generation_failure("chat stream failed", exc)
             err = {"error": {"message": f"generation failed: {exc}", "type": ERROR_TYPES[ErrorCode.SERVER_ERROR],

@@ -95,7 +95,8 @@ async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: Fa
         deadline = time.monotonic() + drain_s
         while state.slots.used and time.monotonic() < deadline and not force():
             await asyncio.sleep(poll_s)
-    left = len(state.connections)
+    # a session that gave its slot back has ended, even while its connection is still being torn down
+    left = len(state.connections) if state.slots.used else 0
     if left:
         logger.info("drain over: closing %d open session(s) with session.closed{reason:\"shutdown\"}", left)
     await state.shutdown_sessions("shutdown")
@@ -114,7 +115,10 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
     SIGTERM starts a drain of ``settings.drain_s`` seconds (:func:`drain`): the listening socket stays
     open so ``/ready`` answers 503 ``draining`` and new sessions are refused, live sessions may finish,
     and the rest get ``session.closed{reason:"shutdown"}`` and close 1001. SIGINT, or a second
-    SIGTERM/SIGINT during the drain, closes the sessions at once. Then uvicorn shuts down.
+    SIGTERM/SIGINT during the drain, closes the sessions at once. Then uvicorn shuts down, the
+    application's shutdown included (the engine closed, its process joined); a third signal stops
+    waiting for open connections and skips that shutdown. The process then ends with the returned
+    status (the signals are not re-raised).
 
     ``sockets``: already bound listening sockets (``duplexkit serve`` binds before loading, so a
     port in use fails at once); ``host``/``port`` then only name them in logs.
@@ -137,10 +141,18 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
         signals_seen = 0
 
         def handle_exit(self, sig, frame):  # type: ignore[override]
+            # Not uvicorn's own: it would take a second SIGINT as "exit now", skipping the
+            # application's shutdown (the engine and its process are then never closed), and re-raise
+            # the signals once stopped, so that the process died by the signal instead of ending
+            # with its status. Here a second signal ends the drain (sessions closed at once, then the
+            # same clean shutdown); a third stops waiting for connections and the application's
+            # shutdown (what is still open is closed at interpreter exit).
             self.signals_seen += 1
             if self.first_signal is None:
                 self.first_signal = sig
-            super().handle_exit(sig, frame)
+            if self.signals_seen >= 3:
+                self.force_exit = True
+            self.should_exit = True
 
         async def shutdown(self, sockets=None):  # type: ignore[override]
             drain_s = s.drain_s if self.first_signal == signal.SIGTERM else 0.0
@@ -162,7 +174,6 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
                             ws_ping_timeout=None,
                             timeout_graceful_shutdown=s.shutdown_grace_s + 5)
 
-    # uvicorn re-raises the captured signal after its graceful shutdown; a clean stop exits 0.
     server = _Server(config)
 
     def _stop_on_load_error(exc: BaseException) -> None:
@@ -170,11 +181,8 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
         server.should_exit = True
 
     state.on_load_error = _stop_on_load_error
-    prev_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run(sockets=sockets)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT outside uvicorn's run (before it took the signals, or after)
         pass
-    finally:
-        signal.signal(signal.SIGTERM, prev_term)
     return 1 if state.load_error is not None else 0

@@ -29,8 +29,11 @@ from .common import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
     EXIT_USAGE,
     TINY_MAX_OUTPUT_TOKENS,
+    Terminated,
+    install_sigterm,
     _debug,
     _eprint,
     _error_line,
@@ -61,7 +64,7 @@ from .mic import _echo_config
 __all__ = [
     "main", "build_parser", "load_engine", "run_wav_turn", "TINY_MAX_OUTPUT_TOKENS", "CliError", "DEBUG_ENV",
     "EXIT_CODES", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_CONNECTION", "EXIT_LOAD",
-    "EXIT_DEVICE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "_chat_body", "_echo_config", "_error_line",
+    "EXIT_DEVICE", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_BROKEN_PIPE", "_chat_body", "_echo_config", "_error_line",
 ]
 
 
@@ -246,6 +249,8 @@ def _version() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    if argv is None:  # the process's own command: SIGTERM stops it as Ctrl+C does (exit 143)
+        install_sigterm()
     parser = build_parser()
     args = parser.parse_args(argv)
     # the process's own command line (the console script, python -m duplexkit[.cli]), not a call from
@@ -263,7 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (Terminated); cleanup has run on the way
+        if isinstance(exc, Terminated):
+            _eprint("terminated")
+            return EXIT_TERMINATED
         _eprint("interrupted")
         return EXIT_INTERRUPTED
     except SystemExit:

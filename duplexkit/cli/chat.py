@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +14,8 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
-    load_engine,
+    load_engine_async,
+    run_async,
 )
 
 
@@ -85,7 +85,7 @@ def cmd_chat(args) -> int:
         except httpx.TimeoutException as exc:
             raise CliError(f"timed out after {args.timeout:g} s waiting for {url}", EXIT_FAILURE) from exc
     else:
-        text, wavs = asyncio.run(_chat_inline(args, body))
+        text, wavs = run_async(_chat_inline(args, body))
         print(text)
     secs = _save_chat_audio(wavs, args.output)
     if secs is not None:
@@ -153,7 +153,7 @@ async def _chat_inline(args, body: dict) -> tuple[str, list[bytes]]:
     from duplexkit_server.app import ServerSettings, ServerState
     from duplexkit_server.chat import parse_chat_request
 
-    engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
+    engine = await load_engine_async(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
     _random_weights_notice(engine)
     try:
         # the same per-response cap as `serve MODEL` (tiny: TINY_MAX_OUTPUT_TOKENS), so a request

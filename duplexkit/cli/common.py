@@ -52,9 +52,13 @@ memory, a missing package such as torch)."""
 EXIT_DEVICE = 5
 """``mic``: no usable audio device (none found, the named one missing, or it cannot be opened)."""
 EXIT_INTERRUPTED = 130
-"""Ctrl+C (SIGINT) stopped a command that ends by itself (``demo``, ``chat``, ``bench``). For the
-commands that run until stopped (``serve``, ``mic`` without ``--duration``) Ctrl+C / SIGTERM is the
-normal way to end them: they shut down cleanly and exit 0."""
+"""Ctrl+C (SIGINT) stopped a command that ends by itself (``demo``, ``chat``, ``bench``, ``replay``;
+``mic`` before its session is ready), in any phase, the model load included: 128 + 2, the status a
+shell shows for a process killed by SIGINT. For the commands that run until stopped Ctrl+C / SIGTERM
+is the normal way to end them: ``serve`` shuts down cleanly and exits 0 in every phase (loading,
+serving, draining), ``mic`` exits 0 once its session is ready."""
+EXIT_TERMINATED = 143
+"""SIGTERM stopped a command that ends by itself (as :data:`EXIT_INTERRUPTED`, for SIGTERM: 128 + 15)."""
 
 EXIT_BROKEN_PIPE = 141
 """The reader of stdout went away (``duplexkit demo | head -2``): the command stops quietly with the
@@ -62,7 +66,8 @@ status a shell gives a process killed by SIGPIPE (128 + 13), as ``yes | head`` d
 
 EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURE: "run failed", EXIT_USAGE: "usage or invalid input",
               EXIT_CONNECTION: "network (connect / listen)", EXIT_LOAD: "model load failed",
-              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted",
+              EXIT_DEVICE: "audio device unavailable", EXIT_INTERRUPTED: "interrupted (SIGINT, Ctrl+C)",
+              EXIT_TERMINATED: "terminated (SIGTERM)",
               EXIT_BROKEN_PIPE: "stdout closed by its reader"}
 """The one exit-status table every subcommand uses (docs/cli.md)."""
 
@@ -104,6 +109,161 @@ def _stdout_gone() -> bool:
         except OSError:
             pass
     return gone
+
+
+# ---------------------------------------------------------------------------------------------
+# signals: SIGINT and SIGTERM stop every phase of every command at once and cleanly
+# ---------------------------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python raises KeyboardInterrupt for SIGINT (a KeyboardInterrupt, so every
+    path that stops cleanly on Ctrl+C stops the same way on SIGTERM); ``main`` exits
+    :data:`EXIT_TERMINATED` for it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def install_sigterm() -> None:
+    """SIGTERM raises :class:`Terminated` in the main thread, as SIGINT raises KeyboardInterrupt;
+    left alone when SIGTERM is ignored (``nohup``, a parent that ignores it) or already handled."""
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def run_async(coro):
+    """:func:`asyncio.run` for a command: SIGINT and SIGTERM cancel the command's coroutine (its
+    ``finally`` blocks and ``async with`` exits run: engines closed, clients closed), then raise
+    KeyboardInterrupt or :class:`Terminated` (exit 130 / 143). A second signal while that cleanup
+    runs raises at once. asyncio's own runner does the same for SIGINT only; a signal that is
+    ignored (started under ``nohup`` or in the background) stays ignored.
+
+    Blocking work inside ``coro`` must run in a thread (:func:`load_engine_async` for a model load):
+    a cancel reaches a coroutine only when it awaits.
+    """
+    import asyncio
+    import signal
+
+    seen: list[int] = []
+    box: list = []
+
+    async def main():
+        box.append(asyncio.current_task())
+        return await coro
+
+    def on_signal(signum, frame) -> None:
+        seen.append(signum)
+        task = box[0] if box else None
+        if len(seen) > 1 or task is None or task.done():
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        task.cancel()
+        loop.call_soon_threadsafe(lambda: None)  # wakes the loop if it sleeps in select()
+
+    with asyncio.Runner() as runner:
+        loop = runner.get_loop()
+        previous = {}
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _raise_terminated)):
+            if signal.getsignal(sig) in (default, signal.SIG_DFL):
+                previous[sig] = signal.signal(sig, on_signal)
+        try:
+            return runner.run(main())
+        except asyncio.CancelledError:
+            if not seen:
+                raise
+            raise (Terminated() if seen[0] == signal.SIGTERM else KeyboardInterrupt()) from None
+        finally:
+            for sig, handler in previous.items():
+                if signal.getsignal(sig) is on_signal:
+                    signal.signal(sig, handler)
+
+
+def interrupt_thread(thread, exc: type = KeyboardInterrupt) -> bool:
+    """Raise ``exc`` in ``thread`` (a :class:`threading.Thread`) at its next Python step, as SIGINT
+    does in the main thread (``PyThreadState_SetAsyncExc``): how a model load running in a thread
+    is stopped. Blocking C calls finish first (one tensor read, one matmul). Returns whether the
+    thread was found."""
+    import ctypes
+
+    ident = getattr(thread, "ident", None)
+    if ident is None or not thread.is_alive():
+        return False
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc)) == 1
+
+
+LOADER_STOP_S = 10.0
+"""How long an interrupted load may take to stop (it stops at its next Python step)."""
+
+
+async def load_engine_async(model: str, **kwargs):
+    """:func:`load_engine` in a daemon thread, awaited: the event loop keeps running, so Ctrl+C or
+    SIGTERM (:func:`run_async`) stops the load at once. On cancellation the load is interrupted
+    (:func:`interrupt_thread`) and waited for (up to :data:`LOADER_STOP_S`), so that nothing of it
+    runs on; an engine that finished loading meanwhile is closed."""
+    import asyncio
+    import threading
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    box: dict = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            try:
+                with lock:
+                    box["loading"] = True
+                box["engine"] = load_engine(model, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                box["error"] = exc
+            finally:
+                with lock:
+                    box["loading"] = False
+            loop.call_soon_threadsafe(done.set)
+        except BaseException:  # an interrupt that came as the load returned, or a closed loop
+            pass
+
+    thread = threading.Thread(target=run, name="duplexkit-engine-loader", daemon=True)
+    thread.start()
+    try:
+        await done.wait()
+    except asyncio.CancelledError:
+        with lock:
+            if box.get("loading"):
+                interrupt_thread(thread)
+        deadline = loop.time() + LOADER_STOP_S
+        while thread.is_alive() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        engine = box.get("engine")
+        if engine is not None:
+            await engine.aclose()
+        raise
+    if "error" in box:
+        raise box.pop("error")
+    return box["engine"]
+
+
+def _stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker, if this process started one (an engine process is
+    spawned through it), so that it does not outlive the command: it would otherwise exit only after
+    this process, as an orphan (a zombie under a container's PID 1 that does not reap)."""
+    import sys
+
+    rt = sys.modules.get("multiprocessing.resource_tracker")
+    stop = getattr(getattr(rt, "_resource_tracker", None), "_stop", None)
+    process = sys.modules.get("duplexkit.engine.process")
+    if process is not None:
+        process._close_all()  # the tracker ends once every process that holds its pipe has exited
+        if process._live:  # pragma: no cover - one would not exit: leave the tracker be
+            return
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
 
 
 def _debug() -> bool:

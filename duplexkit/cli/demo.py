@@ -16,7 +16,8 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
-    load_engine,
+    load_engine_async,
+    run_async,
 )
 from duplexkit.errors import ErrorCode
 
@@ -159,7 +160,7 @@ async def _demo_async(args) -> int:
         client = DuplexClient(args.url, api_key=args.api_key, session=session, request_timeout_s=args.timeout)
     else:
         t_load = time.monotonic()
-        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed)
+        engine = await load_engine_async(args.model, layout=args.layout, seed=args.weights_seed)
         load_s = time.monotonic() - t_load
         random_weights = bool(getattr(engine, "random_weights", False))
         _random_weights_notice(engine)
@@ -199,7 +200,7 @@ def _print_progress(sent_s: float, total_s: float) -> None:
 
 
 def cmd_demo(args) -> int:
-    return asyncio.run(_demo_async(args))
+    return run_async(_demo_async(args))
 
 
 def _what_next(args) -> str:

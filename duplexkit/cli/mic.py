@@ -16,7 +16,8 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
-    load_engine,
+    load_engine_async,
+    run_async,
 )
 
 
@@ -118,8 +119,8 @@ async def _mic_async(args) -> int:
     if args.url:
         _remote_notice(args.url)
         client = DuplexClient(args.url, api_key=args.api_key, **common)
-    else:  # Ctrl+C while loading interrupts (status 130)
-        engine = load_engine(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
+    else:  # Ctrl+C or SIGTERM while loading interrupts the load (status 130 / 143)
+        engine = await load_engine_async(args.model, layout=args.layout, seed=args.weights_seed, checked=True)
         _random_weights_notice(engine)
         client = InlineDuplexClient(engine, **common, **_session_defaults(args, args.model))
     loop = asyncio.get_running_loop()
@@ -239,4 +240,4 @@ def _device(spec: Optional[str]):
 def cmd_mic(args) -> int:
     # Ctrl+C / SIGTERM end the conversation with status 0 (signal handlers in _mic_async); DeviceError
     # and device checks -> 5, a server that cannot be reached -> 3: reported by main() (_error_line)
-    return asyncio.run(_mic_async(args))
+    return run_async(_mic_async(args))

@@ -190,23 +190,94 @@ def _duration(text: str) -> float:
     return v
 
 
-def _engine_process(args, scripted: dict):
-    """The engine in its own process (``--engine-process``, docs/architecture.md "Processes"): the
-    child runs :func:`duplexkit.engine.loading.load_engine` with the same arguments; its load errors
-    come back as the same types (``EngineLoadError`` -> :class:`CliError` exit 4, ``LayoutError`` exit 2)."""
-    from duplexkit.engine.process import EngineProcess, EngineSpec
-    from duplexkit.errors import EngineLoadError
+class _Loader:
+    """The server's engine loader (``create_app(engine_loader=...)``), which the server can stop:
+    ``cancel()`` (the server stops while the model loads, Ctrl+C or SIGTERM) kills an engine
+    process that is loading (``--engine-process``), or interrupts the in-process load in the
+    loader thread (:func:`duplexkit.cli.common.interrupt_thread`); the call then raises."""
 
-    spec = EngineSpec("duplexkit.engine.loading:load_engine", (args.model,),
-                      {"layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
-                       "scripted": scripted, "checked": True})
-    try:
-        return EngineProcess(spec).start()
-    except EngineLoadError as exc:
-        raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
+    def __init__(self, args, scripted: dict) -> None:
+        import threading
+
+        self.args = args
+        self.scripted = scripted
+        self._lock = threading.Lock()
+        self._proc = None  # the EngineProcess being started
+        self._thread = None  # the thread in an in-process load
+        self._cancelled = False
+
+    def __call__(self):
+        args = self.args
+        try:
+            if getattr(args, "engine_process", False):
+                engine = self._engine_process()
+            else:
+                import threading
+
+                with self._lock:
+                    if self._cancelled:
+                        raise KeyboardInterrupt
+                    self._thread = threading.current_thread()
+                try:
+                    engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
+                                         scripted=self.scripted, checked=True)
+                finally:
+                    with self._lock:
+                        self._thread = None
+        except CliError as exc:  # the server prints "error: engine failed to load: <message>"
+            prefix = "engine failed to load: "
+            raise type(exc)(str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc),
+                            exc.exit_status) from exc.__cause__
+        _random_weights_notice(engine)
+        return engine
+
+    def cancel(self) -> None:
+        from .common import interrupt_thread
+
+        with self._lock:
+            self._cancelled = True
+            if self._proc is not None:
+                self._proc.cancel()
+            elif self._thread is not None:
+                interrupt_thread(self._thread)
+
+    def _engine_process(self):
+        """The engine in its own process (``--engine-process``, docs/architecture.md "Processes"): the
+        child runs :func:`duplexkit.engine.loading.load_engine` with the same arguments; its load errors
+        come back as the same types (``EngineLoadError`` -> :class:`CliError` exit 4, ``LayoutError`` exit 2)."""
+        from duplexkit.engine.process import EngineProcess, EngineSpec
+        from duplexkit.errors import EngineLoadError
+
+        args = self.args
+        spec = EngineSpec("duplexkit.engine.loading:load_engine", (args.model,),
+                          {"layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
+                           "scripted": self.scripted, "checked": True})
+        proc = EngineProcess(spec)
+        with self._lock:
+            if self._cancelled:
+                raise KeyboardInterrupt
+            self._proc = proc
+        try:
+            return proc.start()
+        except EngineLoadError as exc:
+            raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
 
 
 def cmd_serve(args) -> int:
+    """``duplexkit serve``. Ctrl+C or SIGTERM stop it cleanly with status 0 in every phase (before the
+    port is bound, while the model loads, serving, draining): a stop signal is how a server ends."""
+    from .common import _stop_resource_tracker
+
+    try:
+        return _cmd_serve(args)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM (Terminated) before uvicorn took the signals over
+        _eprint("stopped")
+        return 0
+    finally:
+        _stop_resource_tracker()  # an engine process was spawned through it: do not let it outlive us
+
+
+def _cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
@@ -249,21 +320,7 @@ def cmd_serve(args) -> int:
 
         return serve_on_ray(args, settings, scripted)
 
-    def loader():
-        try:
-            if getattr(args, "engine_process", False):
-                engine = _engine_process(args, scripted)
-            else:
-                engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                                     scripted=scripted, checked=True)
-        except CliError as exc:  # the server prints "error: engine failed to load: <message>"
-            prefix = "engine failed to load: "
-            raise type(exc)(str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc),
-                            exc.exit_status) from exc.__cause__
-        _random_weights_notice(engine)
-        return engine
-
-    app = create_app(engine_loader=loader, settings=settings)
+    app = create_app(engine_loader=_Loader(args, scripted), settings=settings)
     port = sock.getsockname()[1]
     _eprint(f"duplexkit serving {args.model} on http://{args.host}:{port} "
             f"(realtime: ws://{args.host}:{port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: "

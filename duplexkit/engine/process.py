@@ -40,10 +40,14 @@ Failure behaviour
   (the Session closes with ``session.closed`` and 1011), pending and later calls raise
   :class:`~duplexkit.errors.EngineProcessError`, :attr:`EngineProcess.failure` says why (``/ready``
   and ``/health`` report ``error``) and one ERROR line is logged.
-* The child exits when the server process dies: its reader thread sees the pipe's EOF. Once loaded
-  it ignores SIGINT and SIGTERM (a Ctrl+C or a service manager's signal to the whole group must not
-  kill the engine under a draining server); the server closes it (:meth:`EngineProcess.aclose`,
-  which joins it). While loading, SIGINT ends it (Ctrl+C during a long load stops at once).
+* The child ignores SIGINT and SIGTERM in every phase (a terminal's Ctrl+C and a service manager's
+  signal reach the whole process group): the server alone decides when it stops. A load in progress
+  is stopped with :meth:`EngineProcess.cancel` (from any thread: the child is killed, :meth:`start`
+  raises), a loaded engine with :meth:`EngineProcess.aclose` (which joins the child); the child
+  exits by itself when the server process dies (its reader thread sees the pipe's EOF).
+* One thread at a time reaps the child (``waitpid``), under a lock; waits watch the process's
+  sentinel, which any number of threads may do at once. (Two threads in ``Process.join`` at once
+  race in ``waitpid``: the loser sees the child as alive after it exited.)
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ import atexit
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.util  # noqa: F401  (its atexit join must run after ours: registered first)
 import queue
+import signal
 import threading
 import weakref
 from typing import Any, AsyncIterator, Optional
@@ -63,7 +69,8 @@ from duplexkit.errors import EngineLoadError, EngineProcessError, ErrorCode
 
 from .api import ChatDelta, ChatRequest, ChatResult, CloseStream, EngineCommand, EngineFailure, EngineOutput, \
     OpenStream, StreamConfig
-from .process_child import BATCH_MAX, MAX_BATCHES_IN_FLIGHT, OUTPUT_CREDITS, STATS_INTERVAL_S, EngineSpec, child_main
+from .process_child import BATCH_MAX, MAX_BATCHES_IN_FLIGHT, OUTPUT_CREDITS, STATS_INTERVAL_S, EngineSpec, child_main, \
+    _STOP_SIGNALS
 
 logger = logging.getLogger("duplexkit.engine.process")
 
@@ -165,6 +172,8 @@ class EngineProcess:
         self._stats: dict = {}
         self._closing = False
         self._threads: list[threading.Thread] = []
+        self._reap_lock = threading.Lock()  # one waitpid at a time (see the module docstring)
+        self._cancelled = threading.Event()  # cancel() or a close while loading: start() gives up
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, poll_s: float = 0.5) -> "EngineProcess":
@@ -180,26 +189,42 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=child_main, args=(child, self.spec), name=self.name)
-        self._proc.start()
+        # The child inherits this thread's signal mask (fork, then exec): spawned with SIGINT and
+        # SIGTERM blocked, a Ctrl+C to the terminal's process group cannot stop it before
+        # child_main ignores them (importing numpy and torch takes seconds); as the standard
+        # library's resource tracker is spawned. That tracker first, since starting it unblocks both.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()  # only the child holds its end: the child's exit is our EOF, and ours its EOF
         self._conn = parent
         _live.add(self)
         first = None
-        while first is None:
-            if parent.poll(poll_s):
+        while first is None and not self._cancelled.is_set():
+            ready = mp.connection.wait([parent, self._proc.sentinel], poll_s)
+            if parent in ready:
                 try:
                     first = parent.recv()[0]
                 except (EOFError, OSError):
                     break
-            elif not self._proc.is_alive():
+            elif ready:  # the child exited without a word
                 break
         if first is None or first[0] != "ready":
-            self._proc.join(10)
+            cancelled = self._cancelled.is_set()
+            if not cancelled:
+                self._wait_exit(10)  # its exit code names the cause
             self._close_sync()
+            if cancelled:
+                raise EngineLoadError("engine failed to load: loading was cancelled (the server is stopping)")
             if first is not None and first[0] == "load_error":
                 raise first[1]
             raise EngineLoadError(f"engine failed to load: the engine process exited with code "
-                                  f"{self._proc.exitcode} while loading")
+                                  f"{self.exitcode} while loading")
         self.info = dict(first[1])
         self.model_id = self.info["model_id"]
         self.random_weights = self.info["random_weights"]
@@ -216,7 +241,36 @@ class EngineProcess:
 
     @property
     def exitcode(self) -> Optional[int]:
-        return self._proc.exitcode if self._proc is not None else None
+        if self._proc is None:
+            return None
+        with self._reap_lock:  # reading it reaps (waitpid)
+            return self._proc.exitcode
+
+    def cancel(self) -> None:
+        """Stop a :meth:`start` in progress (callable from any thread, e.g. a server's shutdown path
+        while another thread waits in :meth:`start`): kills the loading child, so :meth:`start` raises
+        :class:`~duplexkit.errors.EngineLoadError` at once (within its ``poll_s``). A no-op once
+        loaded (close a loaded engine with :meth:`aclose`) or before :meth:`start`."""
+        if self._threads or self._proc is None:
+            return
+        self._cancelled.set()
+        self._kill()
+
+    def _kill(self) -> None:
+        proc = self._proc
+        with self._reap_lock:  # not reaped yet, so its pid is still its own
+            if proc.exitcode is None:
+                proc.kill()
+
+    def _wait_exit(self, timeout_s: Optional[float]) -> bool:
+        """Wait up to ``timeout_s`` for the child to exit (on its sentinel, which never reaps), then reap
+        it under the lock. Returns whether it exited (``exitcode`` is then set)."""
+        proc = self._proc
+        if not mp.connection.wait([proc.sentinel], timeout_s):  # readable (EOF) from its exit on
+            return False
+        with self._reap_lock:
+            proc.join()  # it has exited: waitpid returns at once
+        return True
 
     async def aclose(self) -> None:
         """Close every stream and the engine in the child, then join the child (terminate, then kill,
@@ -240,13 +294,13 @@ class EngineProcess:
         self._out.put(None)  # ends the writer thread
         proc = self._proc
         if proc is not None and proc.pid is not None:
-            if not self._threads and proc.is_alive():  # still loading (the server stops meanwhile):
-                proc.kill()  # nothing to drain; it ignores SIGTERM and reads no request until loaded
-            proc.join(timeout_s)
-            if proc.is_alive():
+            if not self._threads:  # still loading (the server stops meanwhile): nothing to drain
+                self._cancelled.set()
+                self._kill()  # nothing to drain while loading; it reads no request until loaded
+            if not self._wait_exit(timeout_s):
                 logger.warning("engine process %d did not exit in %g s: killing it", proc.pid, timeout_s)
-                proc.kill()
-                proc.join(5)
+                self._kill()
+                self._wait_exit(5)
         for t in self._threads:  # the reader ends at the pipe's EOF (the child exited)
             t.join(5)
         if self._conn is not None:
@@ -388,7 +442,7 @@ class EngineProcess:
             if not self._hand_over(self._dispatch, rest):
                 return
         if self._proc is not None:
-            self._proc.join(5)  # EOF: the child exited or is exiting; its code names the cause
+            self._wait_exit(5)  # EOF: the child exited or is exiting; its code names the cause
         self._hand_over(self._gone)
 
     def _hand_over(self, fn, *args) -> bool:

@@ -40,6 +40,9 @@ reading the pipe."""
 BATCH_MAX = 64
 """Messages a writer thread puts in one pickled batch."""
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+"""The signals the engine process ignores (the server stops it)."""
+
 STATS_INTERVAL_S = 1.0
 """How often the engine process pushes ``kv_usage()`` and the stream count when they changed."""
 
@@ -334,21 +337,27 @@ class _ChildReader:
 
 def child_main(conn, spec: EngineSpec) -> None:
     """Entry point of the engine process (spawned)."""
-    # SIGINT (a terminal's Ctrl+C reaches the whole group) aborts loading quietly; once loaded, the
-    # server decides when the engine stops. SIGTERM always waits for the server (drain).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The server alone decides when the engine stops, in every phase. A terminal's Ctrl+C and a
+    # service manager's SIGTERM reach the whole process group, this process included: were it to
+    # act on them, a load would end by itself with a status the server cannot tell from a crash
+    # (a spurious "engine failed to load"), and a loaded engine would stop under a draining server.
+    # The server stops a load by killing this process (EngineProcess.cancel) and a loaded engine
+    # with the "shutdown" message; the pipe's EOF ends it when the server died.
+    # (EngineProcess.start spawns this process with both blocked, so that none arrives before this point.)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # a pending one is discarded: ignored
     if spec.log_level is not None:
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     reader = _ChildReader(conn)
     threading.Thread(target=reader.run, name="engine-pipe-reader", daemon=True).start()
     try:
         engine = spec.build()
-    except KeyboardInterrupt:
-        conn.close()  # the server sees "exited while loading"; it is stopping anyway
-        return
     except BaseException as exc:
         try:
             conn.send([("load_error", portable(exc, EngineLoadError))])
+        except (OSError, EOFError):
+            pass  # the server is gone
         finally:
             conn.close()
         return
@@ -357,7 +366,6 @@ def child_main(conn, spec: EngineSpec) -> None:
             "supports_audio": bool(getattr(engine, "supports_audio", True)),
             "has_kv_usage": callable(getattr(engine, "kv_usage", None)),
             "engine_class": type(engine).__name__}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     srv = _ChildServer(conn, engine)
     # the loop exists before "ready" goes out: the server's first messages may arrive at once, and
     # the reader queues them on the loop (they run once it runs, in order)
