@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Union
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from .responses import openai_error  # noqa: F401  (re-exported: the routes' error body)
+
 logger = logging.getLogger("duplexkit.server")
 
 __all__ = ["ServerSettings", "ServerState", "SlotPool", "create_app", "serve", "openai_error"]
@@ -274,16 +276,6 @@ class SlotPool:
         freed, self._freed = self._freed, None
         if freed is not None:
             freed.set()
-
-
-def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
-                 param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
-    """An OpenAI error body ``{error{message, type, param, code}}`` (docs/protocol.md §10.1)."""
-    if type_ is None:
-        type_ = {401: "invalid_request_error", 503: "rate_limit_error", 500: "server_error"}.get(
-            status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
 
 
 def load_reference_voice(path, max_s: float = 30.0):

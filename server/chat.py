@@ -44,7 +44,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from duplexkit.errors import AudioTooLongError, DuplexkitError, EngineProcessError, ErrorCode
 from duplexkit.engine.api import OUTPUT_SAMPLE_RATE, ChatMessage, ChatRequest, ReferenceVoice
 
-from .app import openai_error
+from .responses import openai_error
 from .dialect import pick_chat_dialect
 
 logger = logging.getLogger("duplexkit.server.chat")
