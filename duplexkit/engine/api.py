@@ -29,6 +29,11 @@ from typing import AsyncIterator, Literal, Optional, Protocol, Union, runtime_ch
 
 import numpy as np
 
+# the unit sizes and rates have one home, duplexkit.units (the model port imports them from there);
+# re-exported here as part of the contract
+from duplexkit.units import (FIRST_UNIT_CONSUME, FIRST_UNIT_SAMPLES, INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE,
+                             UNIT_SAMPLES)
+
 __all__ = [
     "INPUT_SAMPLE_RATE",
     "OUTPUT_SAMPLE_RATE",
@@ -68,24 +73,6 @@ __all__ = [
     "EngineStream",
     "apply_command",
 ]
-
-INPUT_SAMPLE_RATE = 16_000
-"""Model input rate in Hz (docs/model.md §3.1: Whisper features at 16 kHz)."""
-
-OUTPUT_SAMPLE_RATE = 24_000
-"""Model output rate in Hz (docs/model.md §7.2: HiFT, 960 samples per codec token at 25 Hz)."""
-
-FIRST_UNIT_SAMPLES = 16_560
-"""Samples unit 0 reads at 16 kHz (1035 ms; docs/model.md §3.1, parity case f). The one home of this
-number: the framer, the processor and the runtime import it from here."""
-
-FIRST_UNIT_CONSUME = 16_480
-"""Samples unit 0 consumes (103 hops of 160; docs/model.md §3.1, parity case f): unit 1 re-reads the
-last 80 samples of unit 0's window."""
-
-UNIT_SAMPLES = 16_000
-"""Samples every unit k >= 1 reads and consumes at 16 kHz (1 s; docs/model.md §3.1)."""
-
 
 @dataclass(frozen=True)
 class ReferenceVoice:
