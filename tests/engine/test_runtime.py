@@ -14,6 +14,7 @@ from duplexkit.engine.api import (
     TextDelta, TurnEnd, UnitTimings, UpdateStream,
 )
 from duplexkit.engine.layout import Layout
+from duplexkit.testing import inject_fault
 
 from .toy import ToyStages, tag_value
 
@@ -142,7 +143,7 @@ async def test_fault_in_one_stream_leaves_others_working():
         b = await eng.open_stream("b", StreamConfig(instructions="B"))
         for s, sid in ((a, "a"), (b, "b")):
             s.submit(ForceSpeak(sid, 0))
-        a.inject_fault(stage)
+        inject_fault(a, stage)
         for i in range(3):
             a.submit(AppendUnit("a", 0, unit_index=i, audio=_unit(i)))
             b.submit(AppendUnit("b", 0, unit_index=i, audio=_unit(i)))
