@@ -44,8 +44,9 @@ class StageOps:
         update: ``(model, handle, old, new) -> handle``: a new :class:`StreamConfig`.
         end_turn: ``(model, handle) -> handle``: end the model turn (after a cancel or a failed turn).
         close: ``(model, handle) -> None``: free the state (called only with a handle).
-        end_turn_frees: ``end_turn`` frees the whole state (the talker's turn): the stream lets go of
-            the handle before the call, so a call that raises leaves nothing to free twice.
+        end_turn_frees / update_frees: the call frees the whole state (the talker's ``end_turn``, the
+            vocoder's ``update``: a new voice reopens it at the next unit): the stream lets go of the
+            handle before the call, so a call that raises leaves nothing to free twice.
     """
 
     open: Callable[[StageModel, StreamConfig], Any]
@@ -53,6 +54,7 @@ class StageOps:
     end_turn: Callable[[StageModel, Any], Any]
     close: Callable[[StageModel, Any], None]
     end_turn_frees: bool = False
+    update_frees: bool = False
 
 
 def _end_and_keep(end: Callable[[StageModel, Any], None]) -> Callable[[StageModel, Any], Any]:
@@ -89,6 +91,7 @@ STAGE_OPS = {
         update=_code2wav_update,
         end_turn=_end_and_keep(lambda m, h: m.code2wav_reset_turn(h)),
         close=lambda m, h: m.code2wav_close(h),
+        update_frees=True,
     ),
 }
 """stage -> its :class:`StageOps` (the one place that names the per-stage StageModel calls)."""
@@ -140,14 +143,15 @@ class StageSteps:
         st.handles[stage] = ops.end_turn(self.model, h)
 
     def _update(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
+        """A new :class:`StreamConfig` at ``stage``: the stage's ``update`` on its state, then the
+        config is the one in effect there (``applied[stage]``). Raises what the model raises."""
         old, new = it.payload
-        h = st.handles[stage]
-        if stage == "thinker" or h is not None:  # the thinker's state always exists while open
-            st.handles[stage] = STAGE_OPS[stage].update(self.model, h, old, new)
-        if stage == "thinker":
-            st.thinker_config = new
-        elif stage == "code2wav":
-            st.c2w_voice = new.ref_voice
+        ops, h = STAGE_OPS[stage], st.handles[stage]
+        if h is not None:
+            if ops.update_frees:
+                st.handles[stage] = None
+            st.handles[stage] = ops.update(self.model, h, old, new)
+        st.applied[stage] = new
 
     def _speak_text(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
         """Queue a ``SpeakText`` on the stream's thinker state (thinker thread). A model without
@@ -285,7 +289,7 @@ class StageSteps:
                 if speak:
                     self._emit(st, slot, TextDelta(st.id, slot.epoch, slot.unit_index, text=res.text,
                                                    n_tokens=int(res.n_tokens)))
-                    if st.thinker_config.output_audio:
+                    if st.applied["thinker"].output_audio:
                         st.q["talker"].append(_WorkItem(WorkKind.UNIT, slot, res))
                     else:
                         if res.end_of_turn:
@@ -306,7 +310,7 @@ class StageSteps:
             try:
                 if turn_start:
                     self._end_turn("talker", st)
-                    seed = st.thinker_config.seed
+                    seed = st.applied["thinker"].seed
                     st.turn_count += 1
                     st.handles["talker"] = m.talker_new_turn(
                         None if seed is None else (int(seed) * 1_000_003 + st.turn_count) % (2**63))
@@ -337,7 +341,7 @@ class StageSteps:
         for i, (st, it) in enumerate(work):
             if st.handles["code2wav"] is None:  # opened lazily (text-only stream switched to audio, or new voice)
                 try:
-                    st.handles["code2wav"] = m.code2wav_open(st.c2w_voice)
+                    st.handles["code2wav"] = m.code2wav_open(st.applied["code2wav"].ref_voice)
                 except Exception as exc:  # noqa: BLE001
                     pre[i] = detach_traceback(exc)
             codes, last, _text = it.payload

@@ -97,7 +97,8 @@ class _StreamState:
     def __init__(self, stream_id: str, config: StreamConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.id = stream_id
         self.config = config  # as submitted (event-loop side)
-        self.thinker_config = config  # in effect at the thinker
+        #: the config in effect at each stage (an UpdateStream reaches each stage in queue order)
+        self.applied: dict = {s: config for s in STAGES}
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed_event = asyncio.Event()
@@ -111,7 +112,6 @@ class _StreamState:
         #: the stream's state at each stage, opaque to the runtime: the thinker's stream state, the
         #: talker's current turn (None between turns), the vocoder's stream (None until opened)
         self.handles: dict = {s: None for s in STAGES}
-        self.c2w_voice = config.ref_voice
         self.force_speak_epoch: Optional[int] = None
         self.slots: deque = deque()
         self.pending_text = ""
