@@ -60,19 +60,18 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ...errors import detach_traceback
+from .capture_gate import CAPTURE_GATE
 from .code2wav import CHUNK_CODES, Code2Wav, Code2WavStream, _check_codes
 from .code2wav_dit import DiTKernels, DiTTable, FusedQKV, att_cache_dtype_default, matmul_tf32_default
 from .code2wav_flow import BatchedFlow
-from .code2wav_graphs import (GRAPH_MAX_BATCH, HIFT_BUCKETS, DiTGraph, EncoderGraph, GraphSetup, _graph_rows,
-                              gather_caches)
+# _graph_rows and gather_caches: re-exported (benchmarks/code2wav_batch.py, the tests)
+from .code2wav_graphs import (GRAPH_MAX_BATCH, HIFT_BUCKETS, DiTGraph, EncoderGraph, GraphSetup,  # noqa: F401
+                              _graph_rows, gather_caches)
 from .code2wav_hift import RowNoise, group_rows, hift_rows
-from .capture_gate import CAPTURE_GATE
 
 __all__ = ["BatchedCode2Wav", "DiTTable", "FusedQKV", "GRAPH_MAX_BATCH", "HIFT_BUCKETS", "LAST_SUB_BATCH",
            "att_cache_dtype_default", "gather_caches",
            "matmul_tf32_default"]
-
-_ = _graph_rows  # re-exported for benchmarks/code2wav_batch.py and the tests
 
 LAST_SUB_BATCH = 8
 """On CUDA a turn's last chunks (eager: their length varies) run the Euler loop in sub-batches of at

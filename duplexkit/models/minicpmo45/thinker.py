@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .audio_encoder import AudioEncoder, AudioProjector, WhisperStreamCache
 from .chat import chat_generate, chat_steps
 from .chat_types import ChatThinkerResult
-from .audio_encoder import AudioEncoder, AudioProjector, WhisperStreamCache
 from .config import MiniCPMOConfig
 from .duplex import DuplexPolicy, UnitInput, UnitResult, run_unit
 from .processor import SAMPLE_RATE, StreamingMel, audio_embed_count, image_to_pixels, log_mel_offline
