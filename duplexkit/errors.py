@@ -396,9 +396,9 @@ class EngineProcessError(DuplexkitError, RuntimeError):
 
 
 class InjectedFault(DuplexkitError, RuntimeError):
-    """The failure a stage worker produces for a stream whose test fault hook
-    (:meth:`~duplexkit.engine.runtime.RuntimeStream.inject_fault`) names that stage
-    (code ``server_error``)."""
+    """The failure a stage worker produces for a stream whose test fault plan
+    (:func:`duplexkit.testing.inject_fault`, :class:`duplexkit.testing.faults.StageFaults`) names
+    that stage (code ``server_error``)."""
 
 
 class LayoutError(DuplexkitError, ValueError):

@@ -31,8 +31,9 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from duplexkit.errors import ERROR_TYPES, ErrorCode
+from duplexkit.errors import ErrorCode
 from duplexkit.settings import ServerSettings  # re-exported: duplexkit_server.ServerSettings
+from .responses import ServerClosing, openai_error  # noqa: F401  (re-exported: the routes' error body)
 
 logger = logging.getLogger("duplexkit.server")
 
@@ -135,16 +136,6 @@ class SlotPool:
         freed, self._freed = self._freed, None
         if freed is not None:
             freed.set()
-
-
-def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,
-                 param: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
-    """An OpenAI error body ``{error{message, type, param, code}}`` (docs/protocol.md §10.1)."""
-    if type_ is None:
-        type_ = {401: ERROR_TYPES[ErrorCode.UNAUTHORIZED], 503: ERROR_TYPES[ErrorCode.SESSION_CAPACITY_EXHAUSTED],
-                 500: ERROR_TYPES[ErrorCode.SERVER_ERROR]}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
 
 
 def load_reference_voice(path, max_s: float = 30.0):
@@ -448,10 +439,6 @@ class ServerState:
                 await self.engine.aclose()
             except Exception:  # pragma: no cover
                 logger.exception("engine close failed")
-
-
-class ServerClosing(Exception):
-    """A request cut short because the server is shutting down (:meth:`ServerState.until_closing`)."""
 
 
 LOADER_STOP_S = 10.0

@@ -45,7 +45,7 @@ from duplexkit.errors import (ERROR_TYPES, AudioTooLongError, DuplexkitError, En
 from duplexkit.engine.api import (INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, REF_AUDIO_MIN_S, ChatMessage, ChatRequest,
                                   ReferenceVoice, reference_voice)
 
-from .app import ServerClosing, openai_error
+from .responses import ServerClosing, openai_error
 from .dialect import pick_chat_dialect
 
 logger = logging.getLogger("duplexkit.server.chat")

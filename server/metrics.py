@@ -332,7 +332,7 @@ def install(app, state) -> Optional[ServerMetrics]:
     except ImportError:  # the server extra installs it; an embedding may not have it
         logger.warning("GET /metrics is off: prometheus-client is not installed (pip install prometheus-client)")
         return None
-    from .app import openai_error
+    from .responses import openai_error
 
     metrics = ServerMetrics(state)
     state.metrics = metrics

@@ -776,7 +776,7 @@ def install(app, state, http_auth: Callable) -> None:
     """
     from fastapi.responses import Response
 
-    from .app import openai_error
+    from .responses import openai_error
 
     calls: dict[str, WebRTCCall] = {}
     tasks: set[asyncio.Task] = set()

@@ -1,7 +1,9 @@
 """Load an engine by name: a checkpoint directory, ``tiny`` (random weights) or ``scripted``.
 
 ``from duplexkit.engine import load_engine`` — used by the CLI, the examples and the benchmarks.
-Nothing heavy is imported until :func:`load_engine` runs (torch only for a real checkpoint).
+Nothing heavy is imported until :func:`load_engine` runs (torch only for a real checkpoint). Named
+engines other than ``tiny`` are plugins (:mod:`.plugins`): the engine never imports
+:mod:`duplexkit.testing` itself.
 Loading a real model sets ``TORCHDYNAMO_DISABLE=1`` unless it is set already (docs/model.md §7.5).
 """
 
@@ -12,7 +14,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from duplexkit.errors import EngineLoadError
+from duplexkit.errors import EngineLoadError, LayoutError
+
+from .checks import check_model
+from .plugins import engine_plugins, load_plugin
 
 __all__ = ["load_engine", "check_model_arg"]
 
@@ -24,7 +29,10 @@ def _progress(*a: Any) -> None:
 def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
                 progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
                 checked: bool = False):
-    """Load the engine named by ``model`` (a checkpoint path, ``tiny`` or ``scripted``).
+    """Load the engine named by ``model``: a checkpoint path, ``tiny``, or an engine plugin's name
+    (:mod:`.plugins`: ``scripted``, the torch-free scripted engine of :mod:`duplexkit.testing`,
+    declared in the ``duplexkit.engines`` entry-point group). ``scripted`` holds the plugin's options
+    (for ``scripted``: :class:`~duplexkit.testing.ScriptConfig` fields).
 
     Runs the pre-load checks first (unless ``checked``: the caller already ran them).
 
@@ -35,11 +43,13 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     """
     if not checked:
         check_model_arg(model, layout)
-    if model == "scripted":
-        from duplexkit.testing import ScriptedEngine
-
+    if model in engine_plugins():  # e.g. "scripted": duplexkit.testing's, through the entry point
         try:
-            return ScriptedEngine(model_id=model_id or "scripted", **(scripted or {}))
+            factory = load_plugin(model)
+        except (ImportError, AttributeError) as exc:
+            raise EngineLoadError(f"engine plugin {model!r} failed to load: {type(exc).__name__}: {exc}") from exc
+        try:
+            return factory(model_id=model_id or model, **(scripted or {}))
         except (TypeError, ValueError) as exc:
             raise EngineLoadError(f"engine failed to load: {exc}") from exc
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -57,8 +67,6 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
-        from duplexkit.errors import LayoutError
-
         if isinstance(exc, LayoutError):  # e.g. torch sees fewer GPUs than the driver: still a usage error
             raise
         raise EngineLoadError(f"engine failed to load: {type(exc).__name__}: {exc}") from exc
@@ -69,12 +77,10 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
 
 def check_model_arg(model: str, layout: Optional[str]) -> None:
     """Cheap checks before anything heavy loads and before ``serve`` binds its port
-    (:func:`duplexkit.preflight.check_model`: directory, ``config.json``, weight files, layout and
+    (:func:`duplexkit.engine.checks.check_model`: directory, ``config.json``, weight files, layout and
     its CUDA devices). No torch, no server import.
 
     Raises:
         PreflightError, LayoutError, LayoutNotSupportedError: all reported with exit status 2.
     """
-    from duplexkit.preflight import check_model
-
     check_model(model, layout)

@@ -83,7 +83,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 
@@ -103,11 +103,11 @@ from .api import (
     UnitTimings,
     UpdateStream,
 )
+from .api import FIRST_UNIT_SAMPLES, UNIT_SAMPLES
 from .layout import STAGES, Layout
-from .stages import StageModel
+from .stages import FaultHook, StageModel
 from .steps import StageSteps
-from .streams import (FIRST_UNIT_SAMPLES, UNIT_SAMPLES, RuntimeStream, _ms, _Slot, _StreamState, _voice_key,
-                      _WorkItem)
+from .streams import StreamStatus, WorkKind, _ms, _Slot, _StreamState, _voice_key, _WorkItem
 
 __all__ = ["EngineInputError", "StageRuntime", "RuntimeStream", "FIRST_UNIT_SAMPLES", "UNIT_SAMPLES"]
 
@@ -125,11 +125,16 @@ class StageRuntime(StageSteps):
     Args:
         model: the batch-shaped stage functions.
         layout: gives ``max_num_seqs`` and ``batch_window_ms`` per stage.
+
+    Attributes:
+        fault_hook: a test's :class:`~duplexkit.engine.stages.FaultHook` (None: no faults), asked
+            before each batch call; :func:`duplexkit.testing.inject_fault` installs one.
     """
 
     def __init__(self, model: StageModel, layout: Layout) -> None:
         self.model = model
         self.layout = layout
+        self.fault_hook: Optional[FaultHook] = None
         self._cond = threading.Condition()
         self._streams: dict = {}
         self._rr = {s: 0 for s in STAGES}
@@ -165,13 +170,13 @@ class StageRuntime(StageSteps):
                 raise ValueError(f"stream {stream_id!r} is already open")
             self._streams[stream_id] = st
             for s in STAGES:
-                st.q[s].append(_WorkItem("open", payload=config))
+                st.q[s].append(_WorkItem(WorkKind.OPEN, payload=config))
             self._cond.notify_all()
         try:
             await asyncio.shield(st.opened)
         except asyncio.CancelledError:  # the caller gave up: free the half-opened stream
             with self._cond:
-                if not (st.finished or st.closing):
+                if st.live:
                     self._begin_close(st)
                 self._cond.notify_all()
             raise
@@ -187,7 +192,7 @@ class StageRuntime(StageSteps):
         if isinstance(cmd, SpeakText):
             self._check_speak_text(cmd)
         with self._cond:
-            if st.finished or st.failed or st.closing:
+            if not st.live:
                 return
             if isinstance(cmd, CloseStream):
                 self._begin_close(st)
@@ -201,7 +206,7 @@ class StageRuntime(StageSteps):
                     st.last_unit = cmd.unit_index
                     slot = _Slot(cmd.unit_index, st.epoch, time.perf_counter())
                     st.slots.append(slot)
-                    st.q["thinker"].append(_WorkItem("unit", slot, (cmd, audio)))
+                    st.q["thinker"].append(_WorkItem(WorkKind.UNIT, slot, (cmd, audio)))
                 elif isinstance(cmd, ForceSpeak):
                     if cmd.epoch == st.epoch:
                         st.force_speak_epoch = st.epoch
@@ -209,13 +214,13 @@ class StageRuntime(StageSteps):
                     if cmd.epoch == st.epoch:  # an older epoch's text is stale: dropped
                         slot = _Slot(-1, st.epoch, time.perf_counter())
                         st.slots.append(slot)
-                        st.q["thinker"].append(_WorkItem("speak_text", slot, (cmd.text, int(cmd.tokens_per_unit))))
+                        st.q["thinker"].append(_WorkItem(WorkKind.SPEAK_TEXT, slot, (cmd.text, int(cmd.tokens_per_unit))))
                 elif isinstance(cmd, UpdateStream):
                     old = st.config
                     st.config = cmd.config
-                    st.q["thinker"].append(_WorkItem("update", payload=(old, cmd.config)))
+                    st.q["thinker"].append(_WorkItem(WorkKind.UPDATE, payload=(old, cmd.config)))
                     if _voice_key(cmd.config.ref_voice) != _voice_key(old.ref_voice):
-                        st.q["code2wav"].append(_WorkItem("update", payload=cmd.config.ref_voice))
+                        st.q["code2wav"].append(_WorkItem(WorkKind.UPDATE, payload=(old, cmd.config)))
                 else:
                     raise EngineInputError(f"unknown engine command {type(cmd).__name__}")
             self._cond.notify_all()
@@ -252,7 +257,7 @@ class StageRuntime(StageSteps):
         streams = list(self._streams.values())
         with self._cond:
             for st in streams:
-                if not (st.finished or st.closing):
+                if st.live:
                     self._begin_close(st)
             self._cond.notify_all()
         for st in streams:
@@ -285,22 +290,22 @@ class StageRuntime(StageSteps):
         st.pending_text = ""
         kept = deque()
         for it in st.q["thinker"]:
-            if it.kind == "unit":
+            if it.kind is WorkKind.UNIT:
                 it.slot.epoch = epoch  # input is never discarded (docs/protocol.md §7.2)
-            elif it.kind == "speak_text":  # forced speech not yet spoken is dropped
+            elif it.kind is WorkKind.SPEAK_TEXT:  # forced speech not yet spoken is dropped
                 it.slot.done = True
                 continue
             kept.append(it)
-        kept.appendleft(_WorkItem("end_turn"))
+        kept.appendleft(_WorkItem(WorkKind.END_TURN))
         st.q["thinker"] = kept
         for s in ("talker", "code2wav"):
             kept = deque()
             for it in st.q[s]:
-                if it.kind == "unit":
+                if it.kind is WorkKind.UNIT:
                     it.slot.done = True
                 else:
                     kept.append(it)
-            kept.appendleft(_WorkItem("reset"))
+            kept.appendleft(_WorkItem(WorkKind.END_TURN))
             st.q[s] = kept
         for slot in st.slots:
             if slot.epoch < epoch:
@@ -308,21 +313,25 @@ class StageRuntime(StageSteps):
         self._flush(st)
 
     def _begin_close(self, st: _StreamState) -> None:
-        st.closing = True
-        st.close_left = set(STAGES)
+        """Queue the close of every stage (queued work is dropped, a queued open still runs first);
+        a live stream moves to CLOSING (a failed one is closing already)."""
+        if st.live:
+            st.move(StreamStatus.CLOSING)
+        st.to_close = set(STAGES)
         for s in STAGES:
-            st.q[s] = deque(it for it in st.q[s] if it.kind == "open")
-            st.q[s].append(_WorkItem("close"))
+            st.q[s] = deque(it for it in st.q[s] if it.kind is WorkKind.OPEN)
+            st.q[s].append(_WorkItem(WorkKind.CLOSE))
 
     def _fail(self, st: _StreamState, stage: str, exc: BaseException, unit_index: int) -> None:
-        if st.failed or st.finished:
+        if not (st.live or st.status is StreamStatus.CLOSING):  # failed or closed already
             return
         log.error("stream %s failed in %s: %s", st.id, stage, "".join(traceback.format_exception(exc)).rstrip())
-        st.failed = True
+        was_live = st.live
+        st.move(StreamStatus.FAILED)
         st.slots.clear()
         self._deliver(st, EngineFailure(st.id, st.epoch, unit_index, code=ErrorCode.SERVER_ERROR.value,
                                       message=f"{stage} failed: {type(exc).__name__}: {exc}", fatal=True))
-        if not st.closing:
+        if was_live:
             self._begin_close(st)
         self._cond.notify_all()
 
@@ -335,11 +344,7 @@ class StageRuntime(StageSteps):
         log.error("stream %s: %s failed on unit %s (turn dropped, stream kept): %s", st.id, stage,
                   slot.unit_index, "".join(traceback.format_exception(exc)).rstrip())
         try:
-            if stage == "talker" and st.talker_turn is not None:
-                turn, st.talker_turn = st.talker_turn, None
-                self.model.talker_close_turn(turn)
-            elif stage == "code2wav" and st.c2w_handle is not None:
-                self.model.code2wav_reset_turn(st.c2w_handle)
+            self._end_turn(stage, st)
         except Exception as reset_exc:  # noqa: BLE001 - the stream's state is unknown now
             self._fail(st, stage, reset_exc, slot.unit_index)
             return
@@ -378,9 +383,9 @@ class StageRuntime(StageSteps):
             st.slots.popleft()
 
     def _stage_closed(self, st: _StreamState, stage: str) -> None:
-        st.close_left.discard(stage)
-        if not st.close_left and not st.finished:
-            st.finished = True
+        st.to_close.discard(stage)
+        if not st.to_close and not st.done:
+            st.move(StreamStatus.CLOSED)
             self._streams.pop(st.id, None)
             st.slots.clear()
             st.q = {s: deque() for s in STAGES}
@@ -393,8 +398,10 @@ class StageRuntime(StageSteps):
                 pass
 
     def _stage_opened(self, st: _StreamState, stage: str) -> None:
-        st.open_left.discard(stage)
-        if not st.open_left and st.opened is not None:
+        st.to_open.discard(stage)
+        if not st.to_open and st.status is StreamStatus.OPENING:
+            st.move(StreamStatus.OPEN)
+        if not st.to_open and st.opened is not None:
             try:
                 st.loop.call_soon_threadsafe(lambda f=st.opened: f.done() or f.set_result(None))
             except RuntimeError:
@@ -428,9 +435,9 @@ class StageRuntime(StageSteps):
         if cfg.batch_window_ms <= 0:
             return 0.0
         heads = [st.q[stage][0] for st in self._streams.values() if st.q[stage]]  # none is busy between steps
-        if not heads or any(it.kind != "unit" for it in heads):
+        if not heads or any(it.kind is not WorkKind.UNIT for it in heads):
             return 0.0
-        eligible = sum(1 for st in self._streams.values() if not (st.failed or st.closing or st.finished))
+        eligible = sum(1 for st in self._streams.values() if st.live)
         if len(heads) >= min(eligible, cfg.max_num_seqs):
             return 0.0
         oldest = min(it.t_enqueue for it in heads)
@@ -477,7 +484,7 @@ class StageRuntime(StageSteps):
             try:
                 work = []
                 for st, it in picked:
-                    if it.kind == "unit":
+                    if it.kind is WorkKind.UNIT:
                         work.append((st, it))
                     else:
                         self._control(stage, st, it)
@@ -493,3 +500,68 @@ class StageRuntime(StageSteps):
                     for st, _ in picked:
                         st.busy[stage] = False
                     self._cond.notify_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the public stream handle
+# ---------------------------------------------------------------------------------------------
+
+
+class RuntimeStream:
+    """:class:`duplexkit.engine.api.EngineStream` of the built-in runtime.
+
+    ``submit`` is non-blocking and event-loop safe; ``outputs()`` yields the stream's outputs in
+    order and ends once the stream is closed (or failed fatally).
+    """
+
+    def __init__(self, runtime: StageRuntime, state: _StreamState) -> None:
+        self._rt = runtime
+        self._st = state
+        self.stream_id = state.id
+
+    @property
+    def runtime(self) -> StageRuntime:
+        """The runtime serving this stream (tests install a ``fault_hook`` on it)."""
+        return self._rt
+
+    @property
+    def epoch(self) -> int:
+        """The stream's current epoch."""
+        return self._st.epoch
+
+    @property
+    def status(self) -> StreamStatus:
+        """Where the stream is in its life (:class:`~duplexkit.engine.streams.StreamStatus`)."""
+        return self._st.status
+
+    @property
+    def closed(self) -> bool:
+        return self._st.done
+
+    def submit(self, command: EngineCommand) -> None:
+        """Queue one command (AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream).
+
+        Commands to a closed or failed stream are ignored (the failure was already reported).
+
+        Raises:
+            EngineInputError: an AppendUnit whose audio is not float32-convertible 1-D finite
+                samples of length 16560 (unit 0) or 16000 (later units), a command for another
+                stream, or an OpenStream / unknown command.
+        """
+        self._rt._submit(self._st, command)
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        """Async iterator of :class:`~duplexkit.engine.api.EngineOutput`; ends after close."""
+        st = self._st
+        while st.status is not StreamStatus.ENDED:
+            out = await st.queue.get()
+            if out is None:
+                st.move(StreamStatus.ENDED)
+                return
+            yield out
+
+    async def aclose(self) -> None:
+        """Close the stream (drops its queued work) and wait until every stage freed its state."""
+        if not self._st.done:
+            self._rt._submit(self._st, CloseStream(self._st.id, self._st.epoch))
+        await self._st.closed_event.wait()

@@ -35,6 +35,7 @@ __all__ = [
     "VocoderWork",
     "VocoderOut",
     "StageModel",
+    "FaultHook",
 ]
 
 
@@ -142,3 +143,18 @@ class StageModel(Protocol):
     def code2wav_step(self, items: list) -> list: ...
     def code2wav_reset_turn(self, handle: Any) -> None: ...
     def code2wav_close(self, handle: Any) -> None: ...
+
+
+@runtime_checkable
+class FaultHook(Protocol):
+    """A test's fault plan, installed on a runtime (``StageRuntime.fault_hook``; None in production).
+
+    Before each batch call the runtime asks the hook once per stream of the batch; an exception it
+    returns stands in for that stream's result, exactly as if the model had returned it in the
+    stream's result slot. The hook owns its state: nothing of it lives in the runtime's stream
+    records. :class:`duplexkit.testing.faults.StageFaults` is the one the tests use."""
+
+    def take(self, stage: str, stream_id: str) -> Optional[BaseException]:
+        """The exception for ``stream_id``'s next work item at ``stage`` (consumed), or None."""
+        ...
+

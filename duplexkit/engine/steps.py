@@ -1,6 +1,11 @@
 """The stage steps of :class:`~duplexkit.engine.runtime.StageRuntime` (a mixin): control items
-(open, close, end-turn, reset, update), one batched step per stage (thinker, talker, code2wav), and
-the batch-call helpers that keep a failing stream's error its own (retry in halves).
+(open, update, end turn, speak text, close) dispatched through one ``(stage, kind)`` handler table,
+one batched step per stage (thinker, talker, code2wav), and the batch-call helpers that keep a
+failing stream's error its own (retry in halves).
+
+Every stage has the same operations on a stream's state, under one name each (:class:`StageOps`):
+``open``, ``update``, ``end_turn`` and ``close``; :data:`STAGE_OPS` spells each one in the
+:class:`~duplexkit.engine.stages.StageModel` calls of that stage.
 
 Runs on the stage worker threads; the methods that touch stream state take the runtime's lock
 (``self._cond``) as the runtime module docstring describes."""
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -16,78 +22,138 @@ import numpy as np
 from duplexkit.errors import ErrorCode, detach_traceback
 
 from .api import AudioChunk, Decision, EngineFailure, StreamConfig, TextDelta, TurnEnd
-from .stages import InjectedFault, TalkerWork, ThinkerWork, VocoderWork
-from .streams import _ms, _Slot, _StreamState, _WorkItem
+from .stages import StageModel, TalkerWork, ThinkerWork, VocoderWork
+from .streams import WorkKind, _ms, _Slot, _StreamState, _WorkItem
 
 log = logging.getLogger("duplexkit.engine")
+
+__all__ = ["StageOps", "STAGE_OPS", "CONTROL", "StageSteps"]
+
+
+def _none(*_a: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class StageOps:
+    """One stage's operations on a stream's state ``h`` (its handle: ``_StreamState.handles[stage]``),
+    each returning the handle to keep (None: the stage holds nothing for the stream now).
+
+    Attributes:
+        open: ``(model, config) -> handle``: create the state when the stream opens.
+        update: ``(model, handle, old, new) -> handle``: a new :class:`StreamConfig`.
+        end_turn: ``(model, handle) -> handle``: end the model turn (after a cancel or a failed turn).
+        close: ``(model, handle) -> None``: free the state (called only with a handle).
+        end_turn_frees / update_frees: the call frees the whole state (the talker's ``end_turn``, the
+            vocoder's ``update``: a new voice reopens it at the next unit): the stream lets go of the
+            handle before the call, so a call that raises leaves nothing to free twice.
+    """
+
+    open: Callable[[StageModel, StreamConfig], Any]
+    update: Callable[[StageModel, Any, StreamConfig, StreamConfig], Any]
+    end_turn: Callable[[StageModel, Any], Any]
+    close: Callable[[StageModel, Any], None]
+    end_turn_frees: bool = False
+    update_frees: bool = False
+
+
+def _end_and_keep(end: Callable[[StageModel, Any], None]) -> Callable[[StageModel, Any], Any]:
+    def run(m: StageModel, h: Any) -> Any:
+        end(m, h)
+        return h
+    return run
+
+
+def _close_and_drop(m: StageModel, h: Any) -> None:
+    m.talker_close_turn(h)  # a talker turn is its whole state: ending the turn frees it
+
+
+def _code2wav_update(m: StageModel, h: Any, old: StreamConfig, new: StreamConfig) -> None:
+    m.code2wav_close(h)  # another voice: the next unit reopens it (_code2wav_step)
+
+
+STAGE_OPS = {
+    "thinker": StageOps(
+        open=lambda m, cfg: m.thinker_open(cfg),
+        update=lambda m, h, old, new: m.thinker_update(h, old, new),
+        end_turn=_end_and_keep(lambda m, h: m.thinker_end_turn(h)),  # generated tokens stay in the KV
+        close=lambda m, h: m.thinker_close(h),
+    ),
+    "talker": StageOps(
+        open=_none,  # a talker turn is made by the first speaking unit (_talker_step)
+        update=lambda m, h, old, new: h,
+        end_turn=_close_and_drop,
+        close=lambda m, h: m.talker_close_turn(h),
+        end_turn_frees=True,
+    ),
+    "code2wav": StageOps(
+        open=lambda m, cfg: m.code2wav_open(cfg.ref_voice) if cfg.output_audio else None,
+        update=_code2wav_update,
+        end_turn=_end_and_keep(lambda m, h: m.code2wav_reset_turn(h)),
+        close=lambda m, h: m.code2wav_close(h),
+        update_frees=True,
+    ),
+}
+"""stage -> its :class:`StageOps` (the one place that names the per-stage StageModel calls)."""
 
 
 class StageSteps:
     """Stage-thread side of :class:`~duplexkit.engine.runtime.StageRuntime`: needs ``model``,
-    ``_cond`` and the runtime's locked helpers (``_fail``, ``_fail_turn``, ``_emit``,
+    ``fault_hook``, ``_cond`` and the runtime's locked helpers (``_fail``, ``_fail_turn``, ``_emit``,
     ``_finish_slot``, ``_flush``, ``_stage_opened``, ``_stage_closed``)."""
 
     def _control(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
-        m = self.model
+        """Run one control item through :data:`CONTROL`; an exception fails the stream."""
         try:
-            if it.kind == "open":
-                cfg: StreamConfig = it.payload
-                if stage == "thinker":
-                    st.thinker_handle = m.thinker_open(cfg)
-                elif stage == "code2wav" and cfg.output_audio:
-                    st.c2w_handle = m.code2wav_open(cfg.ref_voice)
-                with self._cond:
-                    self._stage_opened(st, stage)
-            elif it.kind == "close":
-                try:
-                    if stage == "thinker" and st.thinker_handle is not None:
-                        m.thinker_close(st.thinker_handle)
-                    elif stage == "talker" and st.talker_turn is not None:
-                        m.talker_close_turn(st.talker_turn)
-                    elif stage == "code2wav" and st.c2w_handle is not None:
-                        m.code2wav_close(st.c2w_handle)
-                except Exception:  # noqa: BLE001 - freeing must go on
-                    log.exception("closing %s state of stream %s", stage, st.id)
-                finally:
-                    if stage == "thinker":
-                        st.thinker_handle = None
-                    elif stage == "talker":
-                        st.talker_turn = None
-                    else:
-                        st.c2w_handle = None
-                    with self._cond:
-                        self._stage_opened(st, stage)
-                        self._stage_closed(st, stage)
-            elif it.kind == "end_turn":  # thinker, after a cancel
-                if st.thinker_handle is not None:
-                    m.thinker_end_turn(st.thinker_handle)
-            elif it.kind == "reset":  # talker / code2wav, after a cancel
-                if stage == "talker" and st.talker_turn is not None:
-                    turn, st.talker_turn = st.talker_turn, None
-                    m.talker_close_turn(turn)
-                elif stage == "code2wav" and st.c2w_handle is not None:
-                    m.code2wav_reset_turn(st.c2w_handle)
-            elif it.kind == "speak_text":  # thinker: queue forced speech on the stream
-                self._speak_text(st, it)
-            elif it.kind == "update":
-                if stage == "thinker":
-                    old, new = it.payload
-                    st.thinker_handle = m.thinker_update(st.thinker_handle, old, new)
-                    st.thinker_config = new
-                elif stage == "code2wav":
-                    if st.c2w_handle is not None:
-                        h, st.c2w_handle = st.c2w_handle, None
-                        m.code2wav_close(h)
-                    st.c2w_voice = it.payload
-            else:
-                raise RuntimeError(f"unknown control item {it.kind}")
+            handler = CONTROL.get((stage, it.kind))
+            if handler is None:
+                raise RuntimeError(f"no {stage} handler for a {it.kind.value} item")
+            handler(self, stage, st, it)
         except Exception as exc:  # noqa: BLE001 - confined to this stream
             with self._cond:
-                if it.kind == "open":
+                if it.kind is WorkKind.OPEN:
                     self._stage_opened(st, stage)
                 self._fail(st, stage, exc, -1)
 
-    def _speak_text(self, st: _StreamState, it: _WorkItem) -> None:
+    def _open(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
+        st.handles[stage] = STAGE_OPS[stage].open(self.model, it.payload)
+        with self._cond:
+            self._stage_opened(st, stage)
+
+    def _close(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
+        try:
+            if st.handles[stage] is not None:
+                STAGE_OPS[stage].close(self.model, st.handles[stage])
+        except Exception:  # noqa: BLE001 - freeing must go on
+            log.exception("closing %s state of stream %s", stage, st.id)
+        finally:
+            st.handles[stage] = None
+            with self._cond:
+                self._stage_opened(st, stage)
+                self._stage_closed(st, stage)
+
+    def _end_turn(self, stage: str, st: _StreamState, it: Optional[_WorkItem] = None) -> None:
+        """End the stream's model turn at ``stage`` (a control item after a cancel; also called by the
+        talker step between turns and by ``_fail_turn``). Raises what the model raises."""
+        ops, h = STAGE_OPS[stage], st.handles[stage]
+        if h is None:
+            return
+        if ops.end_turn_frees:
+            st.handles[stage] = None
+        st.handles[stage] = ops.end_turn(self.model, h)
+
+    def _update(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
+        """A new :class:`StreamConfig` at ``stage``: the stage's ``update`` on its state, then the
+        config is the one in effect there (``applied[stage]``). Raises what the model raises."""
+        old, new = it.payload
+        ops, h = STAGE_OPS[stage], st.handles[stage]
+        if h is not None:
+            if ops.update_frees:
+                st.handles[stage] = None
+            st.handles[stage] = ops.update(self.model, h, old, new)
+        st.applied[stage] = new
+
+    def _speak_text(self, stage: str, st: _StreamState, it: _WorkItem) -> None:
         """Queue a ``SpeakText`` on the stream's thinker state (thinker thread). A model without
         ``thinker_speak_text``, or one that refuses the text, answers with a non-fatal
         ``EngineFailure`` in the command's slot (nothing was queued; the stream goes on)."""
@@ -96,14 +162,14 @@ class StageSteps:
         err = None
         if fn is None:
             err = f"SpeakText is not supported by this engine's thinker ({type(self.model).__name__})"
-        elif st.thinker_handle is not None:
+        elif st.handles["thinker"] is not None:
             try:
-                fn(st.thinker_handle, text, per_unit)
+                fn(st.handles["thinker"], text, per_unit)
             except Exception as exc:  # noqa: BLE001 - nothing was queued: the stream is as it was
                 err = f"SpeakText failed: {type(exc).__name__}: {exc}"
         with self._cond:
             slot = it.slot
-            if err is not None and slot.epoch == st.epoch and not (st.failed or st.closing):
+            if err is not None and slot.epoch == st.epoch and st.live:
                 log.warning("stream %s: %s", st.id, err)
                 self._emit(st, slot, EngineFailure(st.id, slot.epoch, -1, code=ErrorCode.SERVER_ERROR.value, message=err,
                                                    fatal=False))
@@ -113,18 +179,19 @@ class StageSteps:
     def _run_batch(self, stage: str, fn: Callable[[list], list], work: list, items: list,
                    pre: Optional[dict] = None) -> tuple:
         """Call the stage function on the items that have no result yet (``pre`` maps an index to
-        an exception already known for it; the fault hook adds InjectedFault); returns
-        ``(results, t0, t1)``."""
+        an exception already known for it; a test's :class:`~duplexkit.engine.stages.FaultHook`, when
+        one is installed, adds its own); returns ``(results, t0, t1)``."""
         results: list = [None] * len(work)
         for i, exc in (pre or {}).items():
             results[i] = exc
         run_idx = []
+        hook = self.fault_hook
         for i, (st, _it) in enumerate(work):
             if results[i] is not None:
                 continue
-            if st.fault == stage:
-                st.fault = None
-                results[i] = InjectedFault(f"injected fault in {stage} for stream {st.id}")
+            injected = hook.take(stage, st.id) if hook is not None else None
+            if injected is not None:
+                results[i] = injected
             else:
                 run_idx.append(i)
         t0 = time.perf_counter()
@@ -174,7 +241,7 @@ class StageSteps:
         slot)``, and finishes (without emitting) units whose epoch was cancelled while they ran."""
         for (st, it), res in zip(work, results):
             slot = it.slot
-            if st.failed or st.closing:
+            if not st.live:
                 continue
             if isinstance(res, BaseException):
                 on_error(st, stage, res, slot)
@@ -203,7 +270,7 @@ class StageSteps:
                 force_speak = force_speak or (bool(cmd.force_speak) and not cancelled_force)
                 it.slot.timings["queue_ms"] += (now - it.t_enqueue) * 1000.0
                 it.slot.timings["thinker_queue_ms"] = _ms(it.t_enqueue, now)
-                items.append(ThinkerWork(handle=st.thinker_handle, audio=audio,
+                items.append(ThinkerWork(handle=st.handles["thinker"], audio=audio,
                                          force_listen=bool(cmd.force_listen) or cancelled_force,
                                          force_speak=force_speak, frame=cmd.frame, unit_index=cmd.unit_index))
         results, t0, t1 = self._run_batch("thinker", self.model.thinker_step, work, items)
@@ -223,8 +290,8 @@ class StageSteps:
                 if speak:
                     self._emit(st, slot, TextDelta(st.id, slot.epoch, slot.unit_index, text=res.text,
                                                    n_tokens=int(res.n_tokens)))
-                    if st.thinker_config.output_audio:
-                        st.q["talker"].append(_WorkItem("unit", slot, res))
+                    if st.applied["thinker"].output_audio:
+                        st.q["talker"].append(_WorkItem(WorkKind.UNIT, slot, res))
                     else:
                         if res.end_of_turn:
                             self._emit(st, slot, TurnEnd(st.id, slot.epoch, slot.unit_index, reason="turn_eos"))
@@ -240,25 +307,23 @@ class StageSteps:
         m = self.model
         for i, (st, it) in enumerate(work):  # talker turns are created on this thread only
             res = it.payload
-            turn_start = st.talker_turn is None or bool(res.turn_start)
+            turn_start = st.handles["talker"] is None or bool(res.turn_start)
             try:
                 if turn_start:
-                    if st.talker_turn is not None:
-                        turn, st.talker_turn = st.talker_turn, None
-                        m.talker_close_turn(turn)
-                    seed = st.thinker_config.seed
+                    self._end_turn("talker", st)
+                    seed = st.applied["thinker"].seed
                     st.turn_count += 1
-                    st.talker_turn = m.talker_new_turn(None if seed is None else (int(seed) * 1_000_003 + st.turn_count) % (2**63))
+                    st.handles["talker"] = m.talker_new_turn(
+                        None if seed is None else (int(seed) * 1_000_003 + st.turn_count) % (2**63))
             except Exception as exc:  # noqa: BLE001
                 pre[i] = detach_traceback(exc)
-            items.append(TalkerWork(turn=st.talker_turn, talker_input=res.talker_input, turn_start=turn_start,
+            items.append(TalkerWork(turn=st.handles["talker"], talker_input=res.talker_input, turn_start=turn_start,
                                     turn_end=bool(res.end_of_turn)))
         self._mark_queue_wait(work, "talker")
         results, t0, t1 = self._run_batch("talker", m.talker_step, work, items, pre)
         for (st, it), res in zip(work, results):
-            if it.payload.end_of_turn and not isinstance(res, BaseException) and st.talker_turn is not None:
-                turn, st.talker_turn = st.talker_turn, None  # turn over: free its KV now
-                m.talker_close_turn(turn)
+            if it.payload.end_of_turn and not isinstance(res, BaseException):
+                self._end_turn("talker", st)  # turn over: free its KV now
         with self._cond:
             for st, it, res in self._current_results("talker", work, results, self._fail_turn):
                 slot = it.slot
@@ -267,7 +332,7 @@ class StageSteps:
                 slot.timings["talker_steps"] = int(res.steps)
                 slot.timings["talker_codes"] = int(len(res.codes))
                 slot.timings["talker_batch"] = len(work)
-                st.q["code2wav"].append(_WorkItem("unit", slot, (res.codes, bool(it.payload.end_of_turn), it.payload.text)))
+                st.q["code2wav"].append(_WorkItem(WorkKind.UNIT, slot, (res.codes, bool(it.payload.end_of_turn), it.payload.text)))
             self._cond.notify_all()
 
     def _code2wav_step(self, work: list) -> None:
@@ -275,13 +340,13 @@ class StageSteps:
         pre = {}
         m = self.model
         for i, (st, it) in enumerate(work):
-            if st.c2w_handle is None:  # opened lazily (text-only stream switched to audio, or new voice)
+            if st.handles["code2wav"] is None:  # opened lazily (text-only stream switched to audio, or new voice)
                 try:
-                    st.c2w_handle = m.code2wav_open(st.c2w_voice)
+                    st.handles["code2wav"] = m.code2wav_open(st.applied["code2wav"].ref_voice)
                 except Exception as exc:  # noqa: BLE001
                     pre[i] = detach_traceback(exc)
             codes, last, _text = it.payload
-            items.append(VocoderWork(handle=st.c2w_handle, codes=np.asarray(codes, dtype=np.int64), last=last))
+            items.append(VocoderWork(handle=st.handles["code2wav"], codes=np.asarray(codes, dtype=np.int64), last=last))
         self._mark_queue_wait(work, "code2wav")
         results, t0, t1 = self._run_batch("code2wav", m.code2wav_step, work, items, pre)
         with self._cond:
@@ -303,3 +368,17 @@ class StageSteps:
                 self._finish_slot(st, slot)
                 self._flush(st)
             self._cond.notify_all()
+
+
+_Handler = Callable[[StageSteps, str, _StreamState, _WorkItem], None]
+
+CONTROL: dict = {
+    **{(s, WorkKind.OPEN): StageSteps._open for s in STAGE_OPS},
+    **{(s, WorkKind.END_TURN): StageSteps._end_turn for s in STAGE_OPS},
+    **{(s, WorkKind.CLOSE): StageSteps._close for s in STAGE_OPS},
+    ("thinker", WorkKind.UPDATE): StageSteps._update,
+    ("code2wav", WorkKind.UPDATE): StageSteps._update,
+    ("thinker", WorkKind.SPEAK_TEXT): StageSteps._speak_text,
+}
+"""(stage, kind) -> the handler of a control item; a pair missing here fails the stream (a runtime
+bug). ``UNIT`` items are no control items: they go to the stage's batched step."""

@@ -1,6 +1,7 @@
-"""Per-stream records of the stage runtime (:mod:`duplexkit.engine.runtime`): the output
-sequencer slot of one unit, stage-queue items, a stream's runtime state, and the public
-:class:`RuntimeStream` handle. Everything here is guarded by the runtime's lock."""
+"""Per-stream records of the stage runtime (:mod:`duplexkit.engine.runtime`): the work kinds of
+the stage queues, the stream status and its allowed transitions, the output sequencer slot of one
+unit, stage-queue items and a stream's runtime state. Everything here is guarded by the runtime's
+lock (the public handle, :class:`~duplexkit.engine.runtime.RuntimeStream`, lives in the runtime)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,57 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from enum import Enum
+from typing import Any, Optional
 
-from .api import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, CloseStream, EngineCommand, EngineOutput, StreamConfig
+from .api import StreamConfig
 from .layout import STAGES
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import StageRuntime
+__all__ = ["WorkKind", "StreamStatus", "TRANSITIONS", "StreamStateError"]
 
-__all__ = ["RuntimeStream", "FIRST_UNIT_SAMPLES", "UNIT_SAMPLES"]
 
-# the model contract's unit sizes live in .api (one home); re-exported here for the runtime
+class WorkKind(Enum):
+    """What a stage-queue item asks of its stage. ``UNIT`` items of a step go to the model as one
+    batch; every other kind is a control step run on its own (the runtime's handler table,
+    :data:`duplexkit.engine.steps.CONTROL`, maps ``(stage, kind)`` to the code that runs it)."""
+
+    UNIT = "unit"  # one unit (thinker), its speaking result (talker) or its codes (code2wav)
+    OPEN = "open"  # create the stream's state at the stage
+    UPDATE = "update"  # a new StreamConfig (thinker: the prefix; code2wav: the voice)
+    END_TURN = "end_turn"  # after a cancel: end the model turn at the stage
+    SPEAK_TEXT = "speak_text"  # thinker: queue forced speech
+    CLOSE = "close"  # free the stream's state at the stage
+
+
+class StreamStatus(Enum):
+    """Where a stream is in its life (one value instead of separate flags). :data:`TRANSITIONS` lists
+    the moves; :meth:`_StreamState.move` is the only code that changes it."""
+
+    OPENING = "opening"  # open items queued; not every stage has created its state yet
+    OPEN = "open"  # every stage opened it; serving
+    CLOSING = "closing"  # close items queued (a CloseStream, the engine closing, a cancelled open)
+    FAILED = "failed"  # a fatal failure was reported; closing at every stage
+    CLOSED = "closed"  # every stage freed its state; the end-of-outputs marker is queued
+    ENDED = "ended"  # event-loop side: the consumer read the end-of-outputs marker
+
+
+TRANSITIONS: dict = {
+    StreamStatus.OPENING: frozenset({StreamStatus.OPEN, StreamStatus.CLOSING, StreamStatus.FAILED}),
+    StreamStatus.OPEN: frozenset({StreamStatus.CLOSING, StreamStatus.FAILED}),
+    StreamStatus.CLOSING: frozenset({StreamStatus.FAILED, StreamStatus.CLOSED}),
+    StreamStatus.FAILED: frozenset({StreamStatus.CLOSED}),
+    StreamStatus.CLOSED: frozenset({StreamStatus.ENDED}),
+    StreamStatus.ENDED: frozenset(),
+}
+"""status -> the statuses it may move to. A failure while closing still reports (CLOSING -> FAILED);
+a failed stream is already closing (FAILED -> CLOSED)."""
+
+_LIVE = frozenset({StreamStatus.OPENING, StreamStatus.OPEN})
+_DONE = frozenset({StreamStatus.CLOSED, StreamStatus.ENDED})
+
+
+class StreamStateError(RuntimeError):
+    """A status move :data:`TRANSITIONS` does not allow (a bug in the runtime, never user input)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +85,7 @@ class _Slot:
 class _WorkItem:
     """One entry of a stage queue (a unit, or a control step of the stream)."""
 
-    kind: str  # unit | open | update | end_turn | reset | close
+    kind: WorkKind
     slot: Optional[_Slot] = None
     payload: Any = None
     t_enqueue: float = field(default_factory=time.perf_counter)
@@ -56,7 +97,8 @@ class _StreamState:
     def __init__(self, stream_id: str, config: StreamConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.id = stream_id
         self.config = config  # as submitted (event-loop side)
-        self.thinker_config = config  # in effect at the thinker
+        #: the config in effect at each stage (an UpdateStream reaches each stage in queue order)
+        self.applied: dict = {s: config for s in STAGES}
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed_event = asyncio.Event()
@@ -64,22 +106,36 @@ class _StreamState:
         self.epoch = 0
         self.q = {s: deque() for s in STAGES}
         self.busy = {s: False for s in STAGES}
-        self.open_left = set(STAGES)
-        self.close_left: set = set()
-        self.thinker_handle: Any = None
-        self.talker_turn: Any = None
-        self.c2w_handle: Any = None
-        self.c2w_voice = config.ref_voice
+        self.status = StreamStatus.OPENING
+        self.to_open = set(STAGES)  # stages whose open item has not run yet
+        self.to_close: set = set()  # stages whose close item has not run yet (once closing)
+        #: the stream's state at each stage, opaque to the runtime: the thinker's stream state, the
+        #: talker's current turn (None between turns), the vocoder's stream (None until opened)
+        self.handles: dict = {s: None for s in STAGES}
         self.force_speak_epoch: Optional[int] = None
         self.slots: deque = deque()
         self.pending_text = ""
-        self.closing = False
-        self.failed = False
-        self.finished = False
-        self.ended = False  # event-loop side: the end-of-outputs marker was consumed
         self.turn_count = 0
-        self.fault: Optional[str] = None
         self.last_unit = -1
+
+    def move(self, status: StreamStatus) -> None:
+        """Change the status along :data:`TRANSITIONS`.
+
+        Raises:
+            StreamStateError: the move is not in the table."""
+        if status not in TRANSITIONS[self.status]:
+            raise StreamStateError(f"stream {self.id}: {self.status.value} -> {status.value} is not allowed")
+        self.status = status
+
+    @property
+    def live(self) -> bool:
+        """Opening or open: neither closing, failed nor closed (commands and results still count)."""
+        return self.status in _LIVE
+
+    @property
+    def done(self) -> bool:
+        """Every stage freed the stream (closed, or closed and its outputs read to the end)."""
+        return self.status in _DONE
 
 
 def _voice_key(v) -> Optional[str]:
@@ -88,66 +144,3 @@ def _voice_key(v) -> Optional[str]:
 
 def _ms(t0: float, t1: float) -> float:
     return round((t1 - t0) * 1000.0, 3)
-
-
-# ---------------------------------------------------------------------------------------------
-# the public stream handle
-# ---------------------------------------------------------------------------------------------
-
-
-class RuntimeStream:
-    """:class:`duplexkit.engine.api.EngineStream` of the built-in runtime.
-
-    ``submit`` is non-blocking and event-loop safe; ``outputs()`` yields the stream's outputs in
-    order and ends once the stream is closed (or failed fatally).
-    """
-
-    def __init__(self, runtime: "StageRuntime", state: _StreamState) -> None:
-        self._rt = runtime
-        self._st = state
-        self.stream_id = state.id
-
-    @property
-    def epoch(self) -> int:
-        """The stream's current epoch."""
-        return self._st.epoch
-
-    @property
-    def closed(self) -> bool:
-        return self._st.finished
-
-    def submit(self, command: EngineCommand) -> None:
-        """Queue one command (AppendUnit, ForceSpeak, CancelEpoch, UpdateStream, CloseStream).
-
-        Commands to a closed or failed stream are ignored (the failure was already reported).
-
-        Raises:
-            EngineInputError: an AppendUnit whose audio is not float32-convertible 1-D finite
-                samples of length 16560 (unit 0) or 16000 (later units), a command for another
-                stream, or an OpenStream / unknown command.
-        """
-        self._rt._submit(self._st, command)
-
-    async def outputs(self) -> AsyncIterator[EngineOutput]:
-        """Async iterator of :class:`~duplexkit.engine.api.EngineOutput`; ends after close."""
-        st = self._st
-        while not st.ended:
-            out = await st.queue.get()
-            if out is None:
-                st.ended = True
-                return
-            yield out
-
-    async def aclose(self) -> None:
-        """Close the stream (drops its queued work) and wait until every stage freed its state."""
-        if not self._st.finished:
-            self._rt._submit(self._st, CloseStream(self._st.id, self._st.epoch))
-        await self._st.closed_event.wait()
-
-    def inject_fault(self, stage: Optional[str]) -> None:
-        """Test hook: make ``stage`` (thinker | talker | code2wav) fail this stream's next work
-        item with :class:`~duplexkit.engine.stages.InjectedFault`, exactly as if the model had
-        raised for it inside a batch. ``None`` clears the hook."""
-        if stage is not None and stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}")
-        self._st.fault = stage

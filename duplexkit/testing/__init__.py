@@ -11,7 +11,7 @@ The engine contract both engines meet is tests/engine/test_contract.py.
 """
 
 from duplexkit.protocol.conformance import ConformanceError, EventStreamChecker
-from duplexkit.testing.faults import FAULT_STAGES, InjectedFault, inject_fault
+from duplexkit.testing.faults import FAULT_STAGES, InjectedFault, StageFaults, inject_fault
 from duplexkit.testing.scripted import (
     CHUNK_SAMPLES,
     FIRST_CHUNK_SAMPLES,
@@ -35,4 +35,5 @@ __all__ = [
     "FAULT_STAGES",
     "InjectedFault",
     "inject_fault",
+    "StageFaults",
 ]

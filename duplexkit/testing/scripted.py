@@ -317,7 +317,7 @@ class ScriptedStream:
 
     def inject_fault(self, stage: Optional[str]) -> None:
         """Fail this stream's next work item in ``stage`` (thinker | talker | code2wav), as
-        :meth:`duplexkit.engine.runtime.RuntimeStream.inject_fault` does; ``None`` clears it.
+        :func:`duplexkit.testing.inject_fault` does on the runtime; ``None`` clears it.
         A thinker fault is fatal; a talker/code2wav fault hits the next speaking unit with audio."""
         if stage is not None and stage not in FAULT_STAGES:
             raise ValueError(f"stage must be one of {FAULT_STAGES}")

@@ -28,6 +28,7 @@ from duplexkit.engine.api import (  # noqa: E402
     AppendUnit, AudioChunk, CancelEpoch, ChatMessage, ChatRequest, Decision, EngineFailure, ForceSpeak,
     ReferenceVoice, StreamConfig, TextDelta, UnitTimings, UpdateStream,
 )
+from duplexkit.testing import inject_fault  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -185,7 +186,7 @@ async def test_fault_in_one_stream_leaves_the_others_working(engine):
     ua, ub = speech_units("interrupt_16k.wav", 3), speech_units("question_16k.wav", 3)
     a = await engine.open_stream("fa", StreamConfig(seed=1))
     b = await engine.open_stream("fb", StreamConfig(seed=2))
-    a.inject_fault("talker")
+    inject_fault(a, "talker")
     for s, sid, u in ((a, "fa", ua), (b, "fb", ub)):
         s.submit(ForceSpeak(sid, 0))
         for i in range(2):
@@ -224,7 +225,7 @@ async def test_update_rebuilds_prefix_and_voice(engine):
     s = await engine.open_stream("up", StreamConfig(instructions="First.", ref_voice=voice("ref_voice_16k.wav"), seed=3))
     s.submit(AppendUnit("up", 0, unit_index=0, audio=u[0], force_listen=True))
     await collect(s, units_done(1))
-    th, c2w = s._st.thinker_handle, s._st.c2w_handle
+    th, c2w = s._st.handles["thinker"], s._st.handles["code2wav"]
     s.submit(UpdateStream("up", 0, config=StreamConfig(instructions="Second.", ref_voice=voice("interrupt_16k.wav"),
                                                        seed=3)))
     s.submit(ForceSpeak("up", 0))
@@ -232,7 +233,7 @@ async def test_update_rebuilds_prefix_and_voice(engine):
     outs = await collect(s, units_done(1))
     assert [o.decision for o in outs if isinstance(o, Decision)] == ["speak"]
     assert [len(o.audio) for o in outs if isinstance(o, AudioChunk)] == [20160]
-    assert s._st.thinker_handle is not th and s._st.c2w_handle is not c2w  # rebuilt from the new prefix / voice
+    assert s._st.handles["thinker"] is not th and s._st.handles["code2wav"] is not c2w  # rebuilt from the new prefix / voice
     await s.aclose()
 
 
@@ -252,7 +253,7 @@ async def test_open_close_100_streams_returns_memory(engine):
     async def cycle(k: int):
         sid = f"m{k}"
         s = await engine.open_stream(sid, StreamConfig(ref_voice=voices[k % 2], seed=k))
-        refs = [weakref.ref(s._st.thinker_handle), weakref.ref(s._st.c2w_handle)]
+        refs = [weakref.ref(s._st.handles["thinker"]), weakref.ref(s._st.handles["code2wav"])]
         speak = k % 25 == 0
         if speak:
             s.submit(ForceSpeak(sid, 0))

@@ -14,6 +14,7 @@ from duplexkit.engine.api import (
     TextDelta, TurnEnd, UnitTimings, UpdateStream,
 )
 from duplexkit.engine.layout import Layout
+from duplexkit.testing import inject_fault
 
 from .toy import ToyStages, tag_value
 
@@ -142,7 +143,7 @@ async def test_fault_in_one_stream_leaves_others_working():
         b = await eng.open_stream("b", StreamConfig(instructions="B"))
         for s, sid in ((a, "a"), (b, "b")):
             s.submit(ForceSpeak(sid, 0))
-        a.inject_fault(stage)
+        inject_fault(a, stage)
         for i in range(3):
             a.submit(AppendUnit("a", 0, unit_index=i, audio=_unit(i)))
             b.submit(AppendUnit("b", 0, unit_index=i, audio=_unit(i)))
@@ -465,4 +466,69 @@ async def test_a_long_reply_runs_in_slices_between_unit_steps():
     assert not reply.done()  # the unit was served while the reply still ran
     res = await asyncio.wait_for(reply, 30)
     assert res.text == "done" and res.completion_tokens == 60
+    await eng.aclose()
+
+
+def test_stream_status_moves_only_along_the_table():
+    """Every move the table allows goes through; every other one raises (a runtime bug, never input)."""
+    import asyncio as _asyncio
+
+    from duplexkit.engine.streams import TRANSITIONS, StreamStateError, StreamStatus, _StreamState
+
+    loop = _asyncio.new_event_loop()
+    try:
+        for src in StreamStatus:
+            for dst in StreamStatus:
+                st = _StreamState("s", StreamConfig(), loop)
+                st.status = src
+                if dst in TRANSITIONS[src]:
+                    st.move(dst)
+                    assert st.status is dst
+                else:
+                    with pytest.raises(StreamStateError):
+                        st.move(dst)
+                    assert st.status is src
+    finally:
+        loop.close()
+    assert set(TRANSITIONS) == set(StreamStatus)
+
+
+def test_every_queued_control_item_has_a_handler():
+    """The (stage, kind) table covers what the runtime queues: open, end turn and close at every stage,
+    update at the thinker and the vocoder, forced speech at the thinker; and nothing for units."""
+    from duplexkit.engine.layout import STAGES
+    from duplexkit.engine.steps import CONTROL, STAGE_OPS
+    from duplexkit.engine.streams import WorkKind
+
+    want = {(s, k) for s in STAGES for k in (WorkKind.OPEN, WorkKind.END_TURN, WorkKind.CLOSE)}
+    want |= {("thinker", WorkKind.UPDATE), ("code2wav", WorkKind.UPDATE), ("thinker", WorkKind.SPEAK_TEXT)}
+    assert set(CONTROL) == want
+    assert set(STAGE_OPS) == set(STAGES)
+
+
+async def test_status_follows_the_stream_and_faults_live_in_the_tests_hook():
+    from duplexkit.engine.streams import StreamStatus
+    from duplexkit.testing import StageFaults
+
+    toy = ToyStages()
+    eng = DuplexEngine(toy, _layout())
+    s = await eng.open_stream("a", StreamConfig(instructions="A"))
+    assert s.status is StreamStatus.OPEN and s.runtime.fault_hook is None
+    inject_fault(s, "talker")
+    hook = s.runtime.fault_hook
+    assert isinstance(hook, StageFaults) and not hasattr(s._st, "fault")
+    assert hook.take("thinker", "a") is None and hook.take("talker", "b") is None
+    inject_fault(s, None)  # cleared: the next talker item runs
+    assert hook.take("talker", "a") is None
+    with pytest.raises(ValueError):
+        inject_fault(s, "vocoder")
+    s.submit(ForceSpeak("a", 0))
+    s.submit(AppendUnit("a", 0, unit_index=0, audio=_unit(0)))
+    await _collect(s, _units_done(1))
+    await s.aclose()
+    assert s.status is StreamStatus.CLOSED and s.closed
+    assert [o async for o in s.outputs()] == [] and s.status is StreamStatus.ENDED
+    f = await eng.open_stream("f", StreamConfig(instructions="fail-open"))  # fails while opening
+    outs = [o async for o in f.outputs()]
+    assert isinstance(outs[0], EngineFailure) and f.status is StreamStatus.ENDED
     await eng.aclose()

@@ -1,7 +1,8 @@
 """The import rules of docs/architecture.md ("Import rules"), checked on the source with ast.
 
 Every ``import`` / ``from ... import`` in duplexkit/ and server/ counts, including the ones inside
-functions (lazy imports are still dependencies). ``errors`` and ``_lazy`` are open to every room.
+functions (lazy imports are still dependencies). ``errors``, ``_lazy`` and ``units`` are open to every
+room.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-OPEN = {"errors", "_lazy"}
+OPEN = {"errors", "_lazy", "units"}
 
 
 def _rules() -> dict[str, set]:

@@ -32,9 +32,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from duplexkit.errors import DuplexkitError
-
 from . import sampling as S
+from .chat_types import ChatInputError, ChatThinkerResult
 from .tokenizer import encode_control, encode_text
 
 __all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "chat_steps", "ChatInputError"]
@@ -42,10 +41,6 @@ __all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "chat_steps", "Ch
 _TXT = ("\ue000", "\ue001")
 _MED = ("\ue002", "\ue003")
 _MARK = re.compile("\ue000(\\d+)\ue001|\ue002(\\d+)\ue003")
-
-
-class ChatInputError(DuplexkitError, ValueError):
-    """A chat message or part of an unsupported shape/type."""
 
 
 @dataclass
@@ -291,8 +286,6 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
     calls in ``tool_calls``; then ``text`` is the text before the call and nothing is spoken).
     Raises ChatInputError (:class:`.tools.ToolSpecError` for bad tools) / ValueError on bad input.
     """
-    from .thinker import ChatThinkerResult
-
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     sp = th.special

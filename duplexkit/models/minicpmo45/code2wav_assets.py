@@ -13,16 +13,16 @@ from typing import Union
 
 import numpy as np
 
-from duplexkit.engine.api import CODES_PER_CHUNK, OUTPUT_SAMPLE_RATE, SAMPLES_PER_CODE, SILENCE_CODE  # noqa: F401 (re-exported)
+from duplexkit.units import CODES_PER_CHUNK, OUTPUT_SAMPLE_RATE, SAMPLES_PER_CODE, SILENCE_CODE  # noqa: F401 (re-exported)
 from duplexkit.errors import DuplexkitError
 
-#: output sample rate (Hz; ``duplexkit.engine.api.OUTPUT_SAMPLE_RATE``)
+#: output sample rate (Hz; ``duplexkit.units.OUTPUT_SAMPLE_RATE``)
 SAMPLE_RATE = OUTPUT_SAMPLE_RATE
 #: prompt-audio sample rate of the S3 tokenizer / CAM++ branch (Hz)
 PROMPT_RATE = 16_000
 #: valid S3 codes are 0..NUM_CODES-1; 6561 (EOS) and anything else is refused
 NUM_CODES = 6561
-#: new codes per non-final synthesis call (``duplexkit.engine.api.CODES_PER_CHUNK``; docs/model.md §7.1)
+#: new codes per non-final synthesis call (``duplexkit.units.CODES_PER_CHUNK``; docs/model.md §7.1)
 CHUNK_CODES = CODES_PER_CHUNK
 #: pre-lookahead / carry codes (docs/model.md §7.1)
 LOOKAHEAD_CODES = 3

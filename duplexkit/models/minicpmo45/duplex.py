@@ -47,15 +47,44 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from . import sampling as S
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .thinker import Thinker, ThinkerStream
+
+class ThinkerLike(Protocol):
+    """What the unit loop reads of a thinker (:class:`.thinker.Thinker`, :class:`.fast_thinker.FastThinker`):
+    a structural type, so this module needs no import of the thinker (which imports it)."""
+
+    config: Any
+    special: Any
+    tokenizer: Any
+    device: Any
+    hidden_size: int
+    forbidden_ids: List[int]
+    continue_mask_ids: List[int]
+
+    def prefill_unit(self, *args: Any, **kwargs: Any) -> Any: ...
+    def feed_token(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class ThinkerStreamLike(Protocol):
+    """What the unit loop reads and writes of one stream's thinker state (:class:`.thinker.ThinkerStream`)."""
+
+    stream_id: str
+    policy: "DuplexPolicy"
+    generator: Optional[torch.Generator]
+    pending_ids: List[int]
+    history: List[int]
+    turn_ended: bool
+    force_speak_pending: bool
+    units_done: int
+    closed: bool
+    last_prefill_logits: Optional[torch.Tensor]
+    forced: List[Tuple[Tuple[int, ...], int]]
 
 __all__ = ["DuplexPolicy", "UnitInput", "UnitResult", "run_unit", "start_unit", "plan_step", "decide", "StepPlan",
            "forced_plan", "ForcedPlan",
@@ -140,7 +169,7 @@ class UnitInput:
         frame: optional RGB uint8 [H, W, 3] riding this unit (docs/model.md §3.3).
     """
 
-    stream: "ThinkerStream"
+    stream: "ThinkerStreamLike"
     audio: np.ndarray
     force_listen: bool = False
     force_speak: bool = False
@@ -323,7 +352,7 @@ def decide(sp, plan: StepPlan, j: int, boundary_tok: int, main_tok: int, turn_en
     return Decision(tok, from_main, False, False, turn_ended, False, j >= 1)
 
 
-def remember(st: "ThinkerStream", tok: int) -> None:
+def remember(st: "ThinkerStreamLike", tok: int) -> None:
     """Append a main-pass choice to the stream's repetition history (kept at most 4 windows long)."""
     st.history.append(tok)
     w = st.policy.repetition_window
@@ -332,7 +361,7 @@ def remember(st: "ThinkerStream", tok: int) -> None:
 
 
 # ------------------------------------------------------------------------------ the two passes
-def _masks(th: "Thinker", device) -> Tuple[torch.Tensor, torch.Tensor]:
+def _masks(th: "ThinkerLike", device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Bool [V] masks (forbidden set, ``min_unit_tokens`` set) on ``device``, cached on the thinker."""
     cache = th.__dict__.setdefault("_decision_masks", {})
     key = str(device)
@@ -343,7 +372,7 @@ def _masks(th: "Thinker", device) -> Tuple[torch.Tensor, torch.Tensor]:
     return cache[key]
 
 
-def main_pass_logits(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor,
+def main_pass_logits(th: "ThinkerLike", sts: Sequence["ThinkerStreamLike"], logits: torch.Tensor,
                      mask_listen: Sequence[bool], must_continue: Sequence[bool]) -> torch.Tensor:
     """Main-pass logits [N, V] of rows of raw logits [N, V] (module doc, step 4): forbidden set,
     the duplex repetition penalty (:func:`.sampling.repetition_penalty_divide`), the ``<|turn_eos|>``
@@ -371,7 +400,7 @@ def main_pass_logits(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torc
     return x
 
 
-def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor, plans: Sequence[StepPlan],
+def choose_tokens(th: "ThinkerLike", sts: Sequence["ThinkerStreamLike"], logits: torch.Tensor, plans: Sequence[StepPlan],
                   generators: Sequence[Optional[torch.Generator]]) -> Tuple[List[int], List[int]]:
     """Boundary-pass and main-pass choices of rows of raw logits [N, V] (one host sync):
     :func:`choose_tokens_device`, then one ``.tolist()``. Returns ``(boundary ids, main ids)``, N each."""
@@ -379,7 +408,7 @@ def choose_tokens(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.T
     return both[0], both[1]
 
 
-def choose_tokens_device(th: "Thinker", sts: Sequence["ThinkerStream"], logits: torch.Tensor,
+def choose_tokens_device(th: "ThinkerLike", sts: Sequence["ThinkerStreamLike"], logits: torch.Tensor,
                          plans: Sequence[StepPlan], generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
     """The two passes of :func:`choose_tokens` without the host read: int64 [2, N] on ``logits``' device
     (row 0 the boundary choices, row 1 the main ones); queues kernels only, no host sync.
@@ -414,7 +443,7 @@ class UnitRow:
     """One stream's unit in progress (shared by the eager and the batched loops)."""
 
     index: int
-    stream: "ThinkerStream"
+    stream: "ThinkerStreamLike"
     force_speak: bool
     turn_start: bool = False
     end_of_turn: bool = False
@@ -427,7 +456,7 @@ class UnitRow:
     forced: Optional[ForcedPlan] = None
 
 
-def open_unit(st: "ThinkerStream", force_listen: bool, force_speak: bool, forced_text: bool = False) -> UnitStart:
+def open_unit(st: "ThinkerStreamLike", force_listen: bool, force_speak: bool, forced_text: bool = False) -> UnitStart:
     """:func:`start_unit` for the stream's next unit, applied to its turn state (the one place, with
     :func:`decode_rows` and :func:`replay_decided`, that writes ``force_speak_pending`` / ``turn_ended``)."""
     s = start_unit(st.policy, st.units_done, force_listen, force_speak, st.force_speak_pending, st.turn_ended,
@@ -437,7 +466,7 @@ def open_unit(st: "ThinkerStream", force_listen: bool, force_speak: bool, forced
     return s
 
 
-def replay_decided(th: "Thinker", st: "ThinkerStream", fed: Sequence[int], turn_start: bool) -> Tuple[bool, bool]:
+def replay_decided(th: "ThinkerLike", st: "ThinkerStreamLike", fed: Sequence[int], turn_start: bool) -> Tuple[bool, bool]:
     """Apply tokens that were decided by :func:`decide` elsewhere (the vLLM thinker's logits
     processor) to the stream's host state, as :func:`decode_rows` does token by token: each fed token
     joins the history; ``<|turn_eos|>`` ends the turn, any other token opens one when the turn had
@@ -454,7 +483,7 @@ def replay_decided(th: "Thinker", st: "ThinkerStream", fed: Sequence[int], turn_
     return turn_start, end_of_turn
 
 
-def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> UnitRow:
+def begin_row(th: "ThinkerLike", index: int, inp: UnitInput, logits_row: int) -> UnitRow:
     """Apply :func:`start_unit` to the stream and return its :class:`UnitRow` (with the unit's
     :func:`forced_plan` when forced text is queued; the queue itself changes in :func:`finish_row`)."""
     st = inp.stream
@@ -472,14 +501,14 @@ def begin_row(th: "Thinker", index: int, inp: UnitInput, logits_row: int) -> Uni
     return row
 
 
-FeedFn = Callable[[List["ThinkerStream"], List[int]], Tuple[torch.Tensor, torch.Tensor]]
+FeedFn = Callable[[List["ThinkerStreamLike"], List[int]], Tuple[torch.Tensor, torch.Tensor]]
 
 
 class Speculation(Protocol):
     """A decode step launched before the host knew the tokens (one-step lookahead, :func:`decode_rows`):
     every row of the launch was fed its main-pass choice at its next position, lengths not advanced."""
 
-    def reuse(self, streams: List["ThinkerStream"]) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[int]]]:
+    def reuse(self, streams: List["ThinkerStreamLike"]) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[int]]]:
         """The rows that go on (each fed its speculated token, in launch order, a subset of the
         launch): ``(hidden [n, H], logits [n, V], rows)``, the whole launch's n >= len(streams) rows,
         with ``rows[k]`` the row of stream ``k`` in those tensors, and the streams' lengths advanced
@@ -490,7 +519,7 @@ class Speculation(Protocol):
         """The launch's results are not used."""
 
 
-SpeculateFn = Callable[[List["ThinkerStream"], torch.Tensor], Optional[Speculation]]
+SpeculateFn = Callable[[List["ThinkerStreamLike"], torch.Tensor], Optional[Speculation]]
 """``speculate(streams, tokens)``: launch the decode step of ``streams`` fed int64 [n] device
 ``tokens`` (no host sync) and return its :class:`Speculation`, or None when it cannot (a row without a
 free position or closed, a batch beyond the largest graph bucket)."""
@@ -522,15 +551,15 @@ class HostRead:
         return self.host.tolist()
 
 
-def _free_to_listen(plan: StepPlan, st: "ThinkerStream") -> bool:
+def _free_to_listen(plan: StepPlan, st: "ThinkerStreamLike") -> bool:
     """A row whose unit may end at this decision with ``<|listen|>``: its turn has ended (it is
     listening) and the step neither masks ``<|listen|>`` nor forces a token."""
     return st.turn_ended and not plan.mask_listen and not plan.must_continue and not plan.cut \
         and plan.forced is None
 
 
-def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
-                generator: Callable[["ThinkerStream"], Optional[torch.Generator]],
+def decode_rows(th: "ThinkerLike", rows: List[UnitRow], logits: torch.Tensor, feed: FeedFn,
+                generator: Callable[["ThinkerStreamLike"], Optional[torch.Generator]],
                 speculate: Optional[SpeculateFn] = None) -> None:
     """The unit decode of every row in lock step (module doc): :func:`plan_step`, :func:`choose_tokens`,
     :func:`decide`, then ``feed(streams, tokens) -> (hidden [n, H], logits [n, V])`` for the rows that
@@ -613,7 +642,7 @@ def decode_rows(th: "Thinker", rows: List[UnitRow], logits: torch.Tensor, feed: 
         j += 1
 
 
-def finish_row(th: "Thinker", row: UnitRow, timings: Dict[str, float]) -> UnitResult:
+def finish_row(th: "ThinkerLike", row: UnitRow, timings: Dict[str, float]) -> UnitResult:
     """Queue the row's terminator and ``</unit>`` for the next prefill and build its :class:`UnitResult`."""
     sp = th.special
     st = row.stream
@@ -643,7 +672,7 @@ def finish_row(th: "Thinker", row: UnitRow, timings: Dict[str, float]) -> UnitRe
 
 
 @torch.inference_mode()
-def run_unit(th: "Thinker", inp: UnitInput) -> UnitResult:
+def run_unit(th: "ThinkerLike", inp: UnitInput) -> UnitResult:
     """Run one duplex unit for one stream, eagerly (the reference-checked path; module doc).
     Raises ``ValueError`` on a closed stream."""
     st = inp.stream

@@ -25,7 +25,7 @@ from typing import Tuple
 
 import numpy as np
 
-from duplexkit.engine.api import FIRST_UNIT_CONSUME, FIRST_UNIT_SAMPLES, INPUT_SAMPLE_RATE, UNIT_SAMPLES
+from duplexkit.units import FIRST_UNIT_CONSUME, FIRST_UNIT_SAMPLES, INPUT_SAMPLE_RATE, UNIT_SAMPLES
 
 __all__ = [
     "SAMPLE_RATE",

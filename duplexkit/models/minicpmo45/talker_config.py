@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from duplexkit.engine.api import SILENCE_CODE  # the silence code pads / prefixes Code2Wav streams (docs/model.md §2)
+from duplexkit.units import SILENCE_CODE  # the silence code pads / prefixes Code2Wav streams (docs/model.md §2)
 from duplexkit.errors import DuplexkitError
 
 from .config import TTSConfig

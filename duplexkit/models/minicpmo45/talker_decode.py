@@ -11,7 +11,7 @@ the same codes for the same seed; offline (chat) calls draw ``[V]`` per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -20,8 +20,19 @@ import torch.nn.functional as F
 from . import sampling as S
 from .talker_config import TalkerSampling, TalkerTurn
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .talker import Talker
+
+class TalkerLike(Protocol):
+    """What the decode loop reads of a talker (:class:`.talker.Talker`): a structural type, so this
+    module needs no import of the talker (which imports it)."""
+
+    config: Any
+    model: Any
+    device: Any
+    dtype: Any
+
+    def code_embed(self, *args: Any, **kwargs: Any) -> Any: ...
+    def forward_embeds(self, *args: Any, **kwargs: Any) -> Any: ...
+    def head_weight(self, *args: Any, **kwargs: Any) -> Any: ...
 
 __all__ = ["penalised_logits", "run_jobs"]
 
@@ -81,7 +92,7 @@ class Job:
     turn_end: bool = False
 
 
-def run_jobs(tk: "Talker", jobs: list) -> list[np.ndarray]:
+def run_jobs(tk: "TalkerLike", jobs: list) -> list[np.ndarray]:
     """Prefill each job, then decode all jobs together.
 
     With ``drop_last`` the ``steps``-th sample is never drawn nor fed (the reference draws and drops
@@ -177,7 +188,7 @@ def run_jobs(tk: "Talker", jobs: list) -> list[np.ndarray]:
             j.turn.text_start_pos += fed[i]
     return [out[i, :n[i]].cpu().numpy().astype(np.int64) for i in range(B)]
 
-def _feed(tk: "Talker", jobs, cache, mask, pos, code, feed, fed, B) -> torch.Tensor:
+def _feed(tk: "TalkerLike", jobs, cache, mask, pos, code, feed, fed, B) -> torch.Tensor:
     """Feed ``emb_code[0](code)`` for every row at its next position; returns the next logits [B, V].
     Rows not in ``feed`` are fed a placeholder that is cut off when the caches are split back."""
     if B == 1:

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .audio_encoder import AudioEncoder, AudioProjector, WhisperStreamCache
+from .chat import chat_generate, chat_steps
+from .chat_types import ChatThinkerResult
 from .config import MiniCPMOConfig
 from .duplex import DuplexPolicy, UnitInput, UnitResult, run_unit
 from .processor import SAMPLE_RATE, StreamingMel, audio_embed_count, image_to_pixels, log_mel_offline
@@ -140,32 +142,6 @@ class ThinkerStream:
     @property
     def turn_open(self) -> bool:
         return not self.turn_ended
-
-
-@dataclass
-class ChatThinkerResult:
-    """Result of :meth:`Thinker.chat`.
-
-    Attributes:
-        text: decoded reply (special tokens skipped).
-        token_ids: int64 [N] generated ids (without the final eos).
-        tts_token_ids: int64 [L] ids strictly inside the last ``<|tts_bos|>``…``<|tts_eos|>``
-            (or ``<|im_end|>``/end) span (docs/model.md §4).
-        tts_hidden: float32 [L, H] final-norm hidden states at those tokens' input positions.
-        finish_reason: "stop" (eos), "length" or "tool_calls".
-        prompt_tokens: prompt length in tokens.
-        tool_calls: :class:`~.tools.ParsedCall` objects (name, arguments JSON text) of a constrained
-            tool call (docs/model.md, "Tool calls"); then ``text`` is the text before the call and
-            the spoken span is empty.
-    """
-
-    text: str
-    token_ids: np.ndarray
-    tts_token_ids: np.ndarray
-    tts_hidden: torch.Tensor
-    finish_reason: str
-    prompt_tokens: int
-    tool_calls: tuple = ()
 
 
 class Thinker:
@@ -546,14 +522,10 @@ class Thinker:
     def chat(self, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False, max_tokens: int = 512,
              temperature: float = 0.7, seed: Optional[int] = None, **kw) -> ChatThinkerResult:
         """Turn-based generation (docs/model.md §4); see :func:`duplexkit.models.minicpmo45.chat.chat_generate`."""
-        from .chat import chat_generate
-
         return chat_generate(self, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
                              max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
 
     def chat_steps(self, messages, **kw):
         """:meth:`chat` one step at a time: a generator yielding after the prefill and after each
         token, returning the :class:`ChatThinkerResult` (:func:`duplexkit.models.minicpmo45.chat.chat_steps`)."""
-        from .chat import chat_steps
-
         return chat_steps(self, messages, **kw)

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .chat import ChatInputError
+from .chat_types import ChatInputError
 
 __all__ = ["ToolSpec", "ToolSpecError", "ParsedCall", "normalize_tools", "normalize_tool_choice", "generation_schema",
            "tool_grammar", "ToolConstraint", "llg_tokenizer", "token_byte_lengths", "CALL_OPEN", "CALL_CLOSE",

@@ -13,7 +13,7 @@ import pytest
 
 from duplexkit.audio import PlaybackBuffer
 from duplexkit.clients import InlineDuplexClient
-from duplexkit.engine.fake import ScriptedEngine
+from duplexkit.testing import ScriptedEngine
 from duplexkit.errors import DuplexConnectionError
 
 

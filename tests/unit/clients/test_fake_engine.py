@@ -152,11 +152,20 @@ async def test_stream_rules():
     assert [o async for o in st.outputs()] == []
 
 
-def test_deprecated_import_path():
-    import duplexkit.engine.fake as fake
+def test_scripted_is_an_engine_plugin():
+    """``load_engine("scripted")`` reaches duplexkit.testing through the ``duplexkit.engines`` plugin
+    table (no engine module imports the testing package), and passes the options and the model id."""
     import duplexkit.testing as testing
+    from duplexkit.engine.loading import load_engine
+    from duplexkit.engine.plugins import engine_plugins, load_plugin
+    from duplexkit.errors import EngineLoadError
 
-    assert fake.ScriptedEngine is testing.ScriptedEngine and fake.tone is testing.tone
+    assert engine_plugins()["scripted"] == "duplexkit.testing.scripted:ScriptedEngine"
+    assert load_plugin("scripted") is testing.ScriptedEngine
+    eng = load_engine("scripted", scripted={"units_per_turn": 3}, model_id="m1", progress=False)
+    assert isinstance(eng, testing.ScriptedEngine) and eng.model_id == "m1"
+    with pytest.raises(EngineLoadError):
+        load_engine("scripted", scripted={"no_such_option": 1}, progress=False)
 
 
 async def test_generate_and_stream():
