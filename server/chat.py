@@ -548,7 +548,7 @@ async def handle(state, request: Request):
             result = await state.until_closing(state.engine.generate(req))
         except ServerClosing:
             return openai_error(503, "the server is shutting down; retry (another replica will take it)",
-                                "session_capacity_exhausted", headers={"Retry-After": str(s.retry_after_s)})
+                                ErrorCode.SESSION_CAPACITY_EXHAUSTED.value, headers={"Retry-After": str(s.retry_after_s)})
         except Exception as exc:
             _log_generation_failure("chat generation failed", exc)
             return openai_error(500, f"generation failed: {exc}", ErrorCode.SERVER_ERROR.value)
@@ -629,7 +629,8 @@ async def handle(state, request: Request):
             yield "data: [DONE]\n\n"
         except ServerClosing:
             err = {"error": {"message": "the server is shutting down; retry (another replica will take it)",
-                             "type": "server_error", "param": None, "code": "session_capacity_exhausted"}}
+                             "type": ERROR_TYPES[ErrorCode.SERVER_ERROR], "param": None,
+                             "code": ErrorCode.SESSION_CAPACITY_EXHAUSTED.value}}
             yield "data: " + json.dumps(err) + "\n\n"
         except Exception as exc:
             _log_generation_failure("chat stream failed", exc)

@@ -1,8 +1,8 @@
 """One home per fact: the model constants, the reference-voice trim and the ``serve`` settings.
 
-* codes per chunk (25), the output rate (24,000 Hz), the silence code (4218) and the silence slack
-  (250 ms) are written once, in duplexkit/engine/api.py (docs/model.md names their source), and
-  imported everywhere else; the wire's own 24 kHz (OpenAI's ``audio/pcm``) once in the vocabulary;
+* codes per chunk (25), the output rate (24,000 Hz) and the silence code (4218) are written once, in
+  duplexkit/units.py (docs/model.md names their source; duplexkit/engine/api.py re-exports them), the
+  silence slack (250 ms) once in duplexkit/engine/api.py, and all are imported everywhere else; the wire's own 24 kHz (OpenAI's ``audio/pcm``) once in the vocabulary;
 * one function trims and bound-checks a reference voice, and its three callers agree;
 * every ``duplexkit serve`` settings option is generated from its ``ServerSettings`` field.
 """
@@ -52,11 +52,11 @@ def _named_assignments(value: int, *words: str) -> list[str]:
 
 
 def test_silence_code_has_one_home():
-    assert _int_literals(4218) == {"duplexkit/engine/api.py": 1}
+    assert _int_literals(4218) == {"duplexkit/units.py": 1}
 
 
 def test_codes_per_chunk_has_one_home():
-    assert _named_assignments(25, "chunk", "codes") == ["duplexkit/engine/api.py:CODES_PER_CHUNK"]
+    assert _named_assignments(25, "chunk", "codes") == ["duplexkit/units.py:CODES_PER_CHUNK"]
 
 
 def test_silence_slack_has_one_home():
@@ -70,7 +70,7 @@ def test_silence_slack_has_one_home():
 
 def test_output_rate_has_one_home_and_the_wire_rate_another():
     # COMMON_RATES in the arrival monitor is a list of rates clients use, not the output rate
-    assert _int_literals(24_000) == {"duplexkit/engine/api.py": 1, "duplexkit/protocol/vocabulary.py": 1,
+    assert _int_literals(24_000) == {"duplexkit/units.py": 1, "duplexkit/protocol/vocabulary.py": 1,
                                      "duplexkit/audio/arrival.py": 1}
     from duplexkit.audio.playback import OUTPUT_RATE
     from duplexkit.clients.records import OUTPUT_RATE as CLIENT_RATE
