@@ -1,6 +1,6 @@
 """Engine speed at real model size on one GPU, with random bf16 weights (no checkpoint needed).
 
-    # on the lent H200 (see benchmarks/README.md for the wheels to carry):
+    # on one H200 (see benchmarks/README.md for the wheels to carry):
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_engine.py --size real --out $OUT/gpu_engine.json
     # A/B of the thinker's own CUDA stream (two processes; the header line says which):
     DUPLEXKIT_THINKER_STREAM=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048

@@ -33,7 +33,7 @@ HISTORY = re.compile(
     re.IGNORECASE)
 
 #: Paths (files, or folders ending in "/") owned by engineers still working when the history sweep
-#: landed; they are swept by the lead after merging. Empty it then.
+#: landed; they are swept after merging. Empty it then.
 PENDING_SWEEP: set[str] = {
     "duplexkit/engine/",
     "duplexkit/models/",

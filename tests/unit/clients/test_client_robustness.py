@@ -1,4 +1,4 @@
-"""Ways of breaking the clients that a new user tried, kept as tests.
+"""Odd but plausible ways of misusing the clients, kept as tests.
 
 In-process (``InlineDuplexClient`` + the scripted engine): odd pcm16 bytes, bad inputs, calls after
 ``close()``, a barge-in when the session is already gone.
