@@ -1,4 +1,4 @@
-"""Code2Wav per stream vs batched, side by side in one run (issue 19).
+"""Code2Wav per stream vs batched, side by side in one run.
 
 For each stream count N, N streams (default voice, different seeds and random codes) push one
 25-code block per round, in steady state (two warm-up rounds: the flow caches are trimmed after the

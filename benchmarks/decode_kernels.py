@@ -1,5 +1,5 @@
 """Micro-benchmark: the one-token decode step's non-GEMM work, torch path vs the Triton kernels of
-duplexkit/models/minicpmo45/triton_decode.py (issue 19), on CUDA.
+duplexkit/models/minicpmo45/triton_decode.py, on CUDA.
 
 Run (from the repository root, one GPU)::
 

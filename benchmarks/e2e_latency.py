@@ -1,4 +1,4 @@
-"""What the user feels: end-to-end latency of the real server over WebSockets (issue 11).
+"""What the user feels: end-to-end latency of the real server over WebSockets.
 
 Starts ``duplexkit serve <model>`` as a subprocess (or targets ``--url``), opens N sessions at once
 and streams the fixture speech into each in real time (100 ms appends, paced by the wall clock;

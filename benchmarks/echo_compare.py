@@ -1,4 +1,4 @@
-"""Compare echo cancellers on the echo scenario of issue 10 (tests/_echo_scenario.py).
+"""Compare echo cancellers on the echo scenario of tests/_echo_scenario.py (speakers without headphones).
 
 Usage: python benchmarks/echo_compare.py [--delays 40 80 120]
 

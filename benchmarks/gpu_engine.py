@@ -1,6 +1,6 @@
 """Engine speed at real model size on one GPU, with random bf16 weights (no checkpoint needed).
 
-    # on the lent H200 (see benchmarks/README.md for the wheels to carry):
+    # on one H200 (see benchmarks/README.md for the wheels to carry):
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_engine.py --size real --out $OUT/gpu_engine.json
     # A/B of the thinker's own CUDA stream (two processes; the header line says which):
     DUPLEXKIT_THINKER_STREAM=1 python3 benchmarks/gpu_engine.py --streams 1,8,32 --tokens 19 --kv-len 2048
@@ -580,7 +580,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-len", type=int_at_least(256, " (a unit's prefill and decode need room)"), default=4096, help="thinker KV positions per stream (fast; >= 256)")
     ap.add_argument("--thinker-window-ms", type=non_negative_float, default=None, metavar="MS",
                     help="the thinker stage's batching window (layout batch_window_ms; default: the layout "
-                         "default, 8 ms; 0 = pick at once, the behaviour before stop 19)")
+                         "default, 8 ms; 0 = pick at once, no window)")
     ap.add_argument("--profile", action="store_true", help="profile one unit of each stage (CUDA only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sample-stacks", action="store_true",

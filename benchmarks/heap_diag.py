@@ -1,4 +1,4 @@
-"""What holds glibc's brk heap resident after a load (issue 13, deliverable 6): a diagnostic that
+"""What holds glibc's brk heap resident after a load: a diagnostic that
 ``benchmarks/load.py`` runs inside the server process when ``DUPLEXKIT_LOAD_DIAG=DIR`` is set.
 
 Linux x86-64 with glibc only, and meant for a server on ``PYTHONMALLOC=malloc`` (every Python object

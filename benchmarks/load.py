@@ -1,4 +1,4 @@
-"""Load and soak benchmark of the bundled server (issue 13, deliverables 4, 6, 7).
+"""Load and soak benchmark of the bundled server.
 
 Usage: python benchmarks/load.py [--sessions 64] [--seconds 300] [--burners 3] [--mode process|inprocess]
        [--warmup-s 20] [--allocator serve|pymalloc] [--mmap-threshold fixed|adaptive] [--json out.json]

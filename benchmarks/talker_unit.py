@@ -2,7 +2,7 @@
 call, two ways on CUDA, side by side in one process:
 
 * ``eager-prefill``: the unit's prefill runs eagerly, then one CUDA graph of the 25 decode steps
-  (``prefill_rows=0``; the path before stop 18);
+  (``prefill_rows=0``; the path without prefill rows);
 * ``graph``: the prefill padded to ``PREFILL_ROWS`` inside the unit's graph (the default).
 
 Run (from the repository root)::

@@ -1,4 +1,4 @@
-"""Tools during a full-duplex conversation (issue 35): how long after the user stops speaking the call
+"""Tools during a full-duplex conversation: how long after the user stops speaking the call
 goes out and the filler is heard, and how long after the tool's output the answer is heard.
 
 Serves the engine with the real server in this process (create_app + uvicorn, as
@@ -94,7 +94,7 @@ SERVER_METRICS = {
     "session_filler": "Session   committed -> first filler audio",
     "unit_ms": "units     engine per unit (UnitTimings total_ms)",
 }
-TARGETS = {  # issue 35, on one H200
+TARGETS = {  # on one H200 (docs/benchmarks.md, "Tools latency")
     "call": "p50 <= 500 at 1 session",
     "filler": "p50 <= 300 at 1 session",
     "answer": "p50 <= 400 after the output arrives",
@@ -342,12 +342,12 @@ def _cell(s: dict) -> str:
 
 
 def print_table(rows: list, header: str) -> None:
-    """Rows are metrics, columns the session counts (p50 / p90 (samples), ms), then the issue's target."""
+    """Rows are metrics, columns the session counts (p50 / p90 (samples), ms), then the target."""
     w = max(len(x) for x in (*CLIENT_METRICS.values(), *SERVER_METRICS.values()))
     cols = [f"{n} session{'s' if n > 1 else ''}" for n, _ in rows]
     cw = max([20] + [len(c) for c in cols])
     print(header)
-    hdr = f"{'metric (ms, p50 / p90 (n))':<{w}} | " + " | ".join(f"{c:>{cw}}" for c in cols) + " | target (issue 35, one H200)"
+    hdr = f"{'metric (ms, p50 / p90 (n))':<{w}} | " + " | ".join(f"{c:>{cw}}" for c in cols) + " | target (one H200)"
     print(hdr)
     print("-" * len(hdr))
     for key, label in {**CLIENT_METRICS, **SERVER_METRICS}.items():

@@ -17,7 +17,7 @@ Two modes, both in a Python that has vLLM and duplexkit's thinker (the same torc
   batches of 1-32 (``--vllm-eager``: none; falls back to eager by itself when the graph start
   fails). The vLLM thinker uses the native thinker's audio front end (Whisper per stream, as
   :class:`VllmDuplexThinker` does). Hidden rows are not fetched (``hidden=False``: the forward hook
-  that records them cannot run inside CUDA graphs). On the lent H200 see
+  that records them cannot run inside CUDA graphs). On an H200 without network access see
   ``scripts/gpu_vllm_stage.sh`` (vLLM 0.26.0 carried as wheels).
 
 Every stream feeds real speech (tests/fixtures/audio) unit by unit, greedy, with

@@ -84,7 +84,7 @@ __all__ = [
 class ErrorCode(str, Enum):
     """Every error code of docs/protocol.md §9 (values are the wire strings).
 
-    ``input_rate_mismatch`` (duplexkit extension, issue 10) is a warning, not a rejection: sent at
+    ``input_rate_mismatch`` (duplexkit extension, docs/protocol.md §6.1) is a warning, not a rejection: sent at
     most once per declared input format when continuous input arrives far slower than its declared
     rate (``duplexkit.audio.arrival``); the audio is still used and nothing else changes.
     """

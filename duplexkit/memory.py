@@ -1,4 +1,4 @@
-"""Give freed heap memory back to the OS after sessions end (issue 13, deliverable 6).
+"""Give freed heap memory back to the OS after sessions end.
 
 Used by the server after a session or chat request ends and by the engine process
 (:mod:`duplexkit.engine.process_child`) after a stream closes.

@@ -1,4 +1,4 @@
-"""The echo scenario of issue 10 (speakers without headphones), shared by tests/unit/audio/test_echo.py
+"""The echo scenario (speakers without headphones, docs/protocol.md §8.7), shared by tests/unit/audio/test_echo.py
 and benchmarks/echo_compare.py.
 
 A ~10 s assistant answer (real speech fixtures, 24 kHz float32) is "played": handed to

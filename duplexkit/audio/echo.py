@@ -473,7 +473,7 @@ class EchoControl:
         # estimate out, so the next answer starts with the gain measured on the last one instead of
         # an empty window that its first frames (the speaker-to-mic delay: reference audible, mic
         # still quiet) would drag far below the real echo; echo frames that then pass as "above"
-        # are never learned, and the gate stays open to the whole answer (issue 36)
+        # are never learned, and the gate stays open to the whole answer
         self._active_samples += n
         win = self.cfg.gain_window_ms * self.capture_rate // 1000
         while self._ratios and self._ratios[0][0] <= self._active_samples - win:

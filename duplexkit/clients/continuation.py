@@ -1,4 +1,4 @@
-"""Cross-replica continuation (issue 18; docs/clients.md, "Continuing elsewhere"): a lossy,
+"""Cross-replica continuation (docs/clients.md, "Continuing elsewhere"): a lossy,
 honest hand-over of a conversation to a new session on another server.
 
 A session's model state (the KV cache of every unit heard and spoken) lives in one server process

@@ -341,7 +341,7 @@ class Conversation:
         heard = min(ev.played_ms, it.sent_ms)
         if ev.truncate:
             # the client's final word on what was heard: it may cut back below what an earlier ack
-            # or commit_on_done's response.done committed (docs/protocol.md §7.5, issue 10)
+            # or commit_on_done's response.done committed (docs/protocol.md §7.5)
             it.committed_ms = heard
             it.final = True
         else:

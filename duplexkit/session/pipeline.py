@@ -225,7 +225,7 @@ class InputPipeline:
             self._feed_silence(now_ms)
             # the next silence unit is due one unit period after this one's place on the schedule, not after
             # the tick that fed it: the slack and the tick's lag are paid once per dry spell, not once per unit,
-            # so an answer driven by silence arrives at 1 s of audio per second (issue 36); more than one
+            # so an answer driven by silence arrives at 1 s of audio per second; more than one
             # period behind (a stalled loop), the schedule restarts from now instead of bursting
             self._last_unit_ms = max(due, now_ms - UNIT_PERIOD_MS)
 
@@ -371,7 +371,7 @@ class InputPipeline:
         """Append units in order. While a response can be interrupted by the server VAD a unit is
         held until the VAD has classified ``_debt_guard()`` samples past its end (440 ms at the
         defaults), so a speech onset whose pre-roll reaches into it advances the epoch first and
-        the unit is tagged with the new epoch (issue 10 item 6)."""
+        the unit is tagged with the new epoch (docs/protocol.md §3)."""
         end_real = self._real_samples
         for u in units:
             if self._holding_units() or len(self._unit_hold):

@@ -113,7 +113,7 @@ _PLAIN_FIELDS = (
 conversion each gets."""
 
 def parse_input_format(p: SessionPatch, cur: InputFormat, default_rate: int, err) -> InputFormat:
-    """The input format of a ``session.update`` (docs/protocol.md §6.1; issue 10 for channels).
+    """The input format of a ``session.update`` (docs/protocol.md §6.1, channels included).
 
     Spellings: a beta string (``pcm16`` | ``pcm_f32le`` | ``g711_ulaw`` | ``g711_alaw`` |
     ``audio/pcm``) with the flat ``sample_rate_hz``; a GA object ``{type, rate}`` which also

@@ -1,4 +1,4 @@
-"""Tools during a conversation (issue 35, docs/tools.md) with the OpenAI Agents SDK realtime runner
+"""Tools during a conversation (docs/tools.md) with the OpenAI Agents SDK realtime runner
 (``openai-agents`` from PyPI, test-only ``--no-deps`` install), unmodified: a ``RealtimeAgent`` with a
 ``@function_tool`` against a real ``duplexkit serve scripted`` process.
 

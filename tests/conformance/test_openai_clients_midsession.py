@@ -1,4 +1,4 @@
-"""Unmodified OpenAI clients against an in-process ``ScriptedEngine`` server, compat profile (issue 36):
+"""Unmodified OpenAI clients against an in-process ``ScriptedEngine`` server, compat profile:
 
 * the OpenAI Python SDK sends the events that OpenAI refuses with ``input_audio_buffer_commit_empty``,
   ``response_cancel_not_active`` and ``conversation_already_has_active_response`` (the codes Pipecat

@@ -1,4 +1,4 @@
-"""Tools during a conversation (issue 35, docs/tools.md) with the unmodified OpenAI Python SDK against a
+"""Tools during a conversation (docs/tools.md) with the unmodified OpenAI Python SDK against a
 real ``duplexkit serve scripted`` process: the function-calling flow end to end (session.update with
 tools, speech, the call, the output, the spoken answer), its error rules over the wire, and user
 transcripts for ``whisper-1``; every event validated by the SDK's typed models (GA, and beta where

@@ -136,8 +136,8 @@ async def provoke_benign_errors(llm: OpenAIRealtimeLLMService, recorder: "Record
     """Through the service's own send path: a ``response.cancel`` with no response active, then two
     ``response.create`` back to back (the second meets the first). OpenAI answers these with
     ``response_cancel_not_active`` and ``conversation_already_has_active_response``, which Pipecat's
-    receive loop logs and passes over; any other code ends the loop (issue 36: duplexkit's own names
-    did, and every later answer was lost)."""
+    receive loop logs and passes over; any other code ends the loop (duplexkit's own names
+    would, and every later answer would be lost)."""
     await llm.send_client_event(rt_events.ResponseCancelEvent())
     n = len(recorder.responses)
     await llm.send_client_event(rt_events.ResponseCreateEvent())

@@ -1,4 +1,4 @@
-"""Issue 36 over a real socket: a whole file sent at once (input ahead of real time), then
+"""Over a real socket: a whole file sent at once (input ahead of real time), then
 ``response.create``: the answer's audio arrives at least as fast as real time when the engine computes a
 unit in less than a unit period.
 

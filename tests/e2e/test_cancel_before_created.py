@@ -1,4 +1,4 @@
-"""Issue 36 over a real socket: ``response.create`` then ``response.cancel`` at once, before the response's
+"""Over a real socket: ``response.create`` then ``response.cancel`` at once, before the response's
 forced unit was decided. The cancelled response plays nothing, no model-triggered response comes back in
 its place, and the next ``response.create`` is answered.
 

@@ -140,8 +140,7 @@ def test_demo_refuses_an_unwritable_output_before_loading():
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_serve_stopped_while_the_model_loads_exits_0_at_once(sig):
     """Ctrl+C (or SIGTERM) while ``/health`` says ``loading`` is a clean stop (exit 0, one warning),
-    not "engine failed to load" with exit 4, and does not wait for the load to finish
-    (new-user trial, issue 16)."""
+    not "engine failed to load" with exit 4, and does not wait for the load to finish."""
     import signal
     import time
 

@@ -1,4 +1,4 @@
-"""Cross-replica continuation (issue 18, deliverable 4; docs/clients.md "Continuing elsewhere"):
+"""Cross-replica continuation (docs/clients.md "Continuing elsewhere"):
 two real ``duplexkit serve scripted`` processes; the first is killed (SIGKILL) in the middle of a
 spoken answer; the client continues on the second, seeded with the instructions, the reference
 voice and the transcript as the user heard it. Lossy by design: the second model gets text only.

@@ -1,4 +1,4 @@
-"""Issue 11 over a real socket: ``duplexkit serve scripted`` as a subprocess, raw WebSocket client.
+"""Early unit close over a real socket: ``duplexkit serve scripted`` as a subprocess, raw WebSocket client.
 
 Measured in units of input, not wall time: the server's silence feeder is pushed out of reach
 (``--silence-slack-ms`` 10 min), so an answer can only come from audio the client actually sent.

@@ -176,7 +176,7 @@ def test_cli_demo_against_server(scripted_server, tmp_path):
 def test_cli_demo_with_a_trimmed_recording_against_server(scripted_server, tmp_path, keep_samples):
     """A user's own tightly trimmed WAV: speech runs to the end of the file (the VAD is still in the
     turn when the demo commits) or pauses inside it (the VAD would commit part of it first). Both
-    used to fail: a 10-minute wait for `committed`, or "input too short" (new-user trial, issue 16)."""
+    used to fail: a 10-minute wait for `committed`, or "input too short"."""
     from duplexkit.audio import write_wav
 
     audio, _ = read_wav(REPO / "tests/fixtures/audio/question_16k.wav", 16_000)

@@ -1,5 +1,5 @@
 """Pipecat's and LiveKit Agents' OpenAI Realtime services run a function tool end to end against a real
-``duplexkit serve scripted`` process (issue 35; docs/tools.md, "Pipecat and LiveKit").
+``duplexkit serve scripted`` process (docs/tools.md, "Pipecat and LiveKit").
 
 The frameworks live in their own venv (scripts/setup_frameworks.sh: pipecat-ai, livekit-agents and
 livekit-plugins-openai pin their own openai / websockets / aiohttp), so each flow runs as a helper
@@ -105,7 +105,7 @@ def test_pipecat_openai_realtime_service_runs_a_function_tool(tmp_path):
 
 
 def test_pipecat_survives_the_benign_errors_and_answers_later_turns(tmp_path):
-    """Issue 36: Pipecat's receive loop passes over ``response_cancel_not_active`` and
+    """Pipecat's receive loop passes over ``response_cancel_not_active`` and
     ``conversation_already_has_active_response`` and ends on any other code. The compat profile sends
     OpenAI's names, so after a cancel with nothing active and a create that meets another, the
     service still takes the user's turn, runs the tool and speaks the answer."""

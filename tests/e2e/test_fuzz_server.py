@@ -1,4 +1,4 @@
-"""Bounded fuzz of the server's WebSocket and HTTP surfaces (issue 13, deliverable 7).
+"""Bounded fuzz of the server's WebSocket and HTTP surfaces.
 
 Against one real ``duplexkit serve scripted`` process: random and hypothesis-generated frames and
 chat bodies — junk JSON, deep nesting, wrong types, real event types with mutated fields, binary

@@ -1,5 +1,5 @@
-"""``duplexkit.integrations.livekit.RealtimeModel`` inside a real LiveKit ``AgentSession`` (issue 37 item 3;
-docs/integrations.md, "LiveKit Agents"), inline (``InlineDuplexClient`` over a ``ScriptedEngine``, no
+"""``duplexkit.integrations.livekit.RealtimeModel`` inside a real LiveKit ``AgentSession``
+(docs/integrations.md, "LiveKit Agents"), inline (``InlineDuplexClient`` over a ``ScriptedEngine``, no
 server) and remote (``DuplexClient`` to ``serve scripted``).
 
 LiveKit lives in its own venv (scripts/setup_frameworks.sh installs livekit-agents 1.8.9 and this

@@ -1,5 +1,5 @@
 """``duplexkit.integrations.pipecat.DuplexkitLLMService`` in a real Pipecat pipeline, on real speech
-(issue 37 item 3; docs/integrations.md, "Pipecat").
+(docs/integrations.md, "Pipecat").
 
 Pipecat lives in its own venv (scripts/setup_frameworks.sh installs pipecat-ai 1.14.0 and this
 checkout's duplexkit there, without torch), so each flow runs tests/e2e/_pipecat_plug_flows.py with

@@ -1,4 +1,4 @@
-"""Server bounds and slots of issue 36, against real ``duplexkit serve scripted`` processes over real
+"""Server bounds and slots, against real ``duplexkit serve scripted`` processes over real
 sockets (docs/server.md, "Limits and close codes"):
 
 * slots are free before the close returns: 100 sequential sessions at a per-client share of 1 are

@@ -1,5 +1,5 @@
-"""What keeps a real ``duplexkit serve`` process's memory bounded after load (issue 13, deliverable 6;
-benchmarks/results/2026-12-01-server-load.md, "Server load"): the server runs with small objects on glibc's malloc (re-executed
+"""What keeps a real ``duplexkit serve`` process's memory bounded after load
+(benchmarks/results/2026-12-01-server-load.md, "Server load"): the server runs with small objects on glibc's malloc (re-executed
 with ``PYTHONMALLOC=malloc``, same pid), and sessions leave no per-session state behind in the one
 registry that lives as long as the process: ``/metrics`` has the same series after 2 spoken sessions
 as after 6, none labelled with a session id.

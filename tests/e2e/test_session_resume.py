@@ -1,4 +1,4 @@
-"""Session resume within a replica (issue 18, docs/protocol.md §1.6) through a real TCP proxy that
+"""Session resume within a replica (docs/protocol.md §1.6) through a real TCP proxy that
 cuts the connection (RST, no close frame: the client sees 1006) while audio deltas stream.
 
 A real uvicorn server (in-process, ScriptedEngine) sits behind :class:`CuttingProxy`; the bundled

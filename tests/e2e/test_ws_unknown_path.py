@@ -1,6 +1,6 @@
 """A WebSocket to a path the server does not have (a typo such as ``/v1/realtim``) is a 404 that
-names the endpoints, and the clients say the URL is wrong, not that the API key was refused
-(issue 16). Against a real ``duplexkit serve scripted`` process."""
+names the endpoints, and the clients say the URL is wrong, not that the API key was refused.
+Against a real ``duplexkit serve scripted`` process."""
 
 from __future__ import annotations
 

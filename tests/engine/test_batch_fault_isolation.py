@@ -1,4 +1,4 @@
-"""A batch-level exception in a stage fails only the stream that caused it (issue 13, deliverable 5).
+"""A batch-level exception in a stage fails only the stream that caused it.
 
 The poisoned toy thinker raises for the *whole batch* whenever a stream tagged ``poison`` is in it
 (as a shape error in a batched forward would), before touching any state. The runtime splits the

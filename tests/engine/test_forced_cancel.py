@@ -1,4 +1,4 @@
-"""A response cancelled before its forced unit is decided never speaks (issue 36).
+"""A response cancelled before its forced unit is decided never speaks.
 
 The Session sends a requested response's forced unit as ``AppendUnit(force_speak=True)`` in epoch E. A
 ``response.cancel`` that comes before the engine decided it sends ``CancelEpoch(E + 1)``: the queued unit is

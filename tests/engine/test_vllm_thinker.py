@@ -151,7 +151,7 @@ def test_vllm_session_tokens_and_hidden_rows_match_native_over_units_with_a_barg
     steps = [
         {"op": "session", "units": units, "hidden": True},  # first: no prefix-cache hits, every row computed
         # after a multi-chunk session ended: an ordinary request, one sharing the session's prefix
-        # (prefix-cache hits on the session's blocks) and a second session (issue 17's wrong-token report)
+        # (prefix-cache hits on the session's blocks) and a second session (the case once reported as wrong tokens)
         {"op": "plain", "ids": prefix, "n": 6},
         {"op": "plain", "ids": units[0]["ids"] + [7, 8, 9], "n": 6},
         {"op": "session", "units": units[:4]},

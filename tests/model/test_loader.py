@@ -132,7 +132,7 @@ def test_marker_sets_random_weights(tiny_dir, tmp_path):
 
 
 def test_load_wires_all_three_stages_from_tiny(tiny_dir):
-    """The tiny builder writes assets/token2wav (helper D's writer); load() wires D's Talker and Code2Wav."""
+    """The tiny builder writes assets/token2wav ; load() wires the Talker and Code2Wav from it."""
     if not (tiny_dir / "assets" / "token2wav").is_dir():
         pytest.skip("code2wav.write_tiny_token2wav not available")
     m = load(tiny_dir, progress=False, devices={"thinker": "cpu", "talker": "cpu", "code2wav": "cpu"})

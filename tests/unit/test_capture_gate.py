@@ -1,7 +1,7 @@
 """The CUDA-graph capture gate (duplexkit/models/minicpmo45/capture_gate.py): a capture never overlaps
 another thread's GPU work, stage work never waits for other stage work, and a stage thread that
-captures while it holds shared work does not deadlock (issue 19 step 9: a lazy capture at 8 sessions
-on the H200 broke the engine for the rest of the process)."""
+captures while it holds shared work does not deadlock (a lazy capture at 8 sessions
+on the H200 once broke the engine for the rest of the process)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One sampler and one duplex decision rule (issue 15): checked on the source with ast.
+"""One sampler and one duplex decision rule: checked on the source with ast.
 
 * Sampling operations (top-k, cumulative-mass top-p, Exp noise / Gumbel draws, multinomial draws,
   ``penalty ** count``) are written only in ``duplexkit/models/minicpmo45/sampling.py``; no other

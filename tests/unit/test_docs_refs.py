@@ -12,9 +12,8 @@ Two named exceptions:
 
 * :data:`TEST_DATA_NOTES`: files that explain which tests use the optional shared test data next to a
   development checkout (``../shared``); they may name it, nothing else may.
-* :data:`PENDING_AFTER_MERGE`: references in files other developers were editing when the specs
-  moved into docs/ (issue 16). The lead empties it after merging; an entry that no longer matches
-  anything fails the test, so the list can only shrink.
+* :data:`PENDING_AFTER_MERGE`: references still to be rewritten in files other developers are editing;
+  empty now. An entry that no longer matches anything fails the test, so the list can only shrink.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ OUTSIDE_REF = re.compile(r"(\.\./shared\b[\w/.-]*|/work/[\w/.-]+)")
 #: file (relative to the root) -> may name ``../shared`` (optional test data of a development checkout).
 TEST_DATA_NOTES = {"README.md", "docs/model.md", "docs/troubleshooting.md"}
 
-#: file -> references still to be rewritten once parallel branches are merged (issue 16). Empty it.
+#: file -> references still to be rewritten in files other developers are editing (empty).
 PENDING_AFTER_MERGE: dict[str, set[str]] = {}
 
 

@@ -1,4 +1,4 @@
-"""The server's small-object allocator (issue 13, deliverable 6): ``duplexkit.memory.use_malloc_for_objects``.
+"""The server's small-object allocator: ``duplexkit.memory.use_malloc_for_objects``.
 
 Why it exists (benchmarks/results/2026-12-01-server-load.md, "Server load"): after a burst of sessions a few surviving objects
 are scattered over the 1 MiB arenas of CPython's pymalloc that the burst filled; an arena is given back

@@ -1,5 +1,5 @@
 """Audio that decodes but is over a length limit says so: ``audio too long: 3.5 s, at most 1 s``, not
-``undecodable audio`` (issue 16), with the documented code unchanged (``bad_audio`` for chat input,
+``undecodable audio``, with the documented code unchanged (``bad_audio`` for chat input,
 ``ref_audio_invalid`` for a reference voice; docs/protocol.md §9)."""
 
 from __future__ import annotations

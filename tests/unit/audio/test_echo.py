@@ -1,4 +1,4 @@
-"""Echo control (issue 10, deliverable 5): speakers without headphones.
+"""Echo control (docs/protocol.md §8.7): speakers without headphones.
 
 Acceptance: with the assistant's own 10 s answer fed back into the mic at -20 dB with 40/80/120 ms
 delay plus room noise, the echo-aware VAD (default server VAD config) starts ZERO utterances; in the

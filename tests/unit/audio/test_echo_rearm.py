@@ -1,4 +1,4 @@
-"""The echo gate after barge-ins (issue 36): answers that follow barge-ins are not cut by their own echo.
+"""The echo gate after barge-ins: answers that follow barge-ins are not cut by their own echo.
 
 A speaker and a microphone in one room, closed loop, in 20 ms blocks: the assistant's answer (real
 speech fixtures at 24 kHz, starting at a word as a vocoder's first chunk can, not in a fade-in) is

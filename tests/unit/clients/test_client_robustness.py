@@ -1,4 +1,4 @@
-"""What a new user found by trying to break the clients (fresh-user pass of stop 9), kept as tests.
+"""Odd but plausible ways of misusing the clients, kept as tests.
 
 In-process (``InlineDuplexClient`` + the scripted engine): odd pcm16 bytes, bad inputs, calls after
 ``close()``, a barge-in when the session is already gone.

@@ -1,4 +1,4 @@
-"""SessionDriver: engine commands never wait behind socket writes (issue 13, deliverable 4).
+"""SessionDriver: engine commands never wait behind socket writes.
 
 A client whose socket stalls (``on_event`` never returns) must not stop its own input from reaching
 the engine: before the fix both went through one queue and appends were refused with

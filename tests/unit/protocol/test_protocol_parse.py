@@ -26,11 +26,11 @@ def test_error_table_covers_protocol_section_9():
         "unsupported_turn_detection", "input_audio_buffer_empty", "response_already_active", "response_not_active",
         "item_not_found", "invalid_truncate", "ref_audio_invalid", "ref_audio_update_unsupported",
         "session_capacity_exhausted", "input_backpressure", "unauthorized", "server_error",
-        "input_rate_mismatch",  # duplexkit extension (a warning, issue 10)
-        "model_not_found",  # a refused model id (handshake and chat, issue 14)
-        # session.resume refusals (issue 18, docs/protocol.md §1.6)
+        "input_rate_mismatch",  # duplexkit extension (a warning)
+        "model_not_found",  # a refused model id (handshake and chat)
+        # session.resume refusals (docs/protocol.md §1.6)
         "resume_not_found", "resume_expired", "resume_unauthorized", "resume_journal_overflow",
-        # tools (issue 35, docs/tools.md)
+        # tools (docs/tools.md)
         "invalid_tools", "call_not_found", "call_already_answered", "call_cancelled"}
     assert set(ERROR_TYPES) == set(ErrorCode)
     assert ERROR_TYPES[ErrorCode.INPUT_BACKPRESSURE] == "rate_limit_error"

@@ -1,4 +1,4 @@
-"""Early unit close (issue 11) and the barge-in epoch fence (issue 10 item 6), on the sans-I/O
+"""Early unit close and the barge-in epoch fence (docs/protocol.md §3), on the sans-I/O
 Session with a simulated clock (``Driver.t``, ms) and real speech from tests/fixtures/audio.
 
 What the model hears is reconstructed from the ``AppendUnit`` commands: their audio, epoch and

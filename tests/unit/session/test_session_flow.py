@@ -93,7 +93,7 @@ def test_commit_create_speak_full_envelope():
     new = d.send({"type": "response.create"})
     assert d.types(new) == ["response.created"]
     assert new[0]["response"]["trigger"] == "client" and new[0]["response"]["epoch"] == 0
-    # the forced unit runs at once (issue 11): the commit's partial unit (2 640 real samples after
+    # the forced unit runs at once (early unit close): the commit's partial unit (2 640 real samples after
     # unit 0's 16 560) is held back for COMMIT_MERGE_MS and becomes the forced unit, zero-padded
     forced = [c for c in new if isinstance(c, AppendUnit)]
     assert len(forced) == 1 and forced[0].force_speak and not forced[0].force_listen

@@ -1,4 +1,4 @@
-"""Declared input formats the Session must never misread (issue 10, deliverable 4, server half).
+"""Declared input formats the Session must never misread (docs/protocol.md §6.1; the server's half).
 
 * Channels: interleaved stereo (real speech: question_16k.wav left, interrupt_16k.wav right) declared
   with ``channels: 2`` reaches the engine as the mono downmix ``(L + R) / 2`` with the right duration,

@@ -1,4 +1,4 @@
-"""Session-level interop (issue 14): vLLM-Omni's session fields and item-id convention, OpenAI's
+"""Session-level interop (docs/protocol.md §11): vLLM-Omni's session fields and item-id convention, OpenAI's
 semantic_vad, field-naming errors of an all-or-nothing session.update (docs/server.md, "Interop")."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``conversation.item.create`` audio counts against ``max_pending_input_s`` like appends do
-(issue 13, deliverable 3): a client cannot queue unbounded audio through items."""
+"""``conversation.item.create`` audio counts against ``max_pending_input_s`` like appends do:
+a client cannot queue unbounded audio through items."""
 
 from __future__ import annotations
 

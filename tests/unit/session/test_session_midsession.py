@@ -1,5 +1,5 @@
 """Mid-session instructions and text items, ignored-field warnings and the wire naming of error codes
-(issue 36; docs/protocol.md §4.1 "Instructions after the first unit", §4.2, §9 "Which code is sent")."""
+(docs/protocol.md §4.1 "Instructions after the first unit", §4.2, §9 "Which code is sent")."""
 
 from __future__ import annotations
 

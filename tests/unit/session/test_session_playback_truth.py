@@ -1,4 +1,4 @@
-"""Playback truth in both profiles, as (events in -> events out) tables (docs/protocol.md §7.4-§7.5, issue 10).
+"""Playback truth in both profiles, as (events in -> events out) tables (docs/protocol.md §7.4-§7.5).
 
 The stored assistant item must end up covering exactly what the client reports it heard:
 

@@ -1,4 +1,4 @@
-"""Silence units follow the unit schedule (issue 36): while a response is active and input has run dry
+"""Silence units follow the unit schedule: while a response is active and input has run dry
 (the client sent a whole file at once, or stopped sending), the Session feeds one silence unit per unit
 period, so an answer carried by silence arrives at 1 s of audio per second. The grace
 ``silence_slack_ms`` is paid once per dry spell, not once per unit (it was: a unit every 1.30 s, 2.9 s of

@@ -1,4 +1,4 @@
-"""Turn confirmation (issue 36): a server-VAD answer is not heard before the VAD has confirmed the
+"""Turn confirmation: a server-VAD answer is not heard before the VAD has confirmed the
 turn ended, so a false end of turn ("My name is John" [pause] "Doe") is withheld, not played.
 
 The sans-I/O Session with a simulated clock (``Driver.t``, ms) and real speech (espeak-ng
