@@ -46,7 +46,7 @@ Epochs and cancellation
 * queued **input units are kept** and re-tagged with E: they carry the user's (barge-in) speech,
   which docs/protocol.md §7.2 feeds to the model in the new epoch; a re-tagged unit submitted with
   ``force_speak`` (the forced unit of a response cancelled before it was decided) loses it and is
-  decided as a forced ``listen``: a cancelled forced unit never speaks (issue 36);
+  decided as a forced ``listen``: a cancelled forced unit never speaks;
 * no ``TurnEnd`` is emitted for the cancelled turn (the Session ends its response itself);
 * forced speech (``SpeakText``) not yet spoken is dropped: queued ``SpeakText`` items are removed and
   the thinker's ``end_turn`` empties the stream's forced-text queue.

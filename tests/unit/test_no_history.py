@@ -34,15 +34,7 @@ HISTORY = re.compile(
 
 #: Paths (files, or folders ending in "/") owned by engineers still working when the history sweep
 #: landed; they are swept after merging. Empty it then.
-PENDING_SWEEP: set[str] = {
-    "duplexkit/engine/",
-    "duplexkit/models/",
-    "duplexkit/testing/",
-    "duplexkit/cli/",
-    "duplexkit/preflight.py",
-    "server/app.py",
-    "server/lifecycle.py",
-}
+PENDING_SWEEP: set[str] = set()  # none: every path is swept
 
 #: file -> why its hits are not history.
 EXCEPTIONS: dict[str, str] = {

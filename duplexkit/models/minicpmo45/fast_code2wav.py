@@ -297,7 +297,7 @@ class BatchedCode2Wav(BatchedFlow, DiTKernels, GraphSetup, Code2Wav):
         """HiFT holding the capture gate shared (:mod:`.capture_gate`): no graph capture on another
         thread may be open while HiFT launches kernels or (the per-stream path) draws from the default
         CUDA generator. Shared holds never wait for each other, so the talker does not wait for the
-        vocoder (issue 19 step 8).
+        vocoder.
 
         cuDNN autotuning (``cudnn.benchmark``) is on only inside :meth:`warmup`, for the steady chunk
         shapes: ~25 % less CPU per chunk on the H200 (benchmarks/results/2026-11-30-gpu-engine-h200.md,

@@ -169,8 +169,8 @@ class FastTalker:
         cuda_graphs: capture the unit (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``): its
             prefill of at most :data:`PREFILL_ROWS` positions and its 25 decode steps.
         prefill_rows: prefills of at most this many positions run inside the unit's graph (default
-            :data:`PREFILL_ROWS`; 0: every prefill eagerly before a decode-only graph, the path
-            before stop 18, for ``benchmarks/talker_unit.py``).
+            :data:`PREFILL_ROWS`; 0: every prefill eagerly before a decode-only graph, the
+            A/B path of ``benchmarks/talker_unit.py``).
 
     Raises:
         ValueError: ``prefill_rows`` negative.
