@@ -95,14 +95,23 @@ class ParsedCall:
 # ------------------------------------------------------------------------------ specs
 def llg_tokenizer(th) -> Any:
     """The thinker's ``llguidance.LLTokenizer`` (built once per tokenizer, ~1 s for the real vocabulary),
-    with the model's vocabulary size and the chat stop ids (``<|im_end|>``, ``<|endoftext|>``) as EOS."""
+    with the model's vocabulary size and the chat stop ids (``<|im_end|>``, ``<|endoftext|>``) as EOS.
+
+    Raises what ``llguidance.hf.from_tokenizer`` raises (``TypeError`` from llguidance < 1.7, which takes
+    one EOS id only); a failed build is remembered, so later calls fail at once instead of paying it again."""
     tok = th.tokenizer
     cached = getattr(tok, "_duplexkit_llg", None)
     if cached is not None and cached[0] == th.config.vocab_size:
+        if isinstance(cached[1], BaseException):  # a build that failed fails again at once (it costs ~1 s)
+            raise cached[1]
         return cached[1]
     import llguidance.hf
 
-    lt = llguidance.hf.from_tokenizer(tok, n_vocab=int(th.config.vocab_size), eos_token=list(th.special.eos_ids))
+    try:
+        lt = llguidance.hf.from_tokenizer(tok, n_vocab=int(th.config.vocab_size), eos_token=list(th.special.eos_ids))
+    except Exception as exc:  # e.g. llguidance < 1.7 refuses a list of EOS ids
+        tok._duplexkit_llg = (th.config.vocab_size, exc)
+        raise
     tok._duplexkit_llg = (th.config.vocab_size, lt)
     return lt
 

@@ -1,0 +1,43 @@
+"""The tool decider's llguidance tokenizer: built once per tokenizer, and a failed build (llguidance
+< 1.7 refuses the list of chat stop ids) is remembered, so each later turn fails at once instead of
+paying the ~1 s build again (seen on the GPU: 16 sessions' decisions queued behind repeated builds)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+llguidance_hf = pytest.importorskip("llguidance.hf")
+
+from duplexkit.models.minicpmo45.tools import llg_tokenizer  # noqa: E402
+
+
+def _thinker():
+    return SimpleNamespace(tokenizer=SimpleNamespace(), config=SimpleNamespace(vocab_size=100),
+                           special=SimpleNamespace(eos_ids=(7, 8)))
+
+
+def test_a_failed_build_is_not_retried(monkeypatch):
+    calls = []
+
+    def refuse(tok, n_vocab=None, eos_token=None, slices=None):
+        calls.append(eos_token)
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(llguidance_hf, "from_tokenizer", refuse)
+    th = _thinker()
+    for _ in range(3):
+        with pytest.raises(TypeError, match="eos_token"):
+            llg_tokenizer(th)
+    assert calls == [[7, 8]]  # both stop ids passed, and one build only
+
+
+def test_a_good_build_is_cached(monkeypatch):
+    built = []
+    monkeypatch.setattr(llguidance_hf, "from_tokenizer", lambda tok, **kw: built.append(kw) or object())
+    th = _thinker()
+    first = llg_tokenizer(th)
+    assert llg_tokenizer(th) is first and len(built) == 1
+    th.config.vocab_size = 200  # another vocabulary size builds again
+    assert llg_tokenizer(th) is not first and len(built) == 2
