@@ -1,4 +1,5 @@
-"""The bundled server's settings, defined once: :class:`ServerSettings`.
+"""The bundled server's settings, defined once: :class:`ServerSettings` (a pydantic dataclass: its
+field types are validated on construction, and each option's bounds and choices too).
 
 Each field that ``duplexkit serve`` exposes is declared with :func:`option`, which keeps the option's
 help, flag spelling, bounds and choices beside the field's type and default; ``duplexkit serve``
@@ -15,6 +16,9 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from duplexkit.engine.api import SILENCE_SLACK_MS
 
@@ -60,7 +64,7 @@ def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str,
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True))
 class ServerSettings:
     """Server options. A field made with :func:`option` is also a ``duplexkit serve`` option, generated
     from it (name, type, default, bounds, choices, help: :func:`cli_options`).
@@ -262,6 +266,21 @@ class ServerSettings:
                                              "(e.g. 7d); default: keep all")
 
     def __post_init__(self) -> None:
+        # the field types are checked by pydantic on construction; the bounds and choices each option
+        # declares hold for settings built in code too, not only for the command line
+        for f in fields(self):
+            cli = f.metadata.get("cli")
+            v = getattr(self, f.name)
+            if cli is None or v is None or isinstance(v, bool):
+                continue
+            if cli.choices is not None and v not in cli.choices:
+                raise ValueError(f"ServerSettings.{f.name}: expected one of {', '.join(map(str, cli.choices))}, got {v!r}")
+            if isinstance(v, (int, float)):
+                if (cli.ge is not None and v < cli.ge) or (cli.gt is not None and v <= cli.gt) or (
+                        cli.le is not None and v > cli.le):
+                    bounds = " and ".join(f"{op} {b}" for op, b in ((">=", cli.ge), (">", cli.gt), ("<=", cli.le))
+                                          if b is not None)
+                    raise ValueError(f"ServerSettings.{f.name}: must be {bounds}, got {v!r}")
         env_key = os.environ.get("DUPLEXKIT_API_KEY")
         if env_key and env_key not in self.api_keys:
             self.api_keys = [*self.api_keys, env_key]

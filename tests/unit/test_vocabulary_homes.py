@@ -219,3 +219,18 @@ def test_settings_fields_keep_their_defaults():
     s = ServerSettings(max_sessions=2)
     assert dataclasses.replace(s, max_sessions=4).max_sessions == 4
     assert s.aliases == [] and s.voices == {} and s.max_event_bytes == 16 * 2**20 and s.record_policy == "all"
+
+
+def test_settings_built_in_code_get_the_options_checks():
+    """ServerSettings is a pydantic dataclass: field types are validated, and the bounds and choices an
+    option declares hold for settings built in code, as on the command line."""
+    import pydantic
+    import pytest
+
+    from duplexkit.settings import ServerSettings
+
+    assert ServerSettings(max_sessions=3).max_sessions == 3
+    for bad in ({"max_sessions": 0}, {"max_sessions": "many"}, {"openai_model_ids": "maybe"},
+                {"record_max_mb": 0.0}):
+        with pytest.raises(pydantic.ValidationError):
+            ServerSettings(**bad)
