@@ -10,14 +10,16 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from duplexkit.errors import ERROR_TYPES, ErrorCode
+from duplexkit.errors import ERROR_TYPES, DuplexkitError, ErrorCode
 
 __all__ = ["ServerClosing", "openai_error"]
 
 
-class ServerClosing(Exception):
+class ServerClosing(DuplexkitError):
     """A request cut short because the server is shutting down (``ServerState.until_closing`` in
     :mod:`.app`)."""
+
+    default_code = ErrorCode.SESSION_CAPACITY_EXHAUSTED.value  # retry: another replica takes it
 
 
 def openai_error(status: int, message: str, code: str, *, type_: Optional[str] = None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from ..errors import DuplexkitError
 from .api import StreamConfig
 from .layout import STAGES
 
@@ -58,7 +59,7 @@ _LIVE = frozenset({StreamStatus.OPENING, StreamStatus.OPEN})
 _DONE = frozenset({StreamStatus.CLOSED, StreamStatus.ENDED})
 
 
-class StreamStateError(RuntimeError):
+class StreamStateError(DuplexkitError, RuntimeError):
     """A status move :data:`TRANSITIONS` does not allow (a bug in the runtime, never user input)."""
 
 

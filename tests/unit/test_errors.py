@@ -179,7 +179,10 @@ def test_every_exception_class_derives_from_duplexkit_error(monkeypatch):
     found, offenders = set(), set()
     for m in mods:
         for _, cls in inspect.getmembers(m, inspect.isclass):
-            if issubclass(cls, BaseException) and cls.__module__ == m.__name__:
+            # a signal as an exception (SIGTERM raised like Ctrl+C's KeyboardInterrupt) is not an error:
+            # deriving it from DuplexkitError (an Exception) would let `except Exception` swallow it
+            if (issubclass(cls, BaseException) and cls.__module__ == m.__name__
+                    and not issubclass(cls, (KeyboardInterrupt, SystemExit))):
                 qual = f"{cls.__module__}.{cls.__qualname__}"
                 found.add(qual)
                 if not issubclass(cls, DuplexkitError):
