@@ -178,7 +178,20 @@ def use_malloc_for_objects(environ: Optional[dict] = None, execve=None) -> bool:
     if "glibc.malloc.tcache_count" not in tunables:
         new["GLIBC_TUNABLES"] = f"{tunables}:{TCACHE_TUNABLE}" if tunables else TCACHE_TUNABLE
         new[_TUNABLES_SAVED] = tunables
-    (execve or os.execve)(sys.executable, list(sys.orig_argv), new)
+    # SIGINT and SIGTERM stay blocked across the exec (a blocked signal stays pending in the new image)
+    # until the new process's CLI holds them (duplexkit.cli.common.held_signals), so a Ctrl+C during
+    # its start-up imports ends it cleanly instead of with a traceback
+    import signal
+
+    stop = {signal.SIGINT, signal.SIGTERM}
+    if execve is None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        (execve or os.execve)(sys.executable, list(sys.orig_argv), new)
+    except BaseException:
+        if execve is None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
+        raise
     return True  # only when a test's execve returns
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,7 @@ from .common import (
     EXIT_USAGE,
     TINY_MAX_OUTPUT_TOKENS,
     Terminated,
+    held_signals,
     install_sigterm,
     _debug,
     _eprint,
@@ -250,8 +252,18 @@ def _version() -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     if argv is None:  # the process's own command: SIGTERM stops it as Ctrl+C does (exit 143)
+        # building the parser imports pydantic and numpy (~1 s): a signal then is held until the
+        # imports are done (an exception raised inside an extension module's import can panic it),
+        # and the command ends at once with the same line and status as in any later phase
+        with held_signals() as held:
+            parser = build_parser()
         install_sigterm()
-    parser = build_parser()
+        if held:
+            terminated = held[0] == signal.SIGTERM
+            _eprint("terminated" if terminated else "interrupted")
+            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    else:
+        parser = build_parser()
     args = parser.parse_args(argv)
     # the process's own command line (the console script, python -m duplexkit[.cli]), not a call from
     # another program (tests, embedding): only then may `serve` re-execute the process

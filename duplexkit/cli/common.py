@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -124,6 +125,29 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
+
+
+@contextlib.contextmanager
+def held_signals():
+    """SIGINT and SIGTERM held while the block runs (main thread only): the block is not interrupted,
+    and the list it yields holds the signal numbers that arrived (in order) once it ends. The handlers
+    in force before are restored on exit."""
+    import signal
+
+    got: list = []
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # nohup and friends: an ignored signal stays ignored
+        old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    # a process re-executed by `serve` (duplexkit.memory.use_malloc_for_objects) starts with both
+    # blocked, so that a signal during its start-up waits: it is delivered here, to the handlers above
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield got
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def install_sigterm() -> None:
