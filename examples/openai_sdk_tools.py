@@ -17,8 +17,8 @@ The flow is OpenAI Realtime's function calling, nothing duplexkit-specific on th
 
 ``--tool-choice required`` (the default) makes the decider call the tool whatever the weights say,
 so the loop runs against ``serve tiny`` (random weights: the spoken words are noise) and ``serve
-scripted``; use ``auto`` with a real checkpoint. Exit status: 0 when the answer completed, 1 when a
-response failed or no call came, 3 when the server cannot be reached.
+scripted``; use ``auto`` with a real checkpoint. Exit status: 0 when the answer completed (or ended
+``incomplete`` at a length cap, as tiny's does), 1 when a response failed or no call came, 3 when the server cannot be reached.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ async def main(args: argparse.Namespace) -> int:
                     asked = True
                 elif asked and started_by != "filler":  # the spoken answer to the outputs
                     answer = audio_of.get(r.id, [])
-                    if r.status != "completed":
+                    if r.status == "incomplete":  # a length cap (serve tiny: 40 tokens) still answered
+                        print(f"note: the answer ended {r.status} (a length cap); writing what was said")
+                    elif r.status != "completed":
                         return 1
                     break
     if not calls_answered:

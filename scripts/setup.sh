@@ -276,6 +276,7 @@ else
       "disk; it runs on the CPU too). For the light build, make download.pytorch.org reachable (HTTPS_PROXY=...)" \
       "or point DUPLEXKIT_TORCH_CPU_INDEX at a mirror of it, then run this again into a fresh venv" \
       "(DUPLEXKIT_VENV=DIR, or delete $VENV)" >&2
+    TORCH_FELL_BACK=1
     TORCH_INDEX=""
   fi
   if [[ -n $TORCH_INDEX ]]; then
@@ -299,5 +300,11 @@ fi
 if grep -q "BuildBackendWarning: Editable installation" "$PIP_LOG" 2>/dev/null; then
   echo "[setup] (the 'Editable installation' notice above is setuptools' standard note for an editable install; nothing is wrong)"
 fi
+if [[ ${TORCH_FELL_BACK:-0} == 1 ]]; then
+  TORCH_INDEX=$CPU_INDEX  # the stamp holds what was asked for, so a rerun finds it current
+fi
 setup_stamp >"$STAMP_FILE"
 echo "[setup] done: $VENV ($(du -sh "$VENV" 2>/dev/null | cut -f1) on disk)"
+if [[ ${TORCH_FELL_BACK:-0} == 1 ]]; then
+  echo "[setup] note: this venv holds the CUDA build of torch (the CPU-only index could not be reached; see the warning above)" >&2
+fi

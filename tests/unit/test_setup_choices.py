@@ -193,6 +193,11 @@ def test_an_unreachable_cpu_index_falls_back_to_pypi_and_says_so(fake_venv, tmp_
     calls = _pip_calls(log)
     assert any(c.endswith("--force-reinstall --no-deps torch==2.9.1 torchaudio==2.9.1") for c in calls), calls
     assert not any("--index-url" in c for c in calls), calls
+    assert "holds the CUDA build of torch" in r.stderr.splitlines()[-1]  # said again at the end
+    # the stamp records the inputs of the run, not the fallback: the next run with them is up to date
+    stamp = _setup("--print-stamp", venv=venv, path=_path_without_nvidia_smi(), tmp_path=tmp_path,
+                   DUPLEXKIT_TORCH_CPU_INDEX=f"http://127.0.0.1:{port}/whl/cpu").stdout.strip()
+    assert (venv / ".duplexkit-setup-stamp").read_text().strip() == stamp
 
 
 def test_an_explicit_cpu_choice_does_not_fall_back(fake_venv, tmp_path):
