@@ -42,3 +42,40 @@ def fixtures_audio() -> Path:
     """Folder of real speech WAVs (16 kHz mono pcm16; onsets/offsets in its README.md)."""
     return FIXTURES_AUDIO
 
+
+
+# --- the slow group ---------------------------------------------------------------------------------
+# Tests marked `slow` here, by node-id pattern (fnmatch on the node id, relative to the repository
+# root), with the reason. `scripts/test.sh` with no arguments runs `-m "not slow and not ray"` (the
+# contributor's default); `scripts/test.sh --all` and `.ci/run` run everything. Marking by path keeps
+# the test files untouched. Times are pytest --durations on 2 cores (docs/install.md, "Running the tests").
+#: (node-id pattern, why it is slow)
+SLOW: tuple[tuple[str, str], ...] = (
+    ("tests/engine/test_vllm_*.py::*", "the vLLM thinker backend in its own venv (setup ~2.3 min once; 30-35 s a test)"),
+    ("tests/e2e/test_framework_tools.py::*", "Pipecat / LiveKit Agents in their own venv (~16 s)"),
+    ("tests/e2e/test_pipecat_plug.py::*", "duplexkit's Pipecat service in the frameworks venv (~60 s)"),
+    ("tests/e2e/test_livekit_plug.py::*", "duplexkit's LiveKit plugin in the frameworks venv (~45 s)"),
+    ("tests/browser/*", "headless Chromium (Debian chromium, installed on demand)"),
+    ("tests/model/test_code2wav_fp16.py::*", "float16 and float32 Code2Wav flows side by side (20-30 s a test)"),
+    ("tests/e2e/test_fuzz_server.py::*", "over 20,000 hostile frames and HTTP bodies (20-25 s a test)"),
+    ("tests/e2e/test_benchmark_e2e_latency.py::*", "the end-to-end benchmark with a tiny torch engine (~24 s)"),
+    ("tests/e2e/test_demo_long_input.py::*", "22 s and 12 s of input sent in real time (~20 s a test)"),
+    ("tests/unit/test_benchmark_cli.py::test_gpu_engine_exits_non_zero_when_units_fail",
+     "builds the tiny model and runs 14 units"),
+)
+
+
+def slow_reason(nodeid: str) -> str | None:
+    """The reason ``nodeid`` is in the slow group (:data:`SLOW`), or None."""
+    from fnmatch import fnmatchcase
+
+    return next((why for pattern, why in SLOW if fnmatchcase(nodeid, pattern)), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that :data:`SLOW` names `slow` (deselect them with ``-m "not slow"``)."""
+    for item in items:
+        why = slow_reason(item.nodeid)
+        if why is not None:
+            item.add_marker(pytest.mark.slow(reason=why))
