@@ -62,6 +62,22 @@ SLOW: tuple[tuple[str, str], ...] = (
     ("tests/e2e/test_demo_long_input.py::*", "22 s and 12 s of input sent in real time (~20 s a test)"),
     ("tests/unit/test_benchmark_cli.py::test_gpu_engine_exits_non_zero_when_units_fail",
      "builds the tiny model and runs 14 units"),
+    # the heaviest tiny-model tests; the lighter tests of the same files stay in the default
+    ("tests/model/test_code2wav.py::test_interleaved_streams_do_not_cross_talk",
+     "two voices, 12 pushes of the tiny flow (the longest Code2Wav test)"),
+    ("tests/model/test_code2wav.py::test_streams_of_one_voice_share_its_base_cache_until_they_speak",
+     "several streams of the tiny flow"),
+    ("tests/model/test_code2wav.py::test_turn_reset_restores_state", "two full turns of the tiny flow"),
+    ("tests/model/test_code2wav.py::test_prompt_features_cached_by_content_hash", "prompt features of fresh voices"),
+    ("tests/model/test_code2wav_batch.py::test_batched_code2wav_equals_per_stream_path[[]*-whole[]]",
+     "the whole-batch case; the pad and sub-batch cases of the same check stay in the default"),
+    ("tests/model/test_code2wav_batch.py::test_turn_end_sub_batch_that_runs_out_of_memory_is_redone_in_halves*",
+     "a turn-end batch redone in halves, twice over"),
+    ("tests/e2e/test_client_parity.py::test_parity_tiny[[]seeded[]]",
+     "seeded sampling on the tiny model over three transports; [greedy] stays in the default"),
+    ("tests/e2e/test_voice_notes_example.py::test_voice_notes_agent_on_the_tiny_model_says_its_weights_are_random",
+     "the voice-notes example on the tiny model"),
+    ("tests/e2e/test_engine_process_tiny.py::*", "speech through the engine process on the tiny model"),
 )
 
 
