@@ -78,6 +78,10 @@ SLOW: tuple[tuple[str, str], ...] = (
     ("tests/e2e/test_voice_notes_example.py::test_voice_notes_agent_on_the_tiny_model_says_its_weights_are_random",
      "the voice-notes example on the tiny model"),
     ("tests/e2e/test_engine_process_tiny.py::*", "speech through the engine process on the tiny model"),
+    ("tests/e2e/test_client_formats_and_echo.py::test_own_voice_through_the_speakers_neither_barges_in_nor_starts_a_turn[[]40[]]",
+     "the same echo path as [80] (which stays in the default) at another speaker delay"),
+    ("tests/e2e/test_client_formats_and_echo.py::test_own_voice_through_the_speakers_neither_barges_in_nor_starts_a_turn[[]120[]]",
+     "the same echo path as [80] (which stays in the default) at another speaker delay"),
 )
 
 
