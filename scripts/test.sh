@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run the tests (unit, model parity, engine, end-to-end, device, conformance).
 #   scripts/test.sh              the contributor's default: everything but the slow group and the Ray
-#                                group, one pytest run of -m "not slow and not ray" (about 10 min on 2
+#                                group, one pytest run of -m "not slow and not ray" (about 15 min on 2
 #                                idle cores); the slow group is listed, with reasons, in tests/conftest.py SLOW
 #   scripts/test.sh --all        everything, as CI runs it (.ci/run): the main run (slow group included),
 #                                then the Ray Serve group; DUPLEXKIT_TEST_ALL=1 does the same. Arguments
@@ -110,7 +110,7 @@ if [[ $ALL != 1 ]]; then  # the contributor's default
   t0=$SECONDS
   run_pytest -m "$DEFAULT_MARKS"
   rc=$?
-  echo "[test] default selection: $((SECONDS - t0)) s (about 10 min on 2 idle cores); slow and Ray groups not run: scripts/test.sh --all"
+  echo "[test] default selection: $((SECONDS - t0)) s (about 15 min on 2 idle cores, an estimate: README); slow and Ray groups not run: scripts/test.sh --all"
   exit $rc
 fi
 # --all: the whole suite in two runs: everything but the Ray Serve tests (the slow group included: one
