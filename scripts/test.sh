@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (unit, model parity, engine, end-to-end, device, conformance).
-# Extra arguments go to pytest. pytest's exit code 5 ("no tests collected") is an error here.
+# Set up and run the tests (unit, model parity, engine, end-to-end, device, conformance).
+#   scripts/test.sh              the contributor's default: everything but the slow group and the Ray
+#                                group, one pytest run of -m "not slow and not ray" (about 15 min on 2
+#                                idle cores); the slow group is listed, with reasons, in tests/conftest.py SLOW
+#   scripts/test.sh --all        everything, as CI runs it (.ci/run): the main run (slow group included),
+#                                then the Ray Serve group; DUPLEXKIT_TEST_ALL=1 does the same. Arguments
+#                                after --all go to each of the two pytest runs (e.g. -x)
+#   scripts/test.sh ARGS...      one pytest run of your selection (e.g. tests/unit, -m slow, -k name)
+# pytest's exit code 5 ("no tests collected") is an error here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ALL=${DUPLEXKIT_TEST_ALL:-0}
+if [[ ${1:-} == --all ]]; then
+  ALL=1
+  shift
+fi
+if [[ $ALL != 1 && $ALL != 0 ]]; then
+  echo "[test] DUPLEXKIT_TEST_ALL must be 0 or 1, got '$ALL'" >&2
+  exit 2
+fi
 bash scripts/setup.sh || exit 1
 PY="${DUPLEXKIT_VENV:-.venv}/bin/python"
+DEFAULT_MARKS="not slow and not ray"
 
 # --- optional test groups: set up only what the selected tests need ------------------------------
 # Three groups need more than .venv: the vLLM thinker backend's tests (their own venv), the Pipecat /
 # LiveKit tests (their own venv) and the browser tests (Debian chromium). With no arguments (the whole
-# suite, as .ci/run runs it) all three are set up; with arguments, `pytest --collect-only` lists the
+# suite, --all, as .ci/run runs it) all three are set up; with no arguments (the default, -m "not slow and
+# not ray") none is: all three groups are in the slow group (tests/conftest.py SLOW; checked by
+# tests/unit/test_slow_group.py), so no listing is needed; with arguments, `pytest --collect-only` lists the
 # selected tests first (seconds for a file, up to ~30 s for a marker over the whole tree) and only the
 # groups among them are set up. A group that is not selected is named with what it would have cost.
 SELECTED="(the whole suite)"
-if [[ $# -gt 0 ]]; then
+if [[ $ALL != 1 && $# -eq 0 ]]; then
+  SELECTED="(the default selection: -m \"$DEFAULT_MARKS\", none of the optional groups)"
+elif [[ $ALL != 1 ]]; then
   echo "[test] listing the selected tests (pytest --collect-only) to set up only what they need"
   # --verbosity=-1 after the user's arguments: one node id per line, whatever -q/-v they hold
   SELECTED=$(TORCHDYNAMO_DISABLE=1 "$PY" -m pytest "$@" --collect-only --verbosity=-1 2>/dev/null | grep '::' || true)
@@ -79,21 +100,31 @@ run_pytest() {
   return $rc
 }
 
-if [[ $# -gt 0 ]]; then  # a selection of yours: one pytest run
+if [[ $ALL != 1 && $# -gt 0 ]]; then  # a selection of yours: one pytest run
   run_pytest "$@"
   exit $?
 fi
-# The whole suite in two runs: everything but the Ray Serve tests, then the Ray Serve group (marker
-# `ray`, tests/e2e/test_ray_serve*.py) on its own, since it starts a local Ray cluster whose daemons
-# compete for the same cores. Every wait bound around real processes, sockets and audio devices is
-# scaled by DUPLEXKIT_TEST_TIME_SCALE (default 1, set for a loaded 2-core machine; tests/_timing.py).
+if [[ $ALL != 1 ]]; then  # the contributor's default
+  echo "[test] the default selection: -m \"$DEFAULT_MARKS\" (the slow group, tests/conftest.py SLOW, and the"
+  echo "[test] Ray Serve group are left out). Everything, as CI runs it: scripts/test.sh --all (or DUPLEXKIT_TEST_ALL=1)"
+  t0=$SECONDS
+  run_pytest -m "$DEFAULT_MARKS"
+  rc=$?
+  echo "[test] default selection: $((SECONDS - t0)) s (about 15 min on 2 idle cores, an estimate: README); slow and Ray groups not run: scripts/test.sh --all"
+  exit $rc
+fi
+# --all: the whole suite in two runs: everything but the Ray Serve tests (the slow group included: one
+# collection for both), then the Ray Serve group (marker `ray`, tests/e2e/test_ray_serve*.py) on its
+# own, since it starts a local Ray cluster whose daemons compete for the same cores. Every wait bound
+# around real processes, sockets and audio devices is scaled by DUPLEXKIT_TEST_TIME_SCALE (default 1,
+# set for a loaded 2-core machine; tests/_timing.py).
 t0=$SECONDS
-run_pytest -m "not ray"
+run_pytest -m "not ray" "$@"
 rc_main=$?
-echo "[test] main suite: $((SECONDS - t0)) s (about 20 min on 2 idle cores, 20-35 min with both busy)"
+echo "[test] main suite with the slow group: $((SECONDS - t0)) s (about 20 min on 2 idle cores, 20-35 min with both busy)"
 t1=$SECONDS
 echo "[test] Ray Serve group (marker ray): budget about 2.5 min on 2 idle cores, 2-15 min with both busy"
-run_pytest -m ray
+run_pytest -m ray "$@"
 rc_ray=$?
 echo "[test] Ray Serve group: $((SECONDS - t1)) s"
 if [[ $rc_main -ne 0 || $rc_ray -ne 0 ]]; then

@@ -45,6 +45,13 @@ def pair(request):
     return _c2w(dev, torch.float32), _c2w(dev, torch.float16)
 
 
+@pytest.fixture(scope="module")
+def fp16_batched(pair):
+    """The float16 flow's batched run of the scenario (deterministic: fresh seeded streams), shared by the
+    two tests that compare it (with float32, with the per-stream path)."""
+    return _run(pair[1], batched=True)
+
+
 def _scenario():
     """Rounds of 3 streams: (codes, last) or None. Stream 1 starts late, stream 2 ends a turn and
     starts another; every stream ends with a terminal flush."""
@@ -98,9 +105,9 @@ def test_float16_flow_is_the_reference_half_mode(pair):
     c16.close(st)
 
 
-def test_float16_flow_stays_close_to_float32(pair):
-    c32, c16 = pair
-    ref, got = _run(c32, batched=True), _run(c16, batched=True)
+def test_float16_flow_stays_close_to_float32(pair, fp16_batched):
+    c32, _ = pair
+    ref, got = _run(c32, batched=True), fp16_batched
     x = np.concatenate([a for rnd in got for a in rnd])
     y = np.concatenate([a for rnd in ref for a in rnd])
     assert x.shape == y.shape and np.abs(y).max() > 1e-3  # real audio, not silence
@@ -109,9 +116,9 @@ def test_float16_flow_stays_close_to_float32(pair):
     assert snr < 200, "the float16 run matched float32 bit for bit: the flow did not run in half precision"
 
 
-def test_float16_batched_equals_per_stream(pair):
+def test_float16_batched_equals_per_stream(pair, fp16_batched):
     _, c16 = pair
-    ref, got = _run(c16, batched=False), _run(c16, batched=True)
+    ref, got = _run(c16, batched=False), fp16_batched
     for r, (a, b) in enumerate(zip(ref, got)):
         for k, (x, y) in enumerate(zip(a, b)):
             assert x.shape == y.shape, (r, k)

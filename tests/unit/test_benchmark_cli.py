@@ -4,6 +4,8 @@ end-to-end benchmark's JSON is strict (no NaN)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -18,7 +20,34 @@ def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("script", ["benchmarks/heap_diag.py", "benchmarks/device_smoke.py", "benchmarks/talker_unit.py"])
+@functools.lru_cache(maxsize=None)
+def _main(script: str):
+    """``benchmarks/<script>.py``'s ``main(argv)``, imported in this process (one interpreter and one torch
+    import for all of a script's argument checks; each script's own entry point is run once as a real
+    process below)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{script}", REPO / "benchmarks" / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module.main
+
+
+def _usage_error(capsys, main, args) -> str:
+    """Run ``main(args)``, which must exit 2 (argparse's usage error); return its stderr."""
+    path = list(sys.path)  # main() puts benchmarks/ on sys.path for its _cli import
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(list(args))
+    finally:
+        sys.path[:] = path
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["benchmarks/heap_diag.py", "benchmarks/device_smoke.py"])
 def test_help_prints_usage(script):
     r = _run(script, "--help")
     assert r.returncode == 0, r.stderr
@@ -53,13 +82,21 @@ def test_benchmark_json_has_no_nan_or_infinity():
 
 @pytest.mark.parametrize("args,needle", [(["--batches", "0"], "positive integers"), (["--units", "0"], "--units"),
                                          (["--tokens", "x"], "comma-separated integers")])
-def test_talker_unit_refuses_bad_arguments(args, needle):
-    r = _run("benchmarks/talker_unit.py", *args)
-    assert r.returncode == 2 and needle in r.stderr
+def test_talker_unit_refuses_bad_arguments(capsys, args, needle):
+    pytest.importorskip("torch")
+    assert needle in _usage_error(capsys, _main("talker_unit"), args)
+
+
+def test_talker_unit_help_prints_usage(capsys):
+    pytest.importorskip("torch")
+    with pytest.raises(SystemExit) as exc:
+        _main("talker_unit")(["--help"])
+    assert exc.value.code == 0 and "usage" in capsys.readouterr().out.lower()
 
 
 def test_talker_unit_smoke_on_the_cpu():
-    """The tiny talker on the CPU: both ways run and the table comes out (not a measurement)."""
+    """The tiny talker on the CPU, as a real process (its entry point and exit status): both ways run and
+    the table comes out (not a measurement)."""
     pytest.importorskip("torch")
     r = _run("benchmarks/talker_unit.py", "--size", "tiny", "--device", "cpu", "--batches", "1,2", "--units", "2",
              "--tokens", "5")
@@ -73,10 +110,19 @@ def test_talker_unit_smoke_on_the_cpu():
                                          (["--streams", "0"], "positive integers"), (["--tokens", ","], "positive"),
                                          (["--modes", "bogus"], "fast, baseline"), (["--stagger", "-2"], ">= 0"),
                                          (["--kv-len", "0"], ">= 256"), (["--device", "foo"], "not a torch device")])
-def test_gpu_engine_refuses_bad_arguments_before_building_anything(args, needle):
-    """--units 0 used to hang (no unit was ever submitted); the others failed after the model build."""
-    r = _run("benchmarks/gpu_engine.py", *args)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr[-500:]
+def test_gpu_engine_refuses_bad_arguments_before_building_anything(capsys, args, needle):
+    """--units 0 used to hang (no unit was ever submitted); the others failed after the model build.
+    ``main`` raises argparse's usage error before it builds anything."""
+    pytest.importorskip("torch")
+    err = _usage_error(capsys, _main("gpu_engine"), args)
+    assert needle in err, err[-500:]
+
+
+def test_gpu_engine_command_line_exits_2_on_a_bad_argument():
+    """The script's own entry point, as a real process: a usage error is exit status 2 (``--units 0``,
+    the argument that used to hang)."""
+    r = _run("benchmarks/gpu_engine.py", "--units", "0")
+    assert r.returncode == 2 and "--units" in r.stderr, r.stderr[-500:]
 
 
 def test_gpu_engine_exits_non_zero_when_units_fail(tmp_path):
