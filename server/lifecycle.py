@@ -181,8 +181,14 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
         server.should_exit = True
 
     state.on_load_error = _stop_on_load_error
-    try:
-        server.run(sockets=sockets)
-    except KeyboardInterrupt:  # SIGINT outside uvicorn's run (before it took the signals, or after)
-        pass
+    import warnings
+
+    # a stop between uvicorn making its serve() coroutine and running it leaves that coroutine
+    # unstarted: nothing to clean up, so no "never awaited" warning for it (only for that coroutine)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="coroutine 'Server.serve' was never awaited", category=RuntimeWarning)
+        try:
+            server.run(sockets=sockets)
+        except KeyboardInterrupt:  # SIGINT outside uvicorn's run (before it took the signals, or after)
+            pass
     return 1 if state.load_error is not None else 0

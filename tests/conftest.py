@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,14 @@ if "TRITON_INTERPRET" not in os.environ and _without_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# A shell without job control (`bash -c 'scripts/test.sh' &`, some CI runners) starts background
+# commands with SIGINT ignored, and an ignored signal stays ignored across exec: every command the
+# tests start would then ignore the Ctrl+C they send it (duplexkit keeps an inherited SIG_IGN, as
+# nohup'd programs should). The tests' own commands get SIGINT as from a terminal: a handler here
+# (any, not SIG_IGN) makes their children start with SIGINT at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from _timing import ENV as TIME_SCALE_ENV, TIME_SCALE  # noqa: E402
 
