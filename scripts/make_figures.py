@@ -137,8 +137,7 @@ def phases_dot() -> str:
     """``TRANSITIONS`` as a DOT digraph, by the rules of ``machine.mermaid_diagram``: one arrow per
     (phase, next phase) labelled with its events, self-loops and ignored events left out, each error
     answer a note beside its phase."""
-    from duplexkit.protocol import ErrorCode
-    from duplexkit.session.machine import TRANSITIONS, Phase, PhaseEvent
+    from duplexkit.session.machine import Phase, diagram_moves
 
     lines = [
         "digraph phases {",
@@ -154,14 +153,7 @@ def phases_dot() -> str:
     lines.append(f'  "[start]" -> {_q(Phase.NEW.value)};')
     notes = 0
     for ph in Phase:
-        moves: dict = {}
-        errors: dict = {}
-        for ev in PhaseEvent:
-            nxt = TRANSITIONS[ph][ev]
-            if isinstance(nxt, ErrorCode):
-                errors.setdefault(nxt.value, []).append(ev.value)
-            elif nxt is not None and nxt is not ph:
-                moves.setdefault(nxt, []).append(ev.value)
+        moves, errors = diagram_moves(ph)
         for nxt, evs in moves.items():
             style = ', style=dashed, color="#9aa7b8"' if nxt is Phase.CLOSED else ""
             lines.append(f"  {_q(ph.value)} -> {_q(nxt.value)} [label={_q(', '.join(evs))}{style}];")

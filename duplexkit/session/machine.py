@@ -280,6 +280,20 @@ class Machine(Generic[S, E]):
         return nxt
 
 
+def diagram_moves(ph: Phase) -> tuple[dict, dict]:
+    """What a diagram of :data:`TRANSITIONS` draws from phase ``ph``: ``({next phase: [event, ...]},
+    {error code: [event, ...]})`` in enum order; self-loops and ignored events are left out."""
+    moves: dict[Phase, list[str]] = {}
+    errors: dict[str, list[str]] = {}
+    for ev in PhaseEvent:
+        nxt = TRANSITIONS[ph][ev]
+        if isinstance(nxt, ErrorCode):
+            errors.setdefault(nxt.value, []).append(ev.value)
+        elif nxt is not None and nxt is not ph:
+            moves.setdefault(nxt, []).append(ev.value)
+    return moves, errors
+
+
 def mermaid_diagram() -> str:
     """The transition table as a Mermaid ``stateDiagram-v2`` (docs/architecture.md embeds it).
 
@@ -288,14 +302,7 @@ def mermaid_diagram() -> str:
     """
     lines = ["stateDiagram-v2", f"    [*] --> {Phase.NEW.value}"]
     for ph in Phase:
-        moves: dict[Phase, list[str]] = {}
-        errors: dict[str, list[str]] = {}
-        for ev in PhaseEvent:
-            nxt = TRANSITIONS[ph][ev]
-            if isinstance(nxt, ErrorCode):
-                errors.setdefault(nxt.value, []).append(ev.value)
-            elif nxt is not None and nxt is not ph:
-                moves.setdefault(nxt, []).append(ev.value)
+        moves, errors = diagram_moves(ph)
         for nxt, evs in moves.items():
             lines.append(f"    {ph.value} --> {nxt.value}: {', '.join(evs)}")
         for code, evs in errors.items():
