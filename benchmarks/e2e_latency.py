@@ -300,6 +300,9 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
     mem("building the model")
     model.thinker.policy_defaults = {"min_unit_tokens": int(tokens), "max_unit_tokens": int(tokens)}
     engine = DuplexEngine(model, make_layout(device, max_sessions + 2))
+    ms = engine.warmup_tools()  # what DuplexEngine.from_pretrained does: the tool constraint's tables now
+    if ms is not None:
+        print(f"tool-call tables built in {ms:.0f} ms", flush=True)
     if dev.type == "cuda":
         # every batch bucket, each stage's warm-up on its own worker thread (what
         # DuplexEngine.from_pretrained does: cuDNN keeps autotuned plans per thread)

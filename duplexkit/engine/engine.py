@@ -205,6 +205,27 @@ class DuplexEngine:
             n += int(self._runtime.run_job(stage, in_scope(stage, fn)).result())
         return n
 
+    def warmup_tools(self) -> Optional[float]:
+        """Build the thinker's constrained-decoding tables for tool calls now, on the thinker's
+        thread, instead of at the first turn that offers tools: the llguidance tokenizer and the
+        per-token byte lengths (~1 s of CPU for the real 151,748-token vocabulary; ms for the tiny
+        one). A turn that paid this inside the tool decider's budget (3 s) could miss it under load.
+
+        Returns the time taken in ms, or None when there is nothing to warm (the stage model has no
+        ``tools_warmup``, or llguidance is not installed: the ``agent`` extra). A build that fails
+        (e.g. llguidance < 1.7, which refuses the list of chat stop ids) is logged as a warning
+        here, at load, and remembered: every tool decision then fails at once with the same reason.
+
+        Raises:
+            RuntimeError: called on one of the engine's stage threads, or the engine is closed.
+        """
+        if threading.current_thread() in self._runtime._threads:
+            raise RuntimeError("DuplexEngine.warmup_tools() called on a stage worker thread: it would wait for itself")
+        fn = getattr(self.stages, "tools_warmup", None)
+        if fn is None:
+            return None
+        return self._runtime.run_job("thinker", fn).result()
+
     def warmup_turn(self, timeout_s: float = 120.0) -> Optional[float]:
         """Run one throw-away turn through the three stages: a stream is opened, one all-zero unit
         0 (float32 [16560], 16 kHz) is appended with ``force_speak``, and the stream is closed at its
@@ -331,6 +352,7 @@ class DuplexEngine:
                 stages.close()
                 raise
         engine = cls(model, lay, model_id=model_id)
+        engine.warmup_tools()
         if any(d.startswith("cuda") for d in lay.devices().values()):
             t0 = time.perf_counter()
             n = engine.warmup()

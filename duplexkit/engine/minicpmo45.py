@@ -26,6 +26,8 @@ dedicated high-priority CUDA stream and hand the talker their hidden rows with a
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import logging
 import time
 import functools
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from ..models.minicpmo45.capture_gate import CAPTURE_GATE
 from .api import CODES_PER_CHUNK, ChatMessage, ChatRequest, ReferenceVoice, StreamConfig, ToolCall
 from .stages import TalkerOut, ThinkerOut, VocoderOut
 from .thinker_stream import ThinkerCudaStream, accept, thinker_stream_requested
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MiniCPMO45Stages", "TALKER_TEMPERATURE", "CODES_PER_CHUNK"]
 
@@ -153,6 +157,30 @@ class MiniCPMO45Stages:
         if stage == "thinker" and self._thinker_stream is not None:
             return self._thinker_stream.scope()
         return contextlib.nullcontext()
+
+    def tools_warmup(self) -> Optional[float]:
+        """Build the tool-call constraint's tables of the thinker's tokenizer (the llguidance
+        tokenizer and the per-token byte lengths, both cached on the tokenizer) on the calling thread;
+        :meth:`DuplexEngine.warmup_tools` runs it on the thinker's worker thread at load.
+
+        Returns the time taken in ms, or None without llguidance or a tokenizer. A failed build is
+        logged as a warning and returned as None (the cache keeps the failure: tool decisions then
+        fail at once with the same reason instead of paying the build again)."""
+        th = getattr(self.model, "thinker", None)
+        if th is None or getattr(th, "tokenizer", None) is None or importlib.util.find_spec("llguidance") is None:
+            return None
+        from ..models.minicpmo45.tools import llg_tokenizer, token_byte_lengths
+
+        t0 = time.perf_counter()
+        try:
+            llg_tokenizer(th)
+            token_byte_lengths(th)
+        except Exception as exc:
+            log.warning("tool calls will fail: the constrained decoder's tokenizer could not be built "
+                        "(%s: %s); llguidance >= 1.7 is required (pip install 'duplexkit[agent]')",
+                        type(exc).__name__, exc)
+            return None
+        return (time.perf_counter() - t0) * 1000
 
     def _handover(self, token_ids: Any, hidden: Any) -> tuple:
         """The talker's payload of a thinker result: ``(token_ids, hidden)``, plus a ready event

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 
 import numpy as np
 import pytest
@@ -238,6 +239,19 @@ def test_warmup_turn_runs_one_turn_through_the_three_stages_and_frees_it():
     ms = eng.warmup_turn(timeout_s=30)
     assert ms is not None and ms > 0  # a forced unit 0 of zeros reached the vocoder
     assert eng.num_streams == 0
+
+
+def test_warmup_tools_runs_on_the_thinker_thread():
+    class Tooled(ToyStages):
+        def tools_warmup(self):
+            self.warmed_on = threading.current_thread().name
+            return 1.5
+
+    toy = Tooled(turn_units=1)
+    eng = DuplexEngine(toy, _layout())
+    assert eng.warmup_tools() == 1.5
+    assert "thinker" in toy.warmed_on
+    assert DuplexEngine(ToyStages(turn_units=1), _layout()).warmup_tools() is None  # nothing to warm
 
 
 async def test_warmup_turn_works_under_a_running_loop():

@@ -41,3 +41,44 @@ def test_a_good_build_is_cached(monkeypatch):
     assert llg_tokenizer(th) is first and len(built) == 1
     th.config.vocab_size = 200  # another vocabulary size builds again
     assert llg_tokenizer(th) is not first and len(built) == 2
+
+
+class _LLTok:
+    def decode_bytes(self, ids):
+        return b"x" * (ids[0] % 3)
+
+
+def test_the_engine_builds_the_tables_at_load_so_the_first_tool_turn_does_not(monkeypatch):
+    from duplexkit.engine.minicpmo45 import MiniCPMO45Stages
+
+    built = []
+    monkeypatch.setattr(llguidance_hf, "from_tokenizer", lambda tok, **kw: built.append(kw) or _LLTok())
+    th = _thinker()
+    stages = MiniCPMO45Stages(SimpleNamespace(thinker=th))
+    ms = stages.tools_warmup()
+    assert ms is not None and ms >= 0
+    assert len(built) == 1 and built[0]["eos_token"] == [7, 8]
+    assert list(th.tokenizer._duplexkit_llg_lens[:4]) == [0, 1, 2, 0]  # the byte lengths, one per token
+    llg_tokenizer(th)  # a tool turn now finds both tables
+    assert len(built) == 1
+
+
+def test_a_build_that_fails_at_load_is_a_warning_naming_the_fix(monkeypatch, caplog):
+    from duplexkit.engine.minicpmo45 import MiniCPMO45Stages
+
+    def refuse(tok, **kw):
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(llguidance_hf, "from_tokenizer", refuse)
+    th = _thinker()
+    with caplog.at_level("WARNING", logger="duplexkit.engine.minicpmo45"):
+        assert MiniCPMO45Stages(SimpleNamespace(thinker=th)).tools_warmup() is None
+    assert "llguidance >= 1.7" in caplog.text and "eos_token" in caplog.text
+    with pytest.raises(TypeError):  # remembered: the first tool turn fails at once, no second build
+        llg_tokenizer(th)
+
+
+def test_nothing_to_warm_without_a_tokenizer():
+    from duplexkit.engine.minicpmo45 import MiniCPMO45Stages
+
+    assert MiniCPMO45Stages(SimpleNamespace(thinker=SimpleNamespace(tokenizer=None))).tools_warmup() is None
