@@ -14,8 +14,10 @@ Modes (:data:`MODES`):
   compute capability ≥ 8.9 (Ada, Hopper) and a bf16 compute dtype the product is one
   ``torch._scaled_mm`` with row-wise scales; on the CPU (tests, development) the same arithmetic is
   emulated in float32 (activations and weights rounded to e4m3, then dequantized and multiplied), so
-  the CPU numbers describe the GPU path's rounding. CUDA devices below 8.9 (Ampere, e.g. the
-  RTX 3090 / A100) have no e4m3 matmul: ``fp8`` raises :class:`QuantizationError` there (use
+  the CPU numbers describe the GPU path's rounding (layers whose sizes are not multiples of 16, or a
+  float16 / float32 stage dtype on CUDA, take the same emulated path). CUDA devices below 8.9
+  (Ampere, e.g. the RTX 3090 / A100) have no e4m3 matmul, and a torch build without row-wise
+  ``_scaled_mm`` scales has none usable: ``fp8`` raises :class:`QuantizationError` there (use
   ``int8``).
 
 What is quantized (:func:`quantize_thinker`, :func:`quantize_talker`): the ``nn.Linear`` layers of
@@ -169,6 +171,23 @@ def _int8_kernel_ok(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_rowwise_ok(device: str) -> bool:
+    """One probe per CUDA device: does ``torch._scaled_mm`` take row-wise scales (an [M, 1] and a
+    [1, N] float32 scale, bf16 out) here and agree with the dequantized product?"""
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 64, generator=g).to(device=device, dtype=torch.bfloat16)
+        w = torch.randn(32, 64, generator=g).to(device)
+        q, s = quantize_weight(w, "fp8")
+        xq, sx = _fp8_act(x)
+        got = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=s[None, :], out_dtype=torch.bfloat16).float()
+        ref = (xq.float() * sx) @ (q.float() * s[:, None]).T
+        return bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 class QuantLinear(nn.Module):
     """A bias-optional linear layer with int8 or fp8 weights and per-output-channel scales.
 
@@ -205,6 +224,9 @@ class QuantLinear(nn.Module):
             self.kernel = "int8pack" if _int8_kernel_ok(str(dev), self.compute_dtype) else "dequant"
         elif dev.type == "cuda" and self.compute_dtype == torch.bfloat16 and self.in_features % 16 == 0 \
                 and self.out_features % 16 == 0:
+            if not _fp8_rowwise_ok(str(dev)):
+                raise QuantizationError(f"this torch build ({torch.__version__}) has no row-wise fp8 matmul "
+                                        f"(torch._scaled_mm) on {dev}; use int8")
             self.kernel = "scaled_mm"
         else:
             self.kernel = "emulated"
