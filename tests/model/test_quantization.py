@@ -338,3 +338,51 @@ def test_awq_checkpoint_errors(awq_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="gptq"):
         load(bad, progress=False, with_code2wav=False)
+
+
+# ---------------------------------------------------------------------------------------------- capturable
+
+
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Every way a tensor's value reaches the host (what would sync a CUDA stream and break a CUDA-graph
+    capture) raises while the fixture is active."""
+    def trap(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host read Tensor.{name} inside a captured forward")
+        return f
+
+    def arm():
+        for name in _HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, trap(name))
+    return arm
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_forward_reads_nothing_back_to_the_host(tiny_dir, no_host_reads, mode):
+    """A QuantLinear forward and a whole fast-path decoder step over quantized layers (what the CUDA
+    graphs capture) run without reading a tensor value on the host."""
+    from duplexkit.models.minicpmo45.fast_thinker import FastThinker
+
+    m = load(tiny_dir, progress=False, with_code2wav=False, with_talker=False, quantization=mode)
+    ft = FastThinker.from_thinker(m.thinker, cuda_graphs=False, slots=1)
+    H = ft.hidden_size
+    x = torch.randn(2, 1, H)
+    pos = torch.tensor([[5], [9]])
+    slots = torch.full((2,), ft.pool.scratch, dtype=torch.long)
+    ql = m.thinker.m.llm.model.layers[0].mlp.down_proj
+    xin = torch.randn(3, ql.in_features)
+    no_host_reads()
+    with torch.inference_mode():
+        ql(xin)
+        h, logits = ft._forward_eager(x, pos, slots, 256)
+    assert h.shape == (2, 1, H) and logits.shape[0] == 2
+
+
+def test_the_host_read_trap_catches_a_sync(no_host_reads):
+    no_host_reads()
+    with pytest.raises(AssertionError, match="host read"):
+        float(torch.ones(1).max())
