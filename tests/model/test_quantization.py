@@ -386,3 +386,32 @@ def test_the_host_read_trap_catches_a_sync(no_host_reads):
     no_host_reads()
     with pytest.raises(AssertionError, match="host read"):
         float(torch.ones(1).max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quant_linear_captures_in_a_cuda_graph(mode):
+    from duplexkit.models.minicpmo45.quantization import fp8_supported
+
+    dev = torch.device("cuda")
+    if mode == "fp8" and not fp8_supported(dev):
+        with pytest.raises(QuantizationError, match="8.9"):
+            QuantLinear.from_linear(nn.Linear(256, 128, bias=False).to(dev, torch.bfloat16), mode)
+        return
+    ql = QuantLinear.from_linear(nn.Linear(256, 128, bias=False).to(dev, torch.bfloat16).requires_grad_(False), mode)
+    assert ql.kernel in (("int8pack", "dequant") if mode == "int8" else ("scaled_mm",))
+    x = torch.randn(4, 256, device=dev, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager = ql(x)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ql(x)  # warm-up off the default stream, as capture_graph does
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = ql(x)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.testing.assert_close(out, ql(x))
+    assert eager.shape == (4, 128)
