@@ -150,6 +150,8 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             qm = _build(a.model, dev, dtype, mode, tiny_dir)
+            for stage, qrep in qm.quantization.items():
+                print(f"  {qrep.line(stage)}", flush=True)
             for chk in thinker_checks(ref.thinker, qm.thinker, ids, steps=a.steps):
                 quality.append((mode, chk))
             quality.append((mode, talker_check(ref.talker, qm.talker, ids[:12], hidden, steps=25)))

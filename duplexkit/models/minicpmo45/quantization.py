@@ -44,7 +44,7 @@ the loader dequantizes such layers at load (:func:`awq_linear_prefixes`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -294,16 +294,20 @@ class QuantLinear(nn.Module):
 @dataclass
 class QuantReport:
     """What :func:`quantize_linears` did: ``layers`` replaced, weight bytes of the module tree
-    before and after (parameters + buffers, shared storage counted once)."""
+    before and after (parameters + buffers, shared storage counted once), and how many layers run
+    each matmul kernel (``QuantLinear.kernel``: ``int8pack`` / ``dequant`` / ``scaled_mm`` /
+    ``emulated``)."""
 
     mode: str
     layers: int
     bytes_before: int
     bytes_after: int
+    kernels: Dict[str, int] = field(default_factory=dict)
 
     def line(self, stage: str) -> str:
-        return (f"{stage}: {self.mode} on {self.layers} linear layers, weights {_size(self.bytes_before)} "
-                f"-> {_size(self.bytes_after)}")
+        ks = ", ".join(f"{k} {n}" for k, n in sorted(self.kernels.items()))
+        return (f"{stage}: {self.mode} on {self.layers} linear layers ({ks or 'none'}), weights "
+                f"{_size(self.bytes_before)} -> {_size(self.bytes_after)}")
 
 
 def _size(n: int) -> str:
@@ -344,13 +348,16 @@ def quantize_linears(root: nn.Module, mode: str, select: Callable[[str, nn.Linea
         if hasattr(m, "_dk_qkv") or hasattr(m, "_dk_gu"):
             raise QuantizationError(f"{n or 'module'} is already fused by the fast path; quantize before "
                                     "building FastThinker / FastTalker")
+    kernels: Dict[str, int] = {}
     for name, lin in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         with torch.no_grad():
-            setattr(parent, attr, QuantLinear.from_linear(lin, mode))
+            ql = QuantLinear.from_linear(lin, mode)
+        setattr(parent, attr, ql)
+        kernels[ql.kernel] = kernels.get(ql.kernel, 0) + 1
         del lin
-    return QuantReport(mode, len(targets), before, weight_bytes(root))
+    return QuantReport(mode, len(targets), before, weight_bytes(root), kernels)
 
 
 _DECODER_LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
