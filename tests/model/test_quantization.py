@@ -415,3 +415,22 @@ def test_quant_linear_captures_in_a_cuda_graph(mode):
         g.replay()
         torch.testing.assert_close(out, ql(x))
     assert eager.shape == (4, 128)
+
+
+def test_random_model_quantizes_the_same_random_weights():
+    """build_random_model(quantization=...) draws the same weights as the unquantized build of the
+    same seed, then quantizes them (the benchmarks compare like for like)."""
+    from duplexkit.models.minicpmo45.random_init import build_random_model
+
+    kw = dict(dtype=torch.float32, device="cpu", with_code2wav=False, fast=False, seed=3)
+    ref = build_random_model("tiny", **kw)
+    q = build_random_model("tiny", quantization="int8", **kw)
+    assert q.quantization["thinker"].mode == "int8" and ref.quantization == {}
+    a = ref.thinker.m.llm.model.layers[1].self_attn.o_proj.weight
+    b = q.thinker.m.llm.model.layers[1].self_attn.o_proj
+    qw, s = quantize_weight(a, "int8")
+    assert torch.equal(b.qweight, qw) and torch.equal(b.weight_scale, s)
+    tq = q.talker.model.layers[0].mlp.up_proj
+    assert torch.equal(tq.qweight, quantize_weight(ref.talker.model.layers[0].mlp.up_proj.weight, "int8")[0])
+    with pytest.raises(QuantizationError):
+        build_random_model("tiny", quantization="nf4", **kw)
