@@ -434,3 +434,17 @@ def test_random_model_quantizes_the_same_random_weights():
     assert torch.equal(tq.qweight, quantize_weight(ref.talker.model.layers[0].mlp.up_proj.weight, "int8")[0])
     with pytest.raises(QuantizationError):
         build_random_model("tiny", quantization="nf4", **kw)
+
+
+def test_quant_linear_follows_to():
+    """``.to()`` keeps the layer working: the kernel (and its cached scale) follow the buffers."""
+    ql = QuantLinear.from_linear(nn.Linear(64, 32, bias=False).requires_grad_(False), "int8")
+    x = torch.randn(2, 64)
+    before = ql(x)
+    ql.to(torch.device("cpu"))
+    torch.testing.assert_close(ql(x), before)
+    assert ql.kernel in ("int8pack", "dequant")
+    for mode in ("int8", "fp8"):
+        q = QuantLinear.from_linear(nn.Linear(64, 32, bias=False).requires_grad_(False), mode)
+        with pytest.raises(QuantizationError, match="cannot be cast"):
+            q.to(torch.bfloat16)

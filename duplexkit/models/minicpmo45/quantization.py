@@ -153,17 +153,17 @@ def _fp8_act(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_kernel_ok(device: str, dtype: torch.dtype) -> bool:
-    """One probe per (device, dtype): does ``aten._weight_int8pack_mm`` run here and agree with the
-    dequantized product? (Run once at construction, never inside a CUDA-graph capture.)"""
+def _int8_kernel_ok(device: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """One probe per (device, dtype, layer shape): does ``aten._weight_int8pack_mm`` run here and
+    agree with the dequantized product? (Run at construction, never inside a CUDA-graph capture.)"""
     op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
     if op is None:
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(3, 64, generator=g).to(device=device, dtype=dtype)
-        q = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8).to(device)
-        s = (torch.rand(48, generator=g) * 0.01 + 1e-3).to(device=device, dtype=dtype)
+        x = torch.randn(3, in_features, generator=g).to(device=device, dtype=dtype)
+        q = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8).to(device)
+        s = (torch.rand(out_features, generator=g) * 0.01 + 1e-3).to(device=device, dtype=dtype)
         got = op(x, q, s).float()
         ref = x.float() @ (q.float() * s.float()[:, None]).T
         return bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())))
@@ -221,7 +221,8 @@ class QuantLinear(nn.Module):
     def _pick_kernel(self) -> None:
         dev = self.qweight.device
         if self.mode == "int8":
-            self.kernel = "int8pack" if _int8_kernel_ok(str(dev), self.compute_dtype) else "dequant"
+            ok = _int8_kernel_ok(str(dev), self.compute_dtype, self.in_features, self.out_features)
+            self.kernel = "int8pack" if ok else "dequant"
         elif dev.type == "cuda" and self.compute_dtype == torch.bfloat16 and self.in_features % 16 == 0 \
                 and self.out_features % 16 == 0:
             if not _fp8_rowwise_ok(str(dev)):
@@ -231,6 +232,18 @@ class QuantLinear(nn.Module):
         else:
             self.kernel = "emulated"
         self._scale_c = self.weight_scale.to(self.compute_dtype) if self.kernel == "int8pack" else None
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` / ``.cuda()``: the kernel is picked again for the new device. A dtype cast
+        (``.to(torch.bfloat16)``, ``.half()``) would turn the 8-bit weights into plain floats and
+        raises :class:`QuantizationError` instead."""
+        want = (self.qweight.dtype, self.weight_scale.dtype)
+        out = super()._apply(fn, recurse)
+        if (self.qweight.dtype, self.weight_scale.dtype) != want:
+            raise QuantizationError(f"a quantized layer's dtype cannot be cast (its {self.mode} weights became "
+                                    f"{self.qweight.dtype}); quantize after choosing the stage dtype")
+        self._pick_kernel()
+        return out
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, mode: str) -> "QuantLinear":
