@@ -27,8 +27,8 @@ mlp.{gate,up,down}_proj}`` (6.95 B of its 8.19 B parameters, docs/model.md §1.1
 encoder, the vision tower and resampler, the projectors, the talker's weight-normed
 ``head_code``, Code2Wav, and the thinker's ``lm_head`` (1.24 GB in bf16): its logits drive the
 duplex listen/speak decision directly (the boundary pass samples the raw softmax, docs/model.md
-§5.3), where a per-channel rounding error is not averaged over later layers; the published 4-bit
-releases keep it unquantized as well.
+§5.3), where a per-channel rounding error is not averaged over later layers; 4-bit releases
+commonly keep it unquantized as well (openbmb's MiniCPM-o 2.6 int4 GPTQ config: ``lm_head: false``).
 
 Every :class:`QuantLinear` forward is a fixed sequence of device ops (no ``.item()``, no
 data-dependent shapes), so the fast paths' CUDA graphs capture it like an ``nn.Linear``.
