@@ -103,10 +103,11 @@ def floors(model, bw: float) -> dict:
     th = model.thinker
     llm = th.m.llm
     emb = llm.model.embed_tokens.weight
-    llm_b = _bytes(p for p in llm.parameters() if p is not emb)
+    # buffers too: quantized layers keep their int8 / fp8 weights and scales as buffers
+    llm_b = _bytes(p for p in [*llm.parameters(), *llm.buffers()] if p is not emb)
     apm_b = _bytes(th.m.apm.parameters()) + _bytes(th.m.audio_projection_layer.parameters())
     tk = getattr(model.talker, "talker", model.talker)
-    tk_b = _bytes(tk.model.parameters()) + _bytes(tk.head_code.parameters())
+    tk_b = _bytes([*tk.model.parameters(), *tk.model.buffers()]) + _bytes(tk.head_code.parameters())
     out = {"llm_GB": llm_b / 1e9, "talker_GB": tk_b / 1e9, "bw_TBs": bw / 1e12}
     ms = lambda b: b / bw * 1000.0  # noqa: E731
     out["prefill"] = ms(llm_b + apm_b)
@@ -566,6 +567,9 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int_list, default="1,4,8,16", help="comma list of stream counts (default 1,4,8,16)")
     ap.add_argument("--code2wav-dtype", choices=("float32", "float16"), default="float32",
                     help="the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
+    ap.add_argument("--quantization", choices=("none", "int8", "fp8"), default="none",
+                    help="quantized weights for the thinker's and talker's decoder linears (docs/model.md "
+                         "'Quantized weights'; fp8 needs compute capability >= 8.9)")
     ap.add_argument("--units", type=positive_int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", type=int_list, default="19,5", help="decided tokens per speaking unit (comma list)")
     ap.add_argument("--modes", type=_modes, default="fast",
@@ -620,7 +624,9 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(a.size, dtype=dtype, device=dev, fast=True, thinker_max_len=a.kv_len,
                                kv_slots=max(levels), with_code2wav=not a.no_audio,
-                               code2wav_dtype=getattr(torch, a.code2wav_dtype))
+                               code2wav_dtype=getattr(torch, a.code2wav_dtype), quantization=a.quantization)
+    for stage, qrep in model.quantization.items():
+        print(f"quantization: {qrep.line(stage)}", flush=True)
     c2w = model.code2wav
     if c2w is not None:
         att = getattr(c2w, "att_cache_dtype", None)
@@ -637,6 +643,7 @@ def main(argv=None) -> int:
     fl = floors(model, bw if bw == bw else 1e11)
     print("floors (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in fl.items()), flush=True)
     results = {"size": a.size, "device": str(dev), "bw": bw, "floors": fl, "weights_GiB": weights,
+               "quantization": {k: dataclasses.asdict(v) for k, v in model.quantization.items()},
                "thinker_stream": th_stream and dev.type == "cuda",
                "thinker_lookahead": bool(getattr(model.thinker, "lookahead", False))}
     fast_th, fast_tk = model.thinker, model.talker

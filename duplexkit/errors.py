@@ -36,7 +36,7 @@ Hierarchy::
 
 The model port's errors derive from :class:`DuplexkitError` where they are defined (they belong to
 their modules): ``CheckpointError``, ``ConfigError``, ``TokenizerError``, ``ChatInputError``,
-``AudioInputError``, ``ImageInputError``, ``TalkerError``, ``ContextFullError`` and the
+``AudioInputError``, ``ImageInputError``, ``TalkerError``, ``ContextFullError``, ``QuantizationError`` and the
 ``Code2WavError`` family in ``duplexkit.models.minicpmo45``; ``ChatRequestError`` in the server.
 """
 

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_args(p, "server")  # the ServerSettings fields (duplexkit/settings.py)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="thinker and talker dtype override (default: the layout's; Code2Wav keeps the layout's)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp8"],
+                   help="quantized weights for the thinker's and talker's decoder layers: int8 (weight-only, "
+                        "any device) or fp8 (CUDA compute capability >= 8.9): thinker + talker weights 10.8 GiB "
+                        "instead of 17.4 in bf16 (default none; docs/model.md 'Quantized weights')")
     p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",
                    help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

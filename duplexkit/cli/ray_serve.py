@@ -33,11 +33,11 @@ def patient_serve_checks() -> None:
 __all__ = ["engine_loader", "gpus_of_layout", "app_builder", "serve_on_ray"]
 
 #: ``app_builder`` args that go to the engine loader; the rest are ServerSettings or RayOptions fields.
-ENGINE_ARGS = ("model", "layout", "dtype", "scripted", "seed")
+ENGINE_ARGS = ("model", "layout", "dtype", "scripted", "seed", "quantization")
 
 
 def engine_loader(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
-                  scripted: Optional[dict] = None):
+                  scripted: Optional[dict] = None, quantization: Optional[str] = None):
     """A picklable zero-argument callable that loads ``model`` as ``duplexkit serve`` does
     (:func:`duplexkit.engine.load_engine`, pre-load checks included, no progress output).
     Raises (when called) what ``load_engine`` raises: ``PreflightError``/``LayoutError``,
@@ -45,7 +45,7 @@ def engine_loader(model: str, *, layout: Optional[str] = None, dtype: Optional[s
     from duplexkit.engine.loading import load_engine
 
     return functools.partial(load_engine, model, layout=layout, dtype=dtype, seed=seed,
-                             scripted=dict(scripted or {}), progress=False)
+                             scripted=dict(scripted or {}), progress=False, quantization=quantization)
 
 
 def gpus_of_layout(layout: Optional[str], model: str) -> int:
@@ -68,7 +68,7 @@ def app_builder(args: dict):
     """Serve application builder for ``serve run`` / ``serve deploy`` config files
     (``import_path: duplexkit.cli.ray_serve:app_builder``; deploy/ray/duplexkit.yaml).
 
-    ``args``: ``model`` (required), ``layout``, ``dtype``, ``seed``, ``scripted`` (the engine), any
+    ``args``: ``model`` (required), ``layout``, ``dtype``, ``seed``, ``scripted``, ``quantization`` (the engine), any
     :class:`~duplexkit_server.ServerSettings` field (``max_sessions``, ``drain_s``, ``api_keys``, ...)
     and any :class:`~duplexkit_server.ray_serve.RayOptions` field (``replicas``, ``max_replicas``,
     ``gpus_per_replica``, ...). Raises ``ValueError`` on a missing model or an unknown key.
@@ -119,7 +119,7 @@ def serve_on_ray(args, settings, scripted: dict) -> int:
                          cpus_per_replica=args.ray_cpus_per_replica)
     settings.bind_host, settings.bind_port = args.host, args.port
     loader = engine_loader(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                           scripted=scripted)
+                           scripted=scripted, quantization=getattr(args, "quantization", None))
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)

@@ -220,7 +220,8 @@ class _Loader:
                     self._thread = threading.current_thread()
                 try:
                     engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                                         scripted=self.scripted, checked=True)
+                                         scripted=self.scripted, checked=True,
+                                         quantization=getattr(args, "quantization", None))
                 finally:
                     with self._lock:
                         self._thread = None
@@ -251,7 +252,8 @@ class _Loader:
         args = self.args
         spec = EngineSpec("duplexkit.engine.loading:load_engine", (args.model,),
                           {"layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
-                           "scripted": self.scripted, "checked": True})
+                           "scripted": self.scripted, "checked": True,
+                           "quantization": getattr(args, "quantization", None)})
         proc = EngineProcess(spec)
         with self._lock:
             if self._cancelled:

@@ -306,7 +306,7 @@ class DuplexEngine:
     def from_pretrained(cls, path: Union[str, Path] = "tiny", layout: Union[Layout, str, Path, None] = None, *,
                         dtype: Optional[str] = None, progress: bool = True, seed: int = 0,
                         cache_dir: Optional[Union[str, Path]] = None, with_code2wav: bool = True,
-                        model_id: str = "minicpm-o-4.5") -> "DuplexEngine":
+                        model_id: str = "minicpm-o-4.5", quantization: Optional[str] = None) -> "DuplexEngine":
         """Load a checkpoint directory (or ``"tiny"``) onto the layout's devices.
 
         Args:
@@ -315,13 +315,18 @@ class DuplexEngine:
             layout: layout (see the class); validated before any weight is read.
             dtype: override of the thinker's layout dtype (``float32`` | ``bfloat16`` | ``float16``).
             seed: weight seed of the tiny checkpoint.
+            quantization: ``none`` (default), ``int8`` or ``fp8``: quantized weights for the
+                thinker's and talker's decoder linears (docs/model.md "Quantized weights"; the
+                weight bytes before / after are printed with ``progress`` and kept in
+                ``engine.model.quantization``). Not with a ``backend: vllm`` thinker.
 
         A layout whose thinker has ``backend: vllm`` gets its thinker's language model on an
         in-process vLLM engine (:class:`~duplexkit.engine.vllm_stages.VllmStages`, docs/vllm.md);
         this process must then import vllm.
 
         Raises:
-            LayoutError, LayoutNotSupportedError; ``CheckpointError`` from the loader.
+            LayoutError, LayoutNotSupportedError (also: ``quantization`` with a vLLM thinker);
+            ``CheckpointError`` / ``QuantizationError`` from the loader.
         """
         lay = load_layout(layout or default_layout_name())
         cls._check_devices(lay)
@@ -337,7 +342,10 @@ class DuplexEngine:
         if dname not in ("float32", "bfloat16", "float16"):
             raise LayoutError(f"dtype must be float32, bfloat16 or float16, got {dname!r}")
         talker_dtype = dtype or lay.talker.dtype
-        model = load(ckpt, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype),
+        if plan is not None and quantization not in (None, "", "none"):
+            raise LayoutError("quantization applies to the native thinker; a backend: vllm layout takes vLLM's "
+                              "own quantization options (docs/vllm.md)")
+        model = load(ckpt, quantization=quantization, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype),
                                   "code2wav": _torch_dtype(lay.code2wav.dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
                      progress=progress, fast={"thinker": False} if plan is not None else None)

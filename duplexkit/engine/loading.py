@@ -28,11 +28,13 @@ def _progress(*a: Any) -> None:
 
 def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
                 progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
-                checked: bool = False):
+                checked: bool = False, quantization: Optional[str] = None):
     """Load the engine named by ``model``: a checkpoint path, ``tiny``, or an engine plugin's name
     (:mod:`.plugins`: ``scripted``, the torch-free scripted engine of :mod:`duplexkit.testing`,
     declared in the ``duplexkit.engines`` entry-point group). ``scripted`` holds the plugin's options
-    (for ``scripted``: :class:`~duplexkit.testing.ScriptConfig` fields).
+    (for ``scripted``: :class:`~duplexkit.testing.ScriptConfig` fields). ``quantization``
+    (``none`` | ``int8`` | ``fp8``) quantizes the thinker's and talker's decoder weights of a
+    checkpoint or ``tiny`` (docs/model.md "Quantized weights"); engine plugins ignore it.
 
     Runs the pre-load checks first (unless ``checked``: the caller already ran them).
 
@@ -61,6 +63,8 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
         from duplexkit.engine import DuplexEngine
 
         kwargs: dict[str, Any] = {"layout": layout, "dtype": dtype, "progress": progress, "seed": seed}
+        if quantization not in (None, "", "none"):
+            kwargs["quantization"] = quantization
         if model_id:
             kwargs["model_id"] = model_id
         engine = DuplexEngine.from_pretrained(model, **kwargs)

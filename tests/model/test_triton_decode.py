@@ -220,7 +220,7 @@ def _model(kind: str, dtype, device=DEV):
     torch.manual_seed(0)
     kw = dict(vocab_size=8, hidden_size=48, intermediate_size=64, num_hidden_layers=2, rms_norm_eps=1e-6,
               max_position_embeddings=512)
-    if kind == "llama":  # the talker's layout: no GQA, no q/k norm
+    if kind.startswith("llama"):  # the talker's layout: no GQA, no q/k norm
         m = LlamaModel(LlamaConfig(num_attention_heads=3, num_key_value_heads=3, head_dim=16, **kw))
     else:
         m = Qwen3Model(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **kw))
@@ -229,6 +229,11 @@ def _model(kind: str, dtype, device=DEV):
         for n, p in m.named_parameters():
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
+    if kind.endswith(("-int8", "-fp8")):  # quantized decoder linears (quantization.py), fused as QuantLinear
+        from duplexkit.models.minicpmo45.quantization import quantize_linears
+
+        mode = kind.rsplit("-", 1)[1]
+        quantize_linears(m, mode, lambda name, _m: name.startswith("layers."))
     if kind != "qwen3-unfused":
         fuse_projections(m)
     return m
@@ -253,7 +258,7 @@ def _run(model, pool, steps, monkeypatch, on: bool):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3-unfused", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-unfused", "llama", "qwen3-int8", "llama-fp8"])
 def test_decoder_forward_flag_on_equals_off(kind, dtype, monkeypatch):
     model = _model(kind, dtype)
     cfg = model.config

@@ -106,6 +106,26 @@ def test_talker_unit_smoke_on_the_cpu():
     assert [(x[1], x[2]) for x in rows] == [("1", "eager-prefill"), ("1", "graph"), ("2", "eager-prefill"), ("2", "graph")]
 
 
+@pytest.mark.parametrize("args,needle", [(["--modes", "int4"], "int8, fp8"), (["--steps", "0"], "--steps"),
+                                         (["--model", "random-real", "--device", "cpu"], "needs --device cuda")])
+def test_quant_quality_refuses_bad_arguments(capsys, args, needle):
+    pytest.importorskip("torch")
+    assert needle in _usage_error(capsys, _main("quant_quality"), args)
+
+
+def test_quant_quality_smoke_on_the_cpu():
+    """The tiny checkpoint on the CPU, as a real process: one quality row per stage and mode, and the
+    weight table (fp8 on the CPU is the emulated path)."""
+    pytest.importorskip("torch")
+    r = _run("benchmarks/quant_quality.py", "--model", "tiny", "--device", "cpu", "--steps", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("thinker ", "talker "))]
+    stages = [(" ".join(x[:2]) if x[0] == "thinker" else x[0]) for x in rows]
+    assert stages == ["thinker prefill", "thinker decode", "talker"] * 2
+    assert any(line.startswith("float32 ") for line in r.stdout.splitlines())
+    assert any(line.startswith("int8 ") for line in r.stdout.splitlines())
+
+
 @pytest.mark.parametrize("args,needle", [(["--units", "0"], "--units"), (["--streams", "a"], "comma-separated"),
                                          (["--streams", "0"], "positive integers"), (["--tokens", ","], "positive"),
                                          (["--modes", "bogus"], "fast, baseline"), (["--stagger", "-2"], ">= 0"),

@@ -1,7 +1,8 @@
 """MiniCPM-o 4.5 rebuilt as Thinker -> Talker -> Code2Wav (docs/model.md).
 
 Public API (docs/model.md): :class:`MiniCPMOConfig`, :func:`load_tokenizer`, :class:`SpecialTokens`,
-:func:`load`, :class:`MiniCPMO45`, :class:`CheckpointError`, :func:`build_tiny_checkpoint`, and the
+:func:`load`, :class:`MiniCPMO45`, :class:`CheckpointError`, :class:`QuantizationError` (``load(...,
+quantization=)``), :func:`build_tiny_checkpoint`, and the
 duplex types :class:`UnitInput`, :class:`UnitResult`, :class:`DuplexPolicy`. Torch-dependent names
 are imported lazily, so ``import duplexkit.models.minicpmo45`` stays light.
 """
@@ -18,6 +19,7 @@ __all__ = [
     "load",
     "MiniCPMO45",
     "CheckpointError",
+    "QuantizationError",
     "build_tiny_checkpoint",
     "tiny_checkpoint",
     "UnitInput",
@@ -38,6 +40,7 @@ _LAZY = {
     "load": ".loader",
     "MiniCPMO45": ".loader",
     "CheckpointError": ".loader",
+    "QuantizationError": ".quantization",
     "build_tiny_checkpoint": ".tiny",
     "tiny_checkpoint": ".tiny",
     "UnitInput": ".duplex",

@@ -360,17 +360,32 @@ def fuse_projections(model) -> None:
     """Give each decoder layer one fused QKV weight and one fused gate/up weight, and rebind the
     original ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj`` weights as views
     into them (no extra memory; every other user of the modules sees the same values). Layers
-    with biases are left alone. Idempotent."""
+    with biases are left alone. Idempotent.
+
+    Quantized layers (:class:`~.quantization.QuantLinear`, all five of a layer) fuse the same way:
+    the fused projection is a ``QuantLinear`` over the concatenated int8/fp8 rows and per-row
+    scales (:meth:`~.quantization.QuantLinear.concat`); :func:`project` applies either form."""
     from torch import nn
+
+    from .quantization import QuantLinear
 
     for layer in model.layers:
         if hasattr(layer, "_dk_qkv"):
             continue
         a, m = layer.self_attn, layer.mlp
-        if any(getattr(x, "bias", None) is not None for x in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
+        mods5 = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
+        if any(getattr(x, "bias", None) is not None for x in mods5):
             continue
+        quant = [isinstance(x, QuantLinear) for x in mods5]
+        if any(quant) and not all(quant):
+            continue  # partly quantized: keep the separate projections
         with torch.no_grad():
             for name, mods in (("_dk_qkv", (a.q_proj, a.k_proj, a.v_proj)), ("_dk_gu", (m.gate_proj, m.up_proj))):
+                if all(quant):
+                    # a plain attribute (not a registered submodule): the state dict and module walks
+                    # keep seeing the per-projection layers, whose buffers are views into this one
+                    object.__setattr__(layer, name, QuantLinear.concat(mods))
+                    continue
                 w = torch.cat([x.weight for x in mods], dim=0)
                 o = 0
                 for x in mods:
@@ -379,9 +394,15 @@ def fuse_projections(model) -> None:
                     o += n
                 setattr(layer, name, w)
             if hasattr(a, "q_norm"):  # Qwen3: per-head q/k RMSNorm gains as one [Hq + Hkv, D] table
-                hq = a.q_proj.weight.shape[0] // a.head_dim
-                hk = a.k_proj.weight.shape[0] // a.head_dim
+                hq = a.q_proj.out_features // a.head_dim
+                hk = a.k_proj.out_features // a.head_dim
                 layer._dk_qk_gain = torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hk, -1)])
+
+
+def project(h: torch.Tensor, w) -> torch.Tensor:
+    """``h`` [..., in] through a fused projection of :func:`fuse_projections`: a weight tensor
+    [out, in] (``F.linear``) or a :class:`~.quantization.QuantLinear`."""
+    return F.linear(h, w) if isinstance(w, torch.Tensor) else w(h)
 
 
 def triton_decode_enabled() -> bool:
@@ -441,7 +462,7 @@ def decoder_forward(model, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
         h = _rms(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if hasattr(layer, "_dk_gu"):
-            g, u = F.linear(h, layer._dk_gu).chunk(2, dim=-1)
+            g, u = project(h, layer._dk_gu).chunk(2, dim=-1)
             x = x + mlp.down_proj(mlp.act_fn(g) * u)
         else:
             x = x + mlp(h)
@@ -454,8 +475,8 @@ def _fused_qkv(layer, h: torch.Tensor):
     a = layer.self_attn
     hd = a.head_dim
     B, T, _ = h.shape
-    qkv = F.linear(h, layer._dk_qkv).view(B, T, -1, hd)
-    nk = a.k_proj.weight.shape[0] // hd
+    qkv = project(h, layer._dk_qkv).view(B, T, -1, hd)
+    nk = a.k_proj.out_features // hd
     return qkv, qkv.shape[2] - 2 * nk, nk
 
 
@@ -510,7 +531,7 @@ def _decoder_forward_triton(model, x: torch.Tensor, pos: torch.Tensor, slots: to
         x, h = td.add_rms_norm(x, a.o_proj(o), ln.weight, ln.variance_epsilon)
         mlp = layer.mlp
         if hasattr(layer, "_dk_gu"):
-            g, u = F.linear(h, layer._dk_gu).chunk(2, dim=-1)
+            g, u = project(h, layer._dk_gu).chunk(2, dim=-1)
             res = mlp.down_proj(mlp.act_fn(g) * u)
         else:
             res = mlp(h)

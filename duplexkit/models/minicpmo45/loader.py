@@ -7,7 +7,12 @@
   accepted and ignored; the ``vpm.encoder.layers.N`` count must match ``drop_vision_last_layer``;
 * ``assets/token2wav``: the 5-file layout is accepted, the 7-file minicpmo-utils 1.0.7 layout
   (``hift_original.pt`` / ``config.yaml``) is rejected (docs/model.md §1.2 "The 7-file trap");
-* dtype float32 / bfloat16 / float16; one device per stage (thinker / talker / code2wav).
+* dtype float32 / bfloat16 / float16; one device per stage (thinker / talker / code2wav);
+* quantized weights: ``quantization`` ``int8`` / ``fp8`` for the thinker's and talker's decoder
+  linears (:mod:`.quantization`); AutoAWQ 4-bit "gemm" checkpoints (``quantization_config`` with
+  ``quant_method: awq`` in ``config.json``, ``<linear>.qweight`` / ``.qzeros`` / ``.scales``
+  tensors in place of ``<linear>.weight``) are dequantized at load to the stage dtype, then
+  quantized as asked.
 """
 
 from __future__ import annotations
@@ -95,6 +100,9 @@ class MiniCPMO45:
     preprocessor_config: Dict[str, Any] = field(default_factory=dict)
     devices: Dict[str, str] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
+    quantization: Dict[str, Any] = field(default_factory=dict)
+    """Per stage (``thinker`` / ``talker``) the :class:`~.quantization.QuantReport` of the weights'
+    quantization (mode, layers, weight bytes before / after); empty when nothing was quantized."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,6 +275,7 @@ def load(
     progress: bool = True,
     with_talker: bool = True,
     fast: Union[bool, Dict[str, bool], None] = None,
+    quantization: Union[str, Dict[str, str], None] = None,
 ) -> MiniCPMO45:
     """Load a checkpoint directory (see module doc).
 
@@ -286,12 +295,22 @@ def load(
             the stages placed on a CUDA device. A dict sets it per stage (``{"thinker": False}``:
             the vLLM thinker backend keeps the plain thinker; stages not named keep the default).
             The CPU path stays the reference-checked one.
+        quantization: ``none`` (default), ``int8`` or ``fp8`` for the thinker's and talker's
+            decoder linears (:mod:`.quantization`; memory and measured quality in docs/model.md
+            "Quantized weights"), or per stage ``{"thinker": .., "talker": ..}``. Weights are read
+            in ``dtype`` on the stage's device, then quantized layer by layer (the peak is the
+            unquantized stage plus one layer).
     Raises:
         CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
             bad config or tokenizer (wrapped).
         ValueError: an unsupported dtype (Code2Wav: other than float32 / float16).
+        QuantizationError: an unknown quantization mode, ``fp8`` on a CUDA device below compute
+            capability 8.9, or a ``quantization_config`` other than AutoAWQ 4-bit "gemm".
     """
+    from .quantization import parse_mode
     from .thinker import Thinker
+
+    q_modes = _quant_modes(quantization, parse_mode)
 
     d = Path(path).expanduser()
     if not d.is_dir():
@@ -329,6 +348,12 @@ def load(
     expected = {k: tuple(v.shape) for k, v in mods.state_dict().items()}
     if cfg.init_tts:
         expected.update(_talker_expected(cfg))
+    awq = _awq_linears(cfg, shapes, expected)
+    if awq:  # AutoAWQ layers: their three tensors stand for "<prefix>.weight"
+        for prefix in awq["prefixes"]:
+            shapes[prefix + ".weight"] = expected[prefix + ".weight"]
+            for suffix in (".qweight", ".qzeros", ".scales"):
+                shapes.pop(prefix + suffix)
     # vision layer count (docs/model.md §1.1, §11)
     if cfg.init_vision:
         pat = re.compile(r"^vpm\.encoder\.layers\.(\d+)\.")
@@ -351,7 +376,7 @@ def load(
 
     if progress:
         print(f"[duplexkit] loading thinker ({len(mods.state_dict())} tensors, {dt}) on {devs['thinker']}", file=sys.stderr, flush=True)
-    tensors = _read_tensors(index, list(mods.state_dict().keys()), dt, devs["thinker"],
+    tensors = _read_weights(index, list(mods.state_dict().keys()), dt, devs["thinker"], awq,
                             progress="thinker weights" if progress else None)
     mods.load_state_dict(tensors, strict=True, assign=True)
     del tensors
@@ -360,6 +385,13 @@ def load(
             if buf is not None:
                 mod._buffers[bn] = buf.to(devs["thinker"])
     mods.eval().requires_grad_(False)
+    reports: Dict[str, Any] = {}
+    if q_modes["thinker"] != "none":
+        from .quantization import quantize_thinker
+
+        reports["thinker"] = quantize_thinker(mods, q_modes["thinker"])
+        if progress:
+            print(f"[duplexkit] {reports['thinker'].line('thinker')}", file=sys.stderr, flush=True)
     thinker = Thinker(mods, cfg, tok, special, device=devs["thinker"], dtype=dt)
     if isinstance(fast, dict):
         fast_on = lambda stage: bool(fast.get(stage, str(devs[stage]).startswith("cuda")))  # noqa: E731
@@ -376,12 +408,18 @@ def load(
     if cfg.init_tts and with_talker:
         from .talker import Talker
 
-        tts_keys = [k for k in index if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
+        tts_keys = [k for k in shapes if k.startswith("tts.") and not k.startswith(IGNORED_KEY_PREFIXES)]
         if progress:
             print(f"[duplexkit] loading talker ({len(tts_keys)} tensors, {dt_talker}) on {devs['talker']}", file=sys.stderr, flush=True)
-        sd = _read_tensors(index, tts_keys, torch.float32, "cpu", progress="talker weights" if progress else None)
+        sd = _read_weights(index, tts_keys, torch.float32, "cpu", awq, progress="talker weights" if progress else None)
         talker = Talker.from_state_dict(cfg.tts_config.raw or {}, sd, dtype=dt_talker, device=devs["talker"])
         del sd
+        if q_modes["talker"] != "none":
+            from .quantization import quantize_talker
+
+            reports["talker"] = quantize_talker(talker, q_modes["talker"])
+            if progress:
+                print(f"[duplexkit] {reports['talker'].line('talker')}", file=sys.stderr, flush=True)
         if fast_on("talker"):
             from .fast_talker import FastTalker
 
@@ -429,4 +467,70 @@ def load(
         preprocessor_config=_json("preprocessor_config.json"),
         devices=devs,
         dtype=dt,
+        quantization=reports,
     )
+
+
+def _quant_modes(quantization, parse_mode) -> Dict[str, str]:
+    """``quantization`` argument of :func:`load` -> ``{"thinker": mode, "talker": mode}``."""
+    if isinstance(quantization, dict):
+        bad = set(quantization) - {"thinker", "talker"}
+        if bad:
+            raise ValueError(f"unknown stage(s) in quantization: {sorted(bad)} (use thinker/talker)")
+        return {s: parse_mode(quantization.get(s)) for s in ("thinker", "talker")}
+    m = parse_mode(quantization)
+    return {"thinker": m, "talker": m}
+
+
+def _awq_linears(cfg: MiniCPMOConfig, shapes: Dict[str, tuple], expected: Dict[str, tuple]) -> Optional[dict]:
+    """The AutoAWQ layers of the checkpoint (module doc): ``{"group_size", "prefixes"}``, or None
+    when ``config.json`` has no ``quantization_config``.
+
+    Raises:
+        CheckpointError: an AWQ layer that is not a linear of the model, a missing companion tensor,
+            or tensors whose shapes do not fit the linear (the report lists them); the
+            ``quantization_config`` is not AutoAWQ 4-bit "gemm" (wrapped QuantizationError).
+    """
+    from .quantization import QuantizationError, awq_config, awq_expected_shapes, awq_linear_prefixes
+
+    try:
+        qc = awq_config(cfg.raw)
+    except QuantizationError as e:
+        raise CheckpointError(f"config.json: {e}") from e
+    if qc is None:
+        return None
+    g = qc["group_size"]
+    prefixes = awq_linear_prefixes(shapes)
+    unexpected, missing, mism = [], [], []
+    for p in prefixes:
+        wk = p + ".weight"
+        if wk not in expected or len(expected[wk]) != 2:
+            unexpected.append(p + ".qweight")
+            continue
+        for k, shp in awq_expected_shapes(p, expected[wk], g).items():
+            if k not in shapes:
+                missing.append(k)
+            elif shapes[k] != shp:
+                mism.append(f"{k}: got {shapes[k]}, expected {shp}")
+    if unexpected or missing or mism:
+        raise CheckpointError(f"AWQ tensors (group_size {g}) do not match the model", missing=missing,
+                              unexpected=unexpected, mismatched=mism)
+    return {"group_size": g, "prefixes": prefixes}
+
+
+def _read_weights(index: Dict[str, Path], keys, dtype: torch.dtype, device, awq: Optional[dict],
+                  progress: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """:func:`_read_tensors`, with each AutoAWQ layer's ``<prefix>.weight`` dequantized from its
+    ``qweight`` / ``qzeros`` / ``scales`` (:func:`.quantization.awq_dequantize`) into ``dtype``."""
+    prefixes = set(awq["prefixes"]) if awq else set()
+    plain = [k for k in keys if not (k.endswith(".weight") and k[: -len(".weight")] in prefixes)]
+    out = _read_tensors(index, plain, dtype, device, progress=progress)
+    if prefixes:
+        from .quantization import awq_dequantize
+
+        wanted = [k[: -len(".weight")] for k in keys if k not in plain]
+        for p in wanted:
+            raw = _read_tensors(index, [p + ".qweight", p + ".qzeros", p + ".scales"], torch.float32, "cpu")
+            w = awq_dequantize(raw[p + ".qweight"], raw[p + ".qzeros"], raw[p + ".scales"], awq["group_size"], dtype)
+            out[p + ".weight"] = w.to(device)
+    return out

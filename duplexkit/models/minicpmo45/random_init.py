@@ -153,7 +153,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                        device: Union[str, torch.device] = "cuda", seed: int = 0, with_code2wav: bool = True,
                        fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4,
                        code2wav_dtype: Optional[torch.dtype] = None,
-                       tokenizer_dir: Optional[Union[str, Path]] = None) -> MiniCPMO45:
+                       tokenizer_dir: Optional[Union[str, Path]] = None,
+                       quantization: Optional[str] = None) -> MiniCPMO45:
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
@@ -168,9 +169,17 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             ``merges.txt`` or ``tokenizer.json``), e.g. the real MiniCPM-o 4.5 tokenizer, so that text
             costs as many tokens as with the released model (tool-call benchmarks); ``size`` must be
             ``"real"``. None: the tiny builder's small BPE.
+        quantization: ``none`` (default), ``int8`` or ``fp8`` for the thinker's and talker's decoder
+            linears (:mod:`.quantization`): the random bf16 weights are drawn first, then quantized
+            (so runs that differ only here compare like for like); the reports are in
+            ``MiniCPMO45.quantization``.
     Returns:
         :class:`MiniCPMO45` with ``random_weights=True`` (``model_dir`` None).
+    Raises:
+        QuantizationError: an unknown or unavailable quantization mode (:func:`.quantization.check_mode`).
     """
+    from .quantization import check_mode, quantize_talker, quantize_thinker
+
     from .config import MiniCPMOConfig
     from .loader import _build_on_meta
     from .thinker import Thinker
@@ -178,8 +187,10 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
     if size not in ("real", "tiny"):
         raise ValueError("size must be 'real' or 'tiny'")
     dev = torch.device(device)
+    qmode = check_mode(quantization, dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(int(seed))
+    reports = {}
     with tempfile.TemporaryDirectory(prefix="duplexkit-random-") as td:
         tmp = Path(td)
         if tokenizer_dir is not None and size != "real":
@@ -195,6 +206,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                                      tok.convert_tokens_to_ids("<focus>"), tok.convert_tokens_to_ids("</perception>"))
         cfg = MiniCPMOConfig.from_dict(copy.deepcopy(cfg_d))
         mods = _materialise(_build_on_meta(cfg), dev, dtype, gen)
+        if qmode != "none":
+            reports["thinker"] = quantize_thinker(mods, qmode)
         if fast is None:
             fast = dev.type == "cuda"
         if fast:
@@ -207,6 +220,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
         else:
             thinker = Thinker(mods, cfg, tok, special, device=dev, dtype=dtype)
         tk = _random_talker(cfg, dev, dtype, gen)
+        if qmode != "none":
+            reports["talker"] = quantize_talker(tk, qmode)
         talker = tk
         if fast:
             from .fast_talker import FastTalker
@@ -216,7 +231,7 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                                     dtype=code2wav_dtype) if with_code2wav else None
     return MiniCPMO45(config=cfg, tokenizer=tok, special=special, thinker=thinker, talker=talker, code2wav=code2wav,
                       random_weights=True, model_dir=None, devices={s: str(dev) for s in ("thinker", "talker", "code2wav")},
-                      dtype=dtype)
+                      dtype=dtype, quantization=reports)
 
 
 def _random_talker(cfg, dev: torch.device, dtype: torch.dtype, gen: torch.Generator):
