@@ -89,6 +89,18 @@ fi
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 export PYTHONUNBUFFERED=1
 
+# Two pytest-xdist workers for the default run and --all (tests/conftest.py, "parallel workers": one
+# worker per test file, the in-process model and engine tests together in one worker).
+# DUPLEXKIT_TEST_WORKERS=N sets the count; 0 runs in this process, as a selection of yours does.
+WORKERS=${DUPLEXKIT_TEST_WORKERS:-2}
+if ! [[ $WORKERS =~ ^[0-9]+$ ]]; then
+  echo "[test] DUPLEXKIT_TEST_WORKERS must be a whole number (0 = no workers), got '$WORKERS'" >&2
+  exit 2
+fi
+workers() {  # the pytest arguments for $WORKERS workers
+  if [[ $WORKERS -gt 0 ]]; then echo "-n $WORKERS --dist loadgroup"; fi
+}
+
 # pytest's status, with 5 ("no tests collected") turned into a failure
 run_pytest() {
   "$PY" -m pytest -ra -q --durations=25 "$@"
@@ -108,9 +120,10 @@ if [[ $ALL != 1 ]]; then  # the contributor's default
   echo "[test] the default selection: -m \"$DEFAULT_MARKS\" (the slow group, tests/conftest.py SLOW, and the"
   echo "[test] Ray Serve group are left out). Everything, as CI runs it: scripts/test.sh --all (or DUPLEXKIT_TEST_ALL=1)"
   t0=$SECONDS
-  run_pytest -m "$DEFAULT_MARKS"
+  # shellcheck disable=SC2046  # word splitting of the worker arguments is meant
+  run_pytest $(workers) -m "$DEFAULT_MARKS"
   rc=$?
-  echo "[test] default selection: $((SECONDS - t0)) s (about 15 min on 2 idle cores, an estimate: README); slow and Ray groups not run: scripts/test.sh --all"
+  echo "[test] default selection: $((SECONDS - t0)) s on $WORKERS workers (README gives the measured time); slow and Ray groups not run: scripts/test.sh --all"
   exit $rc
 fi
 # --all: the whole suite in two runs: everything but the Ray Serve tests (the slow group included: one
@@ -119,9 +132,10 @@ fi
 # around real processes, sockets and audio devices is scaled by DUPLEXKIT_TEST_TIME_SCALE (default 1,
 # set for a loaded 2-core machine; tests/_timing.py).
 t0=$SECONDS
-run_pytest -m "not ray" "$@"
+# shellcheck disable=SC2046
+run_pytest $(workers) -m "not ray" "$@"
 rc_main=$?
-echo "[test] main suite with the slow group: $((SECONDS - t0)) s (about 20 min on 2 idle cores, 20-35 min with both busy)"
+echo "[test] main suite with the slow group: $((SECONDS - t0)) s on $WORKERS workers (README gives the measured time)"
 t1=$SECONDS
 echo "[test] Ray Serve group (marker ray): budget about 2.5 min on 2 idle cores, 2-15 min with both busy"
 run_pytest -m ray "$@"

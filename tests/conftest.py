@@ -101,10 +101,29 @@ def slow_reason(nodeid: str) -> str | None:
     return next((why for pattern, why in SLOW if fnmatchcase(nodeid, pattern)), None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+# --- parallel workers ---------------------------------------------------------------------------------
+# `scripts/test.sh` runs the default selection and `--all` with two pytest-xdist workers
+# (`-n 2 --dist loadgroup`): most of the suite waits on real processes, sockets and audio sent in real
+# time, so two workers share 2 cores well. Each test file is one unit of work (its module fixtures, a
+# server process for instance, are built once), except the in-process model and engine tests, which are
+# one unit together: they share the test process's tiny engine and Code2Wav flow (~2.24 GB each,
+# docs/model.md §7.5), so they run in one worker, one after the other, as they always have.
+#: node-id prefixes of the tests that run together in one worker (the group's name: "engine")
+ENGINE_GROUP = ("tests/model/", "tests/engine/")
+
+
+def xdist_group(nodeid: str) -> str:
+    """The pytest-xdist group of ``nodeid``: ``"engine"`` for :data:`ENGINE_GROUP`, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return "engine" if path.startswith(ENGINE_GROUP) else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests that :data:`SLOW` names `slow` (deselect them with ``-m "not slow"``)."""
+    """Mark the tests that :data:`SLOW` names `slow` (deselect them with ``-m "not slow"``), and put
+    every test in its pytest-xdist group (:func:`xdist_group`; used with ``--dist loadgroup``)."""
     for item in items:
         why = slow_reason(item.nodeid)
         if why is not None:
             item.add_marker(pytest.mark.slow(reason=why))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))

@@ -56,3 +56,15 @@ def test_minus_m_not_slow_leaves_the_slow_group_out():
     ids = [line for line in r.stdout.splitlines() if "::" in line]
     assert ids and all(i.startswith("tests/unit/test_time_scale.py::") for i in ids), r.stdout
     assert "deselected" in r.stdout
+
+
+def test_the_model_and_engine_tests_share_one_worker_and_other_files_keep_theirs(request):
+    """scripts/test.sh's workers (`--dist loadgroup`): the in-process tiny-engine tests form one group
+    (one worker builds the ~2.24 GB Code2Wav flow), every other file is its own unit of work."""
+    xdist_group = _conftest().xdist_group
+
+    assert xdist_group("tests/model/test_talker.py::test_x[random]") == "engine"
+    assert xdist_group("tests/engine/test_runtime.py::test_y") == "engine"
+    assert xdist_group("tests/e2e/test_tiny_e2e.py::test_z") == "tests/e2e/test_tiny_e2e.py"
+    marks = [m.args[0] for m in request.node.iter_markers("xdist_group")]
+    assert marks == ["tests/unit/test_slow_group.py"]  # set on every collected test
