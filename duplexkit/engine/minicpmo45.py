@@ -276,7 +276,7 @@ class MiniCPMO45Stages:
         return g
 
     @_gpu_work
-    def talker_new_turn(self, seed: Optional[int]) -> Any:
+    def talker_open(self, seed: Optional[int]) -> Any:
         return _TalkerTurnState(self.model.talker.new_turn(), self._generator(seed))
 
     @_gpu_work
@@ -301,7 +301,7 @@ class MiniCPMO45Stages:
         return out
 
     @_gpu_work
-    def talker_close_turn(self, turn: Any) -> None:
+    def talker_close(self, turn: Any) -> None:
         t = getattr(turn, "turn", None)
         if t is not None and hasattr(t, "reset"):
             t.reset()
@@ -328,7 +328,7 @@ class MiniCPMO45Stages:
         return [r if isinstance(r, BaseException) else VocoderOut(np.asarray(r, np.float32).reshape(-1)) for r in res]
 
     @_gpu_work
-    def code2wav_reset_turn(self, handle: Any) -> None:
+    def code2wav_end_turn(self, handle: Any) -> None:
         self._c2w().reset_turn(handle)
 
     @_gpu_work

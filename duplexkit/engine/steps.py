@@ -65,7 +65,7 @@ def _end_and_keep(end: Callable[[StageModel, Any], None]) -> Callable[[StageMode
 
 
 def _close_and_drop(m: StageModel, h: Any) -> None:
-    m.talker_close_turn(h)  # a talker turn is its whole state: ending the turn frees it
+    m.talker_close(h)  # a talker turn is its whole state: ending the turn frees it
 
 
 def _code2wav_update(m: StageModel, h: Any, old: StreamConfig, new: StreamConfig) -> None:
@@ -83,13 +83,13 @@ STAGE_OPS = {
         open=_none,  # a talker turn is made by the first speaking unit (_talker_step)
         update=lambda m, h, old, new: h,
         end_turn=_close_and_drop,
-        close=lambda m, h: m.talker_close_turn(h),
+        close=lambda m, h: m.talker_close(h),
         end_turn_frees=True,
     ),
     "code2wav": StageOps(
         open=lambda m, cfg: m.code2wav_open(cfg.ref_voice) if cfg.output_audio else None,
         update=_code2wav_update,
-        end_turn=_end_and_keep(lambda m, h: m.code2wav_reset_turn(h)),
+        end_turn=_end_and_keep(lambda m, h: m.code2wav_end_turn(h)),
         close=lambda m, h: m.code2wav_close(h),
         update_frees=True,
     ),
@@ -313,7 +313,7 @@ class StageSteps:
                     self._end_turn("talker", st)
                     seed = st.applied["thinker"].seed
                     st.turn_count += 1
-                    st.handles["talker"] = m.talker_new_turn(
+                    st.handles["talker"] = m.talker_open(
                         None if seed is None else (int(seed) * 1_000_003 + st.turn_count) % (2**63))
             except Exception as exc:  # noqa: BLE001
                 pre[i] = detach_traceback(exc)

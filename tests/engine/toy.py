@@ -80,7 +80,7 @@ class ToyStages:
         self._count("thinker", -1)
 
     # talker
-    def talker_new_turn(self, seed):
+    def talker_open(self, seed):
         self._count("talker", 1)
         return {"units": 0}
 
@@ -94,7 +94,7 @@ class ToyStages:
             out.append(TalkerOut(np.full(25, zlib.crc32(tag.encode()) % 6561, np.int64), steps=26))
         return out
 
-    def talker_close_turn(self, turn):
+    def talker_close(self, turn):
         self.events.append(("talker_close", None))
         self._count("talker", -1)
 
@@ -121,7 +121,7 @@ class ToyStages:
             out.append(VocoderOut(np.full(n, h["value"], np.float32)))
         return out
 
-    def code2wav_reset_turn(self, h):
+    def code2wav_end_turn(self, h):
         self.events.append(("c2w_reset", None))
         h["buf"], h["first"] = 0, True
 
