@@ -381,6 +381,74 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
 
 
+def command_name() -> str:
+    """The ``duplexkit`` command as the user can type it: ``duplexkit`` when it is the one on ``PATH``,
+    else the path of the one next to this interpreter (``.venv/bin/duplexkit`` after
+    scripts/demo.sh), relative to the working directory when it is under it."""
+    import shutil
+
+    exe = Path(sys.executable).with_name("duplexkit")
+    if not exe.is_file() or shutil.which("duplexkit") == str(exe):
+        return "duplexkit"
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def _size(n: int) -> str:
+    """Bytes as a short decimal size (``812 B``, ``3.4 kB``, ``1.2 MB``, ``5.0 GB``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def recording_summary(directory, sessions: int, size: int) -> str:
+    """``serve --record DIR``'s line at exit: how many sessions this run recorded, where, how many
+    bytes, and the ``duplexkit replay`` command that opens them (docs/debugging.md)."""
+    import shlex
+
+    where = shlex.quote(str(directory))
+    if not sessions:
+        return f"recordings: no session was recorded into {where} this run"
+    return (f"recordings: {sessions} session(s) recorded into {where} this run ({_size(size)}); "
+            f"open them with: {command_name()} replay {where}")
+
+
+def session_end_line(client, exc: Optional[BaseException] = None) -> str:
+    """The ``error:`` message for a client whose session ended without the command ending it: what
+    happened (the WebSocket close code and the ``session.closed`` reason, docs/protocol.md §1.5) and
+    the next step. ``exc`` is the error a call raised when the connection went (its ``close_code``
+    is used when the client saw none). Exit status :data:`EXIT_CONNECTION` (docs/cli.md, "When the
+    server ends the session")."""
+    from duplexkit.clients import DuplexClient
+    from duplexkit.protocol.vocabulary import CloseCode, CloseReason
+
+    reason = client.close_reason
+    code = getattr(client, "close_code", None) or getattr(exc, "close_code", None)
+    remote = isinstance(client, DuplexClient)
+    said = ", ".join(x for x in (f"close code {code}" if code else "",
+                                 f"session.closed reason {reason!r}" if reason else "") if x)
+    who = "the server closed the connection" if remote else "the session ended"
+    head = f"{who} ({said})" if said else who
+    if reason == CloseReason.SHUTDOWN.value or (reason is None and code == CloseCode.GOING_AWAY):
+        return f"{head}: the server is shutting down; start it again (or wait for its restart) and rerun this command"
+    if reason == CloseReason.SERVER_ERROR.value or (reason is None and code == CloseCode.INTERNAL_ERROR):
+        where = "the server's log says why; restart it" if remote else "DUPLEXKIT_DEBUG=1 shows why"
+        return f"{head}: the engine failed and cannot go on; {where}, then rerun this command"
+    if reason == CloseReason.TIMEOUT.value:
+        return (f"{head}: the session was idle longer than the server's --idle-timeout-s (default 300 s); "
+                "rerun this command")
+    if remote and reason is None and code == CloseCode.POLICY_VIOLATION:
+        return (f"{head}: this client did not take the server's events in time (peer not reading, "
+                "--outbound-stall-s); rerun it on a less loaded machine or network")
+    if remote and reason is None:
+        return (f"the connection to the server was lost{f' ({said})' if said else ''}: check that the server is "
+                f"still running and reachable, then rerun this command")
+    return f"{head}; rerun this command"
+
+
 # ---------------------------------------------------------------------------------------------
 # engine loading
 # ---------------------------------------------------------------------------------------------
