@@ -221,6 +221,53 @@ def interrupt_thread(thread, exc: type = KeyboardInterrupt) -> bool:
 LOADER_STOP_S = 10.0
 """How long an interrupted load may take to stop (it stops at its next Python step)."""
 
+INTERRUPT_EVERY_S = 0.05
+"""How often :func:`interrupt_until_stopped` raises the interrupt again in a load that goes on."""
+
+
+def _inside(thread, code) -> bool:
+    """Whether ``thread`` is running ``code`` (a code object) somewhere in its current stack."""
+    frame = sys._current_frames().get(getattr(thread, "ident", None))
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt_until_stopped(target, lock, inside, exc: type = KeyboardInterrupt, *,
+                            every_s: float = INTERRUPT_EVERY_S, limit_s: float = LOADER_STOP_S) -> None:
+    """Interrupt a loading thread (:func:`interrupt_thread`) now and again every ``every_s`` while it
+    is still in the load, for at most ``limit_s``; returns at once (a daemon thread repeats it).
+
+    One asynchronous exception is not enough: it may land where Python swallows it (a ``__del__``,
+    a weakref callback, a library's ``except BaseException``), and the load then runs to its end.
+    ``target()`` (called with ``lock`` held) gives the loading thread, None once it is done; the
+    interrupt is raised only while that thread runs ``inside`` (the load function's code object),
+    so that none reaches it after the load has returned.
+    """
+    import threading
+    import time
+
+    def once() -> bool:  # whether to go on
+        with lock:
+            thread = target()
+            if thread is None or not thread.is_alive():
+                return False
+            if _inside(thread, inside):
+                interrupt_thread(thread, exc)
+            return True
+
+    def repeat() -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            time.sleep(every_s)
+            if not once():
+                return
+
+    if once():
+        threading.Thread(target=repeat, name="duplexkit-load-interrupter", daemon=True).start()
+
 
 async def load_engine_async(model: str, **kwargs):
     """:func:`load_engine` in a daemon thread, awaited: the event loop keeps running, so Ctrl+C or
@@ -255,9 +302,7 @@ async def load_engine_async(model: str, **kwargs):
     try:
         await done.wait()
     except asyncio.CancelledError:
-        with lock:
-            if box.get("loading"):
-                interrupt_thread(thread)
+        interrupt_until_stopped(lambda: thread if box.get("loading") else None, lock, load_engine.__code__)
         deadline = loop.time() + LOADER_STOP_S
         while thread.is_alive() and loop.time() < deadline:
             await asyncio.sleep(0.02)

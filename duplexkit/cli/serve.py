@@ -233,14 +233,15 @@ class _Loader:
         return engine
 
     def cancel(self) -> None:
-        from .common import interrupt_thread
+        from .common import interrupt_until_stopped
 
         with self._lock:
             self._cancelled = True
             if self._proc is not None:
                 self._proc.cancel()
-            elif self._thread is not None:
-                interrupt_thread(self._thread)
+                return
+        # the in-process load: interrupted until it has stopped (one interrupt can be swallowed)
+        interrupt_until_stopped(lambda: self._thread, self._lock, load_engine.__code__)
 
     def _engine_process(self):
         """The engine in its own process (``--engine-process``, docs/architecture.md "Processes"): the
