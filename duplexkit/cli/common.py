@@ -468,8 +468,10 @@ def session_end_line(client, exc: Optional[BaseException] = None) -> str:
     is used when the client saw none). Exit status :data:`EXIT_CONNECTION` (docs/cli.md, "When the
     server ends the session")."""
     from duplexkit.clients import DuplexClient
-    from duplexkit.protocol.vocabulary import CloseCode, CloseReason
+    from duplexkit.clients.base import CLOSE_CODES  # session.closed reason -> close code
 
+    shutdown, timeout, server_error = "shutdown", "timeout", ErrorCode.SERVER_ERROR.value
+    policy_violation = 1008  # RFC 6455: here "peer not reading" (docs/protocol.md §1.5)
     reason = client.close_reason
     code = getattr(client, "close_code", None) or getattr(exc, "close_code", None)
     remote = isinstance(client, DuplexClient)
@@ -477,15 +479,15 @@ def session_end_line(client, exc: Optional[BaseException] = None) -> str:
                                  f"session.closed reason {reason!r}" if reason else "") if x)
     who = "the server closed the connection" if remote else "the session ended"
     head = f"{who} ({said})" if said else who
-    if reason == CloseReason.SHUTDOWN.value or (reason is None and code == CloseCode.GOING_AWAY):
+    if reason == shutdown or (reason is None and code == CLOSE_CODES[shutdown]):
         return f"{head}: the server is shutting down; start it again (or wait for its restart) and rerun this command"
-    if reason == CloseReason.SERVER_ERROR.value or (reason is None and code == CloseCode.INTERNAL_ERROR):
+    if reason == server_error or (reason is None and code == CLOSE_CODES[server_error]):
         where = "the server's log says why; restart it" if remote else "DUPLEXKIT_DEBUG=1 shows why"
         return f"{head}: the engine failed and cannot go on; {where}, then rerun this command"
-    if reason == CloseReason.TIMEOUT.value:
+    if reason == timeout:
         return (f"{head}: the session was idle longer than the server's --idle-timeout-s (default 300 s); "
                 "rerun this command")
-    if remote and reason is None and code == CloseCode.POLICY_VIOLATION:
+    if remote and reason is None and code == policy_violation:
         return (f"{head}: this client did not take the server's events in time (peer not reading, "
                 "--outbound-stall-s); rerun it on a less loaded machine or network")
     if remote and reason is None:
