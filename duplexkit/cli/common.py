@@ -45,8 +45,9 @@ invalid checkpoint directory (no/bad ``config.json``, no weight files), an unkno
 EXIT_BAD_INPUT = EXIT_USAGE  # the older name
 EXIT_CONNECTION = 3
 """Network: a client cannot reach the server or is refused (connection refused, unauthorized, no
-free session slot); ``serve`` cannot listen on ``--host``/``--port`` (port in use, address not
-available)."""
+free session slot), or the server ends its session (shut down, engine failure, idle timeout, lost
+connection: :func:`session_end_line`); ``serve`` cannot listen on ``--host``/``--port`` (port in
+use, address not available)."""
 EXIT_LOAD = 4
 """The model or engine failed to load after the pre-load checks passed (``CheckpointError``, out of
 memory, a missing package such as torch)."""
@@ -482,7 +483,7 @@ def session_end_line(client, exc: Optional[BaseException] = None) -> str:
     if reason == shutdown or (reason is None and code == CLOSE_CODES[shutdown]):
         return f"{head}: the server is shutting down; start it again (or wait for its restart) and rerun this command"
     if reason == server_error or (reason is None and code == CLOSE_CODES[server_error]):
-        where = "the server's log says why; restart it" if remote else "DUPLEXKIT_DEBUG=1 shows why"
+        where = "the server's log says why; restart it" if remote else "the error it sent says why"
         return f"{head}: the engine failed and cannot go on; {where}, then rerun this command"
     if reason == timeout:
         return (f"{head}: the session was idle longer than the server's --idle-timeout-s (default 300 s); "
