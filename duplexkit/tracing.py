@@ -179,7 +179,9 @@ def _short_reason(message: str) -> str:
     """The gist of an exporter message: the OS error (``Connection refused``) when it names one."""
     import re
 
-    m = re.search(r"\[Errno -?\d+\] ([^'\")]+)", message) or re.search(r"(StatusCode\.\w+)", message)
+    m = (re.search(r"\[Errno -?\d+\] ([^'\")]+)", message)  # http: the OS error
+         or re.search(r"(Connection refused|Connection reset|Deadline Exceeded|timed out)", message, re.I)
+         or re.search(r"(StatusCode\.\w+)", message))  # grpc
     return m.group(1).strip() if m else message.strip()[:160]
 
 
