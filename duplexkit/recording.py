@@ -187,6 +187,9 @@ class Recorder:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._active: set = set()  # folder names of sessions being recorded (never removed by retention)
+        self.recorded: list[Path] = []
+        """The folders of the sessions this recorder has finished writing, in order (retention may
+        have removed some since: :meth:`summary` counts those still there)."""
         self._closed = False
         atexit.register(self.close)
 
@@ -233,6 +236,19 @@ class Recorder:
         except queue.Full:
             return False
         return done.wait(timeout_s)
+
+    def summary(self) -> tuple[int, int]:
+        """``(sessions, bytes)``: the recordings this recorder finished that are still on disk, and
+        the bytes of their files. Call after :meth:`close` (or :meth:`flush`) to count everything."""
+        count = size = 0
+        for folder in list(self.recorded):
+            try:
+                files = [p for p in folder.iterdir() if p.is_file()]
+                size += sum(p.stat().st_size for p in files)
+            except OSError:  # removed by retention (or by hand) since
+                continue
+            count += 1
+        return count, size
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to ``timeout_s``) and stop the writer thread. Idempotent."""
@@ -693,6 +709,7 @@ class _Writer:
         self.write_transcripts()
         self.write_meta(complete=True, duration_ms=dur_ms)
         self.recorder._active.discard(self.folder.name)
+        self.recorder.recorded.append(self.folder)
         self.user.pieces, self.responses = [], {}
         logger.info("recording of %s written to %s", self.session_id, self.folder)
 

@@ -137,12 +137,175 @@ def provider_from_env() -> Any:
 
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "").strip() or "duplexkit",
                                     "service.version": __version__})
+        endpoint = next(os.environ[v] for v in TRACES_ENDPOINT_VARS if os.environ.get(v, "").strip())
         provider = TracerProvider(resource=resource)  # flushed and shut down at exit by the SDK
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        guard = _GuardedExporter(OTLPSpanExporter(), endpoint)
+        provider.add_span_processor(_bounded_processor_class(BatchSpanProcessor)(guard))
         _env_provider = provider
-        logger.info("OpenTelemetry traces on: OTLP %s to %s", proto,
-                    next(os.environ[v] for v in TRACES_ENDPOINT_VARS if os.environ.get(v, "").strip()))
+        logger.info("OpenTelemetry traces on: OTLP %s to %s", proto, endpoint)
         return provider
+
+
+# -- an endpoint that does not answer -------------------------------------------------------------
+
+EXPORT_WARNING_EVERY_S = 60.0
+"""At most one warning per this many seconds while spans cannot be exported (the first at once)."""
+SHUTDOWN_FLUSH_S = 1.5
+"""How long a shutdown (at exit) waits for the last spans to be exported; with an endpoint that
+is already failing, not at all. A forced flush waits at most this long too."""
+EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                    "opentelemetry.exporter.otlp.common.http",
+                    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+                    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+"""The OTLP span exporters' loggers: their per-attempt warnings and errors (every retry of every
+batch) become one rate-limited warning of ``duplexkit.tracing``; each stays on its DEBUG log."""
+
+
+class _ExporterLogGuard(logging.Filter):
+    """On the exporter loggers: hands their WARNING and ERROR records to the guard instead."""
+
+    def __init__(self, guard: "_GuardedExporter") -> None:
+        super().__init__()
+        self.guard = guard
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        self.guard.exporter_said(record.getMessage())
+        return False
+
+
+def _short_reason(message: str) -> str:
+    """The gist of an exporter message: the OS error (``Connection refused``) when it names one."""
+    import re
+
+    m = (re.search(r"\[Errno -?\d+\] ([^'\")]+)", message)  # http: the OS error
+         or re.search(r"(Connection refused|Connection reset|Deadline Exceeded|timed out)", message, re.I)
+         or re.search(r"(StatusCode\.\w+)", message))  # grpc
+    return m.group(1).strip() if m else message.strip()[:160]
+
+
+class _GuardedExporter:
+    """A span exporter around the OTLP one: a failing endpoint gives one clear warning (then at most
+    one per :data:`EXPORT_WARNING_EVERY_S`) instead of the exporter's line per retry, and each
+    export runs on a daemon thread that the processor can stop waiting for (``give_up_at``), so
+    that a shutdown is never held by an endpoint that does not answer (:data:`SHUTDOWN_FLUSH_S`)."""
+
+    def __init__(self, inner: Any, endpoint: str) -> None:
+        self.inner = inner
+        self.endpoint = endpoint
+        self.give_up_at: Optional[float] = None  # monotonic; set by a shutdown or forced flush
+        self.failing = False
+        self._reason = ""
+        self._warned_at: Optional[float] = None
+        self._dropped = 0  # spans not exported since the last warning
+        self._lock = threading.Lock()
+        self._filter = _ExporterLogGuard(self)
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
+
+    def exporter_said(self, message: str) -> None:
+        """A warning or error of the exporter itself (a retry, a failed batch)."""
+        logger.debug("OTLP exporter: %s", message)
+        with self._lock:
+            self.failing = True
+            self._reason = _short_reason(message)
+        self._maybe_warn()
+
+    def _maybe_warn(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._warned_at is not None and now - self._warned_at < EXPORT_WARNING_EVERY_S:
+                return
+            first, dropped = self._warned_at is None, self._dropped
+            self._warned_at, self._dropped = now, 0
+        if first:
+            logger.warning("OpenTelemetry traces cannot be exported to %s (%s): spans are dropped while it does "
+                           "not answer; this warning repeats at most every %g s", self.endpoint,
+                           self._reason or "export failed", EXPORT_WARNING_EVERY_S)
+        else:
+            logger.warning("OpenTelemetry traces still cannot be exported to %s (%s): %d span(s) dropped since "
+                           "the last warning", self.endpoint, self._reason or "export failed", dropped)
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        give_up = self.give_up_at
+        if give_up is not None and (self.failing or time.monotonic() >= give_up):
+            self._count_dropped(len(spans))
+            return SpanExportResult.FAILURE
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = self.inner.export(spans)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed export
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="duplexkit-otlp-export", daemon=True).start()
+        while not done.wait(0.05):
+            give_up = self.give_up_at
+            if give_up is not None and time.monotonic() >= give_up:
+                break  # a shutdown stops waiting; the thread ends with the exporter's own timeout
+        result = box.get("result", SpanExportResult.FAILURE)
+        if result == SpanExportResult.SUCCESS:
+            if self.failing:
+                logger.info("OpenTelemetry traces reach %s again", self.endpoint)
+            with self._lock:
+                self.failing = False
+            return result
+        if "error" in box:
+            self.exporter_said(f"{type(box['error']).__name__}: {box['error']}")
+        with self._lock:
+            self.failing = True
+        self._count_dropped(len(spans))
+        self._maybe_warn()
+        return SpanExportResult.FAILURE
+
+    def _count_dropped(self, n: int) -> None:
+        with self._lock:
+            self._dropped += n
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True  # nothing is buffered here (the batch processor holds the spans)
+
+    def shutdown(self) -> None:
+        self.give_up_at = time.monotonic()
+        try:
+            self.inner.shutdown()  # also ends the retry waits of an export still running
+        except Exception:  # pragma: no cover - at exit, best effort
+            logger.debug("OTLP exporter shutdown failed", exc_info=True)
+        # the filters stay: an abandoned export thread may still log its last retry
+
+
+def _bounded_processor_class(base: type) -> type:
+    """``base`` (the SDK's ``BatchSpanProcessor``) whose shutdown and forced flush wait at most
+    :data:`SHUTDOWN_FLUSH_S` for its :class:`_GuardedExporter` (not at all while it is failing):
+    the SDK's own wait is 30 s for a shutdown, and unbounded for a flush."""
+
+    class BoundedBatchSpanProcessor(base):
+        def __init__(self, exporter: _GuardedExporter) -> None:
+            super().__init__(exporter)
+            self._guard = exporter
+
+        def shutdown(self) -> None:
+            self._guard.give_up_at = time.monotonic() + (0.0 if self._guard.failing else SHUTDOWN_FLUSH_S)
+            super().shutdown()
+
+        def force_flush(self, timeout_millis: Optional[int] = None) -> bool:
+            if self._guard.failing:
+                return False
+            bound_s = SHUTDOWN_FLUSH_S if timeout_millis is None else min(SHUTDOWN_FLUSH_S, timeout_millis / 1000)
+            self._guard.give_up_at = time.monotonic() + bound_s
+            try:
+                return bool(super().force_flush(timeout_millis)) and not self._guard.failing
+            finally:
+                self._guard.give_up_at = None
+
+    return BoundedBatchSpanProcessor
 
 
 def check_env() -> bool:

@@ -255,6 +255,18 @@ def _version() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    code = _main(argv)
+    if argv is None:
+        # the process's own command ends here: its objects need no final garbage collection, which
+        # with a model loaded in this process (serve --no-engine-process, demo, mic, chat) held
+        # the exit for seconds after everything was closed; atexit handlers still run
+        import gc
+
+        gc.freeze()
+    return code
+
+
+def _main(argv: Optional[list[str]]) -> int:
     if argv is None:  # the process's own command: SIGTERM stops it as Ctrl+C does (exit 143)
         # building the parser imports pydantic and numpy (~1 s): a signal then is held until the
         # imports are done (an exception raised inside an extension module's import can panic it),

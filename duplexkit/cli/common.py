@@ -45,8 +45,9 @@ invalid checkpoint directory (no/bad ``config.json``, no weight files), an unkno
 EXIT_BAD_INPUT = EXIT_USAGE  # the older name
 EXIT_CONNECTION = 3
 """Network: a client cannot reach the server or is refused (connection refused, unauthorized, no
-free session slot); ``serve`` cannot listen on ``--host``/``--port`` (port in use, address not
-available)."""
+free session slot), or the server ends its session (shut down, engine failure, idle timeout, lost
+connection: :func:`session_end_line`); ``serve`` cannot listen on ``--host``/``--port`` (port in
+use, address not available)."""
 EXIT_LOAD = 4
 """The model or engine failed to load after the pre-load checks passed (``CheckpointError``, out of
 memory, a missing package such as torch)."""
@@ -221,6 +222,53 @@ def interrupt_thread(thread, exc: type = KeyboardInterrupt) -> bool:
 LOADER_STOP_S = 10.0
 """How long an interrupted load may take to stop (it stops at its next Python step)."""
 
+INTERRUPT_EVERY_S = 0.05
+"""How often :func:`interrupt_until_stopped` raises the interrupt again in a load that goes on."""
+
+
+def _inside(thread, code) -> bool:
+    """Whether ``thread`` is running ``code`` (a code object) somewhere in its current stack."""
+    frame = sys._current_frames().get(getattr(thread, "ident", None))
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt_until_stopped(target, lock, inside, exc: type = KeyboardInterrupt, *,
+                            every_s: float = INTERRUPT_EVERY_S, limit_s: float = LOADER_STOP_S) -> None:
+    """Interrupt a loading thread (:func:`interrupt_thread`) now and again every ``every_s`` while it
+    is still in the load, for at most ``limit_s``; returns at once (a daemon thread repeats it).
+
+    One asynchronous exception is not enough: it may land where Python swallows it (a ``__del__``,
+    a weakref callback, a library's ``except BaseException``), and the load then runs to its end.
+    ``target()`` (called with ``lock`` held) gives the loading thread, None once it is done; the
+    interrupt is raised only while that thread runs ``inside`` (the load function's code object),
+    so that none reaches it after the load has returned.
+    """
+    import threading
+    import time
+
+    def once() -> bool:  # whether to go on
+        with lock:
+            thread = target()
+            if thread is None or not thread.is_alive():
+                return False
+            if _inside(thread, inside):
+                interrupt_thread(thread, exc)
+            return True
+
+    def repeat() -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            time.sleep(every_s)
+            if not once():
+                return
+
+    if once():
+        threading.Thread(target=repeat, name="duplexkit-load-interrupter", daemon=True).start()
+
 
 async def load_engine_async(model: str, **kwargs):
     """:func:`load_engine` in a daemon thread, awaited: the event loop keeps running, so Ctrl+C or
@@ -255,9 +303,7 @@ async def load_engine_async(model: str, **kwargs):
     try:
         await done.wait()
     except asyncio.CancelledError:
-        with lock:
-            if box.get("loading"):
-                interrupt_thread(thread)
+        interrupt_until_stopped(lambda: thread if box.get("loading") else None, lock, load_engine.__code__)
         deadline = loop.time() + LOADER_STOP_S
         while thread.is_alive() and loop.time() < deadline:
             await asyncio.sleep(0.02)
@@ -379,6 +425,76 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, (ConnectionError, OSError)):
         return f"{type(exc).__name__}: {exc}", EXIT_CONNECTION if isinstance(exc, ConnectionError) else EXIT_FAILURE
     return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
+
+
+def command_name() -> str:
+    """The ``duplexkit`` command as the user can type it: ``duplexkit`` when it is the one on ``PATH``,
+    else the path of the one next to this interpreter (``.venv/bin/duplexkit`` after
+    scripts/demo.sh), relative to the working directory when it is under it."""
+    import shutil
+
+    exe = Path(sys.executable).with_name("duplexkit")
+    if not exe.is_file() or shutil.which("duplexkit") == str(exe):
+        return "duplexkit"
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def _size(n: int) -> str:
+    """Bytes as a short decimal size (``812 B``, ``3.4 kB``, ``1.2 MB``, ``5.0 GB``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def recording_summary(directory, sessions: int, size: int) -> str:
+    """``serve --record DIR``'s line at exit: how many sessions this run recorded, where, how many
+    bytes, and the ``duplexkit replay`` command that opens them (docs/debugging.md)."""
+    import shlex
+
+    where = shlex.quote(str(directory))
+    if not sessions:
+        return f"recordings: no session was recorded into {where} this run"
+    return (f"recordings: {sessions} session(s) recorded into {where} this run ({_size(size)}); "
+            f"open them with: {command_name()} replay {where}")
+
+
+def session_end_line(client, exc: Optional[BaseException] = None) -> str:
+    """The ``error:`` message for a client whose session ended without the command ending it: what
+    happened (the WebSocket close code and the ``session.closed`` reason, docs/protocol.md §1.5) and
+    the next step. ``exc`` is the error a call raised when the connection went (its ``close_code``
+    is used when the client saw none). Exit status :data:`EXIT_CONNECTION` (docs/cli.md, "When the
+    server ends the session")."""
+    from duplexkit.clients import DuplexClient
+    from duplexkit.clients.base import CLOSE_CODES  # session.closed reason -> close code
+
+    shutdown, timeout, server_error = "shutdown", "timeout", ErrorCode.SERVER_ERROR.value
+    policy_violation = 1008  # RFC 6455: here "peer not reading" (docs/protocol.md §1.5)
+    reason = client.close_reason
+    code = getattr(client, "close_code", None) or getattr(exc, "close_code", None)
+    remote = isinstance(client, DuplexClient)
+    said = ", ".join(x for x in (f"close code {code}" if code else "",
+                                 f"session.closed reason {reason!r}" if reason else "") if x)
+    who = "the server closed the connection" if remote else "the session ended"
+    head = f"{who} ({said})" if said else who
+    if reason == shutdown or (reason is None and code == CLOSE_CODES[shutdown]):
+        return f"{head}: the server is shutting down; start it again (or wait for its restart) and rerun this command"
+    if reason == server_error or (reason is None and code == CLOSE_CODES[server_error]):
+        where = "the server's log says why; restart it" if remote else "the error it sent says why"
+        return f"{head}: the engine failed and cannot go on; {where}, then rerun this command"
+    if reason == timeout:
+        return (f"{head}: the session was idle longer than the server's --idle-timeout-s (default 300 s); "
+                "rerun this command")
+    if remote and reason is None and code == policy_violation:
+        return (f"{head}: this client did not take the server's events in time (peer not reading, "
+                "--outbound-stall-s); rerun it on a less loaded machine or network")
+    if remote and reason is None:
+        return (f"the connection to the server was lost{f' ({said})' if said else ''}: check that the server is "
+                f"still running and reachable, then rerun this command")
+    return f"{head}; rerun this command"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,13 +11,16 @@ from typing import Optional
 from .common import (
     CliError,
     EXIT_BAD_INPUT,
+    EXIT_CONNECTION,
     EXIT_FAILURE,
     MIN_TURN_SAMPLES,
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    command_name,
     load_engine_async,
     run_async,
+    session_end_line,
 )
 from duplexkit.errors import ErrorCode
 
@@ -136,7 +139,7 @@ async def _demo_async(args) -> int:
 
     from duplexkit.audio import read_wav, write_wav
     from duplexkit.clients import DuplexClient, InlineDuplexClient
-    from duplexkit.errors import DuplexError
+    from duplexkit.errors import DuplexConnectionError, DuplexError
 
     audio, _ = read_wav(args.input, 16_000)
     if len(audio) < MIN_TURN_SAMPLES:
@@ -171,6 +174,8 @@ async def _demo_async(args) -> int:
             try:
                 r = await run_wav_turn(client, audio, pace=args.pace, response_timeout_s=args.timeout,
                                        progress=_print_progress if len(audio) > 2 * PROGRESS_EVERY_S * 16_000 else None)
+            except DuplexConnectionError as exc:  # the server closed the session, or the connection went
+                raise CliError(session_end_line(client, exc), EXIT_CONNECTION) from None
             except DuplexError as exc:
                 if exc.code != ErrorCode.INPUT_BACKPRESSURE.value:
                     raise
@@ -179,6 +184,9 @@ async def _demo_async(args) -> int:
     finally:
         if engine is not None:
             await engine.aclose()
+    # the server ended the session while the demo ran (e.g. it shut down during the answer): the
+    # partial answer is still shown, then that line and status 3 instead of "what next"
+    ended = session_end_line(client) if client.close_reason not in (None, "client_close") else None
     h = r["handle"]
     out = h.audio_array()
     if args.output:
@@ -191,6 +199,8 @@ async def _demo_async(args) -> int:
     print(_timing_table(_demo_timing_rows(r, h, load_s, len(out) / OUTPUT_RATE)))
     if random_weights:
         print("note: random weights -> the transcript is gibberish and the audio is noise (expected).")
+    if ended is not None:
+        raise CliError(ended, EXIT_CONNECTION)
     print(_what_next(args))
     return 0 if h.status in ("completed", "incomplete") else 1
 
@@ -211,18 +221,9 @@ def _what_next(args) -> str:
     scripts/demo.sh), relative to the working directory when it is under it. With ``--url`` the server
     already runs, so its address is used; else ``duplexkit serve``'s default (127.0.0.1:8000).
     """
-    import shutil
-    import sys
     from urllib.parse import urlsplit
 
-    exe = Path(sys.executable).with_name("duplexkit")
-    if not exe.is_file() or shutil.which("duplexkit") == str(exe):
-        cmd = "duplexkit"
-    else:
-        try:
-            cmd = str(exe.relative_to(Path.cwd()))
-        except ValueError:
-            cmd = str(exe)
+    cmd = command_name()
     if args.url:
         u = urlsplit(args.url if "://" in args.url else "ws://" + args.url)
         host = u.netloc or "127.0.0.1:8000"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 from .common import (
     CliError,
+    EXIT_CONNECTION,
     EXIT_DEVICE,
     _check_model_arg,
     _eprint,
@@ -18,6 +19,7 @@ from .common import (
     _session_defaults,
     load_engine_async,
     run_async,
+    session_end_line,
 )
 
 
@@ -128,6 +130,7 @@ async def _mic_async(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # from here Ctrl+C / SIGTERM end the conversation (exit 0)
         loop.add_signal_handler(sig, stop.set)
     ready = [False]
+    ended: Optional[str] = None  # why the session ended by itself, when it did
 
     mic_q: asyncio.Queue = asyncio.Queue()
     out_audio: list = []
@@ -201,6 +204,8 @@ async def _mic_async(args) -> int:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+            # neither Ctrl+C nor --duration: the session ended under us (the server closed it)
+            ended = session_end_line(client) if client.closed else None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -209,25 +214,41 @@ async def _mic_async(args) -> int:
         if engine is not None:
             await engine.aclose()
         if ready[0]:
-            _mic_outputs(args, out_audio, transcript_lines, client, heard[0])
+            _mic_outputs(args, out_audio, transcript_lines, client, heard[0], ended=ended)
+    if ended is not None:
+        raise CliError(ended, EXIT_CONNECTION)
     return 0
 
 
-def _mic_outputs(args, out_audio: list, transcript_lines: list, client, heard: int) -> None:
-    """Write ``--save-output`` and ``--summary`` (also after Ctrl+C) and a closing line on stderr."""
+def _mic_outputs(args, out_audio: list, transcript_lines: list, client, heard: int,
+                 ended: Optional[str] = None) -> None:
+    """Write ``--save-output`` and ``--summary`` (also after Ctrl+C, and when the server ended the
+    session: ``ended`` is then its line) and the closing lines on stderr.
+
+    ``--save-output`` is always written once the session was ready: the assistant's audio (float32
+    at 24 kHz, saved as 16-bit PCM), or, when it said nothing, a valid WAV of 0 samples, so that a
+    script reading the file finds one either way; a line says which.
+    """
     import numpy as np
 
     from duplexkit.audio.playback import OUTPUT_RATE
 
-    if args.save_output and out_audio:
+    if args.save_output:
         from duplexkit.audio import write_wav
-        write_wav(args.save_output, np.concatenate(out_audio), OUTPUT_RATE)
+
+        audio = np.concatenate(out_audio) if out_audio else np.zeros(0, np.float32)
+        write_wav(args.save_output, audio, OUTPUT_RATE)
+        if len(audio):
+            _eprint(f"mic: wrote {len(audio) / OUTPUT_RATE:.2f} s of assistant audio to {args.save_output}")
+        else:
+            _eprint(f"mic: no assistant audio: wrote an empty WAV (0 s, 24 kHz) to {args.save_output}")
     if args.summary:
         Path(args.summary).write_text(json.dumps({
             "responses": transcript_lines, "output_samples": int(sum(len(a) for a in out_audio)),
             "speech_started": heard, "barge_ins": getattr(client, "barge_ins", 0)}, indent=2))
-    _eprint(f"mic: heard speech {heard} time(s), {len(transcript_lines)} response(s)"
-            + ("" if heard else " (nothing heard: check the input device and its level, see --input-device)"))
+    # the input-device hint only fits a conversation that ran until the user stopped it
+    hint = "" if heard or ended else " (nothing heard: check the input device and its level, see --input-device)"
+    _eprint(f"mic: heard speech {heard} time(s), {len(transcript_lines)} response(s){hint}")
 
 
 def _device(spec: Optional[str]):

@@ -22,6 +22,7 @@ from .common import (
     _random_weights_notice,
     _session_defaults,
     load_engine,
+    recording_summary,
 )
 
 
@@ -233,14 +234,15 @@ class _Loader:
         return engine
 
     def cancel(self) -> None:
-        from .common import interrupt_thread
+        from .common import interrupt_until_stopped
 
         with self._lock:
             self._cancelled = True
             if self._proc is not None:
                 self._proc.cancel()
-            elif self._thread is not None:
-                interrupt_thread(self._thread)
+                return
+        # the in-process load: interrupted until it has stopped (one interrupt can be swallowed)
+        interrupt_until_stopped(lambda: self._thread, self._lock, load_engine.__code__)
 
     def _engine_process(self):
         """The engine in its own process (``--engine-process``, docs/architecture.md "Processes"): the
@@ -300,8 +302,8 @@ def _cmd_serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if tuned:
-        logging.getLogger("duplexkit.memory").info(
+    if tuned:  # how the process's memory is set up: for --log-level debug, not every user's first line
+        logging.getLogger("duplexkit.memory").debug(
             "allocator: PYTHONMALLOC=%s, %s, numpy data handler %s", os.environ.get("PYTHONMALLOC", "pymalloc"),
             f"glibc mmap threshold fixed at {mmap_threshold} bytes" if mmap_threshold
             else "glibc mmap threshold not set",
@@ -328,6 +330,13 @@ def _cmd_serve(args) -> int:
             f"(realtime: ws://{args.host}:{port}/v1/realtime?duplex=1 or /v1/duplex; OpenAI-compatible: "
             f"/v1/realtime; auth {'on' if settings.api_keys else 'off'})")
     rc = serve(app, host=args.host, port=port, log_level=args.log_level, sockets=[sock])
+    recorder = getattr(app.state.duplexkit, "recorder", None)  # made with the first recorded session
+    if settings.record_dir is not None and app.state.duplexkit.engine is not None:
+        sessions = size = 0
+        if recorder is not None:
+            recorder.close()  # the sessions closed by the shutdown are written out first
+            sessions, size = recorder.summary()
+        _eprint(recording_summary(settings.record_dir, sessions, size))
     err = app.state.duplexkit.load_error
     if err is not None:
         from duplexkit.errors import LayoutError

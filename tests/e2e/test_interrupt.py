@@ -174,6 +174,34 @@ def test_serve_stopped_while_the_model_loads_in_process():
         cmd.close()
 
 
+@pytest.mark.parametrize("phase", ["loading the tiny random-weight model", "loading thinker"])
+def test_serve_stopped_while_the_model_loads_in_process_exits_promptly(phase):
+    """``--no-engine-process``, Ctrl+C at two points of the load: the load is stopped, not finished
+    ("model ready" never printed, though the tiny load takes 8-11 s here), and once the server has
+    finished (uvicorn's last line) the process is gone at once: no final garbage collection of the
+    half-loaded model, which held the exit 1.7 s on an idle machine and several seconds on a busy one.
+    Wall time from the signal to the exit is bounded loosely (what is left of a load step and the
+    shutdown itself vary with the machine's load)."""
+    port = free_port()
+    cmd = Cmd("serve", "tiny", "--port", str(port), "--no-engine-process")
+    try:
+        cmd.wait_line(phase)
+        t0 = time.monotonic()
+        cmd.kill_group(signal.SIGINT)
+        cmd.wait_line("Finished server process", bound_s=30)
+        t_finished = time.monotonic()
+        rc = cmd.finish(60)
+        t_exit = time.monotonic()
+    finally:
+        cmd.close()
+    out = cmd.text()
+    assert rc == 0, out
+    cmd.assert_clean()
+    assert "model ready" not in out, out
+    assert t_exit - t_finished < bound(1.2), f"{t_exit - t_finished:.2f} s from the server's end to the exit:\n{out}"
+    assert t_exit - t0 < bound(6), f"{t_exit - t0:.2f} s from Ctrl+C to the exit:\n{out}"
+
+
 @pytest.mark.parametrize("name", list(SIGS))
 def test_serve_stopped_while_idle(name):
     port = free_port()

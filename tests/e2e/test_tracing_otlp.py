@@ -191,3 +191,47 @@ def test_serve_refuses_an_unsupported_otlp_protocol():
                          timeout=bound(120), cwd=str(REPO))
     assert out.returncode == 2, out.stderr[-2000:]
     assert "http/json" in out.stderr and "OTEL_EXPORTER_OTLP_PROTOCOL" in out.stderr
+
+
+def _stop_s(srv: ServerProc) -> float:
+    """Seconds from SIGINT to the server's exit (status 0)."""
+    t0 = time.monotonic()
+    assert srv.stop() == 0, srv.output()[-3000:]
+    return time.monotonic() - t0
+
+
+def _endpoint_lines(out: str, port: int) -> list:
+    """The log lines about the endpoint at ``port`` (the exporter's, or duplexkit's about it), after
+    the start-up line naming it."""
+    lines = out.split("OpenTelemetry traces on:", 1)[-1].splitlines()[1:]
+    return [ln for ln in lines if f"127.0.0.1:{port}" in ln or f"port={port}" in ln]
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_serve_with_an_unreachable_otlp_endpoint_warns_once_and_stops_promptly(protocol):
+    """``OTEL_EXPORTER_OTLP_ENDPOINT`` at a closed port: sessions go on, the log gets one warning
+    (the exporter's line per retry only at DEBUG), and the exit is not held by the exporter's
+    retries: it takes at most a couple of seconds longer than the same server's without tracing."""
+    if protocol == "grpc":
+        pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    with ServerProc("scripted", "--scripted", "units_per_turn=3") as srv:
+        baseline_s = _stop_s(srv)
+    closed = free_port()  # nothing listens there
+    srv = ServerProc("scripted", "--scripted", "units_per_turn=3", "--log-level", "debug",
+                     env=_env(f"http://127.0.0.1:{closed}", protocol))
+    try:
+        deadline = time.monotonic() + bound(120)
+        # sessions until the exporter has failed at least 3 times (each failure is on the DEBUG log)
+        while len(_endpoint_lines(srv.output(), closed)) < 4:
+            assert time.monotonic() < deadline, srv.output()[-5000:]
+            _sid, h = asyncio.run(_one_session(srv.ws_url + "/v1/realtime?duplex=1", {}))
+            assert h.status == "completed"  # tracing never gets in a session's way
+            srv.wait_idle()
+        stop_s = _stop_s(srv)
+        out = srv.output()
+    finally:
+        srv.__exit__(None, None, None)
+    loud = [ln for ln in out.splitlines() if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
+    assert len(loud) == 1, "\n".join(loud)
+    assert f"duplexkit.tracing: OpenTelemetry traces cannot be exported to http://127.0.0.1:{closed}" in loud[0]
+    assert stop_s < baseline_s + bound(2.5), (stop_s, baseline_s)

@@ -342,3 +342,62 @@ def test_a_tool_call_and_its_answer_stay_in_one_turn():
     assert resp[-1].attributes["duplexkit.response.trigger"] == "client"
     decide = [s for s in k["other"] if s.name == "duplexkit.decide_tools"]
     assert decide and all(s.attributes["duplexkit.elapsed_ms"] >= 0 for s in decide)
+
+
+def test_a_failing_otlp_endpoint_warns_once_and_does_not_hold_the_shutdown(caplog):
+    """The guard around the OTLP exporter (duplexkit.tracing._GuardedExporter): the exporter's line
+    per retry becomes one warning of duplexkit.tracing, and a shutdown waits at most
+    SHUTDOWN_FLUSH_S for an export that hangs in retries (real SDK provider and batch processor;
+    the stand-in exporter logs as the OTLP one does and blocks until shut down)."""
+    import logging
+    import threading
+    import time
+
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from duplexkit import tracing
+
+    exporter_log = logging.getLogger(tracing.EXPORTER_LOGGERS[0])
+
+    class Hanging:
+        def __init__(self):
+            self.stop = threading.Event()
+            self.calls = 0
+
+        def export(self, spans):
+            self.calls += 1
+            for _ in range(3):
+                exporter_log.warning("Transient error HTTPConnectionPool(host='127.0.0.1', port=9): Max retries "
+                                     "exceeded (Caused by NewConnectionError(\"Failed to establish a new connection: "
+                                     "[Errno 111] Connection refused\")) encountered while exporting spans batch, "
+                                     "retrying in 0.89s.")
+            self.stop.wait(30)  # the exporter's retries, until its shutdown
+            return None
+
+        def shutdown(self):
+            self.stop.set()
+
+    inner = Hanging()
+    guard = tracing._GuardedExporter(inner, "http://127.0.0.1:9")
+    try:
+        provider = TracerProvider(shutdown_on_exit=False)
+        provider.add_span_processor(tracing._bounded_processor_class(BatchSpanProcessor)(guard))
+        tracer = provider.get_tracer("t")
+        caplog.set_level(logging.DEBUG)
+        for i in range(3):
+            tracer.start_span(f"s{i}").end()
+        assert provider.force_flush() is False  # the export fails (bounded: SHUTDOWN_FLUSH_S)
+        assert inner.calls == 1
+        t0 = time.monotonic()
+        provider.shutdown()
+        assert time.monotonic() - t0 < tracing.SHUTDOWN_FLUSH_S + 1.0
+    finally:
+        for name in tracing.EXPORTER_LOGGERS:
+            logging.getLogger(name).removeFilter(guard._filter)
+        inner.stop.set()
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and loud[0].name == "duplexkit.tracing", [r.getMessage() for r in loud]
+    assert "cannot be exported to http://127.0.0.1:9 (Connection refused)" in loud[0].getMessage()
+    assert sum("OTLP exporter: Transient error" in r.getMessage() for r in caplog.records) == 3  # at DEBUG
