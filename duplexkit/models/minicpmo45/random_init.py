@@ -153,7 +153,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                        device: Union[str, torch.device] = "cuda", seed: int = 0, with_code2wav: bool = True,
                        fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4,
                        code2wav_dtype: Optional[torch.dtype] = None,
-                       tokenizer_dir: Optional[Union[str, Path]] = None) -> MiniCPMO45:
+                       tokenizer_dir: Optional[Union[str, Path]] = None,
+                       fast_options: Optional[dict] = None) -> MiniCPMO45:
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
@@ -168,6 +169,9 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             ``merges.txt`` or ``tokenizer.json``), e.g. the real MiniCPM-o 4.5 tokenizer, so that text
             costs as many tokens as with the released model (tool-call benchmarks); ``size`` must be
             ``"real"``. None: the tiny builder's small BPE.
+        fast_options: the fast paths' keyword arguments per stage, as ``loader.load`` takes them (a
+            memory plan's, ``duplexkit.engine.memory_plan.fast_options``); the thinker's override
+            ``thinker_max_len`` / ``kv_slots``.
     Returns:
         :class:`MiniCPMO45` with ``random_weights=True`` (``model_dir`` None).
     """
@@ -202,8 +206,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             from .fast_thinker import FastThinker
 
             pin_sdpa_backend()
-            thinker = FastThinker(mods, cfg, tok, special, device=dev, dtype=dtype, max_len=thinker_max_len,
-                                  slots=kv_slots)
+            th_kw = {"max_len": thinker_max_len, "slots": kv_slots, **(fast_options or {}).get("thinker", {})}
+            thinker = FastThinker(mods, cfg, tok, special, device=dev, dtype=dtype, **th_kw)
         else:
             thinker = Thinker(mods, cfg, tok, special, device=dev, dtype=dtype)
         tk = _random_talker(cfg, dev, dtype, gen)
@@ -211,9 +215,12 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
         if fast:
             from .fast_talker import FastTalker
 
-            talker = FastTalker(tk, slots=kv_slots)
+            talker = FastTalker(tk, **{"slots": kv_slots, **(fast_options or {}).get("talker", {})})
         code2wav = _random_code2wav(tmp, dev, gen, size == "real", batched=bool(fast),
                                     dtype=code2wav_dtype) if with_code2wav else None
+        rows = (fast_options or {}).get("code2wav", {}).get("graph_rows")
+        if rows is not None and code2wav is not None and hasattr(code2wav, "set_graph_rows"):
+            code2wav.set_graph_rows(rows)
     return MiniCPMO45(config=cfg, tokenizer=tok, special=special, thinker=thinker, talker=talker, code2wav=code2wav,
                       random_weights=True, model_dir=None, devices={s: str(dev) for s in ("thinker", "talker", "code2wav")},
                       dtype=dtype)
