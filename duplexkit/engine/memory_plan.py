@@ -489,7 +489,7 @@ def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_row
     items.append(PlanItem("CUDA context (outside the allocator)", int(CUDA_CONTEXT_GIB * GiB), 1,
                           "measured: gpu_engine.py 'outside the allocator'"))
     slots = streams + 1
-    items.append(PlanItem("KV thinker", 2 * sizes.llm_layers * thinker_positions * sizes.llm_kv_heads * sizes.llm_head_dim * b,
+    items.append(PlanItem("KV thinker (LLM)", 2 * sizes.llm_layers * thinker_positions * sizes.llm_kv_heads * sizes.llm_head_dim * b,
                           slots, f"computed: {thinker_positions} positions, +1 scratch slot", per_stream=True))
     items.append(PlanItem("KV thinker audio (Whisper)",
                           2 * sizes.whisper_layers * sizes.whisper_positions * sizes.whisper_heads * sizes.whisper_head_dim * b,
