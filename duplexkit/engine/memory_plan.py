@@ -485,7 +485,7 @@ def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_row
     items.append(PlanItem(f"code2wav graph scratch ({R} rows)", scratch, 1,
                           f"computed: dit_scratch shapes, {att_bytes} B attention caches"))
     items.append(PlanItem("CUDA graph pools + workspaces", int(FIXED_RESERVE_GIB * GiB), 1,
-                          "measured: results/2026-12-02-cudnn-per-thread-h200.md"))
+                          "measured: benchmarks/results/2026-12-02-cudnn-per-thread-h200.md"))
     items.append(PlanItem("CUDA context (outside the allocator)", int(CUDA_CONTEXT_GIB * GiB), 1,
                           "measured: gpu_engine.py 'outside the allocator'"))
     slots = streams + 1
@@ -502,7 +502,7 @@ def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_row
                           + c.encoder_layers * 2 * c.width * own * flow_b,
                           streams, f"computed: prompt + 100 frames", per_stream=True))
     items.append(PlanItem("activations per stream", int(activation_per_stream_gib() * GiB), streams,
-                          "measured: results/2026-12-03-code2wav-caches-acceptance-h200.md", per_stream=True))
+                          "measured: benchmarks/results/2026-12-03-code2wav-caches-acceptance-h200.md", per_stream=True))
     return tuple(items)
 
 
