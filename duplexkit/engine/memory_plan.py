@@ -464,7 +464,8 @@ def _prompt_frames(voice_s: float) -> int:
 
 
 def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_rows: int, dtype: str,
-           quantization: str, voice_s: float, att_bytes: int) -> Tuple[PlanItem, ...]:
+           quantization: str, voice_s: float, att_bytes: int,
+           activation_each: Optional[int] = None) -> Tuple[PlanItem, ...]:
     b = DTYPE_BYTES[dtype]
     c = sizes.code2wav
     items = _weights(sizes, dtype, quantization)
@@ -501,7 +502,8 @@ def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_row
                           c.steps * c.depth * 2 * c.heads * own * 2 * c.head_dim * att_bytes
                           + c.encoder_layers * 2 * c.width * own * flow_b,
                           streams, f"computed: prompt + 100 frames", per_stream=True))
-    items.append(PlanItem("activations per stream", int(activation_per_stream_gib() * GiB), streams,
+    act = int(activation_per_stream_gib() * GiB) if activation_each is None else int(activation_each)
+    items.append(PlanItem("activations per stream", act, streams,
                           "measured: benchmarks/results/2026-12-03-code2wav-caches-acceptance-h200.md", per_stream=True))
     return tuple(items)
 
@@ -511,25 +513,17 @@ _ACT_CACHE: List[float] = []
 
 def activation_per_stream_gib() -> float:
     """The per-stream activation reserve (GiB): the acceptance run's measured peak
-    (:data:`ACCEPTANCE_PEAK_GIB`, 64 streams) less everything else its plan holds, over 64 — the real
-    model at its settings (bf16, no quantization, 2048 thinker positions, 16 graph rows, float16
-    attention caches, the default voice), so a plan of that run totals its measured peak plus the CUDA
-    context. Computed from the real sizes' arithmetic without a meta build."""
+    (:data:`ACCEPTANCE_PEAK_GIB`, 64 streams) less everything else its plan holds (the CUDA context
+    aside: the peak is the allocator's), over 64. The run's settings: the real model, bf16, no
+    quantization, 2048 thinker positions, 16 graph rows, float16 attention caches, the default voice.
+    So a plan of that run totals its measured peak plus the CUDA context."""
     if not _ACT_CACHE:
-        rest = sum(it.bytes for it in _items_no_activation(_REAL_ARITHMETIC, ACCEPTANCE_STREAMS)
+        rest = sum(it.bytes for it in _items(_REAL_ARITHMETIC, streams=ACCEPTANCE_STREAMS, thinker_positions=2048,
+                                             graph_rows=16, dtype="bfloat16", quantization="none", voice_s=6.04,
+                                             att_bytes=2, activation_each=0)
                    if not it.name.startswith("CUDA context"))
         _ACT_CACHE.append(max(0.0, (ACCEPTANCE_PEAK_GIB * GiB - rest) / ACCEPTANCE_STREAMS / GiB))
     return _ACT_CACHE[0]
-
-
-def _items_no_activation(sizes: ModelSizes, streams: int) -> List[PlanItem]:
-    _ACT_CACHE.append(0.0)  # a zero reserve while the others are computed
-    try:
-        return [it for it in _items(sizes, streams=streams, thinker_positions=2048, graph_rows=16, dtype="bfloat16",
-                                    quantization="none", voice_s=6.04, att_bytes=2)
-                if not it.name.startswith("activations")]
-    finally:
-        _ACT_CACHE.clear()
 
 
 _REAL_ARITHMETIC = ModelSizes(
