@@ -17,10 +17,12 @@ What is computed and what is measured:
   talker, each ``streams + 1`` slots: one is the graphs' scratch slot), Code2Wav's per-stream flow
   caches, its voice base cache, its single-stream flow buffers and the Euler-loop graphs' shared
   scratch (:meth:`~duplexkit.models.minicpmo45.fast_code2wav.BatchedCode2Wav.dit_scratch` shapes);
-* **measured** (named constants below, each with its results file): the CUDA context outside PyTorch's
-  allocator, the fixed reserve for CUDA-graph pools, cuBLAS/cuDNN workspaces and allocator slack, and
-  the per-stream activation reserve (temporaries of a round: gathered caches, HiFT activations,
-  logits), calibrated so that the plan of the 64-stream acceptance run equals its measured peak.
+* **measured** (named constants below, each with its results file): the fixed reserve for CUDA-graph
+  pools, cuBLAS/cuDNN workspaces and allocator slack, and the per-stream activation reserve
+  (temporaries of a round: gathered caches, HiFT activations, logits), calibrated so that the plan of
+  the 64-stream acceptance run equals its measured peak;
+* **estimated**: the CUDA context outside PyTorch's allocator (:data:`CUDA_CONTEXT_GIB`, 0.5 GiB), until
+  ``benchmarks/gpu_engine.py --memory`` has measured it.
 
 Budget semantics: ``budget_gib`` is the device memory the engine may use, as a card of that size has
 it: the CUDA context comes out of it, and the rest caps PyTorch's allocator
@@ -94,9 +96,10 @@ WHISPER_ALIGN = 32
 # ------------------------------------------------------------------------------------------ measured
 CUDA_CONTEXT_GIB = 0.5
 """CUDA context, kernels' modules and cuBLAS/cuDNN handles: device memory outside PyTorch's allocator
-(not capped by ``set_per_process_memory_fraction``). ``torch.cuda.mem_get_info`` used minus
-``memory_reserved`` after the engine's build, measured on the H200 with torch 2.11 + CUDA 13
-(``benchmarks/gpu_engine.py`` prints it as ``outside the allocator``)."""
+(not capped by ``set_per_process_memory_fraction``). An estimate, not yet measured in this project:
+``benchmarks/gpu_engine.py --memory`` prints the measured value (``mem_get_info`` used minus
+``memory_reserved``) as ``outside the allocator`` in its ``memory plan check`` line; replace this
+figure with that one, naming the results file."""
 
 FIXED_RESERVE_GIB = 1.5
 """CUDA-graph pools of every captured graph (thinker steps, Whisper passes, talker units, Code2Wav
@@ -488,7 +491,7 @@ def _items(sizes: ModelSizes, *, streams: int, thinker_positions: int, graph_row
     items.append(PlanItem("CUDA graph pools + workspaces", int(FIXED_RESERVE_GIB * GiB), 1,
                           "measured: benchmarks/results/2026-12-02-cudnn-per-thread-h200.md"))
     items.append(PlanItem("CUDA context (outside the allocator)", int(CUDA_CONTEXT_GIB * GiB), 1,
-                          "measured: gpu_engine.py 'outside the allocator'"))
+                          "estimate: gpu_engine.py --memory measures it"))
     slots = streams + 1
     items.append(PlanItem("KV thinker (LLM)", 2 * sizes.llm_layers * thinker_positions * sizes.llm_kv_heads * sizes.llm_head_dim * b,
                           slots, f"computed: {thinker_positions} positions, +1 scratch slot", per_stream=True))

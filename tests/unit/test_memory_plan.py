@@ -363,3 +363,10 @@ def test_docs_sizing_table_is_current(real):
     assert m, "docs/memory.md lost its sizing-table markers"
     want = mp.sizing_table(real, (24, 48, 80, 141))
     assert m.group(1).strip() == want, "run: python -m duplexkit plan-memory --table --memory 24,48,80,141"
+
+
+def test_docs_example_plan_is_current(real):
+    """docs/memory.md's example is what `duplexkit plan-memory --memory 24 --quantization int8` prints."""
+    text = (ROOT / "docs" / "memory.md").read_text()
+    m = re.search(r"--quantization int8` prints:\n\n```\n(.*?)\n```", text, re.S)
+    assert m and m.group(1) == plan_memory(real, 24, quantization="int8").table()
