@@ -67,6 +67,14 @@ def non_negative_float(s: str) -> float:
     return v
 
 
+def positive_float(s: str) -> float:
+    """argparse type: a finite number > 0 (``--memory`` GiB)."""
+    v = non_negative_float(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}")
+    return v
+
+
 def no_nan(x):
     """``x`` with every NaN or infinite float as None, recursively (strict JSON has neither)."""
     if isinstance(x, float) and not math.isfinite(x):

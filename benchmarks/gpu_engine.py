@@ -12,6 +12,9 @@
     python3 benchmarks/gpu_engine.py --streams 8,32 --tokens 5 --units 6 --stagger 8
     # debug run on a CPU:
     python benchmarks/gpu_engine.py --size tiny --device cpu --streams 1,2 --units 3
+    # a 24 GiB card emulated on a bigger one (the memory plan's KV slots, positions and graph rows; the
+    # process capped at 24 GiB less the CUDA context; refused with the plan's table if 4 streams do not fit):
+    python3 benchmarks/gpu_engine.py --memory 24 --quantization int8 --streams 1,4 --tokens 19,5 --kv-len 2048 --units 6
 
 Builds MiniCPM-o 4.5 at real size (docs/model.md §1.1; ``duplexkit.models.minicpmo45.random_init``)
 directly on the device, and drives :class:`duplexkit.engine.DuplexEngine` — the same runtime and
@@ -30,7 +33,8 @@ per-stream loops; ``fast`` = static KV slots, batched decode, CUDA graphs, GPU s
 * per level: TTFP (the first unit's submit -> its first audio chunk, median / max over streams),
   per-unit latency (submit -> last output, p50 / p90), per-unit compute (thinker + talker +
   code2wav stage time), thinker tokens/s (all streams), audio RTF, errors;
-* GPU memory (weights, peak).
+* GPU memory (weights, peak); with ``--memory`` the plan's table and, after the run, the peak and the
+  memory outside PyTorch's allocator against the plan (:mod:`duplexkit.engine.memory_plan`).
 """
 
 from __future__ import annotations
@@ -476,11 +480,13 @@ def dump_memory(directory: Optional[str], name: str) -> None:
     print(f"memory snapshot {name} (after gc.collect()):\n{snapshot_summary(snap)}", flush=True)
 
 
-def make_layout(device: str, max_seqs: int, thinker_window_ms: Optional[float] = None) -> Layout:
+def make_layout(device: str, max_seqs: int, thinker_window_ms: Optional[float] = None,
+                fractions: bool = True) -> Layout:
     """The benchmark's layout: every stage on ``device`` with ``max_seqs`` streams per step; the
-    thinker's ``batch_window_ms`` is the layout default unless ``thinker_window_ms`` is given."""
+    thinker's ``batch_window_ms`` is the layout default unless ``thinker_window_ms`` is given. Without
+    ``fractions`` (a memory plan caps the process instead) the stages name no ``memory_fraction``."""
     st = lambda dt, frac: {"device": device, "dtype": dt, "max_num_seqs": max_seqs,  # noqa: E731
-                           **({"memory_fraction": frac} if device != "cpu" else {})}
+                           **({"memory_fraction": frac} if device != "cpu" and fractions else {})}
     thinker = st("bfloat16", 0.6)
     if thinker_window_ms is not None:
         thinker["batch_window_ms"] = thinker_window_ms
@@ -491,7 +497,7 @@ def make_layout(device: str, max_seqs: int, thinker_window_ms: Optional[float] =
 
 async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: dict) -> None:
     dev = torch.device(args.device)
-    layout = make_layout(str(args.device), max(levels), args.thinker_window_ms)
+    layout = make_layout(str(args.device), max(levels), args.thinker_window_ms, fractions=args.memory is None)
     print(f"engine layout: thinker batching window {layout.stages['thinker'].batch_window_ms:g} ms", flush=True)
     engine = DuplexEngine(model, layout)
     try:
@@ -548,6 +554,54 @@ async def bench_mode(model, mode: str, args, levels: list, fl: dict, results: di
         await engine.aclose()
 
 
+def memory_plan_for(a, dev, streams: int):
+    """``--memory``: the plan for ``streams`` streams (printed), with the process capped at it on CUDA;
+    None (the refusal printed) when they do not fit."""
+    from duplexkit.engine.memory_plan import MemoryBudgetError, apply_memory_cap, model_sizes_for, plan_memory
+
+    sizes = model_sizes_for("real" if a.size == "real" else "tiny")
+    cuda = dev.type == "cuda"
+    try:
+        plan = plan_memory(sizes, a.memory, dtype="bfloat16" if cuda else "float32", quantization=a.quantization,
+                           streams=streams, thinker_positions=a.kv_len,
+                           att_cache_bytes=2 if cuda and a.code2wav_dtype == "float32" or a.code2wav_dtype == "float16" else 4)
+        frac = apply_memory_cap(plan, dev)
+    except MemoryBudgetError as exc:
+        print(f"error: {exc}", flush=True)
+        return None
+    print(plan.table(), flush=True)
+    if frac is not None:
+        print(f"allocator capped at {plan.allocator_gib:.2f} GiB ({frac:.4f} of the device)", flush=True)
+    return plan
+
+
+def plan_build_kwargs(plan) -> dict:
+    """``build_random_model`` keyword arguments of a memory plan: the fast paths' sizes, the stream
+    slots and the thinker's KV positions."""
+    from duplexkit.engine.memory_plan import fast_options
+
+    return {"fast_options": fast_options(plan), "kv_slots": plan.streams, "thinker_max_len": plan.thinker_positions}
+
+
+def print_plan_check(plan, dev) -> dict:
+    """After the run: the measured peak (allocated), reserved and memory outside PyTorch's allocator
+    (``mem_get_info`` used - reserved: the CUDA context, kernels, cuBLAS/cuDNN handles) against the
+    plan (GiB). Returns them."""
+    if dev.type != "cuda":
+        return {}
+    g = 2 ** 30
+    free, total = torch.cuda.mem_get_info(dev)
+    reserved = torch.cuda.memory_reserved(dev)
+    out = {"peak_allocated": torch.cuda.max_memory_allocated(dev) / g, "peak_reserved": torch.cuda.max_memory_reserved(dev) / g,
+           "outside_allocator": (total - free - reserved) / g, "planned_total": plan.total_gib,
+           "budget": plan.budget_gib}
+    print(f"memory plan check (GiB): planned {plan.total_gib:.2f} of budget {plan.budget_gib:g}; measured peak allocated "
+          f"{out['peak_allocated']:.2f}, peak reserved {out['peak_reserved']:.2f}, outside the allocator "
+          f"{out['outside_allocator']:.2f} (planned {plan.budget_gib - plan.allocator_gib:.2f}); peak reserved + outside "
+          f"{out['peak_reserved'] + out['outside_allocator']:.2f}", flush=True)
+    return out
+
+
 def _modes(s: str) -> list:
     out = [m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in out if m not in ("fast", "baseline")]
@@ -558,7 +612,8 @@ def _modes(s: str) -> list:
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _cli import int_at_least, int_list, no_nan, non_negative_float, non_negative_int, positive_int, torch_device
+    from _cli import (int_at_least, int_list, no_nan, non_negative_float, non_negative_int, positive_float, positive_int,
+                      torch_device)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
@@ -569,7 +624,7 @@ def main(argv=None) -> int:
                     help="the Code2Wav flow's dtype (float16: the reference's Token2wav(float16=True))")
     ap.add_argument("--quantization", choices=("none", "int8", "fp8"), default="none",
                     help="quantized weights for the thinker's and talker's decoder linears (docs/model.md "
-                         "'Quantized weights'; fp8 needs compute capability >= 8.9)")
+                         "'Quantized weights'; fp8 needs compute capability >= 8.9); --memory plans with it")
     ap.add_argument("--units", type=positive_int, default=6, help="units per stream (fast mode)")
     ap.add_argument("--tokens", type=int_list, default="19,5", help="decided tokens per speaking unit (comma list)")
     ap.add_argument("--modes", type=_modes, default="fast",
@@ -600,6 +655,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-on", choices=("stage", "caller"), default="stage",
                     help="run the start-up warm-ups on the engine's stage threads (as DuplexEngine does) or on "
                          "the calling thread (the previous way; cuDNN's tuned plans are per thread)")
+    ap.add_argument("--memory", type=positive_float, default=None, metavar="GIB",
+                    help="device memory budget in GiB: the memory plan (duplexkit.engine.memory_plan) for the "
+                         "largest --streams level sizes the KV slots, thinker positions (from --kv-len) and "
+                         "Code2Wav graph rows, and the process is capped at the budget less the CUDA context "
+                         "(emulates a card of that size); exit status 2 with the plan's table when it does not fit")
     a = ap.parse_args(argv)
     from duplexkit.engine.thinker_stream import ENV_VAR, thinker_stream_requested
 
@@ -622,11 +682,22 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(dev)
     t = time.perf_counter()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = build_random_model(a.size, dtype=dtype, device=dev, fast=True, thinker_max_len=a.kv_len,
-                               kv_slots=max(levels), with_code2wav=not a.no_audio,
-                               code2wav_dtype=getattr(torch, a.code2wav_dtype), quantization=a.quantization)
+    plan, build_kw = None, {}
+    if a.memory is not None:
+        plan = memory_plan_for(a, dev, max(levels))
+        if plan is None:
+            return 2
+        build_kw = plan_build_kwargs(plan)
+    build_kw = {"thinker_max_len": a.kv_len, "kv_slots": max(levels), **build_kw}
+    model = build_random_model(a.size, dtype=dtype, device=dev, fast=True, with_code2wav=not a.no_audio,
+                               code2wav_dtype=getattr(torch, a.code2wav_dtype), quantization=a.quantization,
+                               **build_kw)
     for stage, qrep in model.quantization.items():
         print(f"quantization: {qrep.line(stage)}", flush=True)
+    if plan is not None:
+        from duplexkit.engine.memory_plan import apply_plan_to_model
+
+        apply_plan_to_model(model, plan)
     c2w = model.code2wav
     if c2w is not None:
         att = getattr(c2w, "att_cache_dtype", None)
@@ -676,6 +747,9 @@ def main(argv=None) -> int:
         st = model.code2wav.stats
         print(f"code2wav calls: {st}", flush=True)
         results["code2wav_stats"] = dict(st)
+    if plan is not None:
+        results["memory_plan"] = plan.as_dict()
+        results["memory_measured"] = print_plan_check(plan, dev)
     if a.out:
         Path(a.out).write_text(json.dumps(no_nan(results), indent=1, default=str, allow_nan=False))
     errors = sum(r["errors"] for res in results.values() if isinstance(res, dict) and "rows" in res

@@ -395,6 +395,16 @@ class EngineProcessError(DuplexkitError, RuntimeError):
     a fatal :class:`~duplexkit.engine.api.EngineFailure` instead."""
 
 
+class EngineCapacityError(DuplexkitError, RuntimeError):
+    """Every stream slot of the engine's memory plan (``DuplexEngine.from_pretrained(memory_gib=...)``,
+    :mod:`duplexkit.engine.memory_plan`) is taken: ``open_stream`` refuses one more (code
+    ``session_capacity_exhausted``). The server never gets here: its ``max_sessions`` is capped at the
+    planned streams and refuses first."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.SESSION_CAPACITY_EXHAUSTED.value)
+
+
 class InjectedFault(DuplexkitError, RuntimeError):
     """The failure a stage worker produces for a stream whose test fault plan
     (:func:`duplexkit.testing.inject_fault`, :class:`duplexkit.testing.faults.StageFaults`) names

@@ -77,6 +77,10 @@ class ServerSettings:
             ``"refuse"`` answers ``model_not_found`` listing the served ids (docs/server.md, "Model ids").
         api_keys: accepted keys; empty = auth off (docs/protocol.md §1.4). ``DUPLEXKIT_API_KEY`` adds one.
         max_sessions: slot pool size shared by realtime sessions and chat requests.
+        memory_gib: a device memory budget in GiB (``--memory``): the engine is built to the memory
+            plan for it (:mod:`duplexkit.engine.memory_plan`: stream slots, KV positions, graph rows;
+            on CUDA the process is capped at it) and ``max_sessions`` is capped at the planned streams
+            (``duplexkit serve`` does both). None: the layout's sizes.
         max_event_bytes: largest client event accepted (docs/protocol.md §1.3, default 16 MiB); the
             transport limit (uvicorn ``ws_max_size``) is set to twice this.
         idle_timeout_s: close a session with no client event for this long (docs/protocol.md §1.5).
@@ -157,6 +161,11 @@ class ServerSettings:
     api_keys: list[str] = option(default_factory=list, flag="--api-key",
                                  help="accepted API key (repeatable; also $DUPLEXKIT_API_KEY); none = auth off")
     max_sessions: int = option(8, ge=1, help="session slots shared by realtime sessions and chat requests (default 8)")
+    memory_gib: Optional[float] = option(None, flag="--memory", metavar="GIB", gt=0,
+                                         help="device memory budget in GiB: KV slots, graphs and caches are sized to "
+                                              "fit it, the GPU process is capped at it, and --max-sessions is capped at "
+                                              "the planned streams; refused with the plan's table when the model does "
+                                              "not fit (see `duplexkit plan-memory`; default: the layout's sizes)")
     max_event_bytes: int = option(16 * MiB, ge=1024,
                                   help="largest client event in bytes (default 16 MiB; frames over twice this close "
                                        "with 1009)")

@@ -1,4 +1,4 @@
-"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``, ``replay``.
+"""The ``duplexkit`` command line: ``serve``, ``demo``, ``mic``, ``chat``, ``bench``, ``replay``, ``plan-memory``.
 
 Every subcommand has ``--help``. Heavy imports (torch, the model port, the server) happen only
 inside the command that needs them, so ``duplexkit --help`` is instant.
@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .replay import add_replay_parser
 
     add_replay_parser(sub)
+    from .plan_memory import add_plan_memory_parser
+
+    add_plan_memory_parser(sub)
     parser.commands = dict(sub.choices)
     return parser
 

@@ -388,6 +388,10 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
 
     if isinstance(exc, CliError):
         return str(exc), exc.exit_status
+    from duplexkit.engine.memory_plan import MemoryBudgetError
+
+    if isinstance(exc, MemoryBudgetError):  # a LayoutError whose message is the plan's table
+        return str(exc), EXIT_USAGE
     if isinstance(exc, EngineLoadError):
         return str(exc), EXIT_LOAD
     if isinstance(exc, PreflightError):

@@ -37,15 +37,18 @@ ENGINE_ARGS = ("model", "layout", "dtype", "scripted", "seed", "quantization")
 
 
 def engine_loader(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
-                  scripted: Optional[dict] = None, quantization: Optional[str] = None):
+                  scripted: Optional[dict] = None, quantization: Optional[str] = None,
+                  memory_gib: Optional[float] = None):
     """A picklable zero-argument callable that loads ``model`` as ``duplexkit serve`` does
     (:func:`duplexkit.engine.load_engine`, pre-load checks included, no progress output).
     Raises (when called) what ``load_engine`` raises: ``PreflightError``/``LayoutError``,
-    :class:`~duplexkit.errors.EngineLoadError`."""
+    :class:`~duplexkit.errors.EngineLoadError`. ``memory_gib``: build to the memory plan for that
+    budget (``serve --memory``, :mod:`duplexkit.engine.memory_plan`)."""
     from duplexkit.engine.loading import load_engine
 
     return functools.partial(load_engine, model, layout=layout, dtype=dtype, seed=seed,
-                             scripted=dict(scripted or {}), progress=False, quantization=quantization)
+                             scripted=dict(scripted or {}), progress=False, quantization=quantization,
+                             memory_gib=memory_gib)
 
 
 def gpus_of_layout(layout: Optional[str], model: str) -> int:
@@ -90,7 +93,8 @@ def app_builder(args: dict):
     settings = ServerSettings(**{k: v for k, v in args.items() if k in s_names})
     ray_opts = {k: v for k, v in args.items() if k in r_names}
     ray_opts.setdefault("gpus_per_replica", gpus_of_layout(engine.get("layout"), engine["model"]))
-    return build_app(engine_loader(engine.pop("model"), **engine), settings, RayOptions(**ray_opts))
+    return build_app(engine_loader(engine.pop("model"), memory_gib=settings.memory_gib, **engine), settings,
+                     RayOptions(**ray_opts))
 
 
 def serve_on_ray(args, settings, scripted: dict) -> int:
@@ -119,7 +123,8 @@ def serve_on_ray(args, settings, scripted: dict) -> int:
                          cpus_per_replica=args.ray_cpus_per_replica)
     settings.bind_host, settings.bind_port = args.host, args.port
     loader = engine_loader(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
-                           scripted=scripted, quantization=getattr(args, "quantization", None))
+                           scripted=scripted, quantization=getattr(args, "quantization", None),
+                           memory_gib=settings.memory_gib)
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)

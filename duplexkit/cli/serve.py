@@ -222,7 +222,8 @@ class _Loader:
                 try:
                     engine = load_engine(args.model, layout=args.layout, dtype=args.dtype, seed=args.weights_seed,
                                          scripted=self.scripted, checked=True,
-                                         quantization=getattr(args, "quantization", None))
+                                         quantization=getattr(args, "quantization", None),
+                                         memory_gib=getattr(args, "memory", None))
                 finally:
                     with self._lock:
                         self._thread = None
@@ -255,7 +256,8 @@ class _Loader:
         spec = EngineSpec("duplexkit.engine.loading:load_engine", (args.model,),
                           {"layout": args.layout, "dtype": args.dtype, "seed": args.weights_seed,
                            "scripted": self.scripted, "checked": True,
-                           "quantization": getattr(args, "quantization", None)})
+                           "quantization": getattr(args, "quantization", None),
+                           "memory_gib": getattr(args, "memory", None)})
         proc = EngineProcess(spec)
         with self._lock:
             if self._cancelled:
@@ -265,6 +267,34 @@ class _Loader:
             return proc.start()
         except EngineLoadError as exc:
             raise CliError(str(exc), EXIT_LOAD) from exc.__cause__
+
+
+def _planned_sessions(args, memory_gib: float, max_sessions: int) -> int:
+    """``--max-sessions`` capped at the stream slots of the memory plan for ``--memory`` (the engine
+    is built to the same plan, :meth:`duplexkit.engine.DuplexEngine.from_pretrained`), so a session
+    beyond them is refused with ``session_capacity_exhausted`` like any other over capacity.
+
+    Raises:
+        MemoryBudgetError (a LayoutError: exit 2): the budget cannot hold the model or one stream;
+        LayoutError: ``--memory`` with an engine plugin (``scripted``).
+    """
+    import logging
+
+    from duplexkit.engine import DuplexEngine, load_layout
+    from duplexkit.engine.engine import default_layout_name, tiny_checkpoint_dir
+    from duplexkit.engine.plugins import engine_plugins
+    from duplexkit.errors import LayoutError
+
+    if args.model in engine_plugins():
+        raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {args.model!r} engine")
+    ckpt = tiny_checkpoint_dir(args.weights_seed) if args.model == "tiny" else Path(args.model)
+    plan, _ = DuplexEngine._memory_plan(ckpt, load_layout(args.layout or default_layout_name()), memory_gib,
+                                        dtype=args.dtype, quantization="none", thinker_positions=None, streams=None)
+    n = min(int(max_sessions), plan.streams)
+    logging.getLogger("duplexkit.memory").info(
+        "memory plan for %g GiB: %d stream slots (%d thinker KV positions, %d Code2Wav graph rows); max sessions %d",
+        memory_gib, plan.streams, plan.thinker_positions, plan.graph_rows, n)
+    return n
 
 
 def cmd_serve(args) -> int:
@@ -315,7 +345,10 @@ def _cmd_serve(args) -> int:
     except tracing.TracingError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     defaults = _session_defaults(args, args.model)
-    settings = ServerSettings(**_settings_from_args(args), max_output_tokens=defaults.get("max_output_tokens", 1024),
+    options = _settings_from_args(args)
+    if options.get("memory_gib") is not None:
+        options["max_sessions"] = _planned_sessions(args, options["memory_gib"], options.get("max_sessions", 8))
+    settings = ServerSettings(**options, max_output_tokens=defaults.get("max_output_tokens", 1024),
                               answer_policy=defaults.get("answer_policy"))
     scripted = _parse_scripted(args.scripted)
     if getattr(args, "ray_replicas", None) is not None:

@@ -31,6 +31,9 @@ _LAZY = {
     "plan_placement": ".placement",
     "load_engine": ".loading",
     "EngineProcess": ".process",
+    "MemoryBudgetError": ".memory_plan",
+    "MemoryPlan": ".memory_plan",
+    "plan_memory": ".memory_plan",
     "EngineSpec": ".process",
 }
 

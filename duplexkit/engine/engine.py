@@ -87,6 +87,12 @@ def tiny_checkpoint_dir(seed: int = 0, cache_dir: Optional[Union[str, Path]] = N
     return Path(tiny_checkpoint(seed, cache_dir=cache_dir))
 
 
+def _plan_options(plan) -> dict:
+    from .memory_plan import fast_options
+
+    return fast_options(plan)
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -110,6 +116,8 @@ class DuplexEngine:
             CHAT_CODES_PER_TEXT_TOKEN * completion_tokens`` codes (2 s + 1 s per text token, see
             :func:`chat_code_budget`), so a talker that never samples EOS (random weights) stops
             in proportion to the reply instead of running to this cap.
+        max_streams: the most streams open at once (a memory plan's stream slots); :meth:`open_stream`
+            beyond it raises :class:`~duplexkit.errors.EngineCapacityError`. None: no cap.
 
     Raises:
         LayoutError / LayoutNotSupportedError: invalid layout, a ``vllm`` thinker backend without an
@@ -117,9 +125,15 @@ class DuplexEngine:
     """
 
     def __init__(self, model: Any, layout: Union[Layout, str, Path, None] = None, *,
-                 model_id: str = "minicpm-o-4.5", chat_max_codes: int = 2048) -> None:
+                 model_id: str = "minicpm-o-4.5", chat_max_codes: int = 2048,
+                 max_streams: Optional[int] = None) -> None:
         if int(chat_max_codes) < 1:
             raise ValueError("chat_max_codes must be >= 1")
+        if max_streams is not None and int(max_streams) < 1:
+            raise ValueError("max_streams must be >= 1")
+        self.max_streams = None if max_streams is None else int(max_streams)
+        #: the memory plan the engine was built to (:meth:`from_pretrained` ``memory_gib``), else None
+        self.memory_plan = None
         self.chat_max_codes = int(chat_max_codes)
         self.chat_slice_ms = CHAT_SLICE_MS
         self.layout = load_layout(layout or default_layout_name())
@@ -306,7 +320,9 @@ class DuplexEngine:
     def from_pretrained(cls, path: Union[str, Path] = "tiny", layout: Union[Layout, str, Path, None] = None, *,
                         dtype: Optional[str] = None, progress: bool = True, seed: int = 0,
                         cache_dir: Optional[Union[str, Path]] = None, with_code2wav: bool = True,
-                        model_id: str = "minicpm-o-4.5", quantization: Optional[str] = None) -> "DuplexEngine":
+                        model_id: str = "minicpm-o-4.5", quantization: Optional[str] = None,
+                        memory_gib: Optional[float] = None, thinker_positions: Optional[int] = None,
+                        streams: Optional[int] = None) -> "DuplexEngine":
         """Load a checkpoint directory (or ``"tiny"``) onto the layout's devices.
 
         Args:
@@ -319,6 +335,15 @@ class DuplexEngine:
                 thinker's and talker's decoder linears (docs/model.md "Quantized weights"; the
                 weight bytes before / after are printed with ``progress`` and kept in
                 ``engine.model.quantization``). Not with a ``backend: vllm`` thinker.
+            memory_gib: a device memory budget in GiB (:mod:`~duplexkit.engine.memory_plan`): the
+                plan's stream slots become every stage's ``max_num_seqs`` and the engine's
+                ``max_streams``, the fast paths' KV pools are sized (and the thinker's capped) to them,
+                the thinker's KV positions and Code2Wav's graph rows are the plan's, and on CUDA the
+                process's allocator is capped at the budget less the CUDA context. ``engine.memory_plan``
+                holds the plan. None: the layout's sizes, pools growing on demand.
+            thinker_positions: thinker KV positions per stream the plan starts from (default
+                :data:`~duplexkit.engine.memory_plan.DEFAULT_THINKER_POSITIONS`; shrunk when needed).
+            streams: the stream count the plan must hold (None: as many as fit).
 
         A layout whose thinker has ``backend: vllm`` gets its thinker's language model on an
         in-process vLLM engine (:class:`~duplexkit.engine.vllm_stages.VllmStages`, docs/vllm.md);
@@ -326,13 +351,25 @@ class DuplexEngine:
 
         Raises:
             LayoutError, LayoutNotSupportedError (also: ``quantization`` with a vLLM thinker);
-            ``CheckpointError`` / ``QuantizationError`` from the loader.
+            ``CheckpointError`` / ``QuantizationError`` from the loader;
+            :class:`~duplexkit.engine.memory_plan.MemoryBudgetError` (a ``LayoutError``) when
+            ``memory_gib`` cannot hold the weights, one stream or ``streams``.
         """
         lay = load_layout(layout or default_layout_name())
-        cls._check_devices(lay)
         from duplexkit.models.minicpmo45 import load
 
         ckpt = tiny_checkpoint_dir(seed, cache_dir) if str(path) == "tiny" else Path(path)
+        mplan = None
+        if memory_gib is not None:
+            mplan, lay = cls._memory_plan(ckpt, lay, memory_gib, dtype=dtype, quantization=quantization,
+                                          thinker_positions=thinker_positions, streams=streams)
+        cls._check_devices(lay)
+        if mplan is not None:
+            from .memory_plan import apply_memory_cap
+
+            apply_memory_cap(mplan, lay.thinker.device)
+            if progress:
+                print(mplan.table(), file=sys.stderr, flush=True)
         plan = None
         if lay.thinker.backend == "vllm":
             from .placement import plan_placement
@@ -348,7 +385,8 @@ class DuplexEngine:
         model = load(ckpt, quantization=quantization, dtype={"thinker": _torch_dtype(dname), "talker": _torch_dtype(talker_dtype),
                                   "code2wav": _torch_dtype(lay.code2wav.dtype)},
                      devices=lay.devices(), with_code2wav=with_code2wav,
-                     progress=progress, fast={"thinker": False} if plan is not None else None)
+                     progress=progress, fast={"thinker": False} if plan is not None else None,
+                     fast_options=None if mplan is None else _plan_options(mplan))
         if plan is not None:  # the thinker's language model on vLLM, the rest native (docs/vllm.md)
             from .vllm_stages import VllmStages
 
@@ -359,7 +397,12 @@ class DuplexEngine:
             except BaseException:
                 stages.close()
                 raise
-        engine = cls(model, lay, model_id=model_id)
+        engine = cls(model, lay, model_id=model_id, max_streams=None if mplan is None else mplan.streams)
+        if mplan is not None:
+            from .memory_plan import apply_plan_to_model
+
+            engine.memory_plan = mplan
+            apply_plan_to_model(model, mplan)
         engine.warmup_tools()
         if any(d.startswith("cuda") for d in lay.devices().values()):
             t0 = time.perf_counter()
@@ -372,6 +415,19 @@ class DuplexEngine:
                 print(f"[duplexkit] warm-up turn through the three stages in {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
         return engine
+
+    @staticmethod
+    def _memory_plan(ckpt: Path, lay: Layout, memory_gib: float, *, dtype: Optional[str], quantization: Optional[str],
+                     thinker_positions: Optional[int], streams: Optional[int]):
+        """(plan, layout sized to it) for :meth:`from_pretrained`'s ``memory_gib`` (no weights read)."""
+        from .memory_plan import DEFAULT_THINKER_POSITIONS, layout_for_plan, model_sizes_for, plan_memory
+
+        sizes = model_sizes_for(str(ckpt))
+        on_cuda = lay.code2wav.device.startswith("cuda")
+        plan = plan_memory(sizes, float(memory_gib), dtype=dtype or lay.thinker.dtype, quantization=quantization or "none",
+                           streams=streams, thinker_positions=thinker_positions or DEFAULT_THINKER_POSITIONS,
+                           att_cache_bytes=2 if (on_cuda or lay.code2wav.dtype == "float16") else 4)
+        return plan, layout_for_plan(lay, plan)
 
     def kv_usage(self) -> dict:
         """KV-cache occupancy of the stages that keep a static pool (the GPU fast paths'
@@ -403,7 +459,16 @@ class DuplexEngine:
 
     async def open_stream(self, stream_id: str, config: StreamConfig) -> RuntimeStream:
         """Open a duplex stream (see :class:`~duplexkit.engine.runtime.RuntimeStream`); waits until
-        its session prefix is prefilled. Open failures arrive as a fatal ``EngineFailure`` output."""
+        its session prefix is prefilled. Open failures arrive as a fatal ``EngineFailure`` output.
+
+        Raises:
+            EngineCapacityError: ``max_streams`` streams are open (the memory plan's slots)."""
+        if self.max_streams is not None and self._runtime.num_streams >= self.max_streams:
+            from duplexkit.errors import EngineCapacityError
+
+            raise EngineCapacityError(f"all {self.max_streams} stream slots of the engine are taken (its memory plan"
+                                      f"{'' if self.memory_plan is None else f' for {self.memory_plan.budget_gib:g} GiB'}"
+                                      "); close a stream first")
         return await self._runtime.open_stream(stream_id, config)
 
     async def _job(self, stage: str, fn) -> Any:

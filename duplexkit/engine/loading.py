@@ -28,7 +28,8 @@ def _progress(*a: Any) -> None:
 
 def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0,
                 progress: bool = True, scripted: Optional[dict] = None, model_id: Optional[str] = None,
-                checked: bool = False, quantization: Optional[str] = None):
+                checked: bool = False, quantization: Optional[str] = None,
+                memory_gib: Optional[float] = None):
     """Load the engine named by ``model``: a checkpoint path, ``tiny``, or an engine plugin's name
     (:mod:`.plugins`: ``scripted``, the torch-free scripted engine of :mod:`duplexkit.testing`,
     declared in the ``duplexkit.engines`` entry-point group). ``scripted`` holds the plugin's options
@@ -38,14 +39,21 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
 
     Runs the pre-load checks first (unless ``checked``: the caller already ran them).
 
+    ``memory_gib``: a device memory budget (``duplexkit serve --memory``): the engine is built to
+    :mod:`~duplexkit.engine.memory_plan`'s plan for it (``DuplexEngine.from_pretrained(memory_gib=...)``).
+
     Raises:
-        PreflightError / LayoutError (the CLI's exit 2) from the checks;
+        PreflightError / LayoutError (the CLI's exit 2) from the checks, and
+        :class:`~duplexkit.engine.memory_plan.MemoryBudgetError` (a LayoutError) when ``memory_gib``
+        cannot hold the model or is given for an engine plugin;
         :class:`~duplexkit.errors.EngineLoadError` (exit 4) when loading itself fails (the message
         keeps the loader's text).
     """
     if not checked:
         check_model_arg(model, layout)
     if model in engine_plugins():  # e.g. "scripted": duplexkit.testing's, through the entry point
+        if memory_gib is not None:
+            raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {model!r} engine")
         try:
             factory = load_plugin(model)
         except (ImportError, AttributeError) as exc:
@@ -67,6 +75,8 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
             kwargs["quantization"] = quantization
         if model_id:
             kwargs["model_id"] = model_id
+        if memory_gib is not None:
+            kwargs["memory_gib"] = float(memory_gib)
         engine = DuplexEngine.from_pretrained(model, **kwargs)
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -59,8 +59,8 @@ def test_bare_duplexkit_is_a_usage_error_with_the_command_list():
     for name in ("serve", "demo", "mic", "chat", "bench"):
         assert any(line.strip().startswith(name + " ") for line in lines), (name, r.stderr)
     assert sum(line.startswith("error: ") for line in lines) == 1
-    assert lines[-1] == ("error: duplexkit: a command is required: serve, demo, mic, chat, bench, replay "
-                         "(see duplexkit COMMAND --help)")
+    assert lines[-1] == ("error: duplexkit: a command is required: serve, demo, mic, chat, bench, replay, "
+                         "plan-memory (see duplexkit COMMAND --help)")
 
 
 def test_help_is_not_an_error():

@@ -128,6 +128,20 @@ class BatchedCode2Wav(BatchedFlow, DiTKernels, GraphSetup, Code2Wav):
         #: True inside warmup(): HiFT's convolutions are autotuned (cudnn.benchmark) only then
         self._tuning = False
 
+    def set_graph_rows(self, rows: int) -> None:
+        """Size the Euler-loop graphs and their shared scratch for ``rows`` streams (a memory plan's
+        choice, :mod:`duplexkit.engine.memory_plan`): drops the scratch and the captured Euler-loop
+        graphs (made again at the next call or :meth:`warmup`); on CUDA larger groups then run as
+        sub-batches of ``rows``.
+
+        Raises:
+            ValueError: not a power of two from 1 to 32."""
+        self.graph_rows = _graph_rows(int(rows))
+        self._scratch.clear()
+        self._dit_graphs.clear()
+        if self._use_graphs:
+            self.euler_sub_batch = self.graph_rows
+
     @property
     def att_cache_dtype(self):
         """The dtype of the batched path's DiT attention caches (:func:`att_cache_dtype_default`, or

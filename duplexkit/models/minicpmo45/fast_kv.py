@@ -33,9 +33,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from duplexkit.errors import DuplexkitError
+from duplexkit.errors import DuplexkitError, ErrorCode
 
-__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError",
+__all__ = ["CAPTURE_GATE", "capture_graph", "keep_for_current_stream", "KVPool", "KVSlot", "ContextFullError", "KVCapacityError",
            "reserve_for_warmup", "GraphCache", "kv_bucket",
            "decoder_forward",
            "fuse_projections", "bucket", "pin_sdpa_backend", "cuda_graphs_enabled", "triton_decode_enabled"]
@@ -112,6 +112,14 @@ def keep_for_current_stream(*tensors) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
+class KVCapacityError(DuplexkitError, RuntimeError):
+    """Every slot of a capped :class:`KVPool` (``max_slots``: a memory plan's stream slots) is taken:
+    one more stream would need memory the plan does not have (code ``session_capacity_exhausted``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=ErrorCode.SESSION_CAPACITY_EXHAUSTED.value)
+
+
 class ContextFullError(DuplexkitError, ValueError):
     """A stream's static KV slot has no room for the positions a step needs."""
 
@@ -185,14 +193,20 @@ class KVPool:
         max_len: positions per slot.
         slots: initial slot count (0: only the scratch slot until the first :meth:`alloc`; grows by
             ``grow_by`` when exhausted).
+        max_slots: the most slots the pool may hold (a memory plan's stream slots,
+            :mod:`duplexkit.engine.memory_plan`); :meth:`alloc` beyond it raises
+            :class:`KVCapacityError` instead of growing. None: no cap.
 
     The slot lock is re-entrant: a slot handle's ``__del__`` (:class:`KVSlot`) may run from a
     garbage collection triggered inside :meth:`alloc` on the same thread.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, *, dtype: torch.dtype,
-                 device, slots: int = 4, grow_by: int = 8) -> None:
+                 device, slots: int = 4, grow_by: int = 8, max_slots: Optional[int] = None) -> None:
         self.n_layers, self.n_kv, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, int(max_len)
+        self.max_slots = None if max_slots is None else max(1, int(max_slots))
+        if self.max_slots is not None:
+            slots = min(int(slots), self.max_slots)
         self.dtype, self.device = dtype, torch.device(device)
         self.grow_by = max(1, int(grow_by))
         self._lock = threading.RLock()
@@ -227,6 +241,8 @@ class KVPool:
         Returns False, leaving the pool as it was, when the device has no memory for it (it then
         grows on demand as before)."""
         with self._lock:
+            if self.max_slots is not None:
+                n = min(int(n), self.max_slots)
             if n <= self.n_slots:
                 return True
             try:
@@ -241,7 +257,11 @@ class KVPool:
         """A free slot index (grows the pool when none is free)."""
         with self._lock:
             if not self.free:
-                self._resize(self.n_slots + self.grow_by)
+                if self.max_slots is not None and self.n_slots >= self.max_slots:
+                    raise KVCapacityError(f"all {self.max_slots} KV slots of the memory plan are taken "
+                                          f"({self.slot_bytes() / 2**30:.3f} GiB each); close a stream first")
+                n = self.n_slots + self.grow_by
+                self._resize(n if self.max_slots is None else min(n, self.max_slots))
             return self.free.pop(0)
 
     def release(self, slot: Optional[int]) -> None:

@@ -165,7 +165,9 @@ class FastTalker:
 
     Args:
         talker: the loaded talker (weights shared, not copied).
-        slots: initial KV slots (one per live talker turn; grows by 8).
+        slots: initial KV slots (one per live talker turn; grows by ``grow_by`` when exhausted).
+        grow_by: slots added when every slot is taken (default 8; a memory plan uses 1: a stream's
+            new turn may open before its old one is given back, so the pool is not capped).
         cuda_graphs: capture the unit (default: on CUDA unless ``DUPLEXKIT_CUDA_GRAPHS=0``): its
             prefill of at most :data:`PREFILL_ROWS` positions and its 25 decode steps.
         prefill_rows: prefills of at most this many positions run inside the unit's graph (default
@@ -179,7 +181,7 @@ class FastTalker:
     batched = True
 
     def __init__(self, talker: Talker, *, slots: int = 4, cuda_graphs: Optional[bool] = None,
-                 prefill_rows: Optional[int] = None) -> None:
+                 prefill_rows: Optional[int] = None, grow_by: int = 8) -> None:
         self.talker = talker
         self.config = talker.config
         m = talker.model
@@ -187,7 +189,7 @@ class FastTalker:
         a0 = m.layers[0].self_attn
         self.pool = KVPool(len(m.layers), talker.config.num_key_value_heads, a0.head_dim,
                            talker.config.max_position_embeddings, dtype=talker.dtype, device=talker.device,
-                           slots=slots)
+                           slots=slots, grow_by=grow_by)
         self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         #: capture the unit graphs (False: run the same unit code eagerly, for tests on the CPU)

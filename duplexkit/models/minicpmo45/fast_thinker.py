@@ -151,6 +151,9 @@ class FastThinker(Thinker):
         whisper_slots: initial slots of the Whisper K/V pool (:mod:`.fast_whisper`; default
             ``slots``; 147.8 MB each in bf16 on the real model; grows by 8 when exhausted). Taken
             at a stream's first audio unit, given back by :meth:`close`.
+        max_slots: cap of both pools (a memory plan's stream slots, :mod:`duplexkit.engine.memory_plan`):
+            a stream beyond it fails with :class:`~.fast_kv.KVCapacityError` instead of growing them.
+            None: no cap.
 
     Attributes:
         audio_batch: the :class:`~.fast_whisper.BatchedWhisper` (None without an audio encoder).
@@ -164,13 +167,14 @@ class FastThinker(Thinker):
 
     def __init__(self, modules, config, tokenizer, special, device="cpu", dtype=torch.float32, *,
                  max_len: int = 8192, slots: int = 4, cuda_graphs: Optional[bool] = None,
-                 lookahead: Optional[bool] = None, whisper_slots: Optional[int] = None) -> None:
+                 lookahead: Optional[bool] = None, whisper_slots: Optional[int] = None,
+                 max_slots: Optional[int] = None) -> None:
         super().__init__(modules, config, tokenizer, special, device=device, dtype=dtype)
         lm = modules.llm.model
         fuse_projections(lm)
         a0 = lm.layers[0].self_attn
         self.pool = KVPool(len(lm.layers), config.num_key_value_heads, a0.head_dim, max_len, dtype=dtype,
-                           device=self.device, slots=slots)
+                           device=self.device, slots=slots, max_slots=max_slots)
         self.use_graphs = cuda_graphs_enabled(self.device) if cuda_graphs is None else bool(cuda_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.lookahead = lookahead_enabled(self.device) if lookahead is None else bool(lookahead)
@@ -182,7 +186,7 @@ class FastThinker(Thinker):
             self.audio_batch = BatchedWhisper(
                 self.audio, modules.audio_projection_layer, config.audio_pool_step, dtype=dtype, device=self.device,
                 slots=slots if whisper_slots is None else whisper_slots, use_graphs=self.use_graphs,
-                graph_pool=self.graph_pool, batch_buckets=BATCH_BUCKETS, stats=self.stats)
+                graph_pool=self.graph_pool, batch_buckets=BATCH_BUCKETS, stats=self.stats, max_slots=max_slots)
 
     @property
     def whisper_pool(self) -> Optional[KVPool]:

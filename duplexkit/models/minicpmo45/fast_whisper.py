@@ -148,11 +148,13 @@ class BatchedWhisper:
         graph_pool: the graph memory pool shared with the thinker's other graphs.
         batch_buckets: the graph batch sizes (ascending).
         stats: the dict counting ``audio_passes`` and ``audio_graph_captures`` (the thinker's).
+        max_slots: cap of the pool (:class:`~.fast_kv.KVPool` ``max_slots``; None: none).
     """
 
     def __init__(self, encoder: AudioEncoder, projector: torch.nn.Module, pool_step: int, *, dtype: torch.dtype,
                  device, slots: int = 4, grow_by: int = 8, use_graphs: bool = False, graph_pool=None,
-                 batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), stats: Optional[dict] = None) -> None:
+                 batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), stats: Optional[dict] = None,
+                 max_slots: Optional[int] = None) -> None:
         self.enc = encoder
         self.projector = projector
         self.pool_step = int(pool_step)
@@ -161,7 +163,7 @@ class BatchedWhisper:
         self.d_model = apm.embed_positions.weight.shape[1]
         max_len = -(-encoder.max_positions // _ALIGN) * _ALIGN
         self.pool = KVPool(len(apm.layers), encoder.num_heads, encoder.head_dim, max_len, dtype=dtype,
-                           device=self.device, slots=slots, grow_by=grow_by)
+                           device=self.device, slots=slots, grow_by=grow_by, max_slots=max_slots)
         self.use_graphs = bool(use_graphs)
         self.graph_pool = graph_pool
         self.batch_buckets = tuple(batch_buckets)

@@ -276,6 +276,7 @@ def load(
     with_talker: bool = True,
     fast: Union[bool, Dict[str, bool], None] = None,
     quantization: Union[str, Dict[str, str], None] = None,
+    fast_options: Optional[Dict[str, dict]] = None,
 ) -> MiniCPMO45:
     """Load a checkpoint directory (see module doc).
 
@@ -300,6 +301,11 @@ def load(
             "Quantized weights"), or per stage ``{"thinker": .., "talker": ..}``. Weights are read
             in ``dtype`` on the stage's device, then quantized layer by layer (the peak is the
             unquantized stage plus one layer).
+        fast_options: keyword arguments of the fast paths per stage, e.g. a memory plan's
+            (:mod:`duplexkit.engine.memory_plan`) ``{"thinker": {"max_len": 2048, "slots": 4,
+            "max_slots": 4}, "talker": {"slots": 4, "grow_by": 1}, "code2wav": {"graph_rows": 4}}``
+            (:class:`~.fast_thinker.FastThinker`, :class:`~.fast_talker.FastTalker`,
+            :meth:`~.fast_code2wav.BatchedCode2Wav.set_graph_rows`); ignored for stages not on a fast path.
     Raises:
         CheckpointError: missing directory/files, key report mismatch, 7-file token2wav layout,
             bad config or tokenizer (wrapped).
@@ -402,7 +408,7 @@ def load(
         from .fast_thinker import FastThinker
 
         pin_sdpa_backend()
-        thinker = FastThinker.from_thinker(thinker)
+        thinker = FastThinker.from_thinker(thinker, **(fast_options or {}).get("thinker", {}))
 
     talker = None
     if cfg.init_tts and with_talker:
@@ -423,7 +429,7 @@ def load(
         if fast_on("talker"):
             from .fast_talker import FastTalker
 
-            talker = FastTalker(talker)
+            talker = FastTalker(talker, **(fast_options or {}).get("talker", {}))
 
     code2wav = None
     if with_code2wav and t2w_dir is not None:
@@ -444,6 +450,9 @@ def load(
             if layout_err is not None and isinstance(e, layout_err):
                 raise CheckpointError(f"{t2w_dir}: {e}") from e
             raise
+        rows = (fast_options or {}).get("code2wav", {}).get("graph_rows")
+        if rows is not None and hasattr(code2wav, "set_graph_rows"):
+            code2wav.set_graph_rows(rows)
 
     def _json(name):
         p = d / name

@@ -154,7 +154,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
                        fast: Optional[bool] = None, thinker_max_len: int = 8192, kv_slots: int = 4,
                        code2wav_dtype: Optional[torch.dtype] = None,
                        tokenizer_dir: Optional[Union[str, Path]] = None,
-                       quantization: Optional[str] = None) -> MiniCPMO45:
+                       quantization: Optional[str] = None,
+                       fast_options: Optional[dict] = None) -> MiniCPMO45:
     """Build MiniCPM-o 4.5 with random weights directly on ``device`` (see module doc).
 
     Args:
@@ -173,6 +174,9 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             linears (:mod:`.quantization`): the random bf16 weights are drawn first, then quantized
             (so runs that differ only here compare like for like); the reports are in
             ``MiniCPMO45.quantization``.
+        fast_options: the fast paths' keyword arguments per stage, as ``loader.load`` takes them (a
+            memory plan's, ``duplexkit.engine.memory_plan.fast_options``); the thinker's override
+            ``thinker_max_len`` / ``kv_slots``.
     Returns:
         :class:`MiniCPMO45` with ``random_weights=True`` (``model_dir`` None).
     Raises:
@@ -215,8 +219,8 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
             from .fast_thinker import FastThinker
 
             pin_sdpa_backend()
-            thinker = FastThinker(mods, cfg, tok, special, device=dev, dtype=dtype, max_len=thinker_max_len,
-                                  slots=kv_slots)
+            th_kw = {"max_len": thinker_max_len, "slots": kv_slots, **(fast_options or {}).get("thinker", {})}
+            thinker = FastThinker(mods, cfg, tok, special, device=dev, dtype=dtype, **th_kw)
         else:
             thinker = Thinker(mods, cfg, tok, special, device=dev, dtype=dtype)
         tk = _random_talker(cfg, dev, dtype, gen)
@@ -226,9 +230,12 @@ def build_random_model(size: str = "real", *, dtype: torch.dtype = torch.bfloat1
         if fast:
             from .fast_talker import FastTalker
 
-            talker = FastTalker(tk, slots=kv_slots)
+            talker = FastTalker(tk, **{"slots": kv_slots, **(fast_options or {}).get("talker", {})})
         code2wav = _random_code2wav(tmp, dev, gen, size == "real", batched=bool(fast),
                                     dtype=code2wav_dtype) if with_code2wav else None
+        rows = (fast_options or {}).get("code2wav", {}).get("graph_rows")
+        if rows is not None and code2wav is not None and hasattr(code2wav, "set_graph_rows"):
+            code2wav.set_graph_rows(rows)
     return MiniCPMO45(config=cfg, tokenizer=tok, special=special, thinker=thinker, talker=talker, code2wav=code2wav,
                       random_weights=True, model_dir=None, devices={s: str(dev) for s in ("thinker", "talker", "code2wav")},
                       dtype=dtype, quantization=reports)
