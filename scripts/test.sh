@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Set up and run the tests (unit, model parity, engine, end-to-end, device, conformance).
 #   scripts/test.sh              the contributor's default: everything but the slow group and the Ray
-#                                group, one pytest run of -m "not slow and not ray" (about 15 min on 2
-#                                idle cores); the slow group is listed, with reasons, in tests/conftest.py SLOW
+#                                group, one pytest run of -m "not slow and not ray" on two workers
+#                                (README gives its time); the slow group is listed, with reasons, in
+#                                tests/conftest.py SLOW
 #   scripts/test.sh --all        everything, as CI runs it (.ci/run): the main run (slow group included),
 #                                then the Ray Serve group; DUPLEXKIT_TEST_ALL=1 does the same. Arguments
 #                                after --all go to each of the two pytest runs (e.g. -x)
-#   scripts/test.sh ARGS...      one pytest run of your selection (e.g. tests/unit, -m slow, -k name)
+#   scripts/test.sh ARGS...      one pytest run of your selection (e.g. tests/unit, -m slow, -k name),
+#                                in one process (add -n 2 --dist loadgroup for workers)
+# DUPLEXKIT_TEST_WORKERS=N: pytest-xdist workers of the default and --all runs (default 2; 0 = none).
 # pytest's exit code 5 ("no tests collected") is an error here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
