@@ -52,7 +52,7 @@ async def test_serve_runs_on_malloc_and_sessions_leave_no_series_behind(question
     monkeypatch.delenv("PYTHONMALLOC", raising=False)
     speech = read_wav(question_wav, 16_000)[0]
     with ServerProc("scripted", "--answer-policy", "on_request", "--scripted", "units_per_turn=3",
-                    "--metrics", "public") as srv:
+                    "--metrics", "public", "--log-level", "debug") as srv:  # the allocator lines are DEBUG
         # re-executed in place: the pid that was started, now with small objects on malloc
         assert _environ(srv.proc.pid).get("PYTHONMALLOC") == "malloc"
         # and glibc's mmap threshold fixed (mallopt accepted it: the line is logged only then), so that
@@ -82,7 +82,8 @@ async def test_serve_runs_on_malloc_and_sessions_leave_no_series_behind(question
 
 
 async def test_an_operator_choice_of_allocator_is_kept(monkeypatch):
-    with ServerProc("scripted", env={"PYTHONMALLOC": "pymalloc", "MALLOC_MMAP_THRESHOLD_": "131072"}) as srv:
+    with ServerProc("scripted", "--log-level", "debug",
+                    env={"PYTHONMALLOC": "pymalloc", "MALLOC_MMAP_THRESHOLD_": "131072"}) as srv:
         assert _environ(srv.proc.pid).get("PYTHONMALLOC") == "pymalloc"
         assert _environ(srv.proc.pid).get("MALLOC_MMAP_THRESHOLD_") == "131072"  # glibc applies it at start
         assert "glibc mmap threshold not set" in srv.output()  # and the server does not override it
