@@ -14,6 +14,7 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    check_output_file,
     load_engine_async,
     run_async,
 )
@@ -68,6 +69,8 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
 def cmd_chat(args) -> int:
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before importing the server modules or torch
+    if args.output and not args.no_audio:  # before the request, not after the answer
+        check_output_file(args.output, "--output")
     body = _chat_body(args)
     if args.url:
         import httpx

@@ -431,6 +431,64 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
 
 
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in the existing directory ``folder``: a temporary file is made
+    and removed (``os.access`` says yes to root on a read-only file system)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def check_output_file(path, option: str) -> None:
+    """Refuse an output file the command could not write, before anything heavy runs (``demo
+    --output``, ``chat --output``, ``mic --save-output`` / ``--summary``): a directory, an existing
+    file that cannot be opened for writing, or a parent that is not a writable directory.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, one line naming the option and what to pass.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise CliError(f"cannot write {option} {path}: it is a directory; pass a file path "
+                       f"(e.g. {p / 'answer.wav'})", EXIT_USAGE)
+    parent = p.resolve().parent
+    if not parent.is_dir() or not _can_create_in(parent):
+        raise CliError(f"cannot write {option} {path}: {parent} is not a writable directory", EXIT_USAGE)
+    if p.exists():
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as exc:
+            raise CliError(f"cannot write {option} {path}: {exc.strerror or exc}", EXIT_USAGE) from exc
+
+
+def check_output_dir(path, option: str) -> None:
+    """Refuse an output directory the command could not write (``serve --record DIR``), before the
+    port is bound: an existing file, a directory where no file can be created, or (a missing
+    directory, created on first use) a nearest existing ancestor that is not a writable directory.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, one line naming the option and what to pass.
+    """
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise CliError(f"cannot use {option} {path}: it is a file, not a directory; pass a directory "
+                       "(created if missing)", EXIT_USAGE)
+    base = p.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise CliError(f"cannot use {option} {path}: {base} is a file, not a directory; pass a directory "
+                       "(created if missing)", EXIT_USAGE)
+    if not _can_create_in(base):
+        raise CliError(f"cannot use {option} {path}: {base} is not writable; pass a writable directory",
+                       EXIT_USAGE)
+
+
 def command_name() -> str:
     """The ``duplexkit`` command as the user can type it: ``duplexkit`` when it is the one on ``PATH``,
     else the path of the one next to this interpreter (``.venv/bin/duplexkit`` after

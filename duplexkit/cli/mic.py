@@ -17,6 +17,7 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    check_output_file,
     load_engine_async,
     run_async,
     session_end_line,
@@ -100,6 +101,9 @@ async def _mic_async(args) -> int:
 
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before the device query and before loading the model
+    for option, path in (("--save-output", args.save_output), ("--summary", args.summary)):
+        if path:  # written at the end of the conversation: refused now, not then
+            check_output_file(path, option)
     _check_audio_devices(args.input_device, args.output_device)
 
     from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream

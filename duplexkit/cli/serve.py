@@ -21,6 +21,7 @@ from .common import (
     _parse_voice,
     _random_weights_notice,
     _session_defaults,
+    check_output_dir,
     load_engine,
     recording_summary,
 )
@@ -313,6 +314,8 @@ def cmd_serve(args) -> int:
 
 def _cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    if getattr(args, "record", None):  # a session would only log a warning for a bad one
+        check_output_dir(args.record, "--record")
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
     if tuned:
