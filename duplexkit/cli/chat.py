@@ -15,6 +15,7 @@ from .common import (
     _remote_notice,
     _session_defaults,
     check_output_file,
+    check_url_args,
     load_engine_async,
     run_async,
 )
@@ -67,6 +68,7 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
 
 
 def cmd_chat(args) -> int:
+    check_url_args(args, "chat")  # a MODEL or --layout would be ignored with --url
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before importing the server modules or torch
     if args.output and not args.no_audio:  # before the request, not after the answer

@@ -431,6 +431,30 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
 
 
+DEFAULT_CLIENT_MODEL = "tiny"
+"""The MODEL of ``demo``, ``mic`` and ``chat`` when none is named."""
+
+
+def check_url_args(args, command: str) -> None:
+    """``demo``, ``mic``, ``chat`` with ``--url``: the server's model answers, so a MODEL other than
+    the default, or a ``--layout``, would be ignored without a word; refused instead.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, naming what to drop.
+    """
+    if not getattr(args, "url", None):
+        return
+    named = []
+    if args.model != DEFAULT_CLIENT_MODEL:
+        named.append(f"MODEL {args.model!r}")
+    if getattr(args, "layout", None):
+        named.append(f"--layout {args.layout}")
+    if named:
+        raise CliError(f"duplexkit {command}: {' and '.join(named)} cannot be used with --url (the server's model "
+                       f"answers); drop {'it' if len(named) == 1 else 'them'}, or drop --url to run the model in "
+                       "this process", EXIT_USAGE)
+
+
 def _can_create_in(folder: Path) -> bool:
     """Whether a file can be created in the existing directory ``folder``: a temporary file is made
     and removed (``os.access`` says yes to root on a read-only file system)."""

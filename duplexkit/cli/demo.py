@@ -16,6 +16,7 @@ from .common import (
     _remote_notice,
     _session_defaults,
     check_output_file,
+    check_url_args,
     command_name,
     load_engine_async,
     run_async,
@@ -206,6 +207,7 @@ def _print_progress(sent_s: float, total_s: float) -> None:
 
 
 def cmd_demo(args) -> int:
+    check_url_args(args, "demo")  # a MODEL or --layout would be ignored with --url
     return run_async(_demo_async(args))
 
 

@@ -18,6 +18,7 @@ from .common import (
     _remote_notice,
     _session_defaults,
     check_output_file,
+    check_url_args,
     load_engine_async,
     run_async,
     session_end_line,
@@ -263,6 +264,7 @@ def _device(spec: Optional[str]):
 
 
 def cmd_mic(args) -> int:
+    check_url_args(args, "mic")  # a MODEL or --layout would be ignored with --url
     # Ctrl+C / SIGTERM end the conversation with status 0 (signal handlers in _mic_async); DeviceError
     # and device checks -> 5, a server that cannot be reached -> 3: reported by main() (_error_line)
     return run_async(_mic_async(args))

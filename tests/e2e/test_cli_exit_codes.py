@@ -165,6 +165,19 @@ def test_serve_accepts_a_record_directory_that_does_not_exist_yet(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("cmd", [["demo"], ["mic"], ["chat", "-t", "hi"]])
+@pytest.mark.parametrize("extra, named", [(["scripted"], "MODEL 'scripted'"), (["/nonexistent"], "MODEL '/nonexistent'"),
+                                          (["--layout", "cpu"], "--layout cpu")])
+def test_a_model_named_with_url_is_a_usage_error(cmd, extra, named):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: the refusal comes before any connection
+    r = light(cmd[0], *extra, "--url", f"ws://127.0.0.1:{port}", *cmd[1:])
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert one_error_line(r) == (f"error: duplexkit {cmd[0]}: {named} cannot be used with --url (the server's "
+                                 "model answers); drop it, or drop --url to run the model in this process")
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_serve_stopped_while_the_model_loads_exits_0_at_once(sig):
     """Ctrl+C (or SIGTERM) while ``/health`` says ``loading`` is a clean stop (exit 0, one warning),
