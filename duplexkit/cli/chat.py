@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 from .common import (
     CliError,
+    UNAUTHORIZED_HINT,
     EXIT_BAD_INPUT,
     EXIT_CONNECTION,
     EXIT_FAILURE,
@@ -17,6 +18,7 @@ from .common import (
     check_output_file,
     check_url_args,
     load_engine_async,
+    no_server_hint,
     run_async,
 )
 
@@ -86,7 +88,7 @@ def cmd_chat(args) -> int:
         try:
             text, wavs = _chat_http(url, body, headers, args)
         except httpx.ConnectError as exc:
-            raise CliError(f"cannot connect to {url}: {exc}", EXIT_CONNECTION) from exc
+            raise CliError(f"cannot connect to {url}: {exc}; {no_server_hint()}", EXIT_CONNECTION) from exc
         except httpx.TimeoutException as exc:
             raise CliError(f"timed out after {args.timeout:g} s waiting for {url}", EXIT_FAILURE) from exc
     else:
@@ -105,6 +107,8 @@ def _http_error(status: int, body: str) -> CliError:
     except (ValueError, AttributeError):
         msg = body.strip()[:500]
     code = EXIT_CONNECTION if status in (401, 403, 503) else EXIT_FAILURE
+    if status == 401:  # as demo and mic say it
+        return CliError(f"{UNAUTHORIZED_HINT} (HTTP 401: {msg})", code)
     return CliError(f"the server answered HTTP {status}: {msg}", code)
 
 

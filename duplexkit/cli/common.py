@@ -380,6 +380,15 @@ class CliError(DuplexkitError):
         self.exit_status = exit_status
 
 
+UNAUTHORIZED_HINT = "the server refused the API key (pass --api-key KEY)"
+"""The message of a client command whose server answered 401 (``demo``/``mic``/``chat --url``)."""
+
+
+def no_server_hint() -> str:
+    """The next step after a ``--url`` where nothing answered (connection refused, unknown host)."""
+    return f"is a server running there? start one with: {command_name()} serve tiny (or check --url)"
+
+
 def _error_line(exc: BaseException) -> tuple[str, int]:
     """The message and exit status for an exception that ends a command (see EXIT_*)."""
     from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
@@ -401,9 +410,11 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, DuplexTimeout):
         return f"timed out: {exc.message}", EXIT_FAILURE
     if isinstance(exc, DuplexConnectionError):
-        hints = {ErrorCode.UNAUTHORIZED.value: "the server refused the API key (pass --api-key KEY)",
+        hints = {ErrorCode.UNAUTHORIZED.value: UNAUTHORIZED_HINT,
                  ErrorCode.SESSION_CAPACITY_EXHAUSTED.value: "the server has no free session slot; retry later"}
         msg = hints.get(exc.code, exc.message or exc.code)
+        if exc.code == "connection_failed" and isinstance(exc.__cause__, OSError):  # nothing answered there
+            msg = f"{msg}; {no_server_hint()}"
         return (f"{msg} ({exc.message})" if exc.code in hints and exc.message else msg), EXIT_CONNECTION
     if isinstance(exc, DuplexError):
         if exc.code == ErrorCode.INPUT_AUDIO_BUFFER_EMPTY.value:
@@ -422,7 +433,9 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if httpx is not None:
         if isinstance(exc, httpx.TimeoutException):
             return f"timed out: {exc}", EXIT_FAILURE
-        if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
+        if isinstance(exc, httpx.ConnectError):
+            return f"cannot connect: {exc}; {no_server_hint()}", EXIT_CONNECTION
+        if isinstance(exc, (httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
             return f"cannot connect: {exc}", EXIT_CONNECTION
         if isinstance(exc, httpx.HTTPError):
             return f"HTTP request failed: {exc}", EXIT_CONNECTION
