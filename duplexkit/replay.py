@@ -37,8 +37,10 @@ _COLORS = {"thinker.prefill": "#1d4ed8", "thinker.decode": "#60a5fa", "thinker":
 
 def find_recordings(path: Union[str, Path]) -> list:
     """Recording folders at ``path``: itself when it holds ``events.jsonl``, else its subfolders
-    that do (sorted). Raises :class:`RecordingError` when there are none."""
+    that do (sorted). Raises :class:`RecordingError` when ``path`` does not exist or there are none."""
     p = Path(path)
+    if not p.exists():
+        raise RecordingError(f"{p}: not found (pass a recording folder or the serve --record directory)")
     if (p / "events.jsonl").is_file():
         return [p]
     found = sorted(q for q in p.iterdir() if (q / "events.jsonl").is_file()) if p.is_dir() else []
@@ -48,27 +50,42 @@ def find_recordings(path: Union[str, Path]) -> list:
 
 
 def load_recording(folder: Union[str, Path]) -> dict:
-    """``{"folder", "meta", "events"}`` of one recording (meta ``{}`` if missing).
+    """``{"folder", "meta", "events", "bad_lines", "first_bad_line"}`` of one recording (meta ``{}``
+    if missing). ``events.jsonl`` lines that are not a JSON object (a corrupt file, a line cut by a
+    crash) are skipped: ``bad_lines`` counts them, ``first_bad_line`` is the first one's 1-based line
+    number (None when all are good); blank lines are ignored.
 
     Raises:
-        RecordingError: no readable ``events.jsonl``.
+        RecordingError: no readable ``events.jsonl``, or not one event could be read from it.
     """
     folder = Path(folder)
+    path = folder / "events.jsonl"
     try:
-        lines = (folder / "events.jsonl").read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
         raise RecordingError(f"{folder} is not a recording: {exc}") from exc
     events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
+    bad, first_bad = 0, None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if not isinstance(event, dict):
+            bad += 1
+            first_bad = first_bad or n
+            continue
+        events.append(event)
+    if not events:
+        why = f"{bad} line(s) are not JSON events, the first at line {first_bad}" if bad else "it is empty"
+        raise RecordingError(f"no event could be read from {path}: {why}")
     try:
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         meta = {}
-    return {"folder": folder, "meta": meta, "events": events}
+    return {"folder": folder, "meta": meta, "events": events, "bad_lines": bad, "first_bad_line": first_bad}
 
 
 def timeline(rec: dict) -> dict:
@@ -246,16 +263,18 @@ _JS = """
 """
 
 
-def render_html(folder: Union[str, Path], out: Optional[Union[str, Path]] = None, *, embed_audio: bool = True) -> Path:
+def render_html(folder: Union[str, Path], out: Optional[Union[str, Path]] = None, *, embed_audio: bool = True,
+                recording: Optional[dict] = None) -> Path:
     """Write the page of one recording; returns its path (default ``<folder>/replay.html``).
 
     Args:
         embed_audio: True: the WAVs inside the page (base64; self-contained). False: referenced
             by relative path (the page must stay next to them).
+        recording: ``folder``'s :func:`load_recording` result when the caller has it (not read again).
     Raises:
-        RecordingError: not a recording.
+        RecordingError: not a recording, or no event in it could be read.
     """
-    rec = load_recording(folder)
+    rec = recording if recording is not None else load_recording(folder)
     folder = rec["folder"]
     out = Path(out) if out is not None else folder / "replay.html"
     tl = timeline(rec)

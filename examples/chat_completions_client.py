@@ -122,3 +122,6 @@ if __name__ == "__main__":
         where = f" ({exc.request.url})" if getattr(exc, "_request", None) is not None else ""
         print(f"error: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
         sys.exit(3)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -94,3 +94,6 @@ if __name__ == "__main__":
     except OSError as exc:  # cannot connect (refused, unknown host)
         print(f"error: cannot connect to {args.url}: {exc}", file=sys.stderr)
         sys.exit(3)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

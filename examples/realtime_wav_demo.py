@@ -86,3 +86,6 @@ if __name__ == "__main__":
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         # 3: could not connect or the connection was refused/lost (as the CLI); 1: the server's error
         sys.exit(3 if isinstance(exc, DuplexConnectionError) else 1)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -36,7 +36,8 @@ from typing import Optional
 from duplexkit import ASSETS_DIR
 from duplexkit.agent import tool
 from duplexkit.audio import read_wav
-from duplexkit.clients import DuplexClient, InlineDuplexClient, ToolCallFinished, ToolCallStarted
+from duplexkit.clients import (DuplexClient, DuplexConnectionError, DuplexError, InlineDuplexClient,
+                               ToolCallFinished, ToolCallStarted)
 from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
 
 DEFAULT_WAV = ASSETS_DIR / "question_16k.wav"
@@ -215,4 +216,12 @@ if __name__ == "__main__":
     p.add_argument("--answer-wait", type=float, default=30.0,
                    help="seconds without a tool call or an answer before the client asks for the answer")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the whole turn")
-    sys.exit(asyncio.run(run(p.parse_args())))
+    try:
+        sys.exit(asyncio.run(run(p.parse_args())))
+    except DuplexError as exc:  # the server's (or the connection's) error, without a traceback
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        # 3: could not connect or the connection was refused/lost (as the CLI); 1: the server's error
+        sys.exit(3 if isinstance(exc, DuplexConnectionError) else 1)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

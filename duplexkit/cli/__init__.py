@@ -26,6 +26,7 @@ from typing import Optional
 from .common import (
     API_KEY_ENV,
     CliError,
+    DEFAULT_CLIENT_MODEL,
     DEFAULT_DEMO_WAV,
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -91,7 +92,8 @@ def cmd_bench(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = "tiny", session: bool = True) -> None:
+def _add_model_args(p: argparse.ArgumentParser, *, default: Optional[str] = DEFAULT_CLIENT_MODEL,
+                    session: bool = True) -> None:
     p.add_argument("model", nargs="?" if default else None, default=default,
                    help="checkpoint directory, 'tiny' (random weights, built once and cached) or 'scripted' "
                         f"(torch-free fake engine){' (default: ' + default + ')' if default else ''}")

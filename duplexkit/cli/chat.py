@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 from .common import (
     CliError,
+    UNAUTHORIZED_HINT,
     EXIT_BAD_INPUT,
     EXIT_CONNECTION,
     EXIT_FAILURE,
@@ -14,7 +15,10 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    check_output_file,
+    check_url_args,
     load_engine_async,
+    no_server_hint,
     run_async,
 )
 
@@ -66,8 +70,11 @@ def _save_chat_audio(chunks: list, path: Optional[str]) -> Optional[float]:
 
 
 def cmd_chat(args) -> int:
+    check_url_args(args, "chat")  # a MODEL or --layout would be ignored with --url
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before importing the server modules or torch
+    if args.output and not args.no_audio:  # before the request, not after the answer
+        check_output_file(args.output, "--output")
     body = _chat_body(args)
     if args.url:
         import httpx
@@ -81,7 +88,7 @@ def cmd_chat(args) -> int:
         try:
             text, wavs = _chat_http(url, body, headers, args)
         except httpx.ConnectError as exc:
-            raise CliError(f"cannot connect to {url}: {exc}", EXIT_CONNECTION) from exc
+            raise CliError(f"cannot connect to {url}: {exc}; {no_server_hint()}", EXIT_CONNECTION) from exc
         except httpx.TimeoutException as exc:
             raise CliError(f"timed out after {args.timeout:g} s waiting for {url}", EXIT_FAILURE) from exc
     else:
@@ -100,6 +107,8 @@ def _http_error(status: int, body: str) -> CliError:
     except (ValueError, AttributeError):
         msg = body.strip()[:500]
     code = EXIT_CONNECTION if status in (401, 403, 503) else EXIT_FAILURE
+    if status == 401:  # as demo and mic say it
+        return CliError(f"{UNAUTHORIZED_HINT} (HTTP 401: {msg})", code)
     return CliError(f"the server answered HTTP {status}: {msg}", code)
 
 

@@ -380,6 +380,15 @@ class CliError(DuplexkitError):
         self.exit_status = exit_status
 
 
+UNAUTHORIZED_HINT = "the server refused the API key (pass --api-key KEY)"
+"""The message of a client command whose server answered 401 (``demo``/``mic``/``chat --url``)."""
+
+
+def no_server_hint() -> str:
+    """The next step after a ``--url`` where nothing answered (connection refused, unknown host)."""
+    return f"is a server running there? start one with: {command_name()} serve tiny (or check --url)"
+
+
 def _error_line(exc: BaseException) -> tuple[str, int]:
     """The message and exit status for an exception that ends a command (see EXIT_*)."""
     from duplexkit.errors import (AudioFormatError, DeviceError, DuplexConnectionError, DuplexError,
@@ -401,9 +410,11 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, DuplexTimeout):
         return f"timed out: {exc.message}", EXIT_FAILURE
     if isinstance(exc, DuplexConnectionError):
-        hints = {ErrorCode.UNAUTHORIZED.value: "the server refused the API key (pass --api-key KEY)",
+        hints = {ErrorCode.UNAUTHORIZED.value: UNAUTHORIZED_HINT,
                  ErrorCode.SESSION_CAPACITY_EXHAUSTED.value: "the server has no free session slot; retry later"}
         msg = hints.get(exc.code, exc.message or exc.code)
+        if exc.code == "connection_failed" and isinstance(exc.__cause__, OSError):  # nothing answered there
+            msg = f"{msg}; {no_server_hint()}"
         return (f"{msg} ({exc.message})" if exc.code in hints and exc.message else msg), EXIT_CONNECTION
     if isinstance(exc, DuplexError):
         if exc.code == ErrorCode.INPUT_AUDIO_BUFFER_EMPTY.value:
@@ -422,13 +433,97 @@ def _error_line(exc: BaseException) -> tuple[str, int]:
     if httpx is not None:
         if isinstance(exc, httpx.TimeoutException):
             return f"timed out: {exc}", EXIT_FAILURE
-        if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
+        if isinstance(exc, httpx.ConnectError):
+            return f"cannot connect: {exc}; {no_server_hint()}", EXIT_CONNECTION
+        if isinstance(exc, (httpx.RemoteProtocolError, httpx.UnsupportedProtocol)):
             return f"cannot connect: {exc}", EXIT_CONNECTION
         if isinstance(exc, httpx.HTTPError):
             return f"HTTP request failed: {exc}", EXIT_CONNECTION
     if isinstance(exc, (ConnectionError, OSError)):
         return f"{type(exc).__name__}: {exc}", EXIT_CONNECTION if isinstance(exc, ConnectionError) else EXIT_FAILURE
     return f"{type(exc).__name__}: {exc}", EXIT_FAILURE
+
+
+DEFAULT_CLIENT_MODEL = "tiny"
+"""The MODEL of ``demo``, ``mic`` and ``chat`` when none is named."""
+
+
+def check_url_args(args, command: str) -> None:
+    """``demo``, ``mic``, ``chat`` with ``--url``: the server's model answers, so a MODEL other than
+    the default, or a ``--layout``, would be ignored without a word; refused instead.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, naming what to drop.
+    """
+    if not getattr(args, "url", None):
+        return
+    named = []
+    if args.model != DEFAULT_CLIENT_MODEL:
+        named.append(f"MODEL {args.model!r}")
+    if getattr(args, "layout", None):
+        named.append(f"--layout {args.layout}")
+    if named:
+        raise CliError(f"duplexkit {command}: {' and '.join(named)} cannot be used with --url (the server's model "
+                       f"answers); drop {'it' if len(named) == 1 else 'them'}, or drop --url to run the model in "
+                       "this process", EXIT_USAGE)
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in the existing directory ``folder``: a temporary file is made
+    and removed (``os.access`` says yes to root on a read-only file system)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def check_output_file(path, option: str) -> None:
+    """Refuse an output file the command could not write, before anything heavy runs (``demo
+    --output``, ``chat --output``, ``mic --save-output`` / ``--summary``): a directory, an existing
+    file that cannot be opened for writing, or a parent that is not a writable directory.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, one line naming the option and what to pass.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise CliError(f"cannot write {option} {path}: it is a directory; pass a file path "
+                       f"(e.g. {p / 'answer.wav'})", EXIT_USAGE)
+    parent = p.resolve().parent
+    if not parent.is_dir() or not _can_create_in(parent):
+        raise CliError(f"cannot write {option} {path}: {parent} is not a writable directory", EXIT_USAGE)
+    if p.exists():
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as exc:
+            raise CliError(f"cannot write {option} {path}: {exc.strerror or exc}", EXIT_USAGE) from exc
+
+
+def check_output_dir(path, option: str) -> None:
+    """Refuse an output directory the command could not write (``serve --record DIR``), before the
+    port is bound: an existing file, a directory where no file can be created, or (a missing
+    directory, created on first use) a nearest existing ancestor that is not a writable directory.
+
+    Raises:
+        CliError: :data:`EXIT_USAGE`, one line naming the option and what to pass.
+    """
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise CliError(f"cannot use {option} {path}: it is a file, not a directory; pass a directory "
+                       "(created if missing)", EXIT_USAGE)
+    base = p.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise CliError(f"cannot use {option} {path}: {base} is a file, not a directory; pass a directory "
+                       "(created if missing)", EXIT_USAGE)
+    if not _can_create_in(base):
+        raise CliError(f"cannot use {option} {path}: {base} is not writable; pass a writable directory",
+                       EXIT_USAGE)
 
 
 def command_name() -> str:

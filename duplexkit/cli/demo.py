@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from pathlib import Path
 from typing import Optional
 
 from .common import (
@@ -17,6 +15,8 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    check_output_file,
+    check_url_args,
     command_name,
     load_engine_async,
     run_async,
@@ -146,10 +146,7 @@ async def _demo_async(args) -> int:
         raise CliError(f"input too short: need at least 100 ms of audio, {args.input} has "
                        f"{len(audio) * 1000 // 16_000} ms", EXIT_BAD_INPUT)
     if args.output:  # before the model loads and the turn runs, not after
-        out_dir = Path(args.output).resolve().parent
-        if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
-            raise CliError(f"cannot write --output {args.output}: {out_dir} is not a writable directory",
-                           EXIT_BAD_INPUT)
+        check_output_file(args.output, "--output")
     print(f"input:      {args.input} ({len(audio) / 16000:.2f} s)", flush=True)
     # the WAV is one user turn that this demo commits itself: with the server VAD on, a pause inside
     # the file would commit part of it first (and the demo's own commit would find < 100 ms left)
@@ -210,6 +207,7 @@ def _print_progress(sent_s: float, total_s: float) -> None:
 
 
 def cmd_demo(args) -> int:
+    check_url_args(args, "demo")  # a MODEL or --layout would be ignored with --url
     return run_async(_demo_async(args))
 
 

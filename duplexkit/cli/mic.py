@@ -17,6 +17,8 @@ from .common import (
     _random_weights_notice,
     _remote_notice,
     _session_defaults,
+    check_output_file,
+    check_url_args,
     load_engine_async,
     run_async,
     session_end_line,
@@ -100,6 +102,9 @@ async def _mic_async(args) -> int:
 
     if not args.url:
         _check_model_arg(args.model, args.layout)  # before the device query and before loading the model
+    for option, path in (("--save-output", args.save_output), ("--summary", args.summary)):
+        if path:  # written at the end of the conversation: refused now, not then
+            check_output_file(path, option)
     _check_audio_devices(args.input_device, args.output_device)
 
     from duplexkit.audio import MicStream, PlaybackBuffer, SpeakerStream
@@ -259,6 +264,7 @@ def _device(spec: Optional[str]):
 
 
 def cmd_mic(args) -> int:
+    check_url_args(args, "mic")  # a MODEL or --layout would be ignored with --url
     # Ctrl+C / SIGTERM end the conversation with status 0 (signal handlers in _mic_async); DeviceError
     # and device checks -> 5, a server that cannot be reached -> 3: reported by main() (_error_line)
     return run_async(_mic_async(args))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import EXIT_USAGE, CliError
+from .common import EXIT_USAGE, CliError, _eprint
 
 
 def add_replay_parser(sub) -> None:
@@ -25,19 +25,33 @@ def add_replay_parser(sub) -> None:
 def cmd_replay(args) -> int:
     from duplexkit.errors import OptionalDependencyError
     from duplexkit.recording import RecordingError
-    from duplexkit.replay import find_recordings, render_html, render_png
+    from duplexkit.replay import find_recordings, load_recording, render_html, render_png
 
     try:
         folders = find_recordings(args.dir)
     except (RecordingError, OSError) as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
+    unreadable = []
     for folder in folders:
+        try:
+            rec = load_recording(folder)
+        except RecordingError as exc:  # among several recordings, one that cannot be read is skipped
+            if len(folders) == 1:
+                raise CliError(str(exc), EXIT_USAGE) from exc
+            _eprint(f"warning: skipped {folder}: {exc}")
+            unreadable.append(folder)
+            continue
+        if rec["bad_lines"]:
+            _eprint(f"warning: {folder / 'events.jsonl'}: skipped {rec['bad_lines']} line(s) that are not JSON "
+                    f"events, the first at line {rec['first_bad_line']}; the page shows the rest")
         out = Path(args.out) / f"{folder.name}.html" if args.out else None
-        page = render_html(folder, out, embed_audio=not args.link_audio)
+        page = render_html(folder, out, embed_audio=not args.link_audio, recording=rec)
         print(page)
         if args.png:
             try:
                 print(render_png(folder, page.with_suffix(".png")))
             except OptionalDependencyError as exc:
                 raise CliError(f"--png: {exc}", EXIT_USAGE) from exc
+    if len(unreadable) == len(folders):
+        raise CliError(f"no recording under {args.dir} could be read (see the warnings above)", EXIT_USAGE)
     return 0

@@ -21,6 +21,7 @@ from .common import (
     _parse_voice,
     _random_weights_notice,
     _session_defaults,
+    check_output_dir,
     load_engine,
     recording_summary,
 )
@@ -88,6 +89,13 @@ def _add_settings_args(p, group: str) -> None:
         if opt.metavar:
             kw["metavar"] = opt.metavar
         p.add_argument(flag, **kw)
+
+
+def _flag(field: str) -> str:
+    """The ``serve`` flag of a :class:`duplexkit.settings.ServerSettings` field (``record_dir`` -> ``--record``)."""
+    from duplexkit.settings import cli_options
+
+    return next(opt.flag or "--" + name.replace("_", "-") for name, _, opt in cli_options() if name == field)
 
 
 def _settings_from_args(args) -> dict:
@@ -313,6 +321,8 @@ def cmd_serve(args) -> int:
 
 def _cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
+    if getattr(args, "record", None):  # a session would only log a warning for a bad one
+        check_output_dir(args.record, _flag("record_dir"))
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
     if tuned:

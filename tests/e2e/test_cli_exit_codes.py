@@ -137,6 +137,47 @@ def test_demo_refuses_an_unwritable_output_before_loading():
     assert "cannot write --output /nonexistent-dir/answer.wav" in one_error_line(r)
 
 
+@pytest.mark.parametrize("cmd, option", [(["demo", "scripted"], "--output"), (["chat", "scripted", "-t", "hi"], "--output"),
+                                         (["mic", "scripted"], "--save-output"), (["mic", "scripted"], "--summary")])
+def test_an_output_that_is_a_directory_is_refused_before_running(tmp_path, cmd, option):
+    r = light(*cmd, option, str(tmp_path), "--input-device", "no-such-microphone-xyz") if cmd[0] == "mic" \
+        else light(*cmd, option, str(tmp_path))
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert f"cannot write {option} {tmp_path}: it is a directory; pass a file path" in one_error_line(r)
+    assert r.stdout == ""  # refused before the turn ran
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+def test_serve_refuses_a_record_path_that_is_not_a_directory(tmp_path, where):
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0\n")
+    path = f if where == "a_file" else f / "recordings"
+    r = run(PY, "-c", LIGHT, "serve", "scripted", "--port", "0", "--record", str(path), timeout=60)
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    line = one_error_line(r)  # no banner: refused before the port is bound
+    assert line.startswith(f"error: cannot use --record {path}: ") and "pass a directory (created if missing)" in line
+
+
+def test_serve_accepts_a_record_directory_that_does_not_exist_yet(tmp_path):
+    from duplexkit.cli.common import check_output_dir
+
+    check_output_dir(tmp_path / "new" / "recordings", "--record")  # created on first use
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("cmd", [["demo"], ["mic"], ["chat", "-t", "hi"]])
+@pytest.mark.parametrize("extra, named", [(["scripted"], "MODEL 'scripted'"), (["/nonexistent"], "MODEL '/nonexistent'"),
+                                          (["--layout", "cpu"], "--layout cpu")])
+def test_a_model_named_with_url_is_a_usage_error(cmd, extra, named):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: the refusal comes before any connection
+    r = light(cmd[0], *extra, "--url", f"ws://127.0.0.1:{port}", *cmd[1:])
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert one_error_line(r) == (f"error: duplexkit {cmd[0]}: {named} cannot be used with --url (the server's "
+                                 "model answers); drop it, or drop --url to run the model in this process")
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_serve_stopped_while_the_model_loads_exits_0_at_once(sig):
     """Ctrl+C (or SIGTERM) while ``/health`` says ``loading`` is a clean stop (exit 0, one warning),

@@ -120,6 +120,59 @@ def test_twilio_fake_call_example(scripted_server, tmp_path):
     assert rate == 8000 and float(abs(pcm).max()) > 0.01
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once closed
+
+
+def test_voice_notes_agent_cannot_connect_is_one_line():
+    port = _free_port()
+    r = run(PY, "examples/voice_notes_agent.py", "--url", f"ws://127.0.0.1:{port}")
+    assert r.returncode == 3, r.stdout + r.stderr  # as the other examples and the CLI (EXIT_CONNECTION)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: connection_failed: cannot connect to ws://127.0.0.1:{port}"), \
+        r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["examples/realtime_wav_demo.py", "--url", "ws://{addr}", "--output", "{tmp}/r.wav"],
+    ["examples/voice_notes_agent.py", "--url", "ws://{addr}", "--notes", "{tmp}/n.json"],
+    ["examples/openai_sdk_tools.py", "--url", "http://{addr}", "--output", "{tmp}/t.wav"],
+    ["examples/openai_sdk_realtime.py", "--url", "http://{addr}", "--output", "{tmp}/s.wav"],
+    ["examples/barge_in_client.py", "--url", "ws://{addr}", "--out-dir", "{tmp}/b"],
+    ["examples/chat_completions_client.py", "--url", "http://{addr}", "--output", "{tmp}/c.wav"],
+])
+def test_examples_stop_on_ctrl_c_with_one_line_and_130(tmp_path, argv):
+    """Ctrl+C while the example waits on a server that never answers (a socket that accepts and stays
+    silent): ``interrupted`` and status 130, as the CLI, not a KeyboardInterrupt traceback."""
+    import signal
+    import socket
+
+    if "openai_sdk" in argv[0]:
+        pytest.importorskip("openai")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(120)
+        addr = "127.0.0.1:%d" % silent.getsockname()[1]
+        argv = [a.format(addr=addr, tmp=tmp_path) for a in argv]
+        proc = subprocess.Popen([PY, *argv], cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = silent.accept()  # the example is past its imports, inside its main
+            with conn:
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert err.strip() == "interrupted", err
+
+
 def test_gradio_example_is_import_guarded():
     r = run(PY, "-c", "import sys; sys.path.insert(0, 'examples'); import gradio_demo; print('ok')")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -127,6 +127,8 @@ def test_chat_connection_refused_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == cli.EXIT_CONNECTION
     assert len(err) == 1 and err[0].startswith("error: cannot connect to http://127.0.0.1:1/v1/chat/completions")
+    assert "; is a server running there? start one with: " in err[0]  # the duplexkit command as typed
+    assert err[0].endswith("duplexkit serve tiny (or check --url)"), err
 
 
 def test_demo_refused_url_is_one_line(capsys, monkeypatch):
@@ -134,6 +136,17 @@ def test_demo_refused_url_is_one_line(capsys, monkeypatch):
     rc = cli.main(["demo", "--url", "ws://127.0.0.1:1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == cli.EXIT_CONNECTION and len(err) == 1 and err[0].startswith("error: cannot connect"), err
+    assert "; is a server running there? start one with: " in err[0]  # the duplexkit command as typed
+    assert err[0].endswith("duplexkit serve tiny (or check --url)"), err
+
+
+def test_chat_unauthorized_hints_the_api_key_as_demo_does():
+    from duplexkit.cli.chat import _http_error
+
+    e = _http_error(401, '{"error": {"code": "unauthorized", "message": "missing or invalid API key"}}')
+    assert e.exit_status == cli.EXIT_CONNECTION
+    assert str(e) == ("the server refused the API key (pass --api-key KEY) "
+                      "(HTTP 401: unauthorized: missing or invalid API key)")
 
 
 
