@@ -16,15 +16,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from duplexkit.engine.checks import (BUILTIN_MODELS, PreflightError, check_checkpoint_dir, check_layout,
-                                     check_model, visible_cuda_devices)
+from duplexkit.engine.checks import (BUILTIN_MODELS, RANDOM_WEIGHTS_NOTICE, PreflightError, check_checkpoint_dir,
+                                     check_layout, check_model, visible_cuda_devices)
 
 __all__ = ["PreflightError", "check_checkpoint_dir", "check_layout", "check_model", "visible_cuda_devices",
            "http_base_url", "fetch_health", "RANDOM_WEIGHTS_NOTICE", "BUILTIN_MODELS"]
 
-RANDOM_WEIGHTS_NOTICE = ("NOTE: this model has RANDOM weights (the 'tiny' test checkpoint): the text is gibberish and "
-                         "the speech is noise. Use a real MiniCPM-o 4.5 checkpoint directory for real answers.")
-"""The line printed when an engine (local, or remote per ``/health``'s ``random_weights``) is random."""
 
 
 # ---------------------------------------------------------------------------------------------

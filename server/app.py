@@ -553,13 +553,17 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
                 **({"resume_journal_bytes": state.resumes.journal_bytes_total} if state.resumes is not None else {}),
                 **({"replica": settings.replica_id} if settings.replica_id else {})}
 
+    def model_object(mid: str) -> dict:
+        # OpenAI's Model object plus ``random_weights`` (docs/protocol.md §10.2): every id of a
+        # random-weight engine ('tiny'), the Hugging Face repo id included, says so
+        return {"id": mid, "object": "model", "created": state.started_at, "owned_by": "duplexkit",
+                "random_weights": bool(getattr(state.engine, "random_weights", False))}
+
     @app.get("/v1/models")
     async def models(request: Request):
         if (err := http_auth(request)) is not None:
             return err
-        return {"object": "list", "data": [
-            {"id": mid, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
-            for mid in state.model_ids]}
+        return {"object": "list", "data": [model_object(mid) for mid in state.model_ids]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str, request: Request):
@@ -567,7 +571,7 @@ def create_app(engine=None, settings: Optional[ServerSettings] = None, *,
         if (err := http_auth(request)) is not None:
             return err
         if model_id and state.resolve_model(model_id) is not None:
-            return {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "duplexkit"}
+            return model_object(model_id)
         return openai_error(404, f"The model '{model_id[:200]}' does not exist; served ids: "
                                  f"{', '.join(state.model_ids)}", ErrorCode.MODEL_NOT_FOUND.value, param="model")
 

@@ -160,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="thinker and talker dtype override (default: the layout's; Code2Wav keeps the layout's)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "fp8"],
                    help="quantized weights for the thinker's and talker's decoder layers: int8 (weight-only, "
-                        "any device) or fp8 (CUDA compute capability >= 8.9): thinker + talker weights 10.8 GiB "
-                        "instead of 17.4 in bf16 (default none; docs/model.md 'Quantized weights')")
+                        "any device) or fp8 (CUDA compute capability >= 8.9 with bfloat16: FP8 matmuls; on the "
+                        "CPU: emulated in float32, for testing, not faster; CUDA below 8.9: refused). Thinker + "
+                        "talker weights 10.8 GiB instead of 17.4 in bf16. A slow path (emulated fp8, int8 "
+                        "dequantized per matmul) logs one warning at load (default none; docs/model.md "
+                        "'Quantized weights')")
     p.add_argument("--scripted", action="append", default=None, metavar="KEY=VALUE",
                    help="ScriptedEngine option for the 'scripted' model, e.g. units_per_turn=3 (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

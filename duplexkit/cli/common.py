@@ -645,7 +645,8 @@ def _check_model_arg(model: str, layout: Optional[str]) -> None:
 def _random_weights_notice(engine) -> None:
     from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE
 
-    if getattr(engine, "random_weights", False):
+    # DuplexEngine.from_pretrained printed it already when it loaded with progress
+    if getattr(engine, "random_weights", False) and not getattr(engine, "random_weights_noticed", False):
         _eprint(RANDOM_WEIGHTS_NOTICE)
     if not getattr(engine, "supports_audio", True):
         _eprint("NOTE: the checkpoint has no assets/token2wav (no vocoder): answers are text only.")

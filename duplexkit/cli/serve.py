@@ -323,6 +323,9 @@ def _cmd_serve(args) -> int:
     _check_model_arg(args.model, getattr(args, "layout", None))  # before importing the server or binding
     if getattr(args, "record", None):  # a session would only log a warning for a bad one
         check_output_dir(args.record, _flag("record_dir"))
+    from duplexkit.engine.loading import check_plugin_options
+
+    check_plugin_options(args.model, quantization=getattr(args, "quantization", None))  # not silently ignored
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
     if tuned:

@@ -25,6 +25,12 @@ from duplexkit.errors import DuplexkitError, LayoutNotSupportedError
 from .layout import check_supported, load_layout
 from .plugins import engine_plugins
 
+RANDOM_WEIGHTS_NOTICE = ("NOTE: this model has RANDOM weights (the 'tiny' test checkpoint): the text is gibberish and "
+                         "the speech is noise. Use a real MiniCPM-o 4.5 checkpoint directory for real answers.")
+"""The line printed when an engine (local, or remote per ``/health``'s ``random_weights``) is random:
+by :meth:`DuplexEngine.from_pretrained` with ``progress`` and by the CLI (re-exported by
+:mod:`duplexkit.preflight`)."""
+
 __all__ = ["BUILTIN_MODELS", "PreflightError", "check_checkpoint_dir", "check_layout", "check_model",
            "visible_cuda_devices"]
 

@@ -148,6 +148,7 @@ class DuplexEngine:
             self.stages = MiniCPMO45Stages(model, model_id=model_id)
         self.model_id = getattr(self.stages, "model_id", model_id)
         self.random_weights = bool(getattr(self.stages, "random_weights", False))
+        self.random_weights_noticed = False  # set by from_pretrained once it printed RANDOM_WEIGHTS_NOTICE
         m = self.model
         self.supports_audio = bool(getattr(self.stages, "supports_audio",
                                            m is None or getattr(m, "code2wav", None) is not None))
@@ -331,6 +332,8 @@ class DuplexEngine:
             layout: layout (see the class); validated before any weight is read.
             dtype: override of the thinker's layout dtype (``float32`` | ``bfloat16`` | ``float16``).
             seed: weight seed of the tiny checkpoint.
+            progress: print load progress to stderr, and the one-line random-weights notice
+                (:data:`~duplexkit.engine.checks.RANDOM_WEIGHTS_NOTICE`) when the weights are random.
             quantization: ``none`` (default), ``int8`` or ``fp8``: quantized weights for the
                 thinker's and talker's decoder linears (docs/model.md "Quantized weights"; the
                 weight bytes before / after are printed with ``progress`` and kept in
@@ -414,6 +417,11 @@ class DuplexEngine:
             if progress:
                 print(f"[duplexkit] warm-up turn through the three stages in {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
+        if progress and engine.random_weights:
+            from .checks import RANDOM_WEIGHTS_NOTICE
+
+            print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr, flush=True)
+            engine.random_weights_noticed = True  # the CLI does not repeat it
         return engine
 
     @staticmethod

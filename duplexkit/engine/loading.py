@@ -35,7 +35,8 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     declared in the ``duplexkit.engines`` entry-point group). ``scripted`` holds the plugin's options
     (for ``scripted``: :class:`~duplexkit.testing.ScriptConfig` fields). ``quantization``
     (``none`` | ``int8`` | ``fp8``) quantizes the thinker's and talker's decoder weights of a
-    checkpoint or ``tiny`` (docs/model.md "Quantized weights"); engine plugins ignore it.
+    checkpoint or ``tiny`` (docs/model.md "Quantized weights"); an engine plugin refuses any mode
+    but ``none`` (LayoutError), as it refuses ``memory_gib``.
 
     Runs the pre-load checks first (unless ``checked``: the caller already ran them).
 
@@ -45,15 +46,15 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     Raises:
         PreflightError / LayoutError (the CLI's exit 2) from the checks, and
         :class:`~duplexkit.engine.memory_plan.MemoryBudgetError` (a LayoutError) when ``memory_gib``
-        cannot hold the model or is given for an engine plugin;
+        cannot hold the model or is given for an engine plugin, and a LayoutError for a
+        ``quantization`` other than ``none`` given for an engine plugin;
         :class:`~duplexkit.errors.EngineLoadError` (exit 4) when loading itself fails (the message
         keeps the loader's text).
     """
     if not checked:
         check_model_arg(model, layout)
     if model in engine_plugins():  # e.g. "scripted": duplexkit.testing's, through the entry point
-        if memory_gib is not None:
-            raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {model!r} engine")
+        check_plugin_options(model, memory_gib=memory_gib, quantization=quantization)
         try:
             factory = load_plugin(model)
         except (ImportError, AttributeError) as exc:
@@ -87,6 +88,23 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     if progress:
         _progress(f"model ready in {time.monotonic() - t0:.1f} s")
     return engine
+
+
+def check_plugin_options(model: str, *, memory_gib: Optional[float] = None, quantization: Optional[str] = None) -> None:
+    """Refuse the MiniCPM-o 4.5 load options for an engine plugin (``serve scripted --memory 4`` or
+    ``--quantization int8``): a usage error rather than an option silently ignored. No-op for a
+    checkpoint or ``tiny``.
+
+    Raises:
+        LayoutError (the CLI's exit 2): ``memory_gib`` given, or ``quantization`` other than ``none``.
+    """
+    if model not in engine_plugins():
+        return
+    if memory_gib is not None:
+        raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {model!r} engine")
+    if quantization not in (None, "", "none"):
+        raise LayoutError(f"--quantization quantizes a MiniCPM-o 4.5 model's weights (a checkpoint or 'tiny'), "
+                          f"not the {model!r} engine")
 
 
 def check_model_arg(model: str, layout: Optional[str]) -> None:

@@ -145,7 +145,7 @@ class EngineProcess:
 
     Call :meth:`start` (blocking: spawns the child and waits until the engine is loaded) from any
     thread, then use the async API from one event loop. Attributes mirrored from the engine:
-    ``model_id``, ``random_weights``, ``supports_audio``; :meth:`kv_usage` is the child's last
+    ``model_id``, ``random_weights``, ``random_weights_noticed``, ``supports_audio``; :meth:`kv_usage` is the child's last
     report (<= :data:`STATS_INTERVAL_S` old). ``pid``, ``exitcode``, :attr:`failure` (None while the
     child serves; a message once it died) describe the process.
     """
@@ -157,6 +157,7 @@ class EngineProcess:
         self.name = name
         self.model_id = "duplexkit"
         self.random_weights = False
+        self.random_weights_noticed = False
         self.supports_audio = True
         self.info: dict = {}
         self.failure: Optional[str] = None
@@ -228,6 +229,7 @@ class EngineProcess:
         self.info = dict(first[1])
         self.model_id = self.info["model_id"]
         self.random_weights = self.info["random_weights"]
+        self.random_weights_noticed = bool(self.info.get("random_weights_noticed", False))  # the child printed it
         self.supports_audio = self.info["supports_audio"]
         for target, tname in ((self._reader, "engine-proc-reader"), (self._writer, "engine-proc-writer")):
             t = threading.Thread(target=target, name=tname, daemon=True)

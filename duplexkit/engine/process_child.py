@@ -363,6 +363,7 @@ def child_main(conn, spec: EngineSpec) -> None:
         return
     info = {"model_id": getattr(engine, "model_id", None) or "duplexkit",
             "random_weights": bool(getattr(engine, "random_weights", False)),
+            "random_weights_noticed": bool(getattr(engine, "random_weights_noticed", False)),
             "supports_audio": bool(getattr(engine, "supports_audio", True)),
             "has_kv_usage": callable(getattr(engine, "kv_usage", None)),
             "engine_class": type(engine).__name__}

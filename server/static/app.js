@@ -578,6 +578,19 @@ async function loadModels() {
   } catch (e) { sel.title = "could not list models"; }
 }
 
+// GET /health (no key needed) says whether the served model has random weights (the 'tiny' test
+// checkpoint): its answers are gibberish text and noise, which the page says before the user talks
+async function loadNotice() {
+  try {
+    const r = await fetch("health");
+    const h = await r.json();
+    if (h.status === "loading") { setTimeout(loadNotice, 2000); return; }  // asked again once loaded
+    $("notice").textContent = h.random_weights ? RANDOM_WEIGHTS_NOTICE : "";
+  } catch (e) { /* the server is down: start() reports it */ }
+}
+const RANDOM_WEIGHTS_NOTICE = "This server runs a model with RANDOM weights (the 'tiny' test checkpoint): "
+  + "the text is gibberish and the speech is noise. Serve a real MiniCPM-o 4.5 checkpoint for real answers.";
+
 $("start").onclick = () => { start(); };
 $("stop").onclick = stop;
 $("key").addEventListener("change", loadModels);
@@ -587,3 +600,4 @@ $("voice").addEventListener("change", () => {
 });
 window.addEventListener("pagehide", () => { userClosing = true; teardown(); });
 loadModels();
+loadNotice();

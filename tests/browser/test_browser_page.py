@@ -69,12 +69,30 @@ def test_page_markup_survives_the_parser(browser, server):
     try:
         assert page.evaluate("() => document.querySelector('#bar > label > #level').tagName") == "METER"
         ids = ["key", "model", "profile", "answer", "voice", "start", "stop", "state", "level", "played",
-               "error", "transcript"]
+               "error", "transcript", "notice"]
         assert page.evaluate("ids => ids.every(i => document.getElementById(i))", ids)
         assert page.get_attribute("#state", "data-state") == "idle"
         assert errors == []
     finally:
         ctx.close()
+
+
+def test_random_weights_notice(browser, server):
+    """The page shows a visible notice when ``/health`` says the model's weights are random, none otherwise."""
+    ctx, page, errors = open_page(browser, server)
+    try:
+        page.wait_for_timeout(500)
+        assert not page.is_visible("#notice") and page.text_content("#notice") == ""
+    finally:
+        ctx.close()
+    with ServerProc("scripted", "--scripted", "random_weights=true") as srv:
+        ctx, page, errors = open_page(browser, srv)
+        try:
+            page.wait_for_selector("#notice", state="visible", timeout=bound(10_000))
+            assert "RANDOM weights" in page.text_content("#notice")
+            assert errors == []
+        finally:
+            ctx.close()
 
 
 def test_conversation_barge_in_and_playback_truth(browser, server, fixtures_audio, tmp_path):

@@ -76,3 +76,20 @@ async def test_duplexkit_client_raises_model_not_found(refusing_server):
         async with DuplexClient(refusing_server.ws_url, model="gpt-realtime"):
             pytest.fail("connected with a refused model")
     assert ei.value.code == "model_not_found" and "openbmb/MiniCPM-o-4_5" in str(ei.value)
+
+
+def test_models_say_whether_weights_are_random(mapping_server):
+    """Every entry carries ``random_weights`` (docs/protocol.md §10.2), false for a real-standing engine,
+    true for a random-weight one; the ``openai`` package's ``Model`` still parses each entry."""
+    openai_types = pytest.importorskip("openai.types")
+    data = httpx.get(mapping_server.url + "/v1/models").json()["data"]
+    assert [m["random_weights"] for m in data] == [False] * len(data)
+    with ServerProc("scripted", "--scripted", "random_weights=true") as srv:
+        data = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert "openbmb/MiniCPM-o-4_5" in [m["id"] for m in data]
+        assert all(m["random_weights"] is True for m in data), data
+        models = [openai_types.Model.model_validate(m) for m in data]
+        assert models[0].id == "scripted" and models[0].random_weights is True
+        one = httpx.get(srv.url + "/v1/models/openbmb/MiniCPM-o-4_5").json()
+        assert one["random_weights"] is True
+        assert openai_types.Model.model_validate(one).id == "openbmb/MiniCPM-o-4_5"

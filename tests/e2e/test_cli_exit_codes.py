@@ -118,6 +118,15 @@ def test_serve_on_a_port_in_use_is_one_line_and_exit_3():
     assert r.stdout == ""
 
 
+def test_serve_quantization_with_an_engine_plugin_is_a_usage_error():
+    """``--quantization`` is refused for ``scripted`` (as ``--memory`` is), not silently ignored: one
+    line, exit 2, before the port is bound or the server imported."""
+    r = light("serve", "scripted", "--quantization", "int8", "--port", "0")
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert "--quantization quantizes a MiniCPM-o 4.5 model's weights" in one_error_line(r)
+    assert r.stdout == ""
+
+
 def test_serve_exits_4_when_the_engine_fails_to_load():
     r = run(PY, "-m", "duplexkit.cli", "serve", "scripted", "--port", "0", "--scripted", "no_such_option=1")
     assert r.returncode == cli.EXIT_LOAD, r.stdout + r.stderr

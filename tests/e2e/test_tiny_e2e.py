@@ -143,3 +143,11 @@ def test_chat_completions_stream(tiny_server, question_wav):
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     modalities.append(chunk["modality"])
     assert done and "text" in modalities and "audio" in modalities
+
+
+def test_random_weights_notice_is_printed_once(tiny_server):
+    """The engine's load (``from_pretrained`` with progress, in the engine process or not) prints the
+    notice; the CLI does not repeat it."""
+    from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE
+
+    assert tiny_server.output().count(RANDOM_WEIGHTS_NOTICE) == 1, tiny_server.output()[-3000:]

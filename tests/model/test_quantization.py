@@ -15,8 +15,9 @@ from torch import nn
 
 from duplexkit.models.minicpmo45 import DuplexPolicy, UnitInput, load
 from duplexkit.models.minicpmo45.quant_check import compare_logits, talker_check, thinker_checks
-from duplexkit.models.minicpmo45.quantization import (AWQ_ORDER, QuantizationError, QuantLinear, awq_dequantize,
-                                                      awq_pack, parse_mode, quantize_weight)
+from duplexkit.models.minicpmo45.quantization import (AWQ_ORDER, QuantizationError, QuantLinear, QuantReport,
+                                                      awq_dequantize, awq_pack, parse_mode, quantize_weight,
+                                                      slow_kernel_warning)
 
 # Bounds measured on the tiny checkpoint (docs/model.md "Quantized weights": int8 1.4 % / fp8 7.7 %
 # thinker prefill, 0.3 % / 1.5 % talker), with headroom; a wrong scale on one layer breaks them.
@@ -132,6 +133,42 @@ def test_quantized_modules_shapes_dtypes_and_memory(tiny_model, quantized):
         assert rep.bytes_before - rep.bytes_after == saved  # exactly the replaced weights' bytes
         assert m.quantization["talker"].bytes_after < m.quantization["talker"].bytes_before
     assert tiny_model.quantization == {}
+
+
+def test_report_line_shows_what_was_saved(quantized):
+    """A small stage's sizes can round to the same MiB: the line gives the bytes saved and the share."""
+    rep = QuantReport("int8", 7, 1_866_696, 1_837_128, {"int8pack": 7})
+    assert rep.line("talker") == ("talker: int8 on 7 linear layers (int8pack 7), weights 1.78 MiB -> 1.75 MiB "
+                                  "(28.9 KiB saved, 1.6%)")
+    for m in quantized.values():
+        for stage, r in m.quantization.items():
+            pct = 100 * (r.bytes_before - r.bytes_after) / r.bytes_before
+            assert r.line(stage).endswith(f" saved, {pct:.1f}%)") and pct > 0
+
+
+def test_a_slow_kernel_logs_one_warning_at_load(tiny_dir, caplog):
+    """fp8 on the CPU runs emulated in float32: the load logs one warning saying so (stages, layer
+    counts, what FP8 matmuls need); int8's dequant fallback gets one as well; fast kernels none."""
+    with caplog.at_level("WARNING", logger="duplexkit.quantization"):
+        m = load(tiny_dir, progress=False, with_code2wav=False, quantization="fp8")
+    warns = [r.getMessage() for r in caplog.records if r.name == "duplexkit.quantization"]
+    n_th, n_tk = m.quantization["thinker"].layers, m.quantization["talker"].layers
+    assert len(warns) == 1, warns
+    assert "fp8 runs emulated in float32" in warns[0] and "compute capability >= 8.9" in warns[0]
+    assert f"thinker {n_th}/{n_th} layers, talker {n_tk}/{n_tk} layers" in warns[0]
+    assert "slower than unquantized" in warns[0]
+    assert slow_kernel_warning({"talker": QuantReport("int8", 7, 10, 5, {"int8pack": 7})}) is None
+    w = slow_kernel_warning({"thinker": QuantReport("int8", 14, 10, 5, {"dequant": 2, "int8pack": 12})})
+    assert w is not None and "int8 is dequantized before every matmul on thinker 2/14 layers" in w
+
+
+def test_serve_help_says_what_fp8_does_on_the_cpu():
+    from duplexkit.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices).choices["serve"]
+    text = " ".join(sub.format_help().split())
+    assert "CUDA compute capability >= 8.9 with bfloat16: FP8 matmuls" in text
+    assert "on the CPU: emulated in float32, for testing, not faster" in text
 
 
 # ---------------------------------------------------------------------------------------------- quality

@@ -252,6 +252,9 @@ def test_load_engine_refuses_memory_for_an_engine_plugin():
 
     with pytest.raises(LayoutError, match="--memory"):
         load_engine("scripted", memory_gib=4, progress=False)
+    with pytest.raises(LayoutError, match="--quantization"):
+        load_engine("scripted", quantization="int8", progress=False)
+    assert load_engine("scripted", quantization="none", progress=False).model_id == "scripted"
 
 
 def test_plan_memory_command(capsys):

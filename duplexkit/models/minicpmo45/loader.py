@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import sys
 from dataclasses import dataclass, field
@@ -430,6 +431,12 @@ def load(
             from .fast_talker import FastTalker
 
             talker = FastTalker(talker, **(fast_options or {}).get("talker", {}))
+
+    if reports:
+        from .quantization import slow_kernel_warning
+
+        if (warn := slow_kernel_warning(reports)) is not None:
+            logging.getLogger("duplexkit.quantization").warning("%s", warn)
 
     code2wav = None
     if with_code2wav and t2w_dir is not None:

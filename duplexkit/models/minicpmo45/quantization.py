@@ -20,6 +20,9 @@ Modes (:data:`MODES`):
   ``_scaled_mm`` scales has none usable: ``fp8`` raises :class:`QuantizationError` there (use
   ``int8``).
 
+When some layers run a slow kernel (emulated fp8, int8 dequantized per matmul) the loader logs one
+warning (:func:`slow_kernel_warning`, logger ``duplexkit.quantization``).
+
 What is quantized (:func:`quantize_thinker`, :func:`quantize_talker`): the ``nn.Linear`` layers of
 the decoder layers only: the thinker's ``llm.model.layers.N.{self_attn.{q,k,v,o}_proj,
 mlp.{gate,up,down}_proj}`` (6.95 B of its 8.19 B parameters, docs/model.md §1.1) and the talker's
@@ -55,7 +58,8 @@ from duplexkit.errors import DuplexkitError
 
 __all__ = ["MODES", "QuantizationError", "QuantLinear", "QuantReport", "parse_mode", "fp8_supported",
            "quantize_linears", "quantize_thinker", "quantize_talker", "weight_bytes", "AWQ_ORDER",
-           "awq_pack", "awq_dequantize", "awq_linear_prefixes", "awq_config"]
+           "awq_pack", "awq_dequantize", "awq_linear_prefixes", "awq_config", "SLOW_KERNELS",
+           "slow_kernel_warning"]
 
 MODES = ("none", "int8", "fp8")
 """Quantization modes (module doc)."""
@@ -318,13 +322,44 @@ class QuantReport:
     kernels: Dict[str, int] = field(default_factory=dict)
 
     def line(self, stage: str) -> str:
+        """One line for the load log, e.g. ``talker: int8 on 7 linear layers (int8pack 7), weights
+        1.78 MiB -> 1.75 MiB (28.9 KiB saved, 1.6%)``: the saved bytes and share of the stage's
+        weights are given, since a small model's sizes can round to the same figure."""
         ks = ", ".join(f"{k} {n}" for k, n in sorted(self.kernels.items()))
+        saved = self.bytes_before - self.bytes_after
+        pct = 100.0 * saved / self.bytes_before if self.bytes_before else 0.0
         return (f"{stage}: {self.mode} on {self.layers} linear layers ({ks or 'none'}), weights "
-                f"{_size(self.bytes_before)} -> {_size(self.bytes_after)}")
+                f"{_size(self.bytes_before)} -> {_size(self.bytes_after)} ({_size(saved)} saved, {pct:.1f}%)")
+
+
+#: :class:`QuantLinear` kernels that are slower than the unquantized layer (``emulated`` fp8 in
+#: float32; ``dequant`` int8: the weights are dequantized before every matmul).
+SLOW_KERNELS = ("emulated", "dequant")
+
+
+def slow_kernel_warning(reports: Dict[str, "QuantReport"]) -> Optional[str]:
+    """The one load warning when some quantized layers run a slow kernel (:data:`SLOW_KERNELS`),
+    naming the stages and layer counts; None when every layer runs ``scaled_mm`` / ``int8pack``.
+    ``reports``: stage name -> :class:`QuantReport` (``MiniCPMO45.quantization``)."""
+    why = {"emulated": "fp8 runs emulated in float32 on {where} (FP8 matmuls need CUDA compute capability "
+                       ">= 8.9, a bfloat16 stage and layer sizes that are multiples of 16): for testing, "
+                       "slower than unquantized",
+           "dequant": "int8 is dequantized before every matmul on {where} (no int8 kernel here): it saves "
+                      "memory, not time"}
+    parts = []
+    for k in SLOW_KERNELS:
+        where = [f"{stage} {rep.kernels[k]}/{rep.layers} layers" for stage, rep in reports.items() if rep.kernels.get(k)]
+        if where:
+            parts.append(why[k].format(where=", ".join(where)))
+    return "quantized weights: " + "; ".join(parts) if parts else None
 
 
 def _size(n: int) -> str:
-    return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
+    if n >= 1024 ** 3:
+        return f"{n / 1024 ** 3:.2f} GiB"
+    if n >= 1024 ** 2:
+        return f"{n / 1024 ** 2:.2f} MiB"
+    return f"{n / 1024:.1f} KiB"
 
 
 def weight_bytes(module: nn.Module) -> int:
