@@ -737,7 +737,7 @@ class _Writer:
                 rows.append({"role": "user", "item_id": x["item_id"], "t_ms": x["t_ms"], "text": x["text"]})
             elif x in by_id:
                 rows.append(by_id[x])
-        (self.folder / "transcript.json").write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
+        _write_whole(self.folder / "transcript.json", json.dumps(rows, indent=1, ensure_ascii=False))
         lines = []
         for row in rows:
             t = row.get("t_ms") or 0
@@ -748,7 +748,7 @@ class _Writer:
                 cut = "" if row["heard_text"] == row["text"] else f"  (heard: {row['heard_text']!r})"
                 lines.append(f"{stamp} assistant [{row['status']}, generated {row['generated_ms']} ms, heard "
                              f"{row['heard_ms']} ms]: {row['text']}{cut}")
-        (self.folder / "transcript.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        _write_whole(self.folder / "transcript.txt", "\n".join(lines) + "\n")
 
     def write_meta(self, *, complete: bool, duration_ms: Optional[int] = None) -> None:
         s = self.session_obj or {}
@@ -769,7 +769,16 @@ class _Writer:
             "bytes": self.bytes, "max_bytes": self.recorder.max_bytes, "capped": self.capped,
             "dropped_items": self.dropped, "failed": self.failed,
         }
-        (self.folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
+        _write_whole(self.folder / "meta.json", json.dumps(meta, indent=1, default=str))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` so that a reader sees the old file or the whole new one, never
+    a part: into a temporary file beside it, then ``os.replace`` (atomic on POSIX). ``meta.json`` is
+    rewritten while a session runs and read by ``duplexkit replay`` and by tools watching the folder."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _loads(raw: Union[str, bytes]) -> dict:
