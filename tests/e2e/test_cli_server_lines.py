@@ -13,17 +13,15 @@ Every wait is for an event (a line printed, ``/health``) under a bound for a loa
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import soundfile as sf
+from _liveproc import LiveProc, command_env, duplexkit_argv
 from _serverproc import REPO, ServerProc
 from _timing import bound
 
@@ -33,40 +31,15 @@ SHUTDOWN_LINE = ("error: the server closed the connection (close code 1001, sess
                  "the server is shutting down; start it again")
 
 
-class Run:
+class Run(LiveProc):
     """A ``duplexkit`` client command whose output (stdout and stderr) is read live."""
 
     def __init__(self, *argv: str, env: dict | None = None) -> None:
-        full = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHDYNAMO_DISABLE": "1", **(env or {})}
-        full.pop("DUPLEXKIT_API_KEY", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "duplexkit", *argv], cwd=str(REPO), env=full,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            with self._cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def text(self) -> str:
-        with self._cond:
-            return "".join(self.lines)
-
-    def wait_line(self, needle: str, bound_s: float = 120) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: any(needle in ln for ln in self.lines) or self.proc.poll() is not None,
-                                timeout=bound(bound_s))
-        assert needle in self.text(), f"never printed {needle!r}:\n{self.text()}"
+        super().__init__(duplexkit_argv(*argv), command_env(env), what="the command")
 
     def finish(self, bound_s: float = 60) -> int:
         rc = self.proc.wait(bound(bound_s))
-        self._reader.join(bound(10))
+        self.join_reader(10)
         return rc
 
     def kill(self) -> None:

@@ -19,7 +19,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from _liveproc import LiveProc, command_env, duplexkit_argv
 from _serverproc import REPO, free_port
 from _timing import bound
 
@@ -55,44 +55,20 @@ def _session_members(sid: int) -> dict[int, str]:
     return out
 
 
-class Cmd:
+class Cmd(LiveProc):
     """One ``duplexkit`` command in a session of its own; its stdout and stderr are read live."""
 
     def __init__(self, *argv: str, env: dict | None = None) -> None:
-        full = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHDYNAMO_DISABLE": "1", **(env or {})}
-        for k in ("DUPLEXKIT_DEBUG", "DUPLEXKIT_API_KEY"):
-            full.pop(k, None)
         self.argv = argv
-        self.proc = subprocess.Popen([sys.executable, "-m", "duplexkit", *argv], cwd=str(REPO), env=full,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
         self.members: set[int] = set()  # every process seen in the command's session
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(duplexkit_argv(*argv), command_env(env, drop=("DUPLEXKIT_DEBUG", "DUPLEXKIT_API_KEY")),
+                         new_session=True, what=str(argv))
         threading.Thread(target=self._watch, daemon=True).start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            with self._cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
 
     def _watch(self) -> None:
         while self.proc.poll() is None:
             self.members.update(_session_members(self.proc.pid))
             time.sleep(0.05)
-
-    def text(self) -> str:
-        with self._cond:
-            return "".join(self.lines)
-
-    def wait_line(self, needle: str, bound_s: float = 120) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: any(needle in ln for ln in self.lines) or self.proc.poll() is not None,
-                                timeout=bound(bound_s))
-        assert needle in self.text(), f"{self.argv} never printed {needle!r}:\n{self.text()}"
 
     def wait_health(self, port: int, status: int = 200, bound_s: float = 120) -> None:
         deadline = time.monotonic() + bound(bound_s)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import pytest
+from _liveproc import LiveProc
 from _serverproc import REPO, ServerProc
 from _timing import bound
 
@@ -57,35 +58,17 @@ class MicRun:
         target = ["--url", url] if url else []
         cmd = [sys.executable, "-m", "duplexkit.cli", "mic", *target, "--duration", str(duration),
                "--summary", str(self.summary), "--save-output", str(self.out_wav), *extra]
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._live = LiveProc(cmd, env, what="mic")
+        self.proc = self._live.proc
         self.players: list[subprocess.Popen] = []
 
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            with self._cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
     def text(self) -> str:
-        with self._cond:
-            return "".join(self.lines)
+        return self._live.text()
 
     def wait_line(self, needle: str, bound_s: float) -> None:
         """Wait until the command prints a line containing ``needle`` (fails after ``bound_s``,
         scaled by ``DUPLEXKIT_TEST_TIME_SCALE``)."""
-        bound_s = bound(bound_s)
-        with self._cond:
-            ok = self._cond.wait_for(lambda: any(needle in ln for ln in self.lines) or self.proc.poll() is not None,
-                                     timeout=bound_s)
-            found = any(needle in ln for ln in self.lines)
-        assert ok and found, f"mic never printed {needle!r}:\n{self.text()}"
+        self._live.wait_line(needle, bound_s)
 
     def wait_capturing(self, bound_s: float) -> None:
         """Wait until the command's microphone stream records from the virtual mic (a pulse
@@ -115,7 +98,7 @@ class MicRun:
         """Wait for the command to end (at the latest ``--duration`` after "ready"); its status 0
         and the summary it wrote (with ``stdout`` and ``heard_wav`` added)."""
         self.proc.wait(self.duration + bound(120))
-        self._reader.join(bound(30))
+        self._live.join_reader(30)
         for p in self.players:
             p.wait(bound(60))
         text = self.text()
@@ -235,7 +218,7 @@ def test_mic_ctrl_c_writes_the_summary(pulse, tmp_path, question_wav):
             run.wait_line("(completed)", bound_s=120)
             run.proc.send_signal(signal.SIGINT)
             run.proc.wait(bound(60))
-            run._reader.join(bound(30))
+            run._live.join_reader(30)
         finally:
             run.kill()
     text = run.text()
