@@ -157,6 +157,11 @@ class DuplexEngine:
         self._runtime = StageRuntime(self.stages, self.layout)
         self._closed = False
 
+    def _off_stage_threads(self, method: str) -> None:
+        """Raise RuntimeError when called on a stage worker thread: a job run there would wait for itself."""
+        if threading.current_thread() in self._runtime._threads:
+            raise RuntimeError(f"DuplexEngine.{method}() called on a stage worker thread: it would wait for itself")
+
     def warmup(self, max_kv_len: int = 512, code2wav_sizes: Optional[tuple] = None) -> int:
         """Capture the GPU fast paths' CUDA graphs for every batch size a stage can form
         (1..``max_num_seqs`` of its layout), so no capture happens while streams are live, and tune
@@ -186,8 +191,7 @@ class DuplexEngine:
             RuntimeError: called on one of the engine's stage threads (it would wait for itself), or
                 the engine is closed.
         """
-        if threading.current_thread() in self._runtime._threads:
-            raise RuntimeError("DuplexEngine.warmup() called on a stage worker thread: it would wait for itself")
+        self._off_stage_threads("warmup")
         m = self.model
         if m is None:
             return 0
@@ -234,8 +238,7 @@ class DuplexEngine:
         Raises:
             RuntimeError: called on one of the engine's stage threads, or the engine is closed.
         """
-        if threading.current_thread() in self._runtime._threads:
-            raise RuntimeError("DuplexEngine.warmup_tools() called on a stage worker thread: it would wait for itself")
+        self._off_stage_threads("warmup_tools")
         fn = getattr(self.stages, "tools_warmup", None)
         if fn is None:
             return None
