@@ -251,3 +251,66 @@ async def test_engine_generate_returns_tool_calls():
                                            tool_choice={"type": "function", "name": "nope"}))
     finally:
         await eng.aclose()
+
+
+def test_jump_forward_feeds_the_forced_tokens_in_passes(tiny_model):
+    """The call's forced text (``<tool_call>{"name": "get_weather", ...``) is taken without sampling,
+    one forward pass per run of it; the call stays schema-valid and fewer tokens are decoded one by one."""
+    th = tiny_model.thinker
+    kw = dict(tools=TOOLS[:1], tool_choice="required", temperature=0.0, max_tokens=BUDGET)
+    slow = chat_generate(th, MSGS, jump_forward=False, **kw)
+    fast = chat_generate(th, MSGS, **kw)
+    assert slow.stats["forced_tokens"] == slow.stats["forced_passes"] == 0
+    assert fast.stats["forced_tokens"] > 10 and 1 <= fast.stats["forced_passes"] < fast.stats["forced_tokens"]
+    assert fast.stats["decode_steps"] + 10 < slow.stats["decode_steps"]
+    for r in (slow, fast):
+        assert r.finish_reason == "tool_calls"
+        _check_call(r.tool_calls[0])
+        # every id was decoded, forced, or is the unfed end of the call
+        assert r.stats["decode_steps"] + r.stats["forced_tokens"] <= len(r.token_ids) <= BUDGET
+    assert fast.tool_calls[0].name == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def fast_thinker(tiny_dir):
+    from duplexkit.models.minicpmo45 import load
+
+    return load(tiny_dir, progress=False, with_code2wav=False, with_talker=False, fast=True).thinker
+
+
+def test_static_kv_generates_the_same_reply_and_gives_its_slot_back(fast_thinker):
+    """A reply held in a slot of the fast thinker's pool (its CUDA graphs on a GPU) decodes the same
+    ids as in a DynamicCache, hands back the same spoken hidden states, and frees the slot at the end,
+    when abandoned, and never grows a full pool (it falls back to the DynamicCache)."""
+    from duplexkit.models.minicpmo45.chat import chat_steps
+
+    th = fast_thinker
+    free = list(th.pool.free)
+    kw = dict(tools=TOOLS[:1], tool_choice="required", temperature=0.0, max_tokens=BUDGET)
+    a = chat_generate(th, MSGS, static_kv=True, **kw)
+    b = chat_generate(th, MSGS, static_kv=False, **kw)
+    assert (a.stats["kv"], b.stats["kv"]) == ("static", "dynamic")
+    assert a.token_ids.tolist() == b.token_ids.tolist() and a.tool_calls == b.tool_calls
+    assert th.pool.free == free
+    spoken = dict(temperature=0.0, max_tokens=10, use_tts_template=True)
+    a = chat_generate(th, MSGS, static_kv=True, **spoken)
+    b = chat_generate(th, MSGS, static_kv=False, **spoken)
+    assert a.token_ids.tolist() == b.token_ids.tolist() and len(a.tts_token_ids) > 0
+    np.testing.assert_allclose(a.tts_hidden.numpy(), b.tts_hidden.numpy(), atol=2e-4, rtol=1e-3)
+    assert th.pool.free == free
+    steps = chat_steps(th, MSGS, static_kv=True, **spoken)
+    next(steps)
+    next(steps)
+    assert len(th.pool.free) == len(free) - 1
+    steps.close()  # the engine closes an abandoned reply's generator
+    assert th.pool.free == free
+    held = [th._stream_cache() for _ in range(len(free))]
+    try:
+        n = th.pool.n_slots
+        r = chat_generate(th, MSGS, static_kv=True, **kw)
+        assert r.stats["kv"] == "dynamic" and th.pool.n_slots == n
+        _check_call(r.tool_calls[0])
+    finally:
+        for h in held:
+            h.release()
+    assert th.pool.free == free

@@ -261,7 +261,8 @@ def chat_generate(th, messages, **kw):
 def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
                max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None,
                top_p: float = 0.8, top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
-               on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto"):
+               on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto",
+               jump_forward: bool = True, static_kv: Optional[bool] = None):
     """A generator that generates one assistant reply one step at a time: it yields (None) after the
     prompt's prefill and after each generated token, and returns the result (``StopIteration.value``).
     The engine runs it in slices on the thinker's stage thread, between the duplex units' steps, so a
@@ -282,13 +283,30 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
     or one call, finished within ``max_tokens`` in any case. ``tool_choice`` ``none`` (or no tools)
     generates as without tools (the tools are not shown to the model).
 
+    ``jump_forward``: with a call grammar, the tokens it forces (the call's ``<tool_call>{"name": "``,
+    a lone tool's name, the JSON between free values: llguidance's fast-forward tokens) are taken
+    without sampling and fed in one forward pass per run of them, not one decode step each.
+
+    ``static_kv``: hold the reply's KV in a free slot of the batched thinker's pool
+    (:class:`~.fast_thinker.FastThinker`), so that each decode step is its captured CUDA graph instead
+    of the eager Hugging Face forward (on an H100 about 6 ms per token instead of about 25 ms at real
+    size: benchmarks/decider_steps.py); None (default): when the thinker captures CUDA graphs and its
+    pool has a free slot with room for the prompt plus ``max_tokens`` (a chat never grows the pool);
+    True: the same without graphs (the CPU's static path is slower than the ``DynamicCache``);
+    otherwise, and with ``False``, a ``DynamicCache``. The slot is given back when the reply ends or
+    the generator is closed.
+
+    ``ChatThinkerResult.stats`` counts ``decode_steps`` (one-token forward passes),
+    ``forced_tokens`` (taken by ``jump_forward``) and ``forced_passes``, with ``prefill_ms`` /
+    ``decode_ms`` (host wall time, ms; the decode includes the grammar's work) and ``kv``
+    (``"static"`` | ``"dynamic"``).
+
     Returns :class:`~.thinker.ChatThinkerResult` (``finish_reason`` ``"tool_calls"`` with the parsed
     calls in ``tool_calls``; then ``text`` is the text before the call and nothing is spoken).
     Raises ChatInputError (:class:`.tools.ToolSpecError` for bad tools) / ValueError on bad input.
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-    sp = th.special
     constraint = None
     specs: list = []
     if tools:
@@ -303,9 +321,46 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
             constraint = ToolConstraint(th, specs, mode, names, thinking=bool(enable_thinking), max_tokens=max_tokens)
     prompt = build_chat_prompt(th, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
                                omni_mode=omni_mode, tools=specs)
-    kv = th.new_cache()
+    kv = _chat_kv(th, len(prompt.ids) + max_tokens, static_kv)
+    try:
+        return (yield from _generate(th, prompt, kv, constraint, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                                     on_token=on_token, jump_forward=jump_forward))
+    finally:
+        release = getattr(kv, "release", None)
+        if release is not None:  # a static slot: give it back (also when the generator is closed early)
+            release()
+
+
+def _chat_kv(th, need: int, static_kv: Optional[bool]):
+    """The reply's KV (:func:`chat_steps`' ``static_kv``): a slot of the batched thinker's pool when
+    asked or allowed and one is free with ``need`` positions, else a ``DynamicCache``."""
+    pool = getattr(th, "pool", None)
+    if static_kv is False or pool is None or not hasattr(th, "_decode_step") \
+            or (static_kv is None and not getattr(th, "use_graphs", False)):
+        return th.new_cache()
+    if pool.free and need <= pool.max_len:
+        try:
+            return th._stream_cache()
+        except Exception:  # noqa: BLE001 - taken meanwhile (a capped pool): the dynamic cache does the same work
+            pass
+    return th.new_cache()
+
+
+def _generate(th, prompt: ChatPrompt, kv, constraint, *, max_tokens: int, temperature: float, seed: Optional[int],
+              top_p: float, top_k: int, repetition_penalty: float, on_token: Optional[Callable[[int], None]],
+              jump_forward: bool):
+    """The generation loop of :func:`chat_steps` on ``kv`` (a generator; returns the result)."""
+    import time
+
+    sp = th.special
+    static = hasattr(kv, "slot")
+    stats = {"kv": "static" if static else "dynamic", "decode_steps": 0, "forced_tokens": 0, "forced_passes": 0,
+             "prefill_ms": 0.0, "decode_ms": 0.0}
+    t0 = time.perf_counter()
     h = th.forward_embeds(prompt_embeds(th, prompt), kv)
     logits = th.logits(h[-1])
+    stats["prefill_ms"] = (time.perf_counter() - t0) * 1000.0
     yield
     gen = None
     if temperature > 0:
@@ -318,7 +373,35 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
     finish = "length"
     eos = set(sp.eos_ids)
     in_call = False
-    for _ in range(max_tokens):
+
+    def fed(ids: List[int], rows: torch.Tensor) -> None:
+        nonlocal in_call
+        for k, t in enumerate(ids):
+            in_call |= constraint is not None and t == constraint.open_id
+            out_ids.append(t)
+            if on_token is not None and not in_call:
+                on_token(t)
+            seen[t] = True
+            hidden.append(rows[k])
+
+    while len(out_ids) < max_tokens:
+        t1 = time.perf_counter()
+        if constraint is not None and jump_forward:
+            ff = constraint.forced(max_tokens - len(out_ids))
+            if ff:
+                if constraint.finished:  # the forced run closes the reply: nothing more is generated
+                    out_ids += ff
+                    stats["forced_tokens"] += len(ff)
+                    break
+                rows = th.forward_embeds(th.embed_ids(ff), kv)
+                rows = rows.clone() if static else rows  # a graph's output is overwritten by its next replay
+                fed(ff, rows)
+                logits = th.logits(rows[-1])
+                stats["forced_tokens"] += len(ff)
+                stats["forced_passes"] += 1
+                stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
+                yield
+                continue
         x = constraint.mask(logits) if constraint is not None else logits
         x = S.repetition_penalty_hf(x, seen, repetition_penalty) if repetition_penalty != 1.0 else x
         if temperature <= 0:
@@ -333,17 +416,18 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
             if tail is not None:  # the budget ends the reply along the grammar's closing path
                 out_ids += tail
                 break
-            in_call |= t == constraint.open_id
             if constraint.finished:
                 out_ids.append(t)
                 break
-        out_ids.append(t)
-        if on_token is not None and not in_call:
-            on_token(t)
-        seen[t] = True
-        hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
-        hidden.append(hh)
-        logits = th.logits(hh)
+        if static:
+            hh, step_logits = th._decode_step([kv], [t])
+            hh, logits = hh[0], step_logits[0].clone()  # the graph's logits: read before its next replay
+        else:
+            hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
+            logits = th.logits(hh)
+        fed([t], hh[None])
+        stats["decode_steps"] += 1
+        stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
         yield
     calls: list = []
     out_ids_text = out_ids
@@ -381,4 +465,5 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
         finish_reason=finish,
         prompt_tokens=len(prompt.ids),
         tool_calls=tuple(calls),
+        stats=stats,
     )

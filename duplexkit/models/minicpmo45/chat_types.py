@@ -6,7 +6,7 @@ Their own module so that those three import them downwards (torch-free apart fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ class ChatThinkerResult:
         tool_calls: :class:`~.tools.ParsedCall` objects (name, arguments JSON text) of a constrained
             tool call (docs/model.md, "Tool calls"); then ``text`` is the text before the call and
             the spoken span is empty.
+        stats: how the reply was generated (:func:`.chat.chat_steps`): ``kv``, ``decode_steps``,
+            ``forced_tokens``, ``forced_passes``, ``prefill_ms``, ``decode_ms``.
     """
 
     text: str
@@ -44,3 +46,4 @@ class ChatThinkerResult:
     finish_reason: str
     prompt_tokens: int
     tool_calls: tuple = ()
+    stats: dict = field(default_factory=dict)

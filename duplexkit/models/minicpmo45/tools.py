@@ -383,6 +383,16 @@ class ToolConstraint:
             self.m.consume_token(t)
         return tail
 
+    def forced(self, limit: int) -> List[int]:
+        """Consume and return the tokens the grammar forces next (llguidance's fast-forward tokens:
+        the only tokenization of the text that must come), at most ``limit`` of them; ``[]`` when the
+        next token is a choice. A forced run starts every closing path, so the budget invariant of
+        :meth:`advance` still holds after it."""
+        ff = [int(t) for t in self.m.compute_ff_tokens()][: max(0, int(limit))]
+        if ff and not self.m.consume_tokens(ff):
+            raise RuntimeError(f"the tool grammar refused its own forced tokens: {self.m.get_error()}")
+        return ff
+
     @property
     def accepting(self) -> bool:
         """The reply so far is complete (a call closed, or a text answer that may stop here)."""
