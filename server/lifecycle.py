@@ -8,7 +8,8 @@
   (:mod:`duplexkit.engine.process`: nothing but a restart brings it back).
 * :func:`drain`: refuse new sessions (WebSocket close 1013 ``session_capacity_exhausted``, chat HTTP
   503), wait up to ``drain_s`` for the live sessions to end by themselves, then close the rest with
-  ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5).
+  ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5), and wait (within
+  ``shutdown_grace_s``) for the clients' close frames in reply (:func:`close_handshakes`).
 * :func:`serve`: uvicorn with duplexkit's transport limits; SIGTERM drains for
   ``ServerSettings.drain_s``; SIGINT (Ctrl+C), or a second signal during a drain, closes the
   sessions at once.
@@ -132,7 +133,8 @@ async def close_handshakes(pending: Callable[[], int], deadline: float, *, stop:
         await asyncio.sleep(poll_s)
         left = pending()
     if left:
-        logger.info("%d client(s) did not answer the close frame in time; closing their connections", left)
+        logger.info("%d client(s) did not answer the close frame %s; closing their connections", left,
+                    "(stopped waiting)" if stop() else "in time")
     return left
 
 

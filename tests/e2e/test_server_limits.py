@@ -224,6 +224,33 @@ async def test_shutdown_with_appends_in_flight_closes_every_client_with_1001(sig
         srv.__exit__(None, None, None)
 
 
+def test_shutdown_does_not_wait_past_the_grace_for_a_client_that_reads_nothing():
+    # the wait for the clients' close frames is bounded: a client that reads nothing (its session.closed
+    # and close frame stay in its socket buffer) never answers, and the server still exits, after
+    # ServerSettings.shutdown_grace_s (5 s), with status 0
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    srv = ServerProc("scripted")
+    try:
+        proto = ClientProtocol(parse_uri(srv.ws_url + "/v1/realtime?duplex=1"))
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=bound(10)) as sock:
+            proto.send_request(proto.connect())
+            sock.sendall(b"".join(proto.data_to_send()))
+            deadline = time.monotonic() + bound(10)
+            while httpx.get(srv.url + "/health", timeout=bound(10)).json()["sessions_active"] != 1:
+                assert time.monotonic() < deadline, "the session did not open"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(bound(20)) == 0
+            took = time.monotonic() - t0
+        assert took >= 4.5, took  # it did wait for the close frame that never came
+        assert "1 client(s) did not answer the close frame in time" in srv.output()
+    finally:
+        srv.__exit__(None, None, None)
+
+
 async def test_server_voices(fixtures_audio):
     ref = str(fixtures_audio / "ref_voice_16k.wav")
     with ServerProc("scripted", "--default-voice", ref, "--voice", f"alice={ref}") as srv:
