@@ -127,7 +127,7 @@ async def close_handshakes(pending: Callable[[], int], deadline: float, *, stop:
     """
     left = pending()
     if left:
-        logger.info("waiting up to %.1f s for %d client(s) to answer the close frame",
+        logger.debug("waiting up to %.1f s for %d client(s) to answer the close frame",
                     max(0.0, deadline - time.monotonic()), left)
     while left and not stop() and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
