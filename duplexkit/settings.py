@@ -99,7 +99,8 @@ class ServerSettings:
         voices: voice name -> WAV path, selectable with ``session.voice`` (docs/protocol.md §8.5).
         tick_interval_s: how often the shell calls ``Session.tick`` (idle timeout, silence feeding).
         retry_after_s: ``Retry-After`` seconds on HTTP 503 (capacity exhausted).
-        shutdown_grace_s: how long shutdown waits for ``session.closed`` to be sent.
+        shutdown_grace_s: seconds shutdown waits for ``session.closed`` and close 1001 to be sent and
+            for the clients' close frames in reply (docs/server.md, "Graceful shutdown").
         drain_s: on SIGTERM, how long live sessions may go on (new ones refused) before they are
             closed with ``session.closed{reason:"shutdown"}`` (``--drain-s``, default 300 s;
             docs/deployment.md, "Runbook").

@@ -8,7 +8,8 @@
   (:mod:`duplexkit.engine.process`: nothing but a restart brings it back).
 * :func:`drain`: refuse new sessions (WebSocket close 1013 ``session_capacity_exhausted``, chat HTTP
   503), wait up to ``drain_s`` for the live sessions to end by themselves, then close the rest with
-  ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5).
+  ``session.closed{reason:"shutdown"}`` and close 1001 (docs/protocol.md §1.5), and wait (within
+  ``shutdown_grace_s``) for the clients' close frames in reply (:func:`close_handshakes`).
 * :func:`serve`: uvicorn with duplexkit's transport limits; SIGTERM drains for
   ``ServerSettings.drain_s``; SIGINT (Ctrl+C), or a second signal during a drain, closes the
   sessions at once.
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 
 logger = logging.getLogger("duplexkit.server")
 
-__all__ = ["not_ready_reason", "install", "drain", "serve"]
+__all__ = ["not_ready_reason", "install", "drain", "close_handshakes", "serve"]
 
 
 def not_ready_reason(state) -> Optional[str]:
@@ -80,9 +81,16 @@ def install(app, state) -> None:
         return {"status": "alive", "uptime_s": int(time.time()) - state.started_at}
 
 
-async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: False, poll_s: float = 0.1) -> int:
+async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: False, poll_s: float = 0.1,
+                handshakes: Callable[[], int] = lambda: 0, stop: Callable[[], bool] = lambda: False) -> int:
     """Drain: refuse new sessions, wait up to ``drain_s`` seconds while slots are in use (stop early
-    when ``force()`` turns true), then close what is left with ``session.closed{reason:"shutdown"}``.
+    when ``force()`` turns true), then close what is left with ``session.closed{reason:"shutdown"}``
+    and close 1001, and wait for the clients' close frames in reply (:func:`close_handshakes`).
+
+    ``handshakes()``: how many WebSocket connections have sent their close frame and still wait for
+    the peer's; the wait for them ends when it is 0, when ``stop()`` turns true (a third signal), or
+    ``state.settings.shutdown_grace_s`` seconds after the sessions began closing (that grace also
+    bounds the closing itself).
 
     Returns the number of sessions that were still open when the wait ended (0: all finished).
     """
@@ -99,7 +107,34 @@ async def drain(state, drain_s: float, *, force: Callable[[], bool] = lambda: Fa
     left = len(state.connections) if state.slots.used else 0
     if left:
         logger.info("drain over: closing %d open session(s) with session.closed{reason:\"shutdown\"}", left)
+    deadline = time.monotonic() + state.settings.shutdown_grace_s
     await state.shutdown_sessions("shutdown")
+    await close_handshakes(handshakes, deadline, stop=stop)
+    return left
+
+
+async def close_handshakes(pending: Callable[[], int], deadline: float, *, stop: Callable[[], bool] = lambda: False,
+                           poll_s: float = 0.01) -> int:
+    """Wait until ``pending()`` (connections whose close frame was sent and whose peer has not yet
+    answered with its own) is 0, ``stop()`` turns true, or ``time.monotonic()`` reaches ``deadline``.
+
+    uvicorn's shutdown closes the TCP connection of every WebSocket that sent its close frame at
+    once; a client still sending (``input_audio_buffer.append`` in flight) then has its frames
+    arrive at a closed socket, the server's kernel resets the connection, and a client that writes
+    again before it has read the ``session.closed`` and close frame waiting for it loses them (it
+    sees close 1006). Once the peer's close frame has come back, uvicorn closes the connection
+    itself, with nothing left unread: a clean end. Returns how many were still pending (0: all).
+    """
+    left = pending()
+    if left:
+        logger.debug("waiting up to %.1f s for %d client(s) to answer the close frame",
+                    max(0.0, deadline - time.monotonic()), left)
+    while left and not stop() and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+        left = pending()
+    if left:
+        logger.info("%d client(s) did not answer the close frame %s; closing their connections", left,
+                    "(stopped waiting)" if stop() else "in time")
     return left
 
 
@@ -156,8 +191,11 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
 
         async def shutdown(self, sockets=None):  # type: ignore[override]
             drain_s = s.drain_s if self.first_signal == signal.SIGTERM else 0.0
+            conns = self.server_state.connections
             try:
-                await drain(state, drain_s, force=lambda: self.signals_seen > 1)
+                await drain(state, drain_s, force=lambda: self.signals_seen > 1,
+                            handshakes=lambda: sum(bool(getattr(c, "close_handshake_pending", False)) for c in conns),
+                            stop=lambda: self.force_exit)
             except Exception:  # pragma: no cover
                 logger.exception("graceful session shutdown failed")
             await super().shutdown(sockets)

@@ -351,6 +351,8 @@ def abortable_websocket_protocol():
     ``duplexkit.transport: {"abort": callable}`` that drops the TCP connection at once, buffers and
     all: the only way to end a connection whose peer reads nothing (a close frame waits behind the
     unread data). Used by :mod:`duplexkit_server.realtime` for a peer over the outbound bounds.
+    Its ``close_handshake_pending`` tells the graceful shutdown (:func:`duplexkit_server.lifecycle.drain`)
+    which connections still wait for the peer's close frame.
     Returns None when that protocol is not the websockets sans-I/O one (uvicorn then picks its own).
     """
     try:
@@ -362,6 +364,15 @@ def abortable_websocket_protocol():
         return None  # pragma: no cover
 
     class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
+        @property
+        def close_handshake_pending(self) -> bool:
+            """True from the moment this side sent its close frame until the connection is gone
+            (the peer's close frame came back and the TCP connection was closed, or it dropped).
+            Meanwhile uvicorn still reads, and drops, what the peer sends; closing the TCP
+            connection then, with the peer's frames unread, resets it (docs/server.md, "Graceful
+            shutdown")."""
+            return bool(self.close_sent) and not self.disconnected
+
         def handle_connect(self, event) -> None:  # type: ignore[override]
             super().handle_connect(event)
             scope = getattr(self, "scope", None)

@@ -11,12 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 from _serverproc import ServerProc
 
+from duplexkit.audio import b64encode_audio, float32_to_pcm16, read_wav
 from duplexkit.clients import DuplexClient, DuplexConnectionError
 from _timing import bound
 
@@ -156,6 +159,94 @@ async def test_client_is_closed_with_1001_right_after_shutdown():
         assert c.closed and c.close_code == 1001
         await c.close()  # releases the transport; idempotent
         assert srv.proc.wait(bound(20)) == 0
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def _appends(speech: np.ndarray) -> list:
+    """``input_audio_buffer.append`` frames of 100 ms of ``speech`` (16 kHz) each."""
+    pcm = float32_to_pcm16(speech)
+    return [json.dumps({"type": "input_audio_buffer.append", "audio": b64encode_audio(pcm[i:i + 3200])})
+            for i in range(0, len(pcm) - 3199, 3200)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_shutdown_with_appends_in_flight_closes_every_client_with_1001(sig, fixtures_audio):
+    # Three clients stream real speech in 100 ms appends. At the signal their loop is busy: each
+    # 100 ms it sends the next append of every client, then blocks (a blocking capture read), so it
+    # reads the server's frames only 0.6 s later, while its appends keep arriving at the server.
+    # The server used to close each TCP connection right after its close frame; the appends that
+    # came after reset it, the next send failed and the client lost the session.closed and close
+    # frame waiting unread for it (close 1006). Now the server waits (shutdown_grace_s) for each
+    # client's close frame in reply, so every one gets session.closed{shutdown}, then 1001.
+    speech, _ = read_wav(fixtures_audio / "long_question_16k.wav", 16_000)
+    frames = _appends(speech)
+    srv = ServerProc("scripted", "--drain-s", "0")
+    clients = []
+    try:
+        for _ in range(3):
+            ws = await websockets.connect(srv.ws_url + "/v1/realtime?duplex=1")
+            clients.append(ws)
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        sent = 0
+        for _ in range(5):  # streaming in real time, reading as it goes
+            for ws in clients:
+                await ws.send(frames[sent])
+            sent += 1
+            await asyncio.sleep(0.1)
+        srv.proc.send_signal(sig)
+        send_failures = []
+        for _ in range(6):  # 0.6 s without yielding to the loop: nothing is read meanwhile
+            for i, ws in enumerate(clients):
+                try:
+                    await ws.send(frames[sent])
+                except websockets.ConnectionClosed as exc:
+                    send_failures.append((i, repr(exc)))
+            sent += 1
+            time.sleep(0.1)
+        ends = []
+        async with asyncio.timeout(bound(15)):
+            for ws in clients:
+                types = []
+                try:
+                    async for msg in ws:
+                        ev = json.loads(msg)
+                        types.append(ev["type"] if ev["type"] != "session.closed" else f"session.closed:{ev['reason']}")
+                except websockets.ConnectionClosed:
+                    pass
+                ends.append((types[-1:], ws.close_code, ws.close_reason))
+        assert ends == [(["session.closed:shutdown"], 1001, "shutdown")] * 3, (ends, send_failures)
+        assert send_failures == []  # the server read (and dropped) the appends until each client's close frame
+        assert srv.proc.wait(bound(20)) == 0
+    finally:
+        for ws in clients:
+            await ws.close()
+        srv.__exit__(None, None, None)
+
+
+def test_shutdown_does_not_wait_past_the_grace_for_a_client_that_reads_nothing():
+    # the wait for the clients' close frames is bounded: a client that reads nothing (its session.closed
+    # and close frame stay in its socket buffer) never answers, and the server still exits, after
+    # ServerSettings.shutdown_grace_s (5 s), with status 0
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    srv = ServerProc("scripted")
+    try:
+        proto = ClientProtocol(parse_uri(srv.ws_url + "/v1/realtime?duplex=1"))
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=bound(10)) as sock:
+            proto.send_request(proto.connect())
+            sock.sendall(b"".join(proto.data_to_send()))
+            deadline = time.monotonic() + bound(10)
+            while httpx.get(srv.url + "/health", timeout=bound(10)).json()["sessions_active"] != 1:
+                assert time.monotonic() < deadline, "the session did not open"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(bound(20)) == 0
+            took = time.monotonic() - t0
+        assert took >= 4.5, took  # it did wait for the close frame that never came
+        assert "1 client(s) did not answer the close frame in time" in srv.output()
     finally:
         srv.__exit__(None, None, None)
 
