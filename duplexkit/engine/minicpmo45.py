@@ -82,6 +82,38 @@ def _talker_payload(talker_input: Any) -> tuple:
     return token_ids, hidden
 
 
+class _ChatJob:
+    """One turn-based reply of :meth:`MiniCPMO45Stages.chat_thinker_steps`: its
+    :class:`~duplexkit.models.minicpmo45.chat.ChatReply`, built at its first slice (on the thinker
+    thread: the prompt's audio is encoded there), and what ended it."""
+
+    def __init__(self, messages: list, kw: dict) -> None:
+        self.messages, self.kw = messages, kw
+        self.reply: Any = None
+        self.error: Optional[BaseException] = None
+        self.closed = False
+
+    def start(self, thinker: Any) -> None:
+        from ..models.minicpmo45.chat import ChatReply
+
+        self.reply = ChatReply(thinker, self.messages, **self.kw)
+
+    def finish(self, stages: "MiniCPMO45Stages") -> "ChatThinkerOut":
+        r = self.reply.result
+        calls = tuple(ToolCall(name=c.name, arguments=c.arguments) for c in getattr(r, "tool_calls", ()))
+        finish = "tool_calls" if calls else ("length" if r.finish_reason == "length" else "stop")
+        return ChatThinkerOut(text=r.text, talker_input=stages._handover(r.tts_token_ids, r.tts_hidden),
+                              finish_reason=finish, prompt_tokens=int(r.prompt_tokens),
+                              completion_tokens=int(len(r.token_ids)), tool_calls=calls)
+
+    def close(self) -> None:
+        """Abandon the reply (thinker thread): its KV slot goes back; its next slice raises."""
+        self.closed = True
+        if self.reply is not None:
+            self.reply.close()
+            self.reply.done = True
+
+
 @dataclass
 class _TalkerTurnState:
     turn: Any
@@ -139,6 +171,7 @@ class MiniCPMO45Stages:
         self.model_id = model_id
         self.random_weights = bool(getattr(model, "random_weights", False))
         self.talker_temperature = float(talker_temperature)
+        self._chats: list = []  # the turn-based replies in progress (_ChatJob), thinker thread only
         want = thinker_stream_requested() if thinker_stream is None else bool(thinker_stream)
         dev = getattr(getattr(model, "thinker", None), "device", None)
         if want and dev is not None and str(dev).startswith("cuda"):
@@ -340,40 +373,69 @@ class MiniCPMO45Stages:
     def chat_thinker(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> ChatThinkerOut:
         """:meth:`chat_thinker_steps` run to its end in one call (thinker stage thread)."""
         steps = self.chat_thinker_steps(request, on_text)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        try:
+            while True:
+                done, out = self.chat_thinker_slice(steps, float("inf"))
+                if done:
+                    return out
+        finally:
+            steps.close()
 
     @_thinker_work
-    def chat_thinker_slice(self, steps: Any, budget_s: float) -> tuple:
-        """Advance a :meth:`chat_thinker_steps` generator for about ``budget_s`` seconds (at least one
-        step) on the thinker stage thread. Returns ``(True, ChatThinkerOut)`` when the reply is done,
-        ``(False, None)`` when more slices are needed."""
+    def chat_thinker_slice(self, steps: "_ChatJob", budget_s: float) -> tuple:
+        """Advance the replies being generated for about ``budget_s`` seconds (at least one step) on
+        the thinker stage thread, until ``steps`` (a :meth:`chat_thinker_steps` job) is done. Every
+        reply in progress moves on together: each step is one batched forward for all of them
+        (:func:`~duplexkit.models.minicpmo45.chat.step_replies`), so concurrent replies (several
+        sessions' tool decisions at once) share the thinker's decode steps. Returns ``(True,
+        ChatThinkerOut)`` when the reply is done, ``(False, None)`` when more slices are needed.
+
+        Raises:
+            duplexkit.models.minicpmo45.chat.ChatInputError: bad messages, tools or tool_choice (at
+                the job's first slice).
+            What a batched forward raised, in every job of that step.
+        """
+        from ..models.minicpmo45.chat import step_replies
+
         t0 = time.perf_counter()
+        self._chats = [j for j in self._chats if not j.closed]  # abandoned by their callers
+        if steps.closed:
+            raise RuntimeError("this reply was closed")
+        if steps.reply is None:
+            steps.start(self.model.thinker)
+            self._chats.append(steps)
         while True:
+            if steps.error is not None:
+                self._forget(steps)
+                raise steps.error
+            if steps.reply.done:
+                self._forget(steps)
+                return True, steps.finish(self)
+            live = [j for j in self._chats if j.error is None and not j.reply.done]
             try:
-                next(steps)
-            except StopIteration as stop:
-                return True, stop.value
-            if time.perf_counter() - t0 >= budget_s:
+                step_replies(self.model.thinker, [j.reply for j in live])
+            except Exception as exc:  # noqa: BLE001 - each reply of the failed step gets it
+                for j in live:
+                    j.error = exc
+                    j.reply.close()
+                continue
+            if time.perf_counter() - t0 >= budget_s and not steps.reply.done:
                 return False, None
 
-    def chat_thinker_steps(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> Any:
-        """Text pass of :meth:`DuplexEngine.generate`, one step at a time: a generator (yielding after
-        the prefill and after each token) whose return value is the :class:`ChatThinkerOut`; drive it
-        on the thinker stage thread (:meth:`chat_thinker_slice`).
+    def _forget(self, job: "_ChatJob") -> None:
+        if job in self._chats:
+            self._chats.remove(job)
+
+    def chat_thinker_steps(self, request: ChatRequest, on_text: Optional[Callable[[str], None]] = None) -> "_ChatJob":
+        """Text pass of :meth:`DuplexEngine.generate`: a job that :meth:`chat_thinker_slice` advances
+        on the thinker stage thread (nothing runs until its first slice); ``close()`` it (on that
+        thread) to abandon it, which gives its KV slot back.
 
         ``on_text(delta)`` receives the reply text as it is generated (incremental detokenization;
         a delta is held back while it ends in an incomplete UTF-8 sequence); the tokens of a tool call
         are not text. ``request.tools`` / ``tool_choice`` constrain the reply to the call grammar
         (docs/model.md, "Tool calls"); a call comes back in ``tool_calls`` with ``finish_reason``
         ``"tool_calls"`` and nothing to speak.
-
-        Raises:
-            duplexkit.models.minicpmo45.chat.ChatInputError: bad messages, or bad tools / tool_choice
-                (its subclass ``ToolSpecError``).
         """
         has_audio_in = any(isinstance(p, np.ndarray) and p.dtype != np.uint8
                            for m in request.messages for p in (m.content if isinstance(m, ChatMessage) else []))
@@ -400,14 +462,9 @@ class MiniCPMO45Stages:
         if request.tools:
             kw["tools"] = list(request.tools)
             kw["tool_choice"] = request.tool_choice
-        r = yield from self.model.thinker.chat_steps(
-            list(request.messages), use_tts_template=use_tts, enable_thinking=request.enable_thinking,
-            max_tokens=int(request.max_tokens), temperature=float(request.temperature), seed=request.seed, **kw)
-        calls = tuple(ToolCall(name=c.name, arguments=c.arguments) for c in getattr(r, "tool_calls", ()))
-        finish = "tool_calls" if calls else ("length" if r.finish_reason == "length" else "stop")
-        return ChatThinkerOut(text=r.text, talker_input=self._handover(r.tts_token_ids, r.tts_hidden),
-                              finish_reason=finish, prompt_tokens=int(r.prompt_tokens),
-                              completion_tokens=int(len(r.token_ids)), tool_calls=calls)
+        return _ChatJob(list(request.messages), dict(
+            use_tts_template=use_tts, enable_thinking=request.enable_thinking, max_tokens=int(request.max_tokens),
+            temperature=float(request.temperature), seed=request.seed, **kw))
 
     @_gpu_work
     def chat_talker(self, talker_input: Any, seed: Optional[int], max_codes: int = 2048) -> np.ndarray:

@@ -4,6 +4,7 @@ with one call whose arguments are valid against the tool's schema, within ``max_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -249,6 +250,15 @@ async def test_engine_generate_returns_tool_calls():
         with pytest.raises(ToolSpecError, match="not one of"):
             await eng.generate(ChatRequest(messages=[ChatMessage("user", ["hi"])], tools=tuple(TOOLS),
                                            tool_choice={"type": "function", "name": "nope"}))
+        # concurrent replies move on together (one step for all in each slice): each is what it is alone
+        reqs = [ChatRequest(messages=[ChatMessage("user", [q])], tools=tuple(TOOLS), tool_choice=choice,
+                            max_tokens=BUDGET, seed=seed, temperature=1.0)
+                for q, choice, seed in (("Weather in Paris?", "required", 1), ("Find cats.", "auto", 2),
+                                        ("Ping it.", {"type": "function", "name": "ping"}, 3))]
+        alone = [await eng.generate(r) for r in reqs]
+        together = await asyncio.gather(*(eng.generate(r) for r in reqs))
+        assert [(r.text, r.tool_calls) for r in together] == [(r.text, r.tool_calls) for r in alone]
+        assert together[2].tool_calls[0].name == "ping"
     finally:
         await eng.aclose()
 
@@ -313,4 +323,38 @@ def test_static_kv_generates_the_same_reply_and_gives_its_slot_back(fast_thinker
     finally:
         for h in held:
             h.release()
+    assert th.pool.free == free
+
+
+def test_replies_stepped_together_share_decode_steps(fast_thinker):
+    """:func:`step_replies` runs the single-token steps of replies held in pool slots as one batched
+    decode step: three replies stepped together give each the ids it gets alone, in fewer steps."""
+    from duplexkit.models.minicpmo45.chat import ChatReply, step_replies
+
+    th = fast_thinker
+    free = list(th.pool.free)
+    asks = [(MSGS, dict(tools=TOOLS[:1], tool_choice="required")),
+            ([{"role": "user", "content": "Search for cats."}], dict(tools=TOOLS, tool_choice="auto")),
+            ([{"role": "user", "content": "Say hello."}], dict(use_tts_template=True))]
+
+    def reply(msgs, kw):
+        return ChatReply(th, msgs, temperature=0.0, max_tokens=BUDGET, static_kv=True, **kw)
+
+    alone = []
+    for msgs, kw in asks:
+        r = reply(msgs, kw)
+        n0 = th.stats["decode_steps"]
+        while not r.done:
+            step_replies(th, [r])
+        alone.append((r.result, th.stats["decode_steps"] - n0))
+    rs = [reply(msgs, kw) for msgs, kw in asks]
+    assert len(th.pool.free) == len(free) - 3
+    n0 = th.stats["decode_steps"]
+    while not all(r.done for r in rs):
+        step_replies(th, rs)
+    shared = th.stats["decode_steps"] - n0
+    for r, (a, _) in zip(rs, alone):
+        assert r.result.token_ids.tolist() == a.token_ids.tolist() and r.result.tool_calls == a.tool_calls
+        assert r.result.stats["kv"] == "static"
+    assert shared < sum(n for _, n in alone) and shared >= max(n for _, n in alone)
     assert th.pool.free == free

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -36,7 +37,8 @@ from . import sampling as S
 from .chat_types import ChatInputError, ChatThinkerResult
 from .tokenizer import encode_control, encode_text
 
-__all__ = ["ChatPrompt", "build_chat_prompt", "chat_generate", "chat_steps", "ChatInputError"]
+__all__ = ["ChatPrompt", "ChatReply", "build_chat_prompt", "chat_generate", "chat_steps", "step_replies",
+           "ChatInputError"]
 
 _TXT = ("\ue000", "\ue001")
 _MED = ("\ue002", "\ue003")
@@ -305,31 +307,20 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
     calls in ``tool_calls``; then ``text`` is the text before the call and nothing is spoken).
     Raises ChatInputError (:class:`.tools.ToolSpecError` for bad tools) / ValueError on bad input.
     """
-    if max_tokens < 1:
-        raise ValueError("max_tokens must be >= 1")
-    constraint = None
-    specs: list = []
-    if tools:
-        from .tools import ToolConstraint, llg_tokenizer, normalize_tool_choice, normalize_tools
-
-        lt = llg_tokenizer(th)
-        specs = normalize_tools(tools, lt)
-        mode, names = normalize_tool_choice(tool_choice, specs)
-        if mode == "none":
-            specs = []
-        else:
-            constraint = ToolConstraint(th, specs, mode, names, thinking=bool(enable_thinking), max_tokens=max_tokens)
-    prompt = build_chat_prompt(th, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
-                               omni_mode=omni_mode, tools=specs)
-    kv = _chat_kv(th, len(prompt.ids) + max_tokens, static_kv)
+    reply = ChatReply(th, messages, use_tts_template=use_tts_template, enable_thinking=enable_thinking,
+                      max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k,
+                      repetition_penalty=repetition_penalty, omni_mode=omni_mode, on_token=on_token, tools=tools,
+                      tool_choice=tool_choice, jump_forward=jump_forward, static_kv=static_kv)
     try:
-        return (yield from _generate(th, prompt, kv, constraint, max_tokens=max_tokens, temperature=temperature,
-                                     seed=seed, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
-                                     on_token=on_token, jump_forward=jump_forward))
+        step_replies(th, [reply])  # the prefill
+        yield
+        while not reply.done:
+            step_replies(th, [reply])
+            if not reply.done:
+                yield
+        return reply.result
     finally:
-        release = getattr(kv, "release", None)
-        if release is not None:  # a static slot: give it back (also when the generator is closed early)
-            release()
+        reply.close()  # a static slot goes back (also when the generator is closed early)
 
 
 def _chat_kv(th, need: int, static_kv: Optional[bool]):
@@ -347,123 +338,246 @@ def _chat_kv(th, need: int, static_kv: Optional[bool]):
     return th.new_cache()
 
 
-def _generate(th, prompt: ChatPrompt, kv, constraint, *, max_tokens: int, temperature: float, seed: Optional[int],
-              top_p: float, top_k: int, repetition_penalty: float, on_token: Optional[Callable[[int], None]],
-              jump_forward: bool):
-    """The generation loop of :func:`chat_steps` on ``kv`` (a generator; returns the result)."""
-    import time
+class ChatReply:
+    """One assistant reply being generated: the prompt, the grammar, the KV and the choice of each
+    next token (:func:`chat_steps`' arguments and rules), with the forward passes left to a driver,
+    :func:`step_replies`, which runs those of several replies together.
 
-    sp = th.special
-    static = hasattr(kv, "slot")
-    stats = {"kv": "static" if static else "dynamic", "decode_steps": 0, "forced_tokens": 0, "forced_passes": 0,
-             "prefill_ms": 0.0, "decode_ms": 0.0}
-    t0 = time.perf_counter()
-    h = th.forward_embeds(prompt_embeds(th, prompt), kv)
-    logits = th.logits(h[-1])
-    stats["prefill_ms"] = (time.perf_counter() - t0) * 1000.0
-    yield
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator()
-        gen.manual_seed(int(seed)) if seed is not None else gen.seed()
-    seen = torch.zeros(th.config.vocab_size, dtype=torch.bool, device=logits.device)
-    seen[torch.as_tensor(prompt.ids, device=logits.device)] = True
-    out_ids: List[int] = []
-    hidden: List[torch.Tensor] = []
-    finish = "length"
-    eos = set(sp.eos_ids)
-    in_call = False
+    The reply is built (prompt, grammar: ``ChatInputError`` / ``ToolSpecError``) at construction; its
+    KV is taken then and given back by :meth:`close` (idempotent; also when the reply is abandoned).
 
-    def fed(ids: List[int], rows: torch.Tensor) -> None:
-        nonlocal in_call
-        for k, t in enumerate(ids):
-            in_call |= constraint is not None and t == constraint.open_id
-            out_ids.append(t)
-            if on_token is not None and not in_call:
-                on_token(t)
-            seen[t] = True
-            hidden.append(rows[k])
+    Attributes:
+        kv: the reply's KV (a pool slot, ``static``, or a ``DynamicCache``).
+        static: the KV is a slot of the fast thinker's pool (single-token steps can share its graphs).
+        done: the reply is complete; ``result`` then holds the :class:`ChatThinkerResult`.
+        stats: ``ChatThinkerResult.stats`` so far.
+    """
 
-    while len(out_ids) < max_tokens:
+    def __init__(self, th, messages, *, use_tts_template: Optional[bool] = None, enable_thinking: bool = False,
+                 max_tokens: int = 512, temperature: float = 0.7, seed: Optional[int] = None, top_p: float = 0.8,
+                 top_k: int = 100, repetition_penalty: float = 1.02, omni_mode: bool = False,
+                 on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto",
+                 jump_forward: bool = True, static_kv: Optional[bool] = None) -> None:
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.th = th
+        self.constraint = None
+        specs: list = []
+        if tools:
+            from .tools import ToolConstraint, llg_tokenizer, normalize_tool_choice, normalize_tools
+
+            lt = llg_tokenizer(th)
+            specs = normalize_tools(tools, lt)
+            mode, names = normalize_tool_choice(tool_choice, specs)
+            if mode == "none":
+                specs = []
+            else:
+                self.constraint = ToolConstraint(th, specs, mode, names, thinking=bool(enable_thinking),
+                                                 max_tokens=max_tokens)
+        self.prompt = build_chat_prompt(th, messages, use_tts_template=use_tts_template,
+                                        enable_thinking=enable_thinking, omni_mode=omni_mode, tools=specs)
+        self.max_tokens = int(max_tokens)
+        self.temperature, self.top_p, self.top_k = float(temperature), top_p, top_k
+        self.repetition_penalty = repetition_penalty
+        self.on_token = on_token
+        self.jump_forward = bool(jump_forward)
+        self.gen = None
+        if temperature > 0:
+            self.gen = torch.Generator()
+            self.gen.manual_seed(int(seed)) if seed is not None else self.gen.seed()
+        self.kv = _chat_kv(th, len(self.prompt.ids) + self.max_tokens, static_kv)
+        self.static = hasattr(self.kv, "slot")
+        self.stats = {"kv": "static" if self.static else "dynamic", "decode_steps": 0, "forced_tokens": 0,
+                      "forced_passes": 0, "prefill_ms": 0.0, "decode_ms": 0.0}
+        self.logits: Optional[torch.Tensor] = None  # the next token's logits [V] (None before the prefill)
+        self.seen: Optional[torch.Tensor] = None
+        self.out_ids: List[int] = []
+        self.hidden: List[torch.Tensor] = []
+        self.finish = "length"
+        self.in_call = False
+        self.done = False
+        self.result = None
+        self._pending: Optional[Tuple[List[int], bool, float]] = None
+        self._eos = set(th.special.eos_ids)
+
+    # -- the driver's side
+    def prefill_embeds(self) -> torch.Tensor:
+        """The prompt's input embeddings [T, H] (media rows replaced)."""
+        return prompt_embeds(self.th, self.prompt)
+
+    def prefilled(self, logits: torch.Tensor, ms: float) -> None:
+        """The prompt was run on :attr:`kv`: ``logits`` [V] float32 of its last position."""
+        self.logits = logits
+        self.seen = torch.zeros(self.th.config.vocab_size, dtype=torch.bool, device=logits.device)
+        self.seen[torch.as_tensor(self.prompt.ids, device=logits.device)] = True
+        self.stats["prefill_ms"] += float(ms)
+
+    def choose(self) -> Optional[Tuple[List[int], bool]]:
+        """The ids to feed next and whether they are a forced run (the grammar's fast-forward tokens)
+        rather than one sampled token; None when the reply is complete (:attr:`result` is set)."""
         t1 = time.perf_counter()
-        if constraint is not None and jump_forward:
-            ff = constraint.forced(max_tokens - len(out_ids))
+        c = self.constraint
+        if len(self.out_ids) >= self.max_tokens:
+            return self._end()
+        if c is not None and self.jump_forward:
+            ff = c.forced(self.max_tokens - len(self.out_ids))
             if ff:
-                if constraint.finished:  # the forced run closes the reply: nothing more is generated
-                    out_ids += ff
-                    stats["forced_tokens"] += len(ff)
-                    break
-                rows = th.forward_embeds(th.embed_ids(ff), kv)
-                rows = rows.clone() if static else rows  # a graph's output is overwritten by its next replay
-                fed(ff, rows)
-                logits = th.logits(rows[-1])
-                stats["forced_tokens"] += len(ff)
-                stats["forced_passes"] += 1
-                stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
-                yield
-                continue
-        x = constraint.mask(logits) if constraint is not None else logits
-        x = S.repetition_penalty_hf(x, seen, repetition_penalty) if repetition_penalty != 1.0 else x
-        if temperature <= 0:
+                if c.finished:  # the forced run closes the reply: nothing more is generated
+                    self.out_ids += ff
+                    self.stats["forced_tokens"] += len(ff)
+                    return self._end()
+                self._pending = (ff, True, t1)
+                return ff, True
+        x = c.mask(self.logits) if c is not None else self.logits
+        if self.repetition_penalty != 1.0:
+            x = S.repetition_penalty_hf(x, self.seen, self.repetition_penalty)
+        if self.temperature <= 0:
             t = int(torch.argmax(x))
         else:
-            t = int(S.sample(x[None], [gen], temperature=temperature, top_k=top_k, top_p=top_p)[0])
-        if t in eos:
-            finish = "stop"
-            break
-        if constraint is not None:
-            tail = constraint.advance(t, max_tokens - len(out_ids))
+            t = int(S.sample(x[None], [self.gen], temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)[0])
+        if t in self._eos:
+            self.finish = "stop"
+            return self._end()
+        if c is not None:
+            tail = c.advance(t, self.max_tokens - len(self.out_ids))
             if tail is not None:  # the budget ends the reply along the grammar's closing path
-                out_ids += tail
-                break
-            if constraint.finished:
-                out_ids.append(t)
-                break
-        if static:
-            hh, step_logits = th._decode_step([kv], [t])
-            hh, logits = hh[0], step_logits[0].clone()  # the graph's logits: read before its next replay
+                self.out_ids += tail
+                return self._end()
+            if c.finished:
+                self.out_ids.append(t)
+                return self._end()
+        self._pending = ([t], False, t1)
+        return [t], False
+
+    def fed(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """The chosen ids were run on :attr:`kv`: ``rows`` [n, H] their final-norm hidden states (kept:
+        not a graph's static output), ``logits`` [V] float32 of the last one."""
+        ids, forced, t1 = self._pending
+        self._pending = None
+        for k, t in enumerate(ids):
+            self.in_call |= self.constraint is not None and t == self.constraint.open_id
+            self.out_ids.append(t)
+            if self.on_token is not None and not self.in_call:
+                self.on_token(t)
+            self.seen[t] = True
+            self.hidden.append(rows[k])
+        self.logits = logits
+        if forced:
+            self.stats["forced_tokens"] += len(ids)
+            self.stats["forced_passes"] += 1
         else:
-            hh = th.forward_embeds(th.embed_ids([t]), kv)[-1]
-            logits = th.logits(hh)
-        fed([t], hh[None])
-        stats["decode_steps"] += 1
-        stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
-        yield
-    calls: list = []
-    out_ids_text = out_ids
-    if constraint is not None:
-        out_ids_text, calls = constraint.parse(out_ids)
-        if calls:
-            finish = "tool_calls"
-    # spoken span: strictly inside the last <|tts_bos|> ... <|tts_eos|> (or end) of the fed ids (a closing
-    # path's ids are not fed); nothing for a call
-    spoken = out_ids_text[:len(hidden)] if not calls else []
-    start = None
-    for i in range(len(spoken) - 1, -1, -1):
-        if spoken[i] == sp.tts_bos:
-            start = i + 1
-            break
-    if start is None and prompt.use_tts_template and not calls:
-        start = 0
-    if start is None:
-        span = (0, 0)
-    else:
-        end = len(spoken)
-        for i in range(start, len(spoken)):
-            if spoken[i] in (sp.tts_eos, sp.im_end):
-                end = i
+            self.stats["decode_steps"] += 1
+        self.stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
+
+    def close(self) -> None:
+        """Give the KV's pool slot back (idempotent)."""
+        release = getattr(self.kv, "release", None)
+        if release is not None:
+            release()
+
+    # -- the result
+    def _end(self) -> None:
+        self.done = True
+        self.result = self._result()
+        self.close()
+        return None
+
+    def _result(self) -> ChatThinkerResult:
+        th, sp = self.th, self.th.special
+        out_ids, hidden = self.out_ids, self.hidden
+        calls: list = []
+        out_ids_text = out_ids
+        finish = self.finish
+        if self.constraint is not None:
+            out_ids_text, calls = self.constraint.parse(out_ids)
+            if calls:
+                finish = "tool_calls"
+        # spoken span: strictly inside the last <|tts_bos|> ... <|tts_eos|> (or end) of the fed ids (a closing
+        # path's ids are not fed); nothing for a call
+        spoken = out_ids_text[:len(hidden)] if not calls else []
+        start = None
+        for i in range(len(spoken) - 1, -1, -1):
+            if spoken[i] == sp.tts_bos:
+                start = i + 1
                 break
-        span = (start, end)
-    tts_ids = np.asarray(spoken[span[0]:span[1]], dtype=np.int64)
-    H = th.hidden_size
-    tts_hidden = torch.stack(hidden[span[0]:span[1]]).float() if span[1] > span[0] else torch.zeros(0, H)
-    return ChatThinkerResult(
-        text=th.tokenizer.decode(out_ids_text, skip_special_tokens=True),
-        token_ids=np.asarray(out_ids, dtype=np.int64),
-        tts_token_ids=tts_ids,
-        tts_hidden=tts_hidden,
-        finish_reason=finish,
-        prompt_tokens=len(prompt.ids),
-        tool_calls=tuple(calls),
-        stats=stats,
-    )
+        if start is None and self.prompt.use_tts_template and not calls:
+            start = 0
+        if start is None:
+            span = (0, 0)
+        else:
+            end = len(spoken)
+            for i in range(start, len(spoken)):
+                if spoken[i] in (sp.tts_eos, sp.im_end):
+                    end = i
+                    break
+            span = (start, end)
+        tts_ids = np.asarray(spoken[span[0]:span[1]], dtype=np.int64)
+        H = th.hidden_size
+        tts_hidden = torch.stack(hidden[span[0]:span[1]]).float() if span[1] > span[0] else torch.zeros(0, H)
+        return ChatThinkerResult(
+            text=th.tokenizer.decode(out_ids_text, skip_special_tokens=True),
+            token_ids=np.asarray(out_ids, dtype=np.int64),
+            tts_token_ids=tts_ids,
+            tts_hidden=tts_hidden,
+            finish_reason=finish,
+            prompt_tokens=len(self.prompt.ids),
+            tool_calls=tuple(calls),
+            stats=dict(self.stats),
+        )
+
+
+PREFILL_ROWS = 8
+"""The most replies whose prompts :func:`step_replies` runs in one batched forward (a longer batch
+would hold the thinker's units for longer: the units run between steps)."""
+
+DECODE_ROWS = 32
+"""The most single-token rows of one batched decode step (the fast thinker's graph buckets go to 64)."""
+
+
+@torch.inference_mode()
+def step_replies(th, replies: Sequence[ChatReply]) -> None:
+    """Advance every unfinished reply of ``replies`` by one step, their forward passes together.
+
+    Replies not yet prefilled are prefilled, and that is the step: those holding pool slots in
+    batched forwards of up to :data:`PREFILL_ROWS` rows (rows padded to the longest prompt), the
+    others one by one. Otherwise each reply chooses its next ids (:meth:`ChatReply.choose`); the
+    single sampled tokens of replies with pool slots go through one batched decode step of the fast
+    thinker (its CUDA graph per batch bucket on a GPU), up to :data:`DECODE_ROWS` rows at a time;
+    forced runs and ``DynamicCache`` replies run one by one. A reply that completes gives its slot back.
+
+    Raises what the forward passes raise (e.g. ``ContextFullError``); then every reply of this step
+    is left as it was before the failed pass or with its ids chosen but not fed, so callers drop them.
+    """
+    todo = [r for r in replies if not r.done]
+    fresh = [r for r in todo if r.logits is None]
+    if fresh:
+        t0 = time.perf_counter()
+        static = [r for r in fresh if r.static]
+        for i in range(0, len(static), PREFILL_ROWS):
+            group = static[i:i + PREFILL_ROWS]
+            rows = th._prefill([r.kv for r in group], [r.prefill_embeds() for r in group])
+            lasts = th.logits(torch.stack([h[-1] for h in rows]))
+            for r, lg in zip(group, lasts):
+                r.prefilled(lg, (time.perf_counter() - t0) * 1000.0)
+        for r in fresh:
+            if not r.static:
+                h = th.forward_embeds(r.prefill_embeds(), r.kv)
+                r.prefilled(th.logits(h[-1]), (time.perf_counter() - t0) * 1000.0)
+        return
+    singles, others = [], []
+    for r in todo:
+        picked = r.choose()
+        if picked is None:
+            continue
+        ids, forced = picked
+        (singles if r.static and not forced else others).append((r, ids))
+    for i in range(0, len(singles), DECODE_ROWS):
+        group = singles[i:i + DECODE_ROWS]
+        hh, logits = th._decode_step([r.kv for r, _ in group], [ids[0] for _, ids in group])
+        logits = logits[:len(group)].clone()  # the graph's static output: read before its next replay
+        for k, (r, _) in enumerate(group):
+            r.fed(hh[k:k + 1], logits[k])
+    for r, ids in others:
+        rows = th.forward_embeds(th.embed_ids(ids), r.kv)
+        rows = rows.clone() if r.static else rows  # a graph's output is overwritten by its next replay
+        r.fed(rows, th.logits(rows[-1]))
