@@ -15,7 +15,9 @@ and the user's turn as audio: ``tests/fixtures/audio/question_16k.wav``) and the
   the pool's eager decoder, slower there than the ``DynamicCache``, which the default keeps).
 
 and the answer to the tool's output (``tool_choice: "none"``, ``--answer-tokens`` tokens, no
-grammar) token by token vs in the pool's slot. Per way it prints p50 of (ms): the whole
+grammar) token by token vs in the pool's slot; then ``--together`` N call decisions at once (N
+sessions ending their turns together) one after another vs stepped together, one batched decode
+step for all (``step_replies``; the engine runs concurrent replies so). Per way it prints p50 of (ms): the whole
 generation, the prompt's prefill, the decode (grammar work included), and the decode steps,
 forced tokens / passes and ms per decode step (``ChatThinkerResult.stats``).
 
@@ -105,6 +107,41 @@ def run_way(th, messages, *, tools, choice, max_tokens, jump_forward, static_kv,
     }
 
 
+def run_together(th, messages, *, n, max_tokens, repeats):
+    """``n`` call decisions (``get_weather``, required) one after another vs stepped together
+    (:func:`duplexkit.models.minicpmo45.chat.step_replies`: one batched decode step for all): p50 ms
+    until the last one is done, and the decode steps the thinker ran."""
+    from duplexkit.models.minicpmo45.chat import ChatReply, step_replies
+
+    def reply():
+        return ChatReply(th, messages, tools=[TOOL], tool_choice="required", temperature=0.0, max_tokens=max_tokens,
+                         static_kv=True)
+
+    out = {}
+    for way in ("one after another", "together"):
+        times, steps, kvs = [], [], set()
+        for _ in range(repeats + 1):
+            n0 = th.stats["decode_steps"]
+            t0 = time.perf_counter()
+            if way == "together":
+                rs = [reply() for _ in range(n)]
+                while not all(r.done for r in rs):
+                    step_replies(th, rs)
+            else:
+                rs = []
+                for _ in range(n):
+                    r = reply()
+                    while not r.done:
+                        step_replies(th, [r])
+                    rs.append(r)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            steps.append(th.stats["decode_steps"] - n0)
+            kvs |= {r.result.stats["kv"] for r in rs}
+        out[way] = {"ms": float(np.percentile(times[1:], 50)), "steps": float(np.percentile(steps[1:], 50)),
+                    "kv": "/".join(sorted(kvs))}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("tiny", "random-real"), default="tiny")
@@ -113,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=3, help="counted runs per way (after one warm-up run)")
     ap.add_argument("--max-tokens", type=positive_int, default=256, help="the decider's token budget (its default)")
     ap.add_argument("--answer-tokens", type=positive_int, default=48, help="tokens of the spoken answer's text")
+    ap.add_argument("--together", type=positive_int, default=8,
+                    help="concurrent call decisions for the one-after-another vs together table")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
     import torch
@@ -141,6 +180,12 @@ def main(argv=None) -> int:
               f"{v['forced']:6.0f} | {v['passes']:6.0f} | {v['ms_per_step']:7.2f} | {v['tokens']:6.0f} | {v['kv']}")
     base, new = res["call: token-by-token"]["total_ms"], res["call: graphs + jump-forward"]["total_ms"]
     print(f"call: {base / new:.2f}x faster with graphs + jump-forward; the call: {res['call: graphs + jump-forward']['call']}")
+    tog = run_together(th, call_msgs, n=a.together, max_tokens=a.max_tokens, repeats=a.repeats)
+    print(f"\n# {a.together} call decisions at once (as {a.together} sessions ending their turns together), "
+          "p50 ms until the last is done")
+    for k, v in tog.items():
+        print(f"{k:34s} | {v['ms']:8.1f} ms | {v['steps']:5.0f} decode steps | kv {v['kv']}")
+    res["together"] = tog
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
