@@ -93,10 +93,10 @@ class _ChatJob:
         self.error: Optional[BaseException] = None
         self.closed = False
 
-    def start(self, thinker: Any) -> None:
+    def start(self, thinker: Any, static_kv: Optional[bool]) -> None:
         from ..models.minicpmo45.chat import ChatReply
 
-        self.reply = ChatReply(thinker, self.messages, **self.kw)
+        self.reply = ChatReply(thinker, self.messages, static_kv=static_kv, **self.kw)
 
     def finish(self, stages: "MiniCPMO45Stages") -> "ChatThinkerOut":
         r = self.reply.result
@@ -172,6 +172,10 @@ class MiniCPMO45Stages:
         self.random_weights = bool(getattr(model, "random_weights", False))
         self.talker_temperature = float(talker_temperature)
         self._chats: list = []  # the turn-based replies in progress (_ChatJob), thinker thread only
+        self.chat_static_kv: Optional[bool] = None
+        """Turn-based replies hold their KV in a slot of the fast thinker's pool: None (default) when
+        the thinker captures CUDA graphs (:func:`~duplexkit.models.minicpmo45.chat.chat_steps`'
+        ``static_kv``), True / False to force it."""
         want = thinker_stream_requested() if thinker_stream is None else bool(thinker_stream)
         dev = getattr(getattr(model, "thinker", None), "device", None)
         if want and dev is not None and str(dev).startswith("cuda"):
@@ -398,20 +402,26 @@ class MiniCPMO45Stages:
         from ..models.minicpmo45.chat import step_replies
 
         t0 = time.perf_counter()
+        th = self.model.thinker
         self._chats = [j for j in self._chats if not j.closed]  # abandoned by their callers
         if steps.closed:
             raise RuntimeError("this reply was closed")
-        if steps.reply is None:
-            steps.start(self.model.thinker)
-            self._chats.append(steps)
         while True:
-            if steps.error is not None:
-                self._forget(steps)
-                raise steps.error
-            if steps.reply.done:
-                self._forget(steps)
-                return True, steps.finish(self)
+            if steps.reply is None and not self._waits_for_slot(th):
+                steps.start(th, self.chat_static_kv)
+                self._chats.append(steps)
+            if steps.reply is not None:
+                if steps.error is not None:
+                    self._forget(steps)
+                    raise steps.error
+                if steps.reply.done:
+                    self._forget(steps)
+                    return True, steps.finish(self)
             live = [j for j in self._chats if j.error is None and not j.reply.done]
+            if not live:  # nothing in progress to wait for (cannot happen while waiting): start it now
+                steps.start(th, self.chat_static_kv)
+                self._chats.append(steps)
+                continue
             try:
                 step_replies(self.model.thinker, [j.reply for j in live])
             except Exception as exc:  # noqa: BLE001 - each reply of the failed step gets it
@@ -419,8 +429,19 @@ class MiniCPMO45Stages:
                     j.error = exc
                     j.reply.close()
                 continue
-            if time.perf_counter() - t0 >= budget_s and not steps.reply.done:
+            if time.perf_counter() - t0 >= budget_s and not (steps.reply is not None and steps.reply.done):
                 return False, None
+
+    def _waits_for_slot(self, th: Any) -> bool:
+        """A new reply that would hold its KV in a slot of the fast thinker's pool waits while every
+        slot is taken and another reply holds one (it gives it back within its few hundred ms: sooner
+        than the same reply decoded eagerly in a ``DynamicCache``, ~4x slower per token at real size);
+        with no reply holding one (the streams hold them all), it goes on with a ``DynamicCache``."""
+        pool = getattr(th, "pool", None)
+        wants = self.chat_static_kv if self.chat_static_kv is not None else bool(getattr(th, "use_graphs", False))
+        if not wants or pool is None or pool.free:
+            return False
+        return any(j.reply is not None and j.reply.static and not j.reply.done and j.error is None for j in self._chats)
 
     def _forget(self, job: "_ChatJob") -> None:
         if job in self._chats:
