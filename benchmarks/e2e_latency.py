@@ -274,7 +274,9 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
     batch size up to ``max_sessions + 2`` and run the warm-up turn (CUDA), as ``DuplexEngine.from_pretrained``
     would; returns the engine. Module-level so that an engine process can call it
     (``EngineSpec("e2e_latency:build_random_engine", ...)``). ``tokenizer_dir``: a checkpoint's
-    tokenizer for random-real (text costs as many tokens as with the released model: tool calls)."""
+    tokenizer for random-real (text costs as many tokens as with the released model: tool calls).
+    The thinker's KV pool holds ``min(8, max_sessions)`` slots beyond the sessions' for turn-based
+    replies (tool decisions: they decode in pool slots, batched, and wait for one when all are taken)."""
     import torch
 
     from duplexkit.engine import DuplexEngine
@@ -287,7 +289,7 @@ def build_random_engine(model_name: str, device: str, tokens: int, max_sessions:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_random_model(size, dtype=dtype, device=dev, fast=True, thinker_max_len=4096,
-                               kv_slots=max_sessions + 2, with_code2wav=True,
+                               kv_slots=max_sessions + 2 + min(8, max_sessions), with_code2wav=True,
                                code2wav_dtype=getattr(torch, code2wav_dtype),
                                **({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}))
     print(f"code2wav flow dtype {code2wav_dtype}", flush=True)
