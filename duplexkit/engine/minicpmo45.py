@@ -435,7 +435,7 @@ class MiniCPMO45Stages:
     def _waits_for_slot(self, th: Any) -> bool:
         """A new reply that would hold its KV in a slot of the fast thinker's pool waits while every
         slot is taken and another reply holds one (it gives it back within its few hundred ms: sooner
-        than the same reply decoded eagerly in a ``DynamicCache``, ~4x slower per token at real size);
+        than the same reply decoded eagerly in a ``DynamicCache``: benchmarks/decider_steps.py);
         with no reply holding one (the streams hold them all), it goes on with a ``DynamicCache``."""
         pool = getattr(th, "pool", None)
         wants = self.chat_static_kv if self.chat_static_kv is not None else bool(getattr(th, "use_graphs", False))

@@ -291,8 +291,7 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
 
     ``static_kv``: hold the reply's KV in a free slot of the batched thinker's pool
     (:class:`~.fast_thinker.FastThinker`), so that each decode step is its captured CUDA graph instead
-    of the eager Hugging Face forward (on an H100 about 6 ms per token instead of about 25 ms at real
-    size: benchmarks/decider_steps.py); None (default): when the thinker captures CUDA graphs and its
+    of the eager Hugging Face forward (benchmarks/decider_steps.py measures both); None (default): when the thinker captures CUDA graphs and its
     pool has a free slot with room for the prompt plus ``max_tokens`` (a chat never grows the pool);
     True: the same without graphs (the CPU's static path is slower than the ``DynamicCache``);
     otherwise, and with ``False``, a ``DynamicCache``. The slot is given back when the reply ends or
