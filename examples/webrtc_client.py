@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from fractions import Fraction
@@ -247,13 +246,6 @@ class RtcCall:
 async def _main(args) -> int:
     from duplexkit.audio import read_wav, write_wav
 
-    # Ctrl+C cancels this task, and args.interrupted says so: a cancelled httpx request can come back
-    # as httpx.ReadTimeout (anyio takes the cancellation for its own timeout) instead of CancelledError
-    task, loop = asyncio.current_task(), asyncio.get_running_loop()
-    try:
-        loop.add_signal_handler(signal.SIGINT, lambda: (setattr(args, "interrupted", True), task.cancel()))
-    except NotImplementedError:  # Windows: Ctrl+C stays a KeyboardInterrupt
-        pass
     x, _ = read_wav(args.wav, 16_000)
     call = RtcCall(args.url, key=args.key, duplex=args.duplex)
     try:  # closed however it ends (Ctrl+C included): the peer connection's tasks end with it
@@ -287,31 +279,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0,
                     help="seconds for the call to open, and then for the answer")
     args = ap.parse_args(argv)
-    args.interrupted = False
     import httpx
 
-    status = 130
     try:
-        status = asyncio.run(_main(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl+C (with args.interrupted, or on Windows)
-        pass
+        return asyncio.run(_main(args))
     except ImportError as exc:  # aiortc / av missing
         print(f"error: this example needs aiortc: pip install 'duplexkit[webrtc]' ({exc})", file=sys.stderr)
         return 1
     except CallRefused as exc:  # the server answered the offer with an error (e.g. 401 without a valid key)
-        if not args.interrupted:
-            print(f"error: the server refused the call: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 3
+        print(f"error: the server refused the call: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 3
     except (httpx.HTTPError, OSError, asyncio.TimeoutError) as exc:  # refused, unknown host, or no call opened
-        if not args.interrupted:
-            why = str(exc) or f"the call did not open within {args.timeout:g} s"
-            print(f"error: cannot connect to {args.url}: {why}", file=sys.stderr)
-            return 3  # as the CLI and the other examples
-    if args.interrupted or status == 130:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        why = str(exc) or f"the call did not open within {args.timeout:g} s"
+        print(f"error: cannot connect to {args.url}: {why}", file=sys.stderr)
+        return 3  # as the CLI and the other examples
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
         print("interrupted", file=sys.stderr)
         return 130
-    return status
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
