@@ -39,22 +39,32 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from loguru import logger
 
-from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
-from pipecat.frames.frames import (
-    EndFrame, InputAudioRawFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMRunFrame, OutputAudioRawFrame,
-    TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame,
-)
-from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-from pipecat.processors.aggregators.llm_context import LLMContext
-from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-from pipecat.services.llm_service import FunctionCallParams
-from pipecat.transports.base_output import BaseOutputTransport
-from pipecat.transports.base_transport import TransportParams
-from pipecat.workers.runner import WorkerRunner
+try:  # Pipecat takes seconds to import: Ctrl+C meanwhile ends as it does later
+    from loguru import logger
+
+    logger.remove()  # warnings and errors only, from the import on (not Pipecat's INFO banner)
+    logger.add(sys.stderr, level="WARNING")
+    from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+    from pipecat.frames.frames import (
+        EndFrame, InputAudioRawFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMRunFrame, OutputAudioRawFrame,
+        TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.services.llm_service import FunctionCallParams
+    from pipecat.transports.base_output import BaseOutputTransport
+    from pipecat.transports.base_transport import TransportParams
+    from pipecat.workers.runner import WorkerRunner
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+except ImportError as exc:
+    sys.exit(f"error: this example needs pipecat-ai ({exc}): run scripts/setup_frameworks.sh and use "
+             ".venv-frameworks/bin/python, or pip install 'duplexkit[pipecat]'")
 
 from duplexkit import ASSETS_DIR
 from duplexkit.audio import read_wav
@@ -235,8 +245,6 @@ if __name__ == "__main__":
                     "scripted engine, else auto)")
     ap.add_argument("--greet", action="store_true", help="let the bot speak first (LLMRunFrame)")
     a = ap.parse_args()
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
     try:
         sys.exit(asyncio.run(main(a, server_health(a.url) if a.url else None)))
     except ConnectionError as exc:  # no server at --url
