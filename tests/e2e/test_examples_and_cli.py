@@ -240,6 +240,37 @@ def test_examples_stop_on_ctrl_c_with_one_line_and_130(tmp_path, argv):
     assert err.strip() == "interrupted", err
 
 
+def test_gradio_example_without_a_server_is_one_line():
+    pytest.importorskip("gradio")
+    port = _free_port()
+    r = run(PY, "examples/gradio_demo.py", "--url", f"ws://127.0.0.1:{port}", "--port", str(_free_port()))
+    assert r.returncode == 3, r.stdout + r.stderr  # said at start, not at the first question
+    assert r.stderr.strip().splitlines() == [f"error: cannot connect to ws://127.0.0.1:{port}: no duplexkit "
+                                             f"server answers at http://127.0.0.1:{port}/health"], r.stderr
+
+
+def test_gradio_example_stops_on_ctrl_c(scripted_server):
+    """Ctrl+C while the UI serves: ``interrupted`` and 130, as the other examples (not Gradio's own
+    "Keyboard interruption ..." line and status 0)."""
+    import signal
+
+    pytest.importorskip("gradio")
+    proc = subprocess.Popen([PY, "examples/gradio_demo.py", "--url", scripted_server.ws_url, "--port",
+                             str(_free_port())], cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_ANALYTICS_ENABLED": "False"})
+    try:
+        first = proc.stdout.readline()  # "* Running on local URL: ..." once the UI serves
+        assert "Running on" in first, first + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=bound(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert err.strip() == "interrupted" and "Keyboard interruption" not in out, out + err
+
+
 def test_gradio_example_is_import_guarded():
     r = run(PY, "-c", "import sys; sys.path.insert(0, 'examples'); import gradio_demo; print('ok')")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
