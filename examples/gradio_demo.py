@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 import numpy as np
 
 from duplexkit.audio import read_wav
 from duplexkit.audio.resample import resample
 from duplexkit.clients import DuplexClient, InlineDuplexClient
-from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, remote_random_weights
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, fetch_health, http_base_url
 
 TINY_CAP = 40
 """Token cap per answer for a random-weight engine in-process, as ``duplexkit serve tiny`` applies:
@@ -64,7 +65,10 @@ def build(url: str, engine=None, notice: str = ""):
         raise SystemExit("this demo needs gradio: pip install gradio")
 
     def run(audio_in):
-        return asyncio.run(answer(audio_in, url, engine))
+        text, out = asyncio.run(answer(audio_in, url, engine))
+        if out is not None:  # 16-bit samples, as Gradio plays them (it would convert float32 with a warning)
+            out = (out[0], (np.clip(out[1], -1.0, 1.0) * 32767).astype(np.int16))
+        return text, out
 
     return gr.Interface(fn=run, inputs=gr.Audio(sources=["microphone", "upload"], type="numpy"),
                         outputs=[gr.Textbox(label="transcript"), gr.Audio(label="answer", type="numpy")],
@@ -77,13 +81,34 @@ if __name__ == "__main__":
     p.add_argument("--inline", default=None, metavar="MODEL", help="run MODEL in-process ('tiny' or a path)")
     p.add_argument("--port", type=int, default=7860)
     a = p.parse_args()
-    eng = None
-    if a.inline:
-        from duplexkit.engine import load_engine
+    if gr is None:  # said before a model loads or a server is asked
+        sys.exit("error: this demo needs gradio: pip install gradio")
+    demo = None
+    try:
+        eng = None
+        if a.inline:
+            from duplexkit.engine import load_engine
 
-        eng = load_engine(a.inline)
-    random_weights = getattr(eng, "random_weights", False) if eng is not None else remote_random_weights(a.url)
-    if random_weights:  # in-process: the engine says so; remote: the server's /health
-        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
-    build(a.url, eng, " " + RANDOM_WEIGHTS_NOTICE if random_weights else "").launch(server_port=a.port)
-    sys.exit(0)
+            eng = load_engine(a.inline)
+            random_weights = bool(getattr(eng, "random_weights", False))  # in-process: the engine says so
+        else:
+            health = fetch_health(a.url)  # remote: the server's /health
+            if health is None:  # said now, not at the first question
+                print(f"error: cannot connect to {a.url}: no duplexkit server answers at "
+                      f"{http_base_url(a.url)}/health", file=sys.stderr)
+                sys.exit(3)  # as the CLI and the other examples
+            random_weights = bool(health.get("random_weights"))
+        if random_weights:
+            print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
+        demo = build(a.url, eng, " " + RANDOM_WEIGHTS_NOTICE if random_weights else "")
+        demo.launch(server_port=a.port, prevent_thread_lock=True)
+        while True:  # serve until Ctrl+C (Gradio's own wait would end with its own line and status 0)
+            time.sleep(3600)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        if demo is not None:
+            demo.close(verbose=False)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except OSError as exc:  # the --port is taken
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(3)

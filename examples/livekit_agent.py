@@ -37,9 +37,17 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from livekit import rtc
-from livekit.agents import Agent, AgentSession, function_tool
-from livekit.agents.voice import io
+
+try:  # LiveKit takes seconds to import: Ctrl+C meanwhile ends as it does later
+    from livekit import rtc
+    from livekit.agents import Agent, AgentSession, function_tool
+    from livekit.agents.voice import io
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+except ImportError as exc:
+    sys.exit(f"error: this example needs livekit-agents ({exc}): run scripts/setup_frameworks.sh and use "
+             ".venv-frameworks/bin/python, or pip install 'duplexkit[livekit]'")
 
 from duplexkit.errors import DuplexkitError
 from duplexkit.integrations.livekit import OUTPUT_SAMPLE_RATE, RealtimeModel
@@ -65,13 +73,25 @@ class Assistant(Agent):
                          tools=[get_weather])
 
 
-def make_model(engine_name: str | None, url: str | None,
-               api_key: str | None = None) -> tuple[RealtimeModel, object]:
-    """The duplexkit realtime model (and the in-process engine, or None); says when answers are not real."""
+def server_health(url: str) -> dict:
+    """The server's ``/health``. Raises ConnectionError when nothing answers (said at once: the agent
+    session would only fail later). Called before the event loop runs, so Ctrl+C stops it at once."""
+    from duplexkit.preflight import fetch_health, http_base_url
+
+    health = fetch_health(url)
+    if health is None:
+        raise ConnectionError(f"no duplexkit server answers at {http_base_url(url)}/health")
+    return health
+
+
+def make_model(engine_name: str | None, url: str | None, api_key: str | None = None,
+               health: dict | None = None) -> tuple[RealtimeModel, object]:
+    """The duplexkit realtime model (and the in-process engine, or None); says when answers are not real.
+    ``health``: the server's ``/health`` when already read (else it is read here)."""
     if url:
         from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, fetch_health
 
-        health = fetch_health(url) or {}
+        health = health if health is not None else (fetch_health(url) or {})
         if health.get("random_weights"):
             print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
         # a scripted or random-weight server only speaks when asked: its decider must call the tool
@@ -167,8 +187,8 @@ class WavSpeaker(io.AudioOutput):
         self._wav.close()
 
 
-async def run_offline(args: argparse.Namespace) -> int:
-    model, engine = make_model(args.engine, args.url, args.api_key)
+async def run_offline(args: argparse.Namespace, health: dict | None = None) -> int:
+    model, engine = make_model(args.engine, args.url, args.api_key, health)
     session = AgentSession(llm=model, aec_warmup_duration=None)
     session.input.audio = WavMicrophone(args.input)
     speaker = WavSpeaker(args.output)
@@ -258,7 +278,14 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--idle-s", type=float, default=3.0, help="stop after the agent listened this long (s) after answering")
     args = ap.parse_args()
-    return asyncio.run(run_offline(args))
+    try:
+        return asyncio.run(run_offline(args, server_health(args.url) if args.url else None))
+    except ConnectionError as exc:  # no server at --url
+        print(f"error: cannot connect to {args.url}: {exc}", file=sys.stderr)
+        return 3  # as the CLI and the other examples
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

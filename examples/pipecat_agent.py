@@ -33,32 +33,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import wave
 from pathlib import Path
 
 import numpy as np
-from loguru import logger
 
-from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
-from pipecat.frames.frames import (
-    EndFrame, InputAudioRawFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMRunFrame, OutputAudioRawFrame,
-    TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame,
-)
-from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-from pipecat.processors.aggregators.llm_context import LLMContext
-from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-from pipecat.services.llm_service import FunctionCallParams
-from pipecat.transports.base_output import BaseOutputTransport
-from pipecat.transports.base_transport import TransportParams
-from pipecat.workers.runner import WorkerRunner
+try:  # Pipecat takes seconds to import: Ctrl+C meanwhile ends as it does later
+    from loguru import logger
+
+    logger.remove()  # warnings and errors only, from the import on (not Pipecat's INFO banner)
+    logger.add(sys.stderr, level="WARNING")
+    from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+    from pipecat.frames.frames import (
+        EndFrame, InputAudioRawFrame, InterruptionFrame, LLMFullResponseEndFrame, LLMRunFrame, OutputAudioRawFrame,
+        TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.services.llm_service import FunctionCallParams
+    from pipecat.transports.base_output import BaseOutputTransport
+    from pipecat.transports.base_transport import TransportParams
+    from pipecat.workers.runner import WorkerRunner
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+except ImportError as exc:
+    sys.exit(f"error: this example needs pipecat-ai ({exc}): run scripts/setup_frameworks.sh and use "
+             ".venv-frameworks/bin/python, or pip install 'duplexkit[pipecat]'")
 
 from duplexkit import ASSETS_DIR
 from duplexkit.audio import read_wav
 from duplexkit.integrations.pipecat import DuplexkitLLMService
-from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, fetch_health
+from duplexkit.preflight import RANDOM_WEIGHTS_NOTICE, fetch_health, http_base_url
 
 SCRIPTED_NOTICE = ("NOTE: the SCRIPTED engine (a fake, torch-free engine for tests and demos): no model runs, the "
                    "tool call and every word are scripted and the speech is a 440 Hz tone. Use --engine with a "
@@ -129,11 +140,20 @@ class Printer(FrameProcessor):
         await self.push_frame(frame, direction)
 
 
-def build_service(args) -> tuple:
-    """The service and whether its engine is random / scripted (printed)."""
+def server_health(url: str) -> dict:
+    """The server's ``/health``. Raises ConnectionError when nothing answers (said at once: the pipeline
+    would only log its failed connections). Called before the event loop runs, so Ctrl+C stops it at once."""
+    health = fetch_health(url)
+    if health is None:
+        raise ConnectionError(f"no duplexkit server answers at {http_base_url(url)}/health")
+    return health
+
+
+def build_service(args, health: dict | None) -> tuple:
+    """The service and whether its engine is random / scripted (printed). ``health``: the server's
+    ``/health`` with ``--url``."""
     tool_choice = args.tool_choice
     if args.url:
-        health = fetch_health(args.url) or {}
         random_w, scripted = bool(health.get("random_weights")), health.get("model") == "scripted"
         # a scripted or random-weight server only speaks when asked: its decider must call the tool
         svc = DuplexkitLLMService(url=args.url, api_key=args.api_key, tools=[WEATHER],
@@ -155,8 +175,13 @@ def build_service(args) -> tuple:
     return svc, random_w, scripted, engine
 
 
-async def main(args) -> int:
-    svc, random_w, scripted, engine = build_service(args)
+async def _cancel_on(interrupted: asyncio.Event, runner: WorkerRunner) -> None:
+    await interrupted.wait()
+    await runner.cancel(reason="Ctrl+C")
+
+
+async def main(args, health: dict | None = None) -> int:
+    svc, random_w, scripted, engine = build_service(args, health)
     if scripted:
         print(SCRIPTED_NOTICE)
     if random_w:
@@ -168,9 +193,17 @@ async def main(args) -> int:
     heard, printer, out = Printer(), Printer(), WavOutput(args.output)
     worker = PipelineWorker(Pipeline([user_agg, heard, svc, printer, out, assistant_agg]), params=PipelineParams(),
                             idle_timeout_secs=None)
-    runner = WorkerRunner(handle_sigint=True)
+    # Ctrl+C: the script's own handler (not the runner's, which logs a warning) cancels the pipeline
+    # and the script ends with one line and status 130
+    runner = WorkerRunner(handle_sigint=False)
+    interrupted = asyncio.Event()
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupted.set)
+    except NotImplementedError:  # Windows: Ctrl+C stays a KeyboardInterrupt
+        pass
     await runner.add_workers(worker)
     running = asyncio.create_task(runner.run())
+    stopping = asyncio.create_task(_cancel_on(interrupted, runner))
     if args.greet:
         await worker.queue_frame(LLMRunFrame())  # the bot speaks first
     audio, rate = read_wav(str(args.input))
@@ -178,13 +211,19 @@ async def main(args) -> int:
     pcm += bytes(int(rate * args.listen_s) * 2)  # then silence: the session ends the turn and answers
     step = int(rate * 0.02) * 2
     for i in range(0, len(pcm), step):  # a microphone: 20 ms frames in real time
+        if interrupted.is_set():
+            break
         await worker.queue_frame(InputAudioRawFrame(audio=pcm[i:i + step], sample_rate=rate, num_channels=1))
         await asyncio.sleep(0.02)
-    await worker.queue_frame(EndFrame())
+    if not interrupted.is_set():
+        await worker.queue_frame(EndFrame())
     await running
-    out.save()
+    stopping.cancel()
     if engine is not None:
         await engine.aclose()
+    if interrupted.is_set():
+        raise KeyboardInterrupt
+    out.save()
     print(f"wrote {args.output} ({len(out.pcm) / 48_000:.2f} s of the bot's speech, {printer.answers} answers)")
     if not printer.answers:
         print("error: no answer came (see the log above: a refused key, an unreachable server, or a "
@@ -206,6 +245,11 @@ if __name__ == "__main__":
                     "scripted engine, else auto)")
     ap.add_argument("--greet", action="store_true", help="let the bot speak first (LLMRunFrame)")
     a = ap.parse_args()
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
-    sys.exit(asyncio.run(main(a)))
+    try:
+        sys.exit(asyncio.run(main(a, server_health(a.url) if a.url else None)))
+    except ConnectionError as exc:  # no server at --url
+        print(f"error: cannot connect to {a.url}: {exc}", file=sys.stderr)
+        sys.exit(3)  # as the CLI and the other examples
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -247,22 +247,25 @@ async def _main(args) -> int:
     from duplexkit.audio import read_wav, write_wav
 
     x, _ = read_wav(args.wav, 16_000)
-    call = await RtcCall(args.url, key=args.key, duplex=args.duplex).connect()
-    print(f"call {call.call_id}: connected")
-    t_end = await call.say(x, 16_000)
-    print(f"said {x.size / 16_000:.2f} s of {args.wav}")
-    try:
-        await call.wait_for(lambda c: c.event("output_audio_buffer.stopped", t_end), args.timeout, "the answer")
-    except asyncio.TimeoutError as exc:
-        print(exc)
-    first = call.first_sound(t_end)
-    print("events:", ", ".join(call.types()))
-    if first is not None:
-        print(f"first answer audio {1000 * (first - t_end):.0f} ms after the end of the WAV")
-    if args.out:
-        write_wav(args.out, call.answer_audio(), RTC_RATE)
-        print(f"answer audio (48 kHz) written to {args.out}")
-    await call.close()
+    call = RtcCall(args.url, key=args.key, duplex=args.duplex)
+    try:  # closed however it ends (Ctrl+C included): the peer connection's tasks end with it
+        await call.connect(args.timeout)
+        print(f"call {call.call_id}: connected")
+        t_end = await call.say(x, 16_000)
+        print(f"said {x.size / 16_000:.2f} s of {args.wav}")
+        try:
+            await call.wait_for(lambda c: c.event("output_audio_buffer.stopped", t_end), args.timeout, "the answer")
+        except asyncio.TimeoutError as exc:
+            print(exc)
+        first = call.first_sound(t_end)
+        print("events:", ", ".join(call.types()))
+        if first is not None:
+            print(f"first answer audio {1000 * (first - t_end):.0f} ms after the end of the WAV")
+        if args.out:
+            write_wav(args.out, call.answer_audio(), RTC_RATE)
+            print(f"answer audio (48 kHz) written to {args.out}")
+    finally:
+        await call.close()
     return 0
 
 
@@ -273,9 +276,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--wav", default=str(REPO / "tests" / "fixtures" / "audio" / "question_16k.wav"))
     ap.add_argument("--out", default=None, help="write the received audio here (WAV, 48 kHz)")
     ap.add_argument("--duplex", action="store_true", help="the duplex profile (?duplex=1)")
-    ap.add_argument("--timeout", type=float, default=30.0)
-    return asyncio.run(_main(ap.parse_args(argv)))
+    ap.add_argument("--timeout", type=float, default=30.0,
+                    help="seconds for the call to open, and then for the answer")
+    args = ap.parse_args(argv)
+    import httpx
 
+    try:
+        return asyncio.run(_main(args))
+    except ImportError as exc:  # aiortc / av missing
+        print(f"error: this example needs aiortc: pip install 'duplexkit[webrtc]' ({exc})", file=sys.stderr)
+        return 1
+    except CallRefused as exc:  # the server answered the offer with an error (e.g. 401 without a valid key)
+        print(f"error: the server refused the call: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 3
+    except (httpx.HTTPError, OSError, asyncio.TimeoutError) as exc:  # refused, unknown host, or no call opened
+        why = str(exc) or f"the call did not open within {args.timeout:g} s"
+        print(f"error: cannot connect to {args.url}: {why}", file=sys.stderr)
+        return 3  # as the CLI and the other examples
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        return 130
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -24,6 +24,7 @@ import asyncio
 import base64
 import json
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -118,16 +119,18 @@ async def phone_call(url: str, frames: list[bytes], provider: str, params: dict,
                 "track": "inbound", "payload": base64.b64encode(f).decode()}}))
 
         task = asyncio.get_running_loop().create_task(reader())
-        last = await paced(frames, send, last_speech_frame(frames))
-        deadline = time.monotonic() + timeout_s
-        while not first_media.done() and time.monotonic() < deadline:
-            await paced([SILENCE] * 5, send)
-        if not first_media.done():
-            raise RuntimeError(f"no answer within {timeout_s} s")
-        latency = first_media.result() - last
-        await paced([SILENCE] * int(listen_s / 0.02), send)  # listen to the answer
-        await ws.send(json.dumps({"event": "stop", key: sid}))
-        task.cancel()
+        try:  # the reader ends before the connection, however the call ends (Ctrl+C included)
+            last = await paced(frames, send, last_speech_frame(frames))
+            deadline = time.monotonic() + timeout_s
+            while not first_media.done() and time.monotonic() < deadline:
+                await paced([SILENCE] * 5, send)
+            if not first_media.done():
+                raise RuntimeError(f"no answer within {timeout_s} s")
+            latency = first_media.result() - last
+            await paced([SILENCE] * int(listen_s / 0.02), send)  # listen to the answer
+            await ws.send(json.dumps({"event": "stop", key: sid}))
+        finally:
+            task.cancel()
     return latency, bytes(heard)
 
 
@@ -150,11 +153,13 @@ async def realtime_baseline(url: str, frames: list[bytes], timeout_s: float, tok
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(f).decode()}))
 
         task = asyncio.get_running_loop().create_task(reader())
-        last = await paced(frames, send, last_speech_frame(frames))
-        deadline = time.monotonic() + timeout_s
-        while not first.done() and time.monotonic() < deadline:
-            await paced([SILENCE] * 5, send)
-        task.cancel()
+        try:
+            last = await paced(frames, send, last_speech_frame(frames))
+            deadline = time.monotonic() + timeout_s
+            while not first.done() and time.monotonic() < deadline:
+                await paced([SILENCE] * 5, send)
+        finally:
+            task.cancel()
         if not first.done():
             raise RuntimeError(f"no answer within {timeout_s} s")
         return first.result() - last
@@ -166,21 +171,7 @@ def _summary(name: str, xs: list[float]) -> str:
             f"(n={len(ms)}: {', '.join(f'{m:.0f}' for m in ms)})")
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="ws://127.0.0.1:8000", help="the server's ws:// base URL")
-    ap.add_argument("--token", default=None, help="the server's API key (sent as ?token=)")
-    ap.add_argument("--provider", choices=["twilio", "telnyx"], default="twilio")
-    ap.add_argument("--wav", type=Path, default=DEFAULT_WAV, help="what the caller says")
-    ap.add_argument("--instructions", default=None, help="a per-call persona (the instructions parameter)")
-    ap.add_argument("--voice", default=None, help="a server voice name (serve --voice NAME=WAV)")
-    ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--listen-s", type=float, default=3.0, help="how long to listen to each answer")
-    ap.add_argument("--out", type=Path, default=None, help="save the last answer heard as a WAV (8 kHz)")
-    ap.add_argument("--compare-realtime", action="store_true",
-                    help="also time the same audio over /v1/realtime?duplex=1 (the bridge's cost)")
-    ap.add_argument("--timeout-s", type=float, default=30.0)
-    a = ap.parse_args()
+async def main(a: argparse.Namespace) -> None:
     frames = frames_of(a.wav)
     q = f"?token={a.token}" if a.token else ""
     params = {k: v for k, v in (("instructions", a.instructions), ("voice", a.voice)) if v}
@@ -201,4 +192,37 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="ws://127.0.0.1:8000", help="the server's ws:// base URL")
+    ap.add_argument("--token", default=None, help="the server's API key (sent as ?token=)")
+    ap.add_argument("--provider", choices=["twilio", "telnyx"], default="twilio")
+    ap.add_argument("--wav", type=Path, default=DEFAULT_WAV, help="what the caller says")
+    ap.add_argument("--instructions", default=None, help="a per-call persona (the instructions parameter)")
+    ap.add_argument("--voice", default=None, help="a server voice name (serve --voice NAME=WAV)")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--listen-s", type=float, default=3.0, help="how long to listen to each answer")
+    ap.add_argument("--out", type=Path, default=None, help="save the last answer heard as a WAV (8 kHz)")
+    ap.add_argument("--compare-realtime", action="store_true",
+                    help="also time the same audio over /v1/realtime?duplex=1 (the bridge's cost)")
+    ap.add_argument("--timeout-s", type=float, default=30.0)
+    a = ap.parse_args()
+    try:
+        asyncio.run(main(a))
+    except websockets.InvalidStatus as exc:  # refused before the WebSocket opened (e.g. 403 without a valid key)
+        code, body = exc.response.status_code, " ".join(exc.response.body.decode(errors="replace").split())
+        print(f"error: the server refused the connection: HTTP {code}" + (f" {body}" if body else "")
+              + (" (a wrong or missing --token?)" if code in (401, 403) else ""), file=sys.stderr)
+        sys.exit(3)
+    except websockets.ConnectionClosed as exc:  # the server ended the call (its close reason says why)
+        print(f"error: the server closed the connection: {exc.rcvd.code if exc.rcvd else 1006} "
+              f"{exc.rcvd.reason if exc.rcvd else ''}".rstrip(), file=sys.stderr)
+        sys.exit(1)
+    except (OSError, asyncio.TimeoutError) as exc:  # cannot connect (refused, unknown host, no handshake)
+        print(f"error: cannot connect to {a.url}: {exc or 'no WebSocket handshake'}", file=sys.stderr)
+        sys.exit(3)  # as the CLI and the other examples
+    except RuntimeError as exc:  # no answer came within --timeout-s
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the status a shell shows for SIGINT, as the CLI
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from _serverproc import REPO
+from _serverproc import REPO, ServerProc
+from _timing import bound
 
 from duplexkit.audio import read_wav
 
@@ -138,6 +139,70 @@ def test_voice_notes_agent_cannot_connect_is_one_line():
 
 
 @pytest.mark.parametrize("argv", [
+    ["examples/webrtc_client.py", "--url", "http://127.0.0.1:{port}"],
+    ["examples/twilio/fake_call.py", "--url", "ws://127.0.0.1:{port}"],
+])
+def test_call_examples_cannot_connect_is_one_line(argv):
+    if "webrtc" in argv[0]:
+        pytest.importorskip("aiortc")
+    port = _free_port()
+    r = run(PY, *[a.format(port=port) for a in argv])
+    assert r.returncode == 3, r.stdout + r.stderr  # as the other examples and the CLI (EXIT_CONNECTION)
+    assert r.stdout == "", r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot connect to {argv[2].format(port=port)}: "), \
+        r.stderr
+
+
+def test_fake_call_refused_token_is_one_line():
+    with ServerProc("scripted", "--api-key", "k1") as srv:
+        r = run(PY, "examples/twilio/fake_call.py", "--url", srv.ws_url, "--token", "wrong")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stderr.strip() == "error: the server refused the connection: HTTP 403 (a wrong or missing --token?)", \
+        r.stderr
+
+
+def _health(srv) -> dict:
+    import httpx
+
+    return httpx.get(srv.url + "/health", timeout=bound(10)).json()
+
+
+@pytest.mark.parametrize("example", ["webrtc_client.py", "twilio/fake_call.py"])
+def test_call_examples_stop_mid_call_on_ctrl_c(scripted_server, tmp_path, example):
+    """Ctrl+C once the server holds the example's call (a WebRTC call, a simulated phone call):
+    ``interrupted`` and status 130, no traceback, and the call is hung up (its session slot frees)."""
+    import signal
+    import time
+
+    if example == "webrtc_client.py":
+        pytest.importorskip("aiortc")
+    url = scripted_server.url if example == "webrtc_client.py" else scripted_server.ws_url
+    opened = _health(scripted_server)["sessions_opened"]
+    proc = subprocess.Popen([PY, f"examples/{example}", "--url", url, "--out", str(tmp_path / "a.wav")],
+                            cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + bound(60)
+        while not ((h := _health(scripted_server))["sessions_opened"] > opened and h["sessions_active"] >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no call seen: {h}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=bound(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert err.strip() == "interrupted", err
+    deadline = time.monotonic() + bound(30)
+    while _health(scripted_server)["sessions_active"]:
+        assert time.monotonic() < deadline, "the call was not hung up"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("argv", [
+    ["examples/webrtc_client.py", "--url", "http://{addr}", "--out", "{tmp}/w.wav"],
+    ["examples/twilio/fake_call.py", "--url", "ws://{addr}", "--out", "{tmp}/f.wav"],
     ["examples/realtime_wav_demo.py", "--url", "ws://{addr}", "--output", "{tmp}/r.wav"],
     ["examples/voice_notes_agent.py", "--url", "ws://{addr}", "--notes", "{tmp}/n.json"],
     ["examples/openai_sdk_tools.py", "--url", "http://{addr}", "--output", "{tmp}/t.wav"],
@@ -153,6 +218,8 @@ def test_examples_stop_on_ctrl_c_with_one_line_and_130(tmp_path, argv):
 
     if "openai_sdk" in argv[0]:
         pytest.importorskip("openai")
+    if "webrtc" in argv[0]:
+        pytest.importorskip("aiortc")
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -171,6 +238,37 @@ def test_examples_stop_on_ctrl_c_with_one_line_and_130(tmp_path, argv):
                 proc.communicate()
     assert proc.returncode == 130, out + err
     assert err.strip() == "interrupted", err
+
+
+def test_gradio_example_without_a_server_is_one_line():
+    pytest.importorskip("gradio")
+    port = _free_port()
+    r = run(PY, "examples/gradio_demo.py", "--url", f"ws://127.0.0.1:{port}", "--port", str(_free_port()))
+    assert r.returncode == 3, r.stdout + r.stderr  # said at start, not at the first question
+    assert r.stderr.strip().splitlines() == [f"error: cannot connect to ws://127.0.0.1:{port}: no duplexkit "
+                                             f"server answers at http://127.0.0.1:{port}/health"], r.stderr
+
+
+def test_gradio_example_stops_on_ctrl_c(scripted_server):
+    """Ctrl+C while the UI serves: ``interrupted`` and 130, as the other examples (not Gradio's own
+    "Keyboard interruption ..." line and status 0)."""
+    import signal
+
+    pytest.importorskip("gradio")
+    proc = subprocess.Popen([PY, "examples/gradio_demo.py", "--url", scripted_server.ws_url, "--port",
+                             str(_free_port())], cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_ANALYTICS_ENABLED": "False"})
+    try:
+        first = proc.stdout.readline()  # "* Running on local URL: ..." once the UI serves
+        assert "Running on" in first, first + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=bound(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert err.strip() == "interrupted" and "Keyboard interruption" not in out, out + err
 
 
 def test_gradio_example_is_import_guarded():

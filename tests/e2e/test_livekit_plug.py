@@ -178,3 +178,43 @@ def test_without_livekit_agents_the_module_imports_and_says_what_to_install():
     assert issubclass(plug.DuplexRealtimeError, DuplexkitError)
     with pytest.raises(OptionalDependencyError, match=r"duplexkit\[livekit\]"):
         plug.RealtimeModel(url="ws://127.0.0.1:1")
+
+
+def test_livekit_agent_example_stops_on_ctrl_c(tmp_path):
+    """Ctrl+C mid-conversation (once the tool was called): ``interrupted`` as the last line and status
+    130, as the CLI and the other examples; no traceback, and no ``wrote`` line."""
+    import signal
+
+    from _liveproc import LiveProc, command_env
+
+    py = _frameworks_python()
+    run = LiveProc([py, str(REPO / "examples" / "livekit_agent.py"), "--output", str(tmp_path / "a.wav"),
+                    "--timeout", str(bound(60))], command_env(), what="livekit_agent.py")
+    try:
+        run.wait_line("[tool] get_weather(")
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.proc.wait(timeout=bound(30))
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    run.join_reader(10)
+    text = run.text()
+    assert rc == 130, text
+    assert text.strip().splitlines()[-1] == "interrupted", text
+    assert "Traceback" not in text and "wrote " not in text, text
+
+
+def test_livekit_agent_example_without_a_server_is_one_line(tmp_path):
+    import socket
+
+    py = _frameworks_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once closed
+    r = subprocess.run([py, str(REPO / "examples" / "livekit_agent.py"), "--url", f"ws://127.0.0.1:{port}",
+                        "--output", str(tmp_path / "a.wav")], capture_output=True, text=True, timeout=bound(120),
+                       cwd=str(tmp_path))
+    assert r.returncode == 3, r.stdout + r.stderr  # as the CLI and the other examples
+    assert r.stderr.strip().splitlines() == [f"error: cannot connect to ws://127.0.0.1:{port}: no duplexkit "
+                                             f"server answers at http://127.0.0.1:{port}/health"], r.stderr

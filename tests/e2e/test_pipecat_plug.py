@@ -237,3 +237,46 @@ def test_pipecat_agent_example_against_a_keyed_server(tmp_path):
         r = subprocess.run(ex, capture_output=True, text=True, timeout=bound(180), cwd=str(tmp_path), env=env)
         assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
         assert "no answer came" in r.stderr
+
+
+def test_pipecat_agent_example_stops_on_ctrl_c(tmp_path):
+    """Ctrl+C mid-conversation (once the tool was called): the pipeline is cancelled, ``interrupted`` is
+    the only line on stderr and the status 130, as the CLI and the other examples; no ``wrote`` line."""
+    import signal
+
+    from _liveproc import LiveProc, command_env
+
+    env = command_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    run = LiveProc([_python(), str(REPO / "examples" / "pipecat_agent.py"), "--output", str(tmp_path / "a.wav"),
+                    "--listen-s", "30"], env, what="pipecat_agent.py")
+    try:
+        run.wait_line("[tool] get_weather(")
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.proc.wait(timeout=bound(30))
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    run.join_reader(10)
+    lines = run.text().strip().splitlines()
+    assert rc == 130, "\n".join(lines)
+    assert lines[0].startswith("NOTE: the SCRIPTED engine") and lines[-1] == "interrupted", "\n".join(lines)
+    # stdout and stderr together: the notice, what the conversation printed, then the one line
+    assert all(ln.startswith(("NOTE:", "[tool]", "[user]", "[bot]", "[barge-in]")) for ln in lines[:-1]), \
+        "\n".join(lines)
+
+
+def test_pipecat_agent_example_without_a_server_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once closed
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([_python(), str(REPO / "examples" / "pipecat_agent.py"), "--url", f"ws://127.0.0.1:{port}",
+                        "--output", str(tmp_path / "a.wav")], capture_output=True, text=True, timeout=bound(120),
+                       cwd=str(tmp_path), env=env)
+    assert r.returncode == 3, r.stdout + r.stderr  # as the CLI and the other examples
+    assert r.stdout == "" and r.stderr.strip().splitlines() == [
+        f"error: cannot connect to ws://127.0.0.1:{port}: no duplexkit server answers at "
+        f"http://127.0.0.1:{port}/health"], r.stderr
