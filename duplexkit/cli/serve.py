@@ -284,17 +284,15 @@ def _planned_sessions(args, memory_gib: float, max_sessions: int) -> int:
 
     Raises:
         MemoryBudgetError (a LayoutError: exit 2): the budget cannot hold the model or one stream;
-        LayoutError: ``--memory`` with an engine plugin (``scripted``).
+        PreflightError: ``--memory`` with an engine plugin (``scripted``).
     """
     import logging
 
     from duplexkit.engine import DuplexEngine, load_layout
     from duplexkit.engine.engine import default_layout_name, tiny_checkpoint_dir
-    from duplexkit.engine.plugins import engine_plugins
-    from duplexkit.errors import LayoutError
+    from duplexkit.engine.loading import check_plugin_options
 
-    if args.model in engine_plugins():
-        raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {args.model!r} engine")
+    check_plugin_options(args.model, memory_gib=memory_gib)
     ckpt = tiny_checkpoint_dir(args.weights_seed) if args.model == "tiny" else Path(args.model)
     plan, _ = DuplexEngine._memory_plan(ckpt, load_layout(args.layout or default_layout_name()), memory_gib,
                                         dtype=args.dtype, quantization="none", thinker_positions=None, streams=None)
@@ -325,7 +323,8 @@ def _cmd_serve(args) -> int:
         check_output_dir(args.record, _flag("record_dir"))
     from duplexkit.engine.loading import check_plugin_options
 
-    check_plugin_options(args.model, quantization=getattr(args, "quantization", None))  # not silently ignored
+    check_plugin_options(args.model, memory_gib=getattr(args, "memory", None),  # not silently ignored
+                         quantization=getattr(args, "quantization", None))
     tuned = getattr(args, "ray_replicas", None) is None and getattr(args, "process_command_line", False)
     mmap_threshold = numpy_handler = None
     if tuned:

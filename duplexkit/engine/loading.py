@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from duplexkit.errors import EngineLoadError, LayoutError
 
-from .checks import check_model
+from .checks import PreflightError, check_model
 from .plugins import engine_plugins, load_plugin
 
 __all__ = ["load_engine", "check_model_arg"]
@@ -46,8 +46,8 @@ def load_engine(model: str, *, layout: Optional[str] = None, dtype: Optional[str
     Raises:
         PreflightError / LayoutError (the CLI's exit 2) from the checks, and
         :class:`~duplexkit.engine.memory_plan.MemoryBudgetError` (a LayoutError) when ``memory_gib``
-        cannot hold the model or is given for an engine plugin, and a LayoutError for a
-        ``quantization`` other than ``none`` given for an engine plugin;
+        cannot hold the model, and a PreflightError for ``memory_gib`` or a ``quantization`` other
+        than ``none`` given for an engine plugin;
         :class:`~duplexkit.errors.EngineLoadError` (exit 4) when loading itself fails (the message
         keeps the loader's text).
     """
@@ -96,14 +96,15 @@ def check_plugin_options(model: str, *, memory_gib: Optional[float] = None, quan
     checkpoint or ``tiny``.
 
     Raises:
-        LayoutError (the CLI's exit 2): ``memory_gib`` given, or ``quantization`` other than ``none``.
+        PreflightError (the CLI's exit 2, the message as it is): ``memory_gib`` given, or
+        ``quantization`` other than ``none``.
     """
     if model not in engine_plugins():
         return
     if memory_gib is not None:
-        raise LayoutError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {model!r} engine")
+        raise PreflightError(f"--memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the {model!r} engine")
     if quantization not in (None, "", "none"):
-        raise LayoutError(f"--quantization quantizes a MiniCPM-o 4.5 model's weights (a checkpoint or 'tiny'), "
+        raise PreflightError(f"--quantization quantizes a MiniCPM-o 4.5 model's weights (a checkpoint or 'tiny'), "
                           f"not the {model!r} engine")
 
 

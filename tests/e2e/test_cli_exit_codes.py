@@ -123,8 +123,11 @@ def test_serve_quantization_with_an_engine_plugin_is_a_usage_error():
     line, exit 2, before the port is bound or the server imported."""
     r = light("serve", "scripted", "--quantization", "int8", "--port", "0")
     assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
-    assert "--quantization quantizes a MiniCPM-o 4.5 model's weights" in one_error_line(r)
+    assert one_error_line(r).startswith("error: --quantization quantizes a MiniCPM-o 4.5 model's weights")
     assert r.stdout == ""
+    r = light("serve", "scripted", "--memory", "4", "--port", "0")
+    assert r.returncode == cli.EXIT_USAGE, r.stdout + r.stderr
+    assert one_error_line(r) == "error: --memory plans a MiniCPM-o 4.5 model (a checkpoint or 'tiny'), not the 'scripted' engine"
 
 
 def test_serve_exits_4_when_the_engine_fails_to_load():
