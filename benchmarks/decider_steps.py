@@ -49,7 +49,8 @@ SYSTEM = "You are a helpful voice assistant. Use the tools when they help."
 
 
 def build(a):
-    """The model (thinker only) on ``a.device``: the tiny checkpoint or random weights at real size."""
+    """The model (thinker only) on ``a.device``: the tiny checkpoint or random weights at real size,
+    its thinker's KV pool with a slot for each of ``--together`` replies."""
     import torch
 
     if a.model == "tiny":
@@ -58,11 +59,12 @@ def build(a):
         from duplexkit.models.minicpmo45 import build_tiny_checkpoint, load
 
         d = build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="decider-steps-")) / "ckpt", seed=0)
-        return load(d, progress=False, with_code2wav=False, fast=True, devices=a.device)
+        return load(d, progress=False, with_code2wav=False, fast=True, devices=a.device,
+                    fast_options={"thinker": {"slots": a.together + 1}})
     from duplexkit.models.minicpmo45.random_init import build_random_model
 
     return build_random_model("real", dtype=torch.bfloat16, device=a.device, with_code2wav=False, fast=True,
-                              tokenizer_dir=a.tokenizer_dir)
+                              tokenizer_dir=a.tokenizer_dir, thinker_max_len=4096, kv_slots=a.together + 1)
 
 
 def conversation():
