@@ -397,7 +397,8 @@ class MiniCPMO45Stages:
         Raises:
             duplexkit.models.minicpmo45.chat.ChatInputError: bad messages, tools or tool_choice (at
                 the job's first slice).
-            What a batched forward raised, in every job of that step.
+            What ended the reply (:attr:`~duplexkit.models.minicpmo45.chat.ChatReply.error`): its own
+                failure, or a batched forward pass it shared.
         """
         from ..models.minicpmo45.chat import step_replies
 
@@ -411,9 +412,10 @@ class MiniCPMO45Stages:
                 steps.start(th, self.chat_static_kv)
                 self._chats.append(steps)
             if steps.reply is not None:
-                if steps.error is not None:
+                err = steps.error or steps.reply.error
+                if err is not None:
                     self._forget(steps)
-                    raise steps.error
+                    raise err
                 if steps.reply.done:
                     self._forget(steps)
                     return True, steps.finish(self)
@@ -424,7 +426,7 @@ class MiniCPMO45Stages:
                 continue
             try:
                 step_replies(self.model.thinker, [j.reply for j in live])
-            except Exception as exc:  # noqa: BLE001 - each reply of the failed step gets it
+            except Exception as exc:  # noqa: BLE001 - a bug of the step itself: each reply of it gets it
                 for j in live:
                     j.error = exc
                     j.reply.close()

@@ -113,3 +113,31 @@ def test_an_abandoned_reply_gives_its_slot_back(engine):
 
     asyncio.run(run())
     assert th.pool.free == free
+
+
+def test_one_failing_reply_leaves_the_concurrent_ones_alone(engine, monkeypatch):
+    """A reply that fails (its sampler, here) is that caller's error; the replies moving on with it
+    in the same steps answer as they do alone, and every slot comes back."""
+    import duplexkit.models.minicpmo45.chat as chat
+
+    th = engine.stages.model.thinker
+    choose = chat.ChatReply.choose
+
+    def broken(self):
+        if "Rome" in self.prompt.rendered and len(self.out_ids) > 3:
+            raise RuntimeError("non-finite logits")
+        return choose(self)
+
+    reqs = [_req("Weather in Paris?", 1), _req("And in Rome?", 2), _req("Oslo?", 3)]
+
+    async def run():
+        alone = [await engine.generate(r) for r in (reqs[0], reqs[2])]
+        free = list(th.pool.free)
+        monkeypatch.setattr(chat.ChatReply, "choose", broken)
+        got = await asyncio.gather(*(engine.generate(r) for r in reqs), return_exceptions=True)
+        assert th.pool.free == free
+        return alone, got
+
+    alone, got = asyncio.run(run())
+    assert isinstance(got[1], RuntimeError) and "non-finite" in str(got[1])
+    assert [got[0].tool_calls, got[2].tool_calls] == [a.tool_calls for a in alone]

@@ -358,3 +358,38 @@ def test_replies_stepped_together_share_decode_steps(fast_thinker):
         assert r.result.stats["kv"] == "static"
     assert shared < sum(n for _, n in alone) and shared >= max(n for _, n in alone)
     assert th.pool.free == free
+
+
+def test_a_reply_that_fails_ends_alone(fast_thinker, monkeypatch):
+    """One reply's own failure (here its sampler) ends that reply with the error and gives its slot
+    back; the replies stepped with it finish as they would alone."""
+    from duplexkit.models.minicpmo45.chat import ChatReply, step_replies
+
+    th = fast_thinker
+    free = list(th.pool.free)
+    kw = dict(tools=TOOLS[:1], tool_choice="required", temperature=0.0, max_tokens=BUDGET, static_kv=True)
+    alone = chat_generate(th, MSGS, **kw)
+    good = [ChatReply(th, MSGS, **kw) for _ in range(2)]
+    bad = ChatReply(th, MSGS, **kw)
+    calls = {"n": 0}
+    choose = ChatReply.choose
+
+    def broken(self):
+        if self is bad:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("non-finite logits")
+        return choose(self)
+
+    monkeypatch.setattr(ChatReply, "choose", broken)
+    rs = [good[0], bad, good[1]]
+    while not all(r.done for r in rs):
+        step_replies(th, rs)
+    assert isinstance(bad.error, RuntimeError) and bad.result is None
+    for r in good:
+        assert r.error is None and r.result.token_ids.tolist() == alone.token_ids.tolist()
+    assert th.pool.free == free
+    monkeypatch.setattr(ChatReply, "choose", lambda self: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError, match="bad"):
+        chat_generate(th, MSGS, **kw)  # the generator raises its reply's error
+    assert th.pool.free == free

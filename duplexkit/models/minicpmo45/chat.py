@@ -312,11 +312,11 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
                       tool_choice=tool_choice, jump_forward=jump_forward, static_kv=static_kv)
     try:
         step_replies(th, [reply])  # the prefill
-        yield
         while not reply.done:
+            yield
             step_replies(th, [reply])
-            if not reply.done:
-                yield
+        if reply.error is not None:
+            raise reply.error
         return reply.result
     finally:
         reply.close()  # a static slot goes back (also when the generator is closed early)
@@ -348,7 +348,8 @@ class ChatReply:
     Attributes:
         kv: the reply's KV (a pool slot, ``static``, or a ``DynamicCache``).
         static: the KV is a slot of the fast thinker's pool (single-token steps can share its graphs).
-        done: the reply is complete; ``result`` then holds the :class:`ChatThinkerResult`.
+        done: the reply is complete; ``result`` then holds the :class:`ChatThinkerResult`, or
+            ``error`` the exception that ended it (:func:`step_replies`).
         stats: ``ChatThinkerResult.stats`` so far.
     """
 
@@ -396,6 +397,7 @@ class ChatReply:
         self.in_call = False
         self.done = False
         self.result = None
+        self.error: Optional[BaseException] = None
         self._pending: Optional[Tuple[List[int], bool, float]] = None
         self._eos = set(th.special.eos_ids)
 
@@ -467,6 +469,12 @@ class ChatReply:
         else:
             self.stats["decode_steps"] += 1
         self.stats["decode_ms"] += (time.perf_counter() - t1) * 1000.0
+
+    def fail(self, exc: BaseException) -> None:
+        """End the reply with ``exc`` (:attr:`error`; no result) and give its slot back."""
+        self.error = exc
+        self.done = True
+        self.close()
 
     def close(self) -> None:
         """Give the KV's pool slot back (idempotent)."""
@@ -544,39 +552,67 @@ def step_replies(th, replies: Sequence[ChatReply]) -> None:
     thinker (its CUDA graph per batch bucket on a GPU), up to :data:`DECODE_ROWS` rows at a time;
     forced runs and ``DynamicCache`` replies run one by one. A reply that completes gives its slot back.
 
-    Raises what the forward passes raise (e.g. ``ContextFullError``); then every reply of this step
-    is left as it was before the failed pass or with its ids chosen but not fed, so callers drop them.
+    Never raises: a reply whose own work fails (its token choice, its own forward pass) ends with
+    that exception in :attr:`ChatReply.error` (``done``, its slot given back) and the others go on;
+    a batched forward pass that fails ends every reply of that batch so.
     """
     todo = [r for r in replies if not r.done]
     fresh = [r for r in todo if r.logits is None]
     if fresh:
         t0 = time.perf_counter()
-        static = [r for r in fresh if r.static]
+        static = []
+        for r in fresh:
+            try:
+                embeds = r.prefill_embeds()
+            except Exception as exc:  # noqa: BLE001 - this reply's own input
+                r.fail(exc)
+                continue
+            if r.static:
+                static.append((r, embeds))
+                continue
+            try:
+                h = th.forward_embeds(embeds, r.kv)
+                r.prefilled(th.logits(h[-1]), (time.perf_counter() - t0) * 1000.0)
+            except Exception as exc:  # noqa: BLE001
+                r.fail(exc)
         for i in range(0, len(static), PREFILL_ROWS):
             group = static[i:i + PREFILL_ROWS]
-            rows = th._prefill([r.kv for r in group], [r.prefill_embeds() for r in group])
-            lasts = th.logits(torch.stack([h[-1] for h in rows]))
-            for r, lg in zip(group, lasts):
+            try:
+                rows = th._prefill([r.kv for r, _ in group], [e for _, e in group])
+                lasts = th.logits(torch.stack([h[-1] for h in rows]))
+            except Exception as exc:  # noqa: BLE001 - the batch's KV rows are not to be trusted
+                for r, _ in group:
+                    r.fail(exc)
+                continue
+            for (r, _), lg in zip(group, lasts):
                 r.prefilled(lg, (time.perf_counter() - t0) * 1000.0)
-        for r in fresh:
-            if not r.static:
-                h = th.forward_embeds(r.prefill_embeds(), r.kv)
-                r.prefilled(th.logits(h[-1]), (time.perf_counter() - t0) * 1000.0)
         return
     singles, others = [], []
     for r in todo:
-        picked = r.choose()
+        try:
+            picked = r.choose()
+        except Exception as exc:  # noqa: BLE001 - e.g. a sampler fed non-finite logits
+            r.fail(exc)
+            continue
         if picked is None:
             continue
         ids, forced = picked
         (singles if r.static and not forced else others).append((r, ids))
     for i in range(0, len(singles), DECODE_ROWS):
         group = singles[i:i + DECODE_ROWS]
-        hh, logits = th._decode_step([r.kv for r, _ in group], [ids[0] for _, ids in group])
-        logits = logits[:len(group)].clone()  # the graph's static output: read before its next replay
+        try:
+            hh, logits = th._decode_step([r.kv for r, _ in group], [ids[0] for _, ids in group])
+            logits = logits[:len(group)].clone()  # the graph's static output: read before its next replay
+        except Exception as exc:  # noqa: BLE001
+            for r, _ in group:
+                r.fail(exc)
+            continue
         for k, (r, _) in enumerate(group):
             r.fed(hh[k:k + 1], logits[k])
     for r, ids in others:
-        rows = th.forward_embeds(th.embed_ids(ids), r.kv)
-        rows = rows.clone() if r.static else rows  # a graph's output is overwritten by its next replay
-        r.fed(rows, th.logits(rows[-1]))
+        try:
+            rows = th.forward_embeds(th.embed_ids(ids), r.kv)
+            rows = rows.clone() if r.static else rows  # a graph's output is overwritten by its next replay
+            r.fed(rows, th.logits(rows[-1]))
+        except Exception as exc:  # noqa: BLE001
+            r.fail(exc)
