@@ -266,9 +266,11 @@ def chat_steps(th, messages, *, use_tts_template: Optional[bool] = None, enable_
                on_token: Optional[Callable[[int], None]] = None, tools: Sequence = (), tool_choice: Any = "auto",
                jump_forward: bool = True, static_kv: Optional[bool] = None):
     """A generator that generates one assistant reply one step at a time: it yields (None) after the
-    prompt's prefill and after each generated token, and returns the result (``StopIteration.value``).
-    The engine runs it in slices on the thinker's stage thread, between the duplex units' steps, so a
-    reply (e.g. a tool decision) never holds the other sessions' units for its whole length
+    prompt's prefill and after each step but the last (a sampled token, or a forced run of tokens),
+    and returns the result (``StopIteration.value``). It drives one :class:`ChatReply` with
+    :func:`step_replies`; the engine drives many replies at once the same way, in slices on the
+    thinker's stage thread between the duplex units' steps, so a reply (e.g. a tool decision) never
+    holds the other sessions' units for its whole length
     (:meth:`duplexkit.engine.engine.DuplexEngine.generate`). Arguments are those of the reply:
 
     Generate one assistant reply (docs/model.md §4 defaults: T 0.7, top_p 0.8, top_k 100, repetition 1.02).
