@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from duplexkit.engine import memory_plan as mp  # noqa: E402
 from duplexkit.engine.memory_plan import GiB, MemoryBudgetError, plan_memory  # noqa: E402
+from duplexkit.engine.checks import PreflightError  # noqa: E402
 from duplexkit.errors import LayoutError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,7 +242,7 @@ def test_serve_caps_max_sessions_at_the_planned_streams():
     plan = mp.plan_memory(mp.model_sizes_for(str(_tiny_dir())), 4, dtype="float32", att_cache_bytes=4)
     assert _planned_sessions(ns, 4, 8) == min(8, plan.streams) and plan.streams < 8
     assert _planned_sessions(ns, 4, 1) == 1
-    with pytest.raises(LayoutError, match="scripted"):
+    with pytest.raises(PreflightError, match="scripted"):  # a usage error (exit 2), before anything loads
         _planned_sessions(argparse.Namespace(model="scripted", layout=None, dtype=None, weights_seed=0), 4, 8)
     with pytest.raises(MemoryBudgetError):
         _planned_sessions(ns, 1, 8)
@@ -250,9 +251,9 @@ def test_serve_caps_max_sessions_at_the_planned_streams():
 def test_load_engine_refuses_memory_for_an_engine_plugin():
     from duplexkit.engine.loading import load_engine
 
-    with pytest.raises(LayoutError, match="--memory"):
+    with pytest.raises(PreflightError, match="--memory"):
         load_engine("scripted", memory_gib=4, progress=False)
-    with pytest.raises(LayoutError, match="--quantization"):
+    with pytest.raises(PreflightError, match="--quantization"):
         load_engine("scripted", quantization="int8", progress=False)
     assert load_engine("scripted", quantization="none", progress=False).model_id == "scripted"
 
